@@ -1,0 +1,57 @@
+//! The labsync command-line tools: clap arguments become [`Settings`], then
+//! one library call. Progress bars (indicatif) and printing live only here.
+
+pub mod progress;
+pub mod settings;
+
+pub use settings::{parse_size, Overrides, Settings};
+
+/// `1.02 GB` (decimal units, as `du -h --si` and the examples).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1000.0 && u + 1 < UNITS.len() {
+        v /= 1000.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// `2026-12-02 18:04` (UTC) from Unix seconds.
+pub fn human_time(secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats() {
+        assert_eq!(human_bytes(999), "999 B");
+        assert_eq!(human_bytes(1_020_000_000), "1.02 GB");
+        assert_eq!(human_time(0), "1970-01-01 00:00");
+        assert_eq!(human_time(1_796_220_000), "2026-12-02 14:40");
+    }
+}

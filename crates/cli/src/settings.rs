@@ -1,0 +1,227 @@
+//! Settings: flags beat environment beat the config file beat defaults.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+/// The config file (`~/.config/labsync/config.toml` or `--config`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Store URL.
+    pub store: Option<String>,
+    /// Node cache folder.
+    pub cache_dir: Option<PathBuf>,
+    /// Node cache cap, e.g. `200G`.
+    pub cache_max: Option<String>,
+    /// S3 endpoint, e.g. `http://10.0.0.5:9000`.
+    pub s3_endpoint: Option<String>,
+    /// S3 region.
+    pub s3_region: Option<String>,
+}
+
+/// What the flags and environment gave (clap merges those two).
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    /// `--store` / `LABSYNC_STORE`.
+    pub store: Option<String>,
+    /// `--cache-dir` / `LABSYNC_CACHE`.
+    pub cache_dir: Option<PathBuf>,
+    /// `--cache-max` / `LABSYNC_CACHE_MAX`.
+    pub cache_max: Option<String>,
+    /// `--config` / `LABSYNC_CONFIG`.
+    pub config: Option<PathBuf>,
+    /// `--s3-endpoint` / `AWS_ENDPOINT`.
+    pub s3_endpoint: Option<String>,
+    /// `--s3-region` / `AWS_REGION`.
+    pub s3_region: Option<String>,
+}
+
+/// Fully resolved settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Store URL.
+    pub store: String,
+    /// Backend options for `object_store` (`aws_endpoint`, credentials, …).
+    pub store_options: Vec<(String, String)>,
+    /// Node cache folder.
+    pub cache_dir: PathBuf,
+    /// Node cache cap in bytes.
+    pub cache_max: u64,
+}
+
+const DEFAULT_CACHE_MAX: u64 = 50 << 30;
+
+impl Settings {
+    /// Resolves settings; `env` is the process environment (passed in for tests).
+    pub fn resolve(o: &Overrides, env: &[(String, String)]) -> Result<Settings> {
+        let file = load_file(o.config.as_deref())?;
+        let store = match o.store.clone().or(file.store) {
+            Some(s) => normalise_store(&s)?,
+            None => {
+                let dir = dirs::data_dir()
+                    .context("no data directory (set HOME or LABSYNC_STORE)")?
+                    .join("labsync")
+                    .join("store");
+                format!("file://{}", dir.display())
+            }
+        };
+        let cache_dir = match o.cache_dir.clone().or(file.cache_dir) {
+            Some(d) => d,
+            None => dirs::cache_dir()
+                .context("no cache directory (set HOME or LABSYNC_CACHE)")?
+                .join("labsync"),
+        };
+        let cache_max = match o.cache_max.clone().or(file.cache_max) {
+            Some(s) => parse_size(&s).with_context(|| format!("invalid cache size {s:?}"))?,
+            None => DEFAULT_CACHE_MAX,
+        };
+        // object_store's own keys, from the usual variables: AWS_ACCESS_KEY_ID → aws_access_key_id.
+        let mut store_options: Vec<(String, String)> = env
+            .iter()
+            .filter(|(k, _)| {
+                k.starts_with("AWS_") || k.starts_with("GOOGLE_") || k.starts_with("AZURE_")
+            })
+            .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
+            .collect();
+        let endpoint = o.s3_endpoint.clone().or(file.s3_endpoint);
+        if let Some(e) = endpoint {
+            if e.starts_with("http://") {
+                store_options.push(("aws_allow_http".into(), "true".into()));
+            }
+            store_options.push(("aws_endpoint".into(), e));
+        }
+        if let Some(r) = o.s3_region.clone().or(file.s3_region) {
+            store_options.push(("aws_region".into(), r));
+        }
+        Ok(Settings {
+            store,
+            store_options,
+            cache_dir,
+            cache_max,
+        })
+    }
+}
+
+fn load_file(explicit: Option<&Path>) -> Result<FileConfig> {
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
+        None => match dirs::config_dir() {
+            Some(d) => d.join("labsync").join("config.toml"),
+            None => return Ok(FileConfig::default()),
+        },
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && explicit.is_none() => {
+            Ok(FileConfig::default())
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
+    }
+}
+
+/// A bare path becomes a `file://` URL.
+fn normalise_store(s: &str) -> Result<String> {
+    if s.contains("://") {
+        return Ok(s.to_string());
+    }
+    let p = Path::new(s);
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(p)
+    };
+    Ok(format!("file://{}", abs.display()))
+}
+
+/// `1234`, `500M`, `50G`, `2T`, `10GiB`, `1.5G` → bytes (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("{s:?} does not start with a number"))?;
+    let mult: u64 = match unit
+        .trim()
+        .to_ascii_uppercase()
+        .trim_end_matches("IB")
+        .trim_end_matches('B')
+    {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        "T" => 1 << 40,
+        u => bail!("unknown unit {u:?} in {s:?} (use K, M, G or T)"),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1234").unwrap(), 1234);
+        assert_eq!(parse_size("50G").unwrap(), 50 << 30);
+        assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
+        assert_eq!(parse_size("1.5M").unwrap(), 3 << 19);
+        assert!(parse_size("ten").is_err());
+        assert!(parse_size("5X").unwrap_err().to_string().contains("unit"));
+    }
+
+    #[test]
+    fn flags_beat_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "store = \"file:///from/file\"\ncache_max = \"1G\"\n").unwrap();
+        let o = Overrides {
+            config: Some(cfg.clone()),
+            ..Default::default()
+        };
+        let s = Settings::resolve(&o, &[]).unwrap();
+        assert_eq!(
+            (s.store.as_str(), s.cache_max),
+            ("file:///from/file", 1 << 30)
+        );
+        let o = Overrides {
+            config: Some(cfg),
+            store: Some("s3://b/p".into()),
+            s3_endpoint: Some("http://127.0.0.1:9".into()),
+            ..Default::default()
+        };
+        let s = Settings::resolve(&o, &[("AWS_ACCESS_KEY_ID".into(), "k".into())]).unwrap();
+        assert_eq!(s.store, "s3://b/p");
+        assert!(s
+            .store_options
+            .contains(&("aws_access_key_id".into(), "k".into())));
+        assert!(s
+            .store_options
+            .contains(&("aws_allow_http".into(), "true".into())));
+    }
+
+    #[test]
+    fn bad_config_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "stor = 1\n").unwrap();
+        let o = Overrides {
+            config: Some(cfg),
+            ..Default::default()
+        };
+        assert!(format!("{:#}", Settings::resolve(&o, &[]).unwrap_err())
+            .contains("invalid config file"));
+        let o = Overrides {
+            config: Some(dir.path().join("missing.toml")),
+            ..Default::default()
+        };
+        assert!(Settings::resolve(&o, &[]).is_err());
+    }
+}

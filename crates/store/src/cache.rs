@@ -1,0 +1,425 @@
+//! The node cache: packs fetched from the store, kept under a size cap with
+//! LRU eviction over whole snapshots. Pinned snapshots are never evicted.
+//!
+//! ```text
+//! <root>/packs-v1/<hh>/<pack id>   cached packs (hard links when the store is a local folder)
+//! <root>/state-v1.json             which snapshots are cached, their packs, last use, pins
+//! <root>/files-v1/                 push's files caches
+//! <root>/index-v1/<store id>/      copies of immutable index objects of remote stores
+//! <root>/lock                      serialises state updates between processes
+//! ```
+//! Every chunk read from a cached pack is verified against its id before use,
+//! so a corrupt cache costs a re-fetch, never a corrupt file.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::fsutil::{blocking, tmp_name, write_atomic};
+use crate::id::{PackId, SnapshotId};
+use crate::progress::Progress;
+use crate::repo::{now_secs, pack_key, Repo};
+
+/// One cached snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CachedSnapshot {
+    /// `name@vN` when it was last used.
+    pub label: String,
+    /// The store it came from.
+    pub store: String,
+    /// Its packs and their sizes.
+    pub packs: Vec<(PackId, u64)>,
+    /// Last use, seconds since the Unix epoch.
+    pub last_used: i64,
+    /// Pinned snapshots are never evicted.
+    pub pinned: bool,
+}
+
+#[derive(Default, Serialize, Deserialize)]
+struct State {
+    snapshots: BTreeMap<SnapshotId, CachedSnapshot>,
+}
+
+impl State {
+    fn used(&self) -> u64 {
+        let mut seen = HashSet::new();
+        self.snapshots
+            .values()
+            .flat_map(|s| s.packs.iter())
+            .filter(|(p, _)| seen.insert(*p))
+            .map(|(_, n)| n)
+            .sum()
+    }
+}
+
+/// What `cache status` shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheStatus {
+    /// The cache folder.
+    pub root: PathBuf,
+    /// The cap in bytes.
+    pub max_bytes: u64,
+    /// Bytes of cached packs owned by snapshots.
+    pub used_bytes: u64,
+    /// Cached snapshots, most recently used first.
+    pub snapshots: Vec<(SnapshotId, CachedSnapshot, u64)>,
+}
+
+/// (packs checked, chunks checked, corrupt packs with the reason).
+pub type CacheVerify = (u64, u64, Vec<(PackId, String)>);
+
+/// A node's cache folder.
+#[derive(Clone, Debug)]
+pub struct NodeCache {
+    root: PathBuf,
+    max_bytes: u64,
+}
+
+impl NodeCache {
+    /// Opens (creating) the cache at `root` with a cap of `max_bytes`.
+    pub fn open(root: &Path, max_bytes: u64) -> Result<NodeCache> {
+        std::fs::create_dir_all(root.join("packs-v1"))
+            .map_err(Error::io("create cache directory", root))?;
+        Ok(NodeCache {
+            root: root.to_path_buf(),
+            max_bytes,
+        })
+    }
+
+    /// The cache folder.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where push keeps its files caches.
+    pub fn files_cache_dir(&self) -> PathBuf {
+        self.root.join("files-v1")
+    }
+
+    /// Where index objects of a remote store are copied.
+    pub fn index_dir(&self, store_id: &str) -> PathBuf {
+        self.root.join("index-v1").join(store_id)
+    }
+
+    /// The cached file of a pack.
+    pub fn pack_path(&self, id: &PackId) -> PathBuf {
+        let hex = id.to_hex();
+        self.root.join("packs-v1").join(&hex[..2]).join(hex)
+    }
+
+    fn with_state<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        let lock_path = self.root.join("lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(Error::io("open", &lock_path))?;
+        lock.lock().map_err(Error::io("lock", &lock_path))?;
+        let path = self.root.join("state-v1.json");
+        let mut state: State = match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| {
+                Error::corrupt(format!("cache state {}", path.display()), e.to_string())
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
+            Err(e) => return Err(Error::io("read", &path)(e)),
+        };
+        let out = f(&mut state)?;
+        write_atomic(
+            &path,
+            &serde_json::to_vec_pretty(&state).expect("state serialises"),
+        )?;
+        Ok(out)
+    }
+
+    /// Records that `snapshot` is (being) cached and used now. Call before
+    /// fetching its packs, so an interrupted pull keeps what it fetched.
+    pub fn touch(
+        &self,
+        snapshot: SnapshotId,
+        label: &str,
+        store: &str,
+        packs: Vec<(PackId, u64)>,
+    ) -> Result<()> {
+        self.with_state(|s| {
+            let e = s
+                .snapshots
+                .entry(snapshot)
+                .or_insert_with(|| CachedSnapshot {
+                    label: label.to_string(),
+                    store: store.to_string(),
+                    packs: Vec::new(),
+                    last_used: 0,
+                    pinned: false,
+                });
+            e.label = label.to_string();
+            e.packs = packs;
+            e.last_used = now_secs();
+            Ok(())
+        })
+    }
+
+    /// Fetches the packs that are not cached yet; returns (packs, bytes) fetched.
+    /// A local store's packs are hard-linked (copied across file systems).
+    pub async fn fetch_packs(
+        &self,
+        repo: &Repo,
+        packs: &[(PackId, u64)],
+        progress: &Arc<dyn Progress>,
+    ) -> Result<(u64, u64)> {
+        let missing: Vec<(PackId, u64)> = packs
+            .iter()
+            .filter(|(p, _)| !self.pack_path(p).exists())
+            .copied()
+            .collect();
+        let total: u64 = missing.iter().map(|(_, n)| n).sum();
+        progress.phase("fetch", Some(total), Some(missing.len() as u64));
+        futures::stream::iter(missing.iter())
+            .map(|(p, n)| async move {
+                self.fetch_pack(repo, p).await?;
+                progress.advance(*n, 1);
+                Ok::<_, Error>(())
+            })
+            .buffer_unordered(4)
+            .try_collect::<Vec<_>>()
+            .await?;
+        Ok((missing.len() as u64, total))
+    }
+
+    /// Fetches one pack, replacing any cached copy.
+    pub async fn fetch_pack(&self, repo: &Repo, id: &PackId) -> Result<()> {
+        let dest = self.pack_path(id);
+        if let Some(dir) = dest.parent() {
+            std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
+        }
+        let key = pack_key(id);
+        if let Some(src) = repo.remote().local_path(&key) {
+            let tmp = tmp_name(&dest);
+            return blocking(move || {
+                if std::fs::hard_link(&src, &tmp).is_err() {
+                    std::fs::copy(&src, &tmp).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => Error::not_found(format!("pack {key}")),
+                        _ => Error::io("copy", &src)(e),
+                    })?;
+                }
+                std::fs::rename(&tmp, &dest).map_err(Error::io("rename into place", &dest))
+            })
+            .await;
+        }
+        let bytes = repo.remote().get(&key).await?;
+        blocking(move || write_atomic(&dest, &bytes)).await
+    }
+
+    /// Drops a cached pack (after corruption was found in it).
+    pub fn forget_pack(&self, id: &PackId) {
+        let _ = std::fs::remove_file(self.pack_path(id));
+    }
+
+    /// Evicts least recently used unpinned snapshots until the cache holds at
+    /// most `target` bytes, never `keep`. Returns the evicted labels.
+    pub fn evict_to(&self, target: u64, keep: Option<SnapshotId>) -> Result<Vec<String>> {
+        let (evicted, live) = self.with_state(|s| {
+            let mut order: Vec<(i64, SnapshotId)> = s
+                .snapshots
+                .iter()
+                .filter(|(id, c)| !c.pinned && Some(**id) != keep)
+                .map(|(id, c)| (c.last_used, *id))
+                .collect();
+            order.sort();
+            let mut evicted = Vec::new();
+            for (_, id) in order {
+                if s.used() <= target {
+                    break;
+                }
+                if let Some(c) = s.snapshots.remove(&id) {
+                    evicted.push(c.label);
+                }
+            }
+            let live: HashSet<PackId> = s
+                .snapshots
+                .values()
+                .flat_map(|c| c.packs.iter().map(|(p, _)| *p))
+                .collect();
+            Ok((evicted, live))
+        })?;
+        self.remove_unowned(&live)?;
+        Ok(evicted)
+    }
+
+    /// Applies the cap after a pull.
+    pub fn enforce_cap(&self, keep: Option<SnapshotId>) -> Result<Vec<String>> {
+        self.evict_to(self.max_bytes, keep)
+    }
+
+    fn remove_unowned(&self, live: &HashSet<PackId>) -> Result<()> {
+        let dir = self.root.join("packs-v1");
+        for fan in std::fs::read_dir(&dir)
+            .map_err(Error::io("list", &dir))?
+            .flatten()
+        {
+            for f in std::fs::read_dir(fan.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = f.file_name();
+                let keep = name
+                    .to_str()
+                    .and_then(|n| n.parse::<PackId>().ok())
+                    .is_some_and(|p| live.contains(&p));
+                if !keep {
+                    let _ = std::fs::remove_file(f.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Pins or unpins a cached snapshot.
+    pub fn set_pinned(&self, snapshot: SnapshotId, pinned: bool) -> Result<()> {
+        self.with_state(|s| match s.snapshots.get_mut(&snapshot) {
+            Some(c) => {
+                c.pinned = pinned;
+                Ok(())
+            }
+            None => Err(Error::NotFound {
+                what: format!("snapshot {} in the node cache", snapshot.short()),
+                hint: "; pull or pin it first".into(),
+            }),
+        })
+    }
+
+    /// What the cache holds.
+    pub fn status(&self) -> Result<CacheStatus> {
+        self.with_state(|s| {
+            let mut snaps: Vec<(SnapshotId, CachedSnapshot, u64)> = s
+                .snapshots
+                .iter()
+                .map(|(id, c)| (*id, c.clone(), c.packs.iter().map(|p| p.1).sum()))
+                .collect();
+            snaps.sort_by_key(|(_, c, _)| -c.last_used);
+            Ok(CacheStatus {
+                root: self.root.clone(),
+                max_bytes: self.max_bytes,
+                used_bytes: s.used(),
+                snapshots: snaps,
+            })
+        })
+    }
+
+    /// Re-hashes every chunk of every cached pack (of `only`, when given).
+    /// Corrupt packs are removed from the cache, to be fetched again on next
+    /// use. Returns (packs checked, chunks checked, corrupt pack ids).
+    pub fn verify(
+        &self,
+        only: Option<&HashSet<PackId>>,
+        progress: &dyn Progress,
+    ) -> Result<CacheVerify> {
+        let dir = self.root.join("packs-v1");
+        let mut files = Vec::new();
+        for fan in std::fs::read_dir(&dir)
+            .map_err(Error::io("list", &dir))?
+            .flatten()
+        {
+            for f in std::fs::read_dir(fan.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if let Some(id) = f
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.parse::<PackId>().ok())
+                {
+                    if only.is_none_or(|o| o.contains(&id)) {
+                        files.push((id, f.path(), f.metadata().map(|m| m.len()).unwrap_or(0)));
+                    }
+                }
+            }
+        }
+        progress.phase(
+            "verify cache",
+            Some(files.iter().map(|f| f.2).sum()),
+            Some(files.len() as u64),
+        );
+        let (mut chunks, mut bad) = (0u64, Vec::new());
+        for (id, path, size) in &files {
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .and_then(|mut f| f.read_to_end(&mut bytes))
+                .map_err(Error::io("read", path))?;
+            match verify_pack_bytes(&bytes, id) {
+                Ok(n) => chunks += n,
+                Err(e) => {
+                    bad.push((*id, e.to_string()));
+                    self.forget_pack(id);
+                }
+            }
+            progress.advance(*size, 1);
+        }
+        Ok((files.len() as u64, chunks, bad))
+    }
+}
+
+/// Checks every chunk of a pack held in memory; returns the chunk count.
+pub fn verify_pack_bytes(bytes: &[u8], id: &PackId) -> Result<u64> {
+    let entries = crate::pack::read_entries(bytes, id)?;
+    for e in &entries {
+        let stored = bytes
+            .get(e.offset as usize..e.offset as usize + e.stored_len as usize)
+            .ok_or_else(|| Error::corrupt(format!("pack {id}"), "entry past the end"))?;
+        e.decode(stored, id)?;
+    }
+    Ok(entries.len() as u64)
+}
+
+/// Keeps open file handles on cached packs for one materialising thread.
+pub(crate) struct PackReader<'a> {
+    cache: &'a NodeCache,
+    open: HashMap<PackId, std::fs::File>,
+}
+
+impl<'a> PackReader<'a> {
+    pub(crate) fn new(cache: &'a NodeCache) -> Self {
+        PackReader {
+            cache,
+            open: HashMap::new(),
+        }
+    }
+
+    pub(crate) fn read(
+        &mut self,
+        pack: &PackId,
+        offset: u64,
+        len: u32,
+        buf: &mut Vec<u8>,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        if !self.open.contains_key(pack) {
+            if self.open.len() >= 64 {
+                self.open.clear();
+            }
+            let path = self.cache.pack_path(pack);
+            let f = std::fs::File::open(&path).map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    Error::corrupt(format!("pack {pack}"), "missing from the node cache")
+                }
+                _ => Error::io("open", &path)(e),
+            })?;
+            self.open.insert(*pack, f);
+        }
+        buf.resize(len as usize, 0);
+        let f = &self.open[pack];
+        f.read_exact_at(buf, offset).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                Error::corrupt(format!("pack {pack}"), "truncated in the node cache")
+            }
+            _ => Error::io("read", self.cache.pack_path(pack))(e),
+        })
+    }
+}

@@ -1,0 +1,116 @@
+//! The crate's one public error type.
+//!
+//! Variants are what a caller can act on; module detail maps into them. Messages
+//! name the object, path or ref and do not repeat their source, so a CLI that
+//! prints the chain (`{:#}`) reads as one sentence.
+
+use std::path::PathBuf;
+
+/// Result alias for the store.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the chunk store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A name, version, snapshot, chunk or object does not exist.
+    #[error("{what} not found{hint}")]
+    NotFound {
+        /// What was looked up, e.g. `ref div2k@v3`.
+        what: String,
+        /// What the user can do about it (may be empty; starts with "; ").
+        hint: String,
+    },
+    /// Stored data does not match its id or format. Never materialised.
+    #[error("corrupt {what}: {detail}")]
+    Corrupt {
+        /// The object, e.g. `pack 3fa1…`.
+        what: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A concurrent writer won; the operation can be retried.
+    #[error("conflict on {what}: {detail}")]
+    Conflict {
+        /// The contended object.
+        what: String,
+        /// What to do.
+        detail: String,
+    },
+    /// Bad input from the caller: a name, a parameter, a URL.
+    #[error("invalid {what}: {detail}")]
+    Invalid {
+        /// The input that was wrong.
+        what: String,
+        /// Why.
+        detail: String,
+    },
+    /// A snapshot entry that would write outside the destination.
+    #[error("refusing unsafe path {path:?} in snapshot {snapshot}: {why}")]
+    UnsafePath {
+        /// The offending path as stored.
+        path: String,
+        /// The snapshot that contains it.
+        snapshot: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
+    /// The object store could not be reached or refused the request.
+    #[error("object store: {op} {key}")]
+    Unavailable {
+        /// What was being done (`get`, `put`, `list`, …).
+        op: &'static str,
+        /// The key or prefix.
+        key: String,
+        /// The backend's error.
+        #[source]
+        source: object_store::Error,
+    },
+    /// A local file operation failed.
+    #[error("{op} {}", path.display())]
+    Io {
+        /// What was being done (`read`, `create`, …).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io { op, path, source }
+    }
+
+    pub(crate) fn not_found(what: impl Into<String>) -> Error {
+        Error::NotFound {
+            what: what.into(),
+            hint: String::new(),
+        }
+    }
+
+    pub(crate) fn corrupt(what: impl Into<String>, detail: impl Into<String>) -> Error {
+        Error::Corrupt {
+            what: what.into(),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn invalid(what: impl Into<String>, detail: impl Into<String>) -> Error {
+        Error::Invalid {
+            what: what.into(),
+            detail: detail.into(),
+        }
+    }
+
+    /// True when the error says the thing does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::NotFound { .. })
+    }
+}

@@ -1,0 +1,229 @@
+//! `gc`: mark and sweep with a grace period, safe next to running pushes.
+//!
+//! Mark: every version of every name is a root; its tree and file chunks mark
+//! their packs. Sweep, in two phases so no lock is needed:
+//! 1. an unreferenced pack older than the grace period is *condemned* (listed
+//!    in a `gc/condemned-*` object); pushes stop deduplicating against it;
+//! 2. a later gc, once the condemnation is older than the grace period,
+//!    deletes it if it is still unreferenced.
+//!
+//! A pack a running push just wrote is younger than the grace period, so it is
+//! kept; a push that deduplicated against a pack before it was condemned has a
+//! whole grace period to commit (and re-checks if it ran longer than half of
+//! it). If any root cannot be read, nothing is deleted.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::id::{PackId, SnapshotId};
+use crate::progress::Progress;
+use crate::repo::{now_secs, pack_key, snapshot_key, Repo};
+
+#[derive(Serialize, Deserialize)]
+struct Condemned {
+    time: i64,
+    packs: Vec<PackId>,
+}
+
+/// Packs that gc has condemned and not yet deleted.
+pub async fn condemned_packs(repo: &Repo) -> Result<HashSet<PackId>> {
+    let mut out = HashSet::new();
+    for o in repo.remote().list("gc/").await? {
+        if let Some(c) = read_condemned(repo, &o.key).await? {
+            out.extend(c.packs);
+        }
+    }
+    Ok(out)
+}
+
+async fn read_condemned(repo: &Repo, key: &str) -> Result<Option<Condemned>> {
+    match repo.remote().get(key).await {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| Error::corrupt(format!("gc record {key}"), e.to_string())),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// What gc found and did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GcOutcome {
+    /// Versions used as roots.
+    pub versions: u64,
+    /// Packs in the store.
+    pub packs: u64,
+    /// Packs some version references.
+    pub referenced_packs: u64,
+    /// Unreferenced packs kept because they are younger than the grace period.
+    pub young_packs: u64,
+    /// Packs condemned by this run (deleted by a run after the grace period).
+    pub condemned: Vec<PackId>,
+    /// Packs deleted (or that would be, with `--dry-run`).
+    pub deleted: Vec<PackId>,
+    /// Bytes of deleted packs.
+    pub deleted_bytes: u64,
+    /// Unreferenced snapshot objects deleted.
+    pub deleted_snapshots: u64,
+    /// Whether anything was changed.
+    pub dry_run: bool,
+}
+
+/// Runs gc. `grace_secs` overrides the store's grace period (0 is only safe
+/// when no push is running).
+pub async fn gc(
+    repo: &Repo,
+    dry_run: bool,
+    grace_secs: Option<u64>,
+    progress: &dyn Progress,
+) -> Result<GcOutcome> {
+    let now = now_secs();
+    let grace = grace_secs.unwrap_or(repo.config().gc_grace_secs) as i64;
+    progress.phase("gc: list", None, None);
+    let packs = repo.remote().list("packs/").await?;
+    let (index, index_keys) = repo.load_index().await?;
+    let versions = repo.all_versions().await?;
+
+    progress.phase("gc: mark", None, Some(versions.len() as u64));
+    let mut referenced: HashSet<PackId> = HashSet::new();
+    let mut live_snapshots: HashSet<SnapshotId> = HashSet::new();
+    for v in &versions {
+        if !live_snapshots.insert(v.snapshot) {
+            continue;
+        }
+        let snap = repo.load_snapshot(&v.snapshot).await?;
+        let (_, entries) = repo.load_tree(&index, &v.snapshot).await?;
+        let ids = snap
+            .segments
+            .iter()
+            .map(|s| s.id)
+            .chain(entries.iter().flat_map(|e| e.chunks.iter().copied()));
+        for c in ids {
+            let (p, _) = index.get(&c).ok_or_else(|| Error::NotFound {
+                what: format!("chunk {c} of {}", v.label()),
+                hint: "; gc deletes nothing while a version is incomplete: run `labsync rebuild-index`, then `labsync verify`".into(),
+            })?;
+            referenced.insert(p);
+        }
+        progress.advance(0, 1);
+    }
+
+    let sizes: HashMap<PackId, (u64, i64)> = packs
+        .iter()
+        .filter_map(|o| {
+            o.key
+                .rsplit('/')
+                .next()?
+                .parse()
+                .ok()
+                .map(|id| (id, (o.size, o.modified)))
+        })
+        .collect();
+    let mut out = GcOutcome {
+        versions: versions.len() as u64,
+        packs: sizes.len() as u64,
+        dry_run,
+        ..Default::default()
+    };
+    out.referenced_packs = sizes.keys().filter(|p| referenced.contains(p)).count() as u64;
+
+    // Existing condemnations.
+    let mut records = Vec::new();
+    for o in repo.remote().list("gc/").await? {
+        if let Some(c) = read_condemned(repo, &o.key).await? {
+            records.push((o.key, c));
+        }
+    }
+    let already: HashSet<PackId> = records
+        .iter()
+        .flat_map(|(_, c)| c.packs.iter().copied())
+        .collect();
+    let mut fresh = Vec::new();
+    for (p, (_, modified)) in &sizes {
+        if referenced.contains(p) || already.contains(p) {
+            continue;
+        }
+        if now - modified >= grace {
+            fresh.push(*p);
+        } else {
+            out.young_packs += 1;
+        }
+    }
+    fresh.sort();
+    if !fresh.is_empty() {
+        let rec = Condemned {
+            time: now,
+            packs: fresh.clone(),
+        };
+        let key = format!(
+            "gc/condemned-{now:012}-{}",
+            PackId::of(&serde_json::to_vec(&rec.packs).unwrap_or_default()).short()
+        );
+        if !dry_run {
+            repo.remote()
+                .put(&key, serde_json::to_vec(&rec).expect("serialises").into())
+                .await?;
+            repo.remote().sync().await?;
+        }
+        records.push((key, rec));
+    }
+    out.condemned = fresh;
+
+    progress.phase("gc: sweep", None, None);
+    let mut deleted: HashSet<PackId> = HashSet::new();
+    for (key, rec) in &records {
+        if now - rec.time < grace {
+            continue;
+        }
+        for p in &rec.packs {
+            if referenced.contains(p) {
+                continue; // a version took it back meanwhile
+            }
+            if let Some((size, _)) = sizes.get(p) {
+                out.deleted_bytes += size;
+            }
+            if !dry_run {
+                repo.remote().delete(&pack_key(p)).await?;
+            }
+            deleted.insert(*p);
+        }
+        if !dry_run {
+            repo.remote().delete(key).await?;
+        }
+    }
+    out.deleted = deleted.iter().copied().collect();
+    out.deleted.sort();
+
+    for o in repo.remote().list("snapshots/").await? {
+        let Some(id) = o
+            .key
+            .rsplit('/')
+            .next()
+            .and_then(|h| h.parse::<SnapshotId>().ok())
+        else {
+            continue;
+        };
+        if !live_snapshots.contains(&id) && now - o.modified >= grace {
+            if !dry_run {
+                repo.remote().delete(&snapshot_key(&id)).await?;
+            }
+            out.deleted_snapshots += 1;
+        }
+    }
+
+    // One index for what is left. Index objects written after our listing
+    // (a concurrent push) are not touched.
+    if !dry_run && (!deleted.is_empty() || index_keys.len() > 1) {
+        let recs = index.to_records(|p| sizes.contains_key(p) && !deleted.contains(p));
+        let new_key = repo.write_index(&recs).await?;
+        repo.remote().sync().await?;
+        for k in &index_keys {
+            if Some(k) != new_key.as_ref() {
+                repo.remote().delete(k).await?;
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,364 @@
+//! `pull`: materialise a snapshot into a folder, from verified chunks only.
+//!
+//! Packs are first brought into the node cache (hard links for a local store),
+//! then files are written by a few threads: each to a temporary name, every
+//! chunk checked against its BLAKE3 id before its bytes are written, mode and
+//! mtime set, then renamed into place. A file already present with the
+//! snapshot's size and mtime is complete (only a finished rename can produce
+//! it), so a re-run after an interruption skips it.
+
+use std::collections::{BTreeSet, HashSet};
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::cache::{NodeCache, PackReader};
+use crate::error::{Error, Result};
+use crate::fsutil::{blocking, tmp_name};
+use crate::id::PackId;
+use crate::index::Index;
+use crate::progress::Progress;
+use crate::repo::{RefSpec, Repo, VersionRecord};
+use crate::snapshot::{validate_entries, Entry, Kind};
+
+/// What a pull did.
+#[derive(Clone, Debug, Serialize)]
+pub struct PullOutcome {
+    /// The version pulled.
+    pub record: VersionRecord,
+    /// Files written.
+    pub files_written: u64,
+    /// Files already complete in the destination.
+    pub files_skipped: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Packs fetched into the node cache.
+    pub packs_fetched: u64,
+    /// Bytes fetched into the node cache.
+    pub bytes_fetched: u64,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+fn time_of(ns: i64) -> std::time::SystemTime {
+    if ns >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(ns as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_nanos(ns.unsigned_abs())
+    }
+}
+
+fn dest_path(dest: &Path, e: &Entry) -> PathBuf {
+    dest.join(std::ffi::OsStr::from_bytes(&e.path))
+}
+
+/// True when `path` already holds this file (a finished earlier pull).
+fn complete(path: &Path, e: &Entry) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| {
+        m.is_file()
+            && m.size() == e.size
+            && m.mtime() * 1_000_000_000 + m.mtime_nsec() == e.mtime_ns
+    })
+}
+
+/// Pulls `spec` into `dest`.
+pub async fn pull(
+    repo: &Repo,
+    cache: &NodeCache,
+    spec: &RefSpec,
+    dest: &Path,
+    threads: usize,
+    progress: Arc<dyn Progress>,
+) -> Result<PullOutcome> {
+    let started = Instant::now();
+    let record = repo.resolve(spec).await?;
+    let repo = repo
+        .clone()
+        .with_index_cache(Some(cache.index_dir(&repo.config().id)));
+    let (index, _) = repo.load_index().await?;
+    let (_, entries) = repo.load_tree(&index, &record.snapshot).await?;
+    validate_entries(&entries, &record.snapshot.to_string())?;
+
+    match std::fs::symlink_metadata(dest) {
+        Ok(m) if !m.is_dir() => {
+            return Err(Error::invalid(
+                format!("destination {}", dest.display()),
+                "exists and is not a directory",
+            ))
+        }
+        Ok(_) => {}
+        Err(_) => std::fs::create_dir_all(dest).map_err(Error::io("create destination", dest))?,
+    }
+    let dest = dest
+        .canonicalize()
+        .map_err(Error::io("resolve destination", dest))?;
+
+    // Directories first (writable until the end), refusing symlinks planted in the destination.
+    for e in entries.iter().filter(|e| e.kind == Kind::Dir) {
+        let p = dest_path(&dest, e);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(Error::UnsafePath {
+                    path: e.path_lossy(),
+                    snapshot: record.snapshot.to_string(),
+                    why: "the destination has a non-directory (maybe a symlink) where the snapshot has a directory",
+                })
+            }
+            Err(_) => std::fs::create_dir(&p).map_err(Error::io("create directory", &p))?,
+        }
+    }
+
+    let files: Vec<usize> = entries
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.kind == Kind::File && !complete(&dest_path(&dest, e), e))
+        .map(|(i, _)| i)
+        .collect();
+    let skipped =
+        entries.iter().filter(|e| e.kind == Kind::File).count() as u64 - files.len() as u64;
+
+    // Which packs the remaining files need.
+    let mut needed = BTreeSet::new();
+    for &i in &files {
+        for c in &entries[i].chunks {
+            let (p, _) = index.get(c).ok_or_else(|| Error::NotFound {
+                what: format!("chunk {c} of {}", entries[i].path_lossy()),
+                hint: "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost".into(),
+            })?;
+            needed.insert(p);
+        }
+    }
+    let packs: Vec<(PackId, u64)> = needed
+        .iter()
+        .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
+        .collect();
+    // Recorded before fetching, so packs of an interrupted pull stay owned.
+    cache.touch(
+        record.snapshot,
+        &record.label(),
+        &repo.config().id,
+        packs.clone(),
+    )?;
+    let (packs_fetched, bytes_fetched) = cache.fetch_packs(&repo, &packs, &progress).await?;
+
+    let total: u64 = files.iter().map(|&i| entries[i].size).sum();
+    progress.phase("write", Some(total), Some(files.len() as u64));
+    let entries = Arc::new(entries);
+    let index = Arc::new(index);
+    let mut refetched = HashSet::new();
+    let written = loop {
+        let (e2, i2, c2, d2, p2, f2) = (
+            entries.clone(),
+            index.clone(),
+            cache.clone(),
+            dest.clone(),
+            progress.clone(),
+            files.clone(),
+        );
+        let res =
+            blocking(move || write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref())).await;
+        match res {
+            Ok(n) => break n,
+            // One re-fetch of a pack that failed verification; a second failure is corruption in the store.
+            Err(Error::Corrupt { what, detail }) => {
+                let pack = what
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|h| h.parse::<PackId>().ok());
+                match pack {
+                    Some(p) if refetched.insert(p) => {
+                        progress.warn(&format!(
+                            "pack {p} failed verification ({detail}); fetching it again"
+                        ));
+                        cache.forget_pack(&p);
+                        cache.fetch_pack(&repo, &p).await?;
+                    }
+                    _ => return Err(Error::Corrupt { what, detail }),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
+
+    // Symlinks, then directory modes and times deepest first (a read-only
+    // directory set earlier would block writing into it).
+    for e in entries.iter().filter(|e| e.kind == Kind::Symlink) {
+        let p = dest_path(&dest, e);
+        if let Ok(m) = std::fs::symlink_metadata(&p) {
+            if m.is_dir() {
+                return Err(Error::invalid(
+                    format!("destination {}", p.display()),
+                    "is a directory where the snapshot has a symlink",
+                ));
+            }
+            std::fs::remove_file(&p).map_err(Error::io("replace", &p))?;
+        }
+        std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(&e.target), &p)
+            .map_err(Error::io("create symlink", &p))?;
+        let t = filetime::FileTime::from_system_time(time_of(e.mtime_ns));
+        filetime::set_symlink_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
+    }
+    for e in entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
+        let p = dest_path(&dest, e);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(e.mode))
+            .map_err(Error::io("set mode of", &p))?;
+        let t = filetime::FileTime::from_system_time(time_of(e.mtime_ns));
+        filetime::set_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
+    }
+
+    cache.touch(record.snapshot, &record.label(), &repo.config().id, packs)?;
+    for label in cache.enforce_cap(Some(record.snapshot))? {
+        progress.warn(&format!(
+            "evicted {label} from the node cache (over its size cap)"
+        ));
+    }
+    Ok(PullOutcome {
+        record,
+        files_written: files.len() as u64,
+        files_skipped: skipped,
+        bytes_written: written,
+        packs_fetched,
+        bytes_fetched,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn write_files(
+    entries: &[Entry],
+    files: &[usize],
+    index: &Index,
+    cache: &NodeCache,
+    dest: &Path,
+    threads: usize,
+    progress: &dyn Progress,
+) -> Result<u64> {
+    let next = AtomicUsize::new(0);
+    let bytes = AtomicU64::new(0);
+    let err: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| {
+                let mut reader = PackReader::new(cache);
+                let mut buf = Vec::new();
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&i) = files.get(k) else { break };
+                    if err.lock().expect("poisoned").is_some() {
+                        break;
+                    }
+                    let e = &entries[i];
+                    let path = dest_path(dest, e);
+                    if complete(&path, e) {
+                        continue; // written before a re-fetch retry
+                    }
+                    match write_one(e, &path, index, &mut reader, &mut buf) {
+                        Ok(()) => {
+                            bytes.fetch_add(e.size, Ordering::Relaxed);
+                            progress.advance(e.size, 1);
+                        }
+                        Err(x) => {
+                            err.lock().expect("poisoned").get_or_insert(x);
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    match err.into_inner().expect("poisoned") {
+        Some(e) => Err(e),
+        None => Ok(bytes.into_inner()),
+    }
+}
+
+fn write_one(
+    e: &Entry,
+    path: &Path,
+    index: &Index,
+    reader: &mut PackReader<'_>,
+    buf: &mut Vec<u8>,
+) -> Result<()> {
+    let tmp = tmp_name(path);
+    let result = (|| {
+        let f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        let mut n = 0u64;
+        for c in &e.chunks {
+            let (pack, entry) = index
+                .get(c)
+                .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
+            reader.read(&pack, entry.offset, entry.stored_len, buf)?;
+            // Verified before a single byte reaches the file.
+            let plain = entry.decode(buf, &pack)?;
+            w.write_all(&plain).map_err(Error::io("write", &tmp))?;
+            n += plain.len() as u64;
+        }
+        if n != e.size {
+            return Err(Error::corrupt(
+                format!("file {}", e.path_lossy()),
+                format!("chunks give {n} bytes, the snapshot says {}", e.size),
+            ));
+        }
+        let f = w
+            .into_inner()
+            .map_err(|x| Error::io("write", &tmp)(x.into_error()))?;
+        f.set_permissions(std::fs::Permissions::from_mode(e.mode))
+            .map_err(Error::io("set mode of", &tmp))?;
+        f.set_modified(time_of(e.mtime_ns))
+            .map_err(Error::io("set time of", &tmp))?;
+        drop(f);
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+            return Err(Error::invalid(
+                format!("destination {}", path.display()),
+                "is a directory where the snapshot has a file",
+            ));
+        }
+        std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Brings every pack of `spec` into the node cache without writing files
+/// (`cache pin`, and admins warming a node before a deadline week).
+pub async fn warm(
+    repo: &Repo,
+    cache: &NodeCache,
+    spec: &RefSpec,
+    progress: Arc<dyn Progress>,
+) -> Result<(VersionRecord, u64, u64)> {
+    let record = repo.resolve(spec).await?;
+    let repo = repo
+        .clone()
+        .with_index_cache(Some(cache.index_dir(&repo.config().id)));
+    let (index, _) = repo.load_index().await?;
+    let (_, entries) = repo.load_tree(&index, &record.snapshot).await?;
+    let mut needed = BTreeSet::new();
+    for c in entries.iter().flat_map(|e| e.chunks.iter()) {
+        let (p, _) = index
+            .get(c)
+            .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
+        needed.insert(p);
+    }
+    let packs: Vec<(PackId, u64)> = needed
+        .iter()
+        .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
+        .collect();
+    cache.touch(
+        record.snapshot,
+        &record.label(),
+        &repo.config().id,
+        packs.clone(),
+    )?;
+    let (n, bytes) = cache.fetch_packs(&repo, &packs, &progress).await?;
+    Ok((record, n, bytes))
+}

@@ -1,0 +1,675 @@
+//! `push`: scan a tree, chunk and hash what changed, pack what is new, and
+//! commit it in the order packs → index → snapshot → ref.
+//!
+//! Files are read by a few threads (the chunker and BLAKE3 are CPU-bound);
+//! new chunks go into one shared pack builder; full packs travel through a
+//! channel of capacity one to the uploader, which keeps two uploads in flight.
+//! That bounds memory to about four packs whatever the dataset size.
+
+use std::collections::HashSet;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::chunker::{ChunkerParams, StreamChunker};
+use crate::error::{Error, Result};
+use crate::fsutil::{blocking, write_atomic};
+use crate::id::{ChunkId, PackId};
+use crate::index::{Index, IndexPack};
+use crate::pack::{self, PackBuilder, SealedPack, FLAG_TREE, FLAG_ZSTD};
+use crate::progress::Progress;
+use crate::repo::{now_secs, pack_key, snapshot_key, validate_name, Repo, VersionRecord};
+use crate::snapshot::{self, Entry, Kind, SegmentRef, SnapshotObject};
+
+/// What to push and how.
+#[derive(Clone, Debug)]
+pub struct PushOptions {
+    /// The name to create a version of.
+    pub name: String,
+    /// Folder of the files cache (`None`: read every file).
+    pub files_cache: Option<PathBuf>,
+    /// Reader threads.
+    pub threads: usize,
+    /// Recorded in the version.
+    pub user: String,
+    /// Recorded in the version.
+    pub host: String,
+}
+
+/// What a push did.
+#[derive(Clone, Debug, Serialize)]
+pub struct PushOutcome {
+    /// The version (new, or the latest when nothing changed).
+    pub record: VersionRecord,
+    /// False when the tree equals the latest version and nothing was written.
+    pub created: bool,
+    /// Files whose content was read (not found unchanged in the files cache).
+    pub files_read: u64,
+    /// Bytes read from those files.
+    pub bytes_read: u64,
+    /// Chunks that were new to the store.
+    pub new_chunks: u64,
+    /// Objects written (packs, index, snapshot, ref).
+    pub objects_written: u64,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+/// One path found by the scan.
+struct Scanned {
+    path: Vec<u8>,
+    kind: Kind,
+    mode: u32,
+    mtime_ns: i64,
+    ctime_ns: i64,
+    ino: u64,
+    size: u64,
+    target: Vec<u8>,
+}
+
+fn scan(root: &Path, progress: &dyn Progress) -> Result<Vec<Scanned>> {
+    let meta = std::fs::symlink_metadata(root).map_err(Error::io("read", root))?;
+    let mut out = Vec::new();
+    if !meta.is_dir() {
+        let name = root.file_name().ok_or_else(|| {
+            Error::invalid(format!("source {}", root.display()), "has no file name")
+        })?;
+        let parent = root.parent().unwrap_or(Path::new("."));
+        if let Some(s) = scanned(parent, name.as_bytes().to_vec(), &meta, progress)? {
+            out.push(s);
+        }
+        return Ok(out);
+    }
+    let mut stack: Vec<Vec<u8>> = vec![Vec::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = if rel.is_empty() {
+            root.to_path_buf()
+        } else {
+            root.join(std::ffi::OsStr::from_bytes(&rel))
+        };
+        let rd = std::fs::read_dir(&dir).map_err(Error::io("list", &dir))?;
+        for ent in rd {
+            let ent = ent.map_err(Error::io("list", &dir))?;
+            let name = ent.file_name();
+            let mut path = rel.clone();
+            if !path.is_empty() {
+                path.push(b'/');
+            }
+            path.extend_from_slice(name.as_bytes());
+            let m = match ent.metadata() {
+                Ok(m) => m,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io("stat", ent.path())(e)),
+            };
+            if let Some(s) = scanned(&dir, path, &m, progress)? {
+                if s.kind == Kind::Dir {
+                    stack.push(s.path.clone());
+                }
+                out.push(s);
+            }
+        }
+    }
+    out.sort_unstable_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+fn scanned(
+    dir: &Path,
+    path: Vec<u8>,
+    m: &std::fs::Metadata,
+    progress: &dyn Progress,
+) -> Result<Option<Scanned>> {
+    let ft = m.file_type();
+    let (kind, target) = if ft.is_file() {
+        (Kind::File, Vec::new())
+    } else if ft.is_dir() {
+        (Kind::Dir, Vec::new())
+    } else if ft.is_symlink() {
+        let name = std::ffi::OsStr::from_bytes(path.rsplit(|&b| b == b'/').next().unwrap_or(&path));
+        let full = dir.join(name);
+        let t = std::fs::read_link(&full).map_err(Error::io("read link", &full))?;
+        (Kind::Symlink, t.as_os_str().as_bytes().to_vec())
+    } else {
+        progress.warn(&format!(
+            "skipping {}: not a file, directory or symlink",
+            String::from_utf8_lossy(&path)
+        ));
+        return Ok(None);
+    };
+    Ok(Some(Scanned {
+        kind,
+        mode: m.mode() & 0o7777,
+        mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+        ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
+        ino: m.ino(),
+        size: if kind == Kind::File { m.size() } else { 0 },
+        path,
+        target,
+    }))
+}
+
+/// The files cache: what each file looked like when its chunks were computed.
+/// Keyed by store, chunker parameters and source folder; an entry is trusted
+/// only if size, mtime, ctime and inode all match (restic's and borg's rule).
+#[derive(Serialize, Deserialize, Default)]
+struct FilesCache {
+    store: String,
+    params: Option<ChunkerParams>,
+    files: Vec<CachedFile>,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct CachedFile {
+    path: Vec<u8>,
+    size: u64,
+    mtime_ns: i64,
+    ctime_ns: i64,
+    ino: u64,
+    chunks: Vec<ChunkId>,
+}
+
+const FILES_CACHE_VERSION: u8 = 1;
+
+fn files_cache_path(dir: &Path, store_id: &str, root: &Path) -> PathBuf {
+    let key = blake3::hash(format!("{store_id}\0{}", root.display()).as_bytes()).to_hex();
+    dir.join(format!("{}.bin", &key[..32]))
+}
+
+fn load_files_cache(path: &Path, store_id: &str, params: ChunkerParams) -> FilesCache {
+    let Ok(bytes) = std::fs::read(path) else {
+        return FilesCache::default();
+    };
+    match bytes.split_first() {
+        Some((&FILES_CACHE_VERSION, rest)) => match postcard::from_bytes::<FilesCache>(rest) {
+            Ok(c) if c.store == store_id && c.params == Some(params) => c,
+            _ => FilesCache::default(),
+        },
+        _ => FilesCache::default(),
+    }
+}
+
+struct Pipeline<'a> {
+    index: &'a Index,
+    seen: Mutex<HashSet<ChunkId>>,
+    packer: Mutex<PackBuilder>,
+    pack_size: usize,
+    tx: mpsc::Sender<SealedPack>,
+    progress: &'a dyn Progress,
+}
+
+impl Pipeline<'_> {
+    fn new_builder(&self) -> PackBuilder {
+        // Room for the last chunk past the target and a footer of small chunks,
+        // so sealing never reallocates (a doubling would briefly cost 64 MiB).
+        PackBuilder::with_capacity(self.pack_size + (6 << 20))
+    }
+
+    fn store_chunk(&self, data: &[u8]) -> Result<ChunkId> {
+        let id = ChunkId::of(data);
+        if self.index.contains(&id) || !self.seen.lock().expect("seen poisoned").insert(id) {
+            return Ok(id);
+        }
+        let z = pack::maybe_compress(data);
+        let (stored, flags) = match &z {
+            Some(z) => (z.as_slice(), FLAG_ZSTD),
+            None => (data, 0),
+        };
+        let full = {
+            let mut p = self.packer.lock().expect("packer poisoned");
+            p.add(id, stored, data.len() as u32, flags);
+            (p.len() >= self.pack_size).then(|| std::mem::replace(&mut *p, self.new_builder()))
+        };
+        if let Some(b) = full {
+            self.tx
+                .blocking_send(b.seal())
+                .map_err(|_| upload_stopped())?;
+        }
+        Ok(id)
+    }
+
+    /// Reads one file; returns its chunks and byte count.
+    fn read_file(&self, path: &Path, params: ChunkerParams) -> Result<Option<(Vec<ChunkId>, u64)>> {
+        let f = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.progress.warn(&format!(
+                    "skipping {}: removed during the push",
+                    path.display()
+                ));
+                return Ok(None);
+            }
+            Err(e) => return Err(Error::io("open", path)(e)),
+        };
+        let mut chunks = Vec::new();
+        let mut n = 0u64;
+        StreamChunker::new(f, params, 8 << 20)
+            .for_each(|c| {
+                n += c.len() as u64;
+                self.progress.advance(c.len() as u64, 0);
+                chunks.push(self.store_chunk(c)?);
+                Ok(())
+            })
+            .map_err(Error::io("read", path))??;
+        Ok(Some((chunks, n)))
+    }
+}
+
+/// A file's chunks and the bytes read, or `None` when it vanished.
+type FileRead = Option<(Vec<ChunkId>, u64)>;
+
+fn upload_stopped() -> Error {
+    Error::Io {
+        op: "hand a pack to the uploader (it stopped)",
+        path: PathBuf::new(),
+        source: std::io::Error::other("upload failed"),
+    }
+}
+
+/// Uploads packs as they come, two at a time, making them durable and
+/// indexing them every 32 packs so an interrupted push resumes from there.
+async fn upload(repo: Repo, mut rx: mpsc::Receiver<SealedPack>) -> Result<(Vec<IndexPack>, u64)> {
+    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let mut puts = stream
+        .map(|p: SealedPack| {
+            let repo = repo.clone();
+            async move {
+                let size = p.bytes.len() as u64;
+                let rec = IndexPack::new(p.id, size, &p.entries);
+                repo.remote()
+                    .put(&pack_key(&p.id), Bytes::from(p.bytes))
+                    .await?;
+                Ok::<_, Error>(rec)
+            }
+        })
+        .buffer_unordered(2);
+    let mut all = Vec::new();
+    let mut unindexed = Vec::new();
+    let mut bytes = 0;
+    while let Some(rec) = puts.next().await {
+        let rec = rec?;
+        bytes += rec.size;
+        unindexed.push(rec);
+        if unindexed.len() >= 32 {
+            repo.remote().sync().await?;
+            repo.write_index(&unindexed).await?;
+            all.append(&mut unindexed);
+        }
+    }
+    all.extend(unindexed);
+    Ok((all, bytes))
+}
+
+/// Pushes `src` as a new version of `opts.name`.
+pub async fn push(
+    repo: &Repo,
+    src: &Path,
+    opts: &PushOptions,
+    progress: Arc<dyn Progress>,
+) -> Result<PushOutcome> {
+    let started = Instant::now();
+    validate_name(&opts.name)?;
+    let root = src.canonicalize().map_err(Error::io("open source", src))?;
+    let params = repo.config().params;
+
+    progress.phase("scan", None, None);
+    let scan_root = root.clone();
+    let p2 = progress.clone();
+    let scanned = blocking(move || scan(&scan_root, p2.as_ref())).await?;
+
+    let (mut index, _) = repo.load_index().await?;
+    let condemned = crate::gc::condemned_packs(repo).await?;
+    if !condemned.is_empty() {
+        // Never dedup against data gc has scheduled for deletion.
+        let mut live = Index::default();
+        for r in index.to_records(|p| !condemned.contains(p)) {
+            live.add(&r);
+        }
+        index = live;
+    }
+
+    let cache_path = opts
+        .files_cache
+        .as_ref()
+        .map(|d| files_cache_path(d, &repo.config().id, &root));
+    let cache = cache_path
+        .as_ref()
+        .map(|p| load_files_cache(p, &repo.config().id, params))
+        .unwrap_or_default();
+
+    // Merge-join scan and cache (both sorted by path): unchanged files keep their chunks.
+    let mut chunks_of: Vec<Option<Vec<ChunkId>>> = vec![None; scanned.len()];
+    let mut to_read = Vec::new();
+    let mut ci = 0;
+    for (i, s) in scanned.iter().enumerate() {
+        if s.kind != Kind::File {
+            continue;
+        }
+        while ci < cache.files.len() && cache.files[ci].path < s.path {
+            ci += 1;
+        }
+        let hit = cache.files.get(ci).filter(|c| {
+            c.path == s.path
+                && c.size == s.size
+                && c.mtime_ns == s.mtime_ns
+                && c.ctime_ns == s.ctime_ns
+                && c.ino == s.ino
+                && c.chunks.iter().all(|id| index.contains(id))
+        });
+        match hit {
+            Some(c) => chunks_of[i] = Some(c.chunks.clone()),
+            None => to_read.push(i),
+        }
+    }
+
+    let total_read: u64 = to_read.iter().map(|&i| scanned[i].size).sum();
+    progress.phase("read", Some(total_read), Some(to_read.len() as u64));
+    let (tx, rx) = mpsc::channel::<SealedPack>(1);
+    let uploader = tokio::spawn(upload(repo.clone(), rx));
+
+    let index = Arc::new(index);
+    let scanned = Arc::new(scanned);
+    let threads = opts.threads.max(1);
+    let pack_size = repo.config().pack_size as usize;
+    let work = {
+        let (index, scanned, root, progress, tx) = (
+            index.clone(),
+            scanned.clone(),
+            root.clone(),
+            progress.clone(),
+            tx.clone(),
+        );
+        blocking(move || {
+            let pipe = Pipeline {
+                index: &index,
+                seen: Mutex::new(HashSet::new()),
+                packer: Mutex::new(PackBuilder::default()),
+                pack_size,
+                tx,
+                progress: progress.as_ref(),
+            };
+            *pipe.packer.lock().expect("fresh") = pipe.new_builder();
+            let next = AtomicUsize::new(0);
+            let results: Mutex<Vec<(usize, FileRead)>> = Mutex::new(Vec::new());
+            let first_err: Mutex<Option<Error>> = Mutex::new(None);
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&i) = to_read.get(k) else { break };
+                        if first_err.lock().expect("poisoned").is_some() {
+                            break;
+                        }
+                        let rel = std::ffi::OsStr::from_bytes(&scanned[i].path);
+                        let path = if scanned.len() == 1 && !root.is_dir() {
+                            root.clone()
+                        } else {
+                            root.join(rel)
+                        };
+                        match pipe.read_file(&path, params) {
+                            Ok(r) => {
+                                progress.advance(0, 1);
+                                results.lock().expect("poisoned").push((i, r));
+                            }
+                            Err(e) => {
+                                first_err.lock().expect("poisoned").get_or_insert(e);
+                                break;
+                            }
+                        }
+                    });
+                }
+            });
+            if let Some(e) = first_err.into_inner().expect("poisoned") {
+                return Err(e);
+            }
+            let last = pipe.packer.into_inner().expect("poisoned");
+            if !last.is_empty() {
+                pipe.tx
+                    .blocking_send(last.seal())
+                    .map_err(|_| upload_stopped())?;
+            }
+            Ok(results.into_inner().expect("poisoned"))
+        })
+    };
+    let results = match work.await {
+        Ok(r) => r,
+        Err(e) => {
+            drop(tx);
+            // The uploader's own error, if any, is the root cause.
+            return Err(match uploader.await {
+                Ok(Err(up)) => up,
+                _ => e,
+            });
+        }
+    };
+
+    let mut files_read = 0u64;
+    let mut bytes_read = 0u64;
+    let mut vanished = HashSet::new();
+    let mut read_size = vec![None; scanned.len()];
+    for (i, r) in results {
+        match r {
+            Some((c, n)) => {
+                files_read += 1;
+                bytes_read += n;
+                chunks_of[i] = Some(c);
+                read_size[i] = Some(n);
+            }
+            None => {
+                vanished.insert(i);
+            }
+        }
+    }
+
+    // Build the tree.
+    let mut entries = Vec::with_capacity(scanned.len());
+    let mut new_cache = Vec::new();
+    for (i, s) in scanned.iter().enumerate() {
+        if vanished.contains(&i) {
+            continue;
+        }
+        let chunks = chunks_of[i].take().unwrap_or_default();
+        // A file that changed size while it was read is recorded as read, and
+        // left out of the files cache so the next push reads it again.
+        let size = read_size[i].unwrap_or(s.size);
+        if s.kind == Kind::File && size == s.size {
+            new_cache.push(CachedFile {
+                path: s.path.clone(),
+                size: s.size,
+                mtime_ns: s.mtime_ns,
+                ctime_ns: s.ctime_ns,
+                ino: s.ino,
+                chunks: chunks.clone(),
+            });
+        }
+        entries.push(Entry {
+            path: s.path.clone(),
+            kind: s.kind,
+            mode: s.mode,
+            mtime_ns: s.mtime_ns,
+            size,
+            chunks,
+            target: s.target.clone(),
+        });
+    }
+
+    // Tree segments go into their own pack, so reading a tree never drags file data along.
+    let mut tree = PackBuilder::default();
+    let mut segments = Vec::new();
+    let mut seen_tree = HashSet::new();
+    for seg in snapshot::split_segments(&entries) {
+        let bytes = snapshot::encode_segment(seg);
+        let id = ChunkId::of(&bytes);
+        segments.push(SegmentRef {
+            id,
+            entries: seg.len() as u32,
+        });
+        if index.contains(&id) || !seen_tree.insert(id) {
+            continue;
+        }
+        let z = zstd::bulk::compress(&bytes, 3).map_err(|e| Error::Io {
+            op: "compress tree",
+            path: root.clone(),
+            source: e,
+        })?;
+        tree.add(id, &z, bytes.len() as u32, FLAG_TREE | FLAG_ZSTD);
+    }
+    if !tree.is_empty() {
+        tx.send(tree.seal()).await.map_err(|_| upload_stopped())?;
+    }
+    drop(tx);
+    let (packs, pack_bytes) = uploader.await.map_err(|e| Error::Io {
+        op: "upload",
+        path: root.clone(),
+        source: std::io::Error::other(e),
+    })??;
+
+    let files = entries.iter().filter(|e| e.kind == Kind::File).count() as u64;
+    let obj = SnapshotObject {
+        files,
+        dirs: entries.iter().filter(|e| e.kind == Kind::Dir).count() as u64,
+        symlinks: entries.iter().filter(|e| e.kind == Kind::Symlink).count() as u64,
+        bytes: entries.iter().map(|e| e.size).sum(),
+        segments,
+    };
+    let (snap_id, snap_bytes) = obj.encode();
+
+    let mut objects = packs.len() as u64;
+    let mut new_bytes = pack_bytes;
+    // Order is the whole of crash safety: packs durable → index → snapshot → ref.
+    repo.remote().sync().await?;
+    let mut all_new = Index::default();
+    for r in &packs {
+        all_new.add(r);
+    }
+    if !packs.is_empty() {
+        let enc = crate::index::encode(&packs);
+        new_bytes += enc.len() as u64;
+        repo.write_index(&packs).await?;
+        objects += 1;
+        repo.remote().sync().await?;
+    }
+    let latest = repo.latest(&opts.name).await?;
+    let unchanged = latest.as_ref().is_some_and(|l| l.snapshot == snap_id);
+    if !unchanged {
+        // Always (re)write: it refreshes the object's age, which gc's grace period reads.
+        repo.remote()
+            .put(&snapshot_key(&snap_id), snap_bytes.clone().into())
+            .await?;
+        new_bytes += snap_bytes.len() as u64;
+        objects += 1;
+        repo.remote().sync().await?;
+    }
+
+    let elapsed = started.elapsed().as_secs();
+    if !unchanged && elapsed * 2 > repo.config().gc_grace_secs {
+        check_still_present(repo, &index, &entries).await?;
+    }
+
+    let stored_bytes = {
+        let mut seen = HashSet::new();
+        entries
+            .iter()
+            .flat_map(|e| e.chunks.iter())
+            .filter(|c| seen.insert(**c))
+            .map(|c| {
+                index
+                    .get(c)
+                    .or_else(|| all_new.get(c))
+                    .map_or(0, |(_, e)| e.stored_len as u64)
+            })
+            .sum()
+    };
+    let (added, removed, modified) = match &latest {
+        Some(l) if !unchanged => {
+            let mut full = (*index).clone();
+            for r in &packs {
+                full.add(r);
+            }
+            let (_, old) = repo.load_tree(&full, &l.snapshot).await?;
+            let c = snapshot::diff(&old, &entries);
+            (
+                c.added.len() as u64,
+                c.removed.len() as u64,
+                c.modified.len() as u64,
+            )
+        }
+        Some(_) => (0, 0, 0),
+        None => (entries.len() as u64, 0, 0),
+    };
+    let rec = VersionRecord {
+        name: opts.name.clone(),
+        version: 0,
+        snapshot: snap_id,
+        time: now_secs(),
+        user: opts.user.clone(),
+        host: opts.host.clone(),
+        files,
+        bytes: obj.bytes,
+        stored_bytes,
+        new_bytes,
+        added,
+        removed,
+        modified,
+    };
+    let (record, created) = repo.commit_version(rec).await?;
+    if created {
+        objects += 1;
+    }
+
+    if let Some(p) = &cache_path {
+        let fc = FilesCache {
+            store: repo.config().id.clone(),
+            params: Some(params),
+            files: new_cache,
+        };
+        let mut bytes = vec![FILES_CACHE_VERSION];
+        bytes = postcard::to_extend(&fc, bytes).expect("Vec writer cannot fail");
+        if let Err(e) = write_atomic(p, &bytes) {
+            progress.warn(&format!(
+                "could not save the files cache ({e}); the next push re-reads every file"
+            ));
+        }
+    }
+
+    Ok(PushOutcome {
+        record,
+        created,
+        files_read,
+        bytes_read,
+        new_chunks: all_new.len() as u64,
+        objects_written: objects,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// A push that ran longer than half of gc's grace period re-checks that the
+/// packs it deduplicated against were not condemned meanwhile.
+async fn check_still_present(repo: &Repo, index: &Index, entries: &[Entry]) -> Result<()> {
+    let condemned = crate::gc::condemned_packs(repo).await?;
+    let present: HashSet<PackId> = repo
+        .remote()
+        .list("packs/")
+        .await?
+        .into_iter()
+        .filter_map(|o| o.key.rsplit('/').next().and_then(|h| h.parse().ok()))
+        .collect();
+    for c in entries.iter().flat_map(|e| e.chunks.iter()) {
+        if let Some((p, _)) = index.get(c) {
+            if condemned.contains(&p) || !present.contains(&p) {
+                return Err(Error::Conflict {
+                    what: format!("pack {p}"),
+                    detail: "gc removed data this long push relied on; run the push again (unchanged files are not re-read)".into(),
+                });
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,622 @@
+//! An opened store: its config, index, snapshots and refs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use crate::chunker::{ChunkerParams, ALGORITHM};
+use crate::error::{Error, Result};
+use crate::id::{ChunkId, PackId, SnapshotId};
+use crate::index::{self, Index, IndexPack};
+use crate::pack::{self, PackEntry};
+use crate::remote::Remote;
+use crate::snapshot::{self, Entry, SnapshotObject};
+
+/// Version of the store layout this code reads and writes.
+pub const FORMAT: u32 = 1;
+const CONFIG_KEY: &str = "config";
+
+/// The store's `config` object, written once when the store is created.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreConfig {
+    /// Store layout version.
+    pub format: u32,
+    /// Random id, so caches of different stores never mix.
+    pub id: String,
+    /// `fastcdc-v2020`.
+    pub chunker: String,
+    /// Chunk sizes.
+    pub params: ChunkerParams,
+    /// `blake3`.
+    pub hash: String,
+    /// Target pack size in bytes.
+    pub pack_size: u32,
+    /// Unreferenced data younger than this is never deleted by `gc`.
+    pub gc_grace_secs: u64,
+}
+
+impl StoreConfig {
+    /// The defaults for a new store with the given chunk parameters.
+    pub fn new(params: ChunkerParams) -> Self {
+        let mut id = [0u8; 16];
+        let seed = format!(
+            "{:?}{}{:?}",
+            SystemTime::now(),
+            std::process::id(),
+            std::thread::current().id()
+        );
+        id.copy_from_slice(&blake3::hash(seed.as_bytes()).as_bytes()[..16]);
+        StoreConfig {
+            format: FORMAT,
+            id: id.iter().map(|b| format!("{b:02x}")).collect(),
+            chunker: ALGORITHM.into(),
+            params,
+            hash: "blake3".into(),
+            pack_size: 32 << 20,
+            gc_grace_secs: 6 * 3600,
+        }
+    }
+
+    fn check(&self, url: &str) -> Result<()> {
+        let bad = |d: String| Error::invalid(format!("store {url}"), d);
+        if self.format != FORMAT {
+            return Err(bad(format!(
+                "store format {} but this labsync speaks {FORMAT}; upgrade labsync",
+                self.format
+            )));
+        }
+        if self.chunker != ALGORITHM || self.hash != "blake3" {
+            return Err(bad(format!(
+                "chunker {} / hash {}: this labsync only knows {ALGORITHM} / blake3",
+                self.chunker, self.hash
+            )));
+        }
+        self.params.validate()?;
+        if !(16 << 20..=64 << 20).contains(&self.pack_size) {
+            return Err(bad(format!(
+                "pack size {} outside 16..=64 MiB",
+                self.pack_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A name's version: what `refs/<name>/@/<n>` holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionRecord {
+    /// The name, e.g. `div2k` or `runs/42`.
+    pub name: String,
+    /// 1, 2, 3, …
+    pub version: u64,
+    /// The tree.
+    pub snapshot: SnapshotId,
+    /// When it was pushed, seconds since the Unix epoch.
+    pub time: i64,
+    /// Who pushed it.
+    pub user: String,
+    /// From which machine.
+    pub host: String,
+    /// Files in the tree.
+    pub files: u64,
+    /// Logical size: sum of file sizes.
+    pub bytes: u64,
+    /// Stored size of the tree's distinct chunks (compressed).
+    pub stored_bytes: u64,
+    /// Bytes this push added to the store.
+    pub new_bytes: u64,
+    /// Paths added since the previous version.
+    pub added: u64,
+    /// Paths removed since the previous version.
+    pub removed: u64,
+    /// Paths modified since the previous version.
+    pub modified: u64,
+}
+
+impl VersionRecord {
+    /// `name@vN`.
+    pub fn label(&self) -> String {
+        format!("{}@v{}", self.name, self.version)
+    }
+}
+
+/// Checks a name: letters, digits, `._-`, and `/` between non-empty parts.
+pub fn validate_name(name: &str) -> Result<()> {
+    let bad = |d: &str| Err(Error::invalid(format!("name {name:?}"), d.to_string()));
+    if name.is_empty() || name.len() > 200 {
+        return bad("must be 1 to 200 characters");
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c))
+    {
+        return bad("use letters, digits, '.', '_', '-' and '/' only");
+    }
+    if name
+        .split('/')
+        .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        return bad("'/' must separate non-empty parts other than '.' and '..'");
+    }
+    Ok(())
+}
+
+/// `NAME`, `NAME@vN` or `NAME@latest`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefSpec {
+    /// The name.
+    pub name: String,
+    /// A version, or `None` for the latest.
+    pub version: Option<u64>,
+}
+
+impl std::str::FromStr for RefSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let (name, version) = match s.split_once('@') {
+            None => (s, None),
+            Some((n, "latest")) => (n, None),
+            Some((n, v)) => {
+                let num = v
+                    .strip_prefix('v')
+                    .unwrap_or(v)
+                    .parse::<u64>()
+                    .map_err(|_| {
+                        Error::invalid(
+                            format!("version {s:?}"),
+                            "write NAME, NAME@vN or NAME@latest",
+                        )
+                    })?;
+                (n, Some(num))
+            }
+        };
+        validate_name(name)?;
+        Ok(RefSpec {
+            name: name.to_string(),
+            version,
+        })
+    }
+}
+
+impl std::fmt::Display for RefSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.version {
+            Some(v) => write!(f, "{}@v{v}", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
+pub(crate) fn pack_key(id: &PackId) -> String {
+    let hex = id.to_hex();
+    format!("packs/{}/{hex}", &hex[..2])
+}
+
+pub(crate) fn snapshot_key(id: &SnapshotId) -> String {
+    format!("snapshots/{id}")
+}
+
+fn version_prefix(name: &str) -> String {
+    format!("refs/{name}/@/")
+}
+
+fn version_key(name: &str, v: u64) -> String {
+    format!("refs/{name}/@/{v:010}")
+}
+
+pub(crate) fn now_secs() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// An opened, checked store.
+#[derive(Clone, Debug)]
+pub struct Repo {
+    remote: Remote,
+    config: StoreConfig,
+    index_cache: Option<PathBuf>,
+}
+
+impl Repo {
+    /// Opens the store at `remote`, creating it with `params` when it is empty.
+    /// `params` given explicitly must match an existing store's: a mismatch is
+    /// an error, not a silent loss of dedup.
+    pub async fn open(remote: Remote, params: Option<ChunkerParams>) -> Result<Repo> {
+        let config = match remote.get(CONFIG_KEY).await {
+            Ok(bytes) => Self::parse_config(&bytes, remote.url())?,
+            Err(e) if e.is_not_found() => {
+                let cfg = StoreConfig::new(params.unwrap_or_default());
+                cfg.check(remote.url())?;
+                let json = serde_json::to_vec_pretty(&cfg).expect("config serialises");
+                if remote.create(CONFIG_KEY, json.into()).await? {
+                    remote.sync().await?;
+                    cfg
+                } else {
+                    // Another client created the store at the same moment: use theirs.
+                    Self::parse_config(&remote.get(CONFIG_KEY).await?, remote.url())?
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(p) = params {
+            if p != config.params {
+                return Err(Error::invalid(
+                    format!("chunker parameters for store {}", remote.url()),
+                    format!(
+                        "the store uses {}/{}/{} (min/avg/max) but {}/{}/{} were requested; dedup only works between equal parameters",
+                        config.params.min, config.params.avg, config.params.max, p.min, p.avg, p.max
+                    ),
+                ));
+            }
+        }
+        Ok(Repo {
+            remote,
+            config,
+            index_cache: None,
+        })
+    }
+
+    fn parse_config(bytes: &[u8], url: &str) -> Result<StoreConfig> {
+        let cfg: StoreConfig = serde_json::from_slice(bytes)
+            .map_err(|e| Error::corrupt(format!("config of store {url}"), e.to_string()))?;
+        cfg.check(url)?;
+        Ok(cfg)
+    }
+
+    /// Keeps copies of immutable index objects in `dir` (for remote stores).
+    pub fn with_index_cache(mut self, dir: Option<PathBuf>) -> Self {
+        self.index_cache = dir;
+        self
+    }
+
+    /// The object store.
+    pub fn remote(&self) -> &Remote {
+        &self.remote
+    }
+
+    /// The store's config.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    async fn get_index_object(&self, key: &str) -> Result<Bytes> {
+        let cached = match (&self.index_cache, self.remote.local_path(key)) {
+            (Some(dir), None) => Some(dir.join(key.trim_start_matches("index/"))),
+            _ => None,
+        };
+        if let Some(path) = &cached {
+            if let Ok(b) = std::fs::read(path) {
+                return Ok(b.into());
+            }
+        }
+        let bytes = self.remote.get(key).await?;
+        if let Some(path) = cached {
+            // Best effort: the copy is only an optimisation, the store has the original.
+            let _ = crate::fsutil::write_atomic(&path, &bytes);
+        }
+        Ok(bytes)
+    }
+
+    /// Loads every index object. Returns the index and the keys it was read from.
+    pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
+        let objects = self.remote.list("index/").await?;
+        let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
+        let recs: Vec<Vec<IndexPack>> = futures::stream::iter(keys.iter())
+            .map(|k| async move {
+                let bytes = self.get_index_object(k).await?;
+                index::decode(&bytes, k)
+            })
+            .buffer_unordered(8)
+            .try_collect()
+            .await?;
+        let mut idx = Index::default();
+        for r in recs.iter().flatten() {
+            idx.add(r);
+        }
+        Ok((idx, keys))
+    }
+
+    /// Writes an index object for `packs` (which must already be durable).
+    pub async fn write_index(&self, packs: &[IndexPack]) -> Result<Option<String>> {
+        if packs.is_empty() {
+            return Ok(None);
+        }
+        let bytes = index::encode(packs);
+        let key = format!("index/{}", blake3::hash(&bytes).to_hex());
+        self.remote.put(&key, bytes.into()).await?;
+        Ok(Some(key))
+    }
+
+    /// Reads chunks (any mix of packs), verifying each against its id.
+    /// Ranges of one pack go out as one coalesced request.
+    pub async fn read_chunks(
+        &self,
+        index: &Index,
+        ids: &[ChunkId],
+    ) -> Result<HashMap<ChunkId, Vec<u8>>> {
+        let mut by_pack: BTreeMap<PackId, Vec<PackEntry>> = BTreeMap::new();
+        for id in ids {
+            let (pack, e) = index.get(id).ok_or_else(|| Error::NotFound {
+                what: format!("chunk {id}"),
+                hint: "; the index may be lost: run `labsync rebuild-index`".into(),
+            })?;
+            by_pack.entry(pack).or_default().push(e);
+        }
+        let parts: Vec<Vec<(ChunkId, Vec<u8>)>> = futures::stream::iter(by_pack)
+            .map(|(pack, entries)| async move {
+                let ranges: Vec<_> = entries
+                    .iter()
+                    .map(|e| e.offset..e.offset + e.stored_len as u64)
+                    .collect();
+                let datas = self.remote.get_ranges(&pack_key(&pack), &ranges).await?;
+                entries
+                    .iter()
+                    .zip(datas)
+                    .map(|(e, d)| Ok((e.id, e.decode(&d, &pack)?)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .buffer_unordered(8)
+            .try_collect()
+            .await?;
+        Ok(parts.into_iter().flatten().collect())
+    }
+
+    /// Reads a snapshot object.
+    pub async fn load_snapshot(&self, id: &SnapshotId) -> Result<SnapshotObject> {
+        let bytes = self
+            .remote
+            .get(&snapshot_key(id))
+            .await
+            .map_err(|e| match e {
+                Error::NotFound { .. } => Error::not_found(format!("snapshot {id}")),
+                e => e,
+            })?;
+        SnapshotObject::decode(&bytes, id)
+    }
+
+    /// Reads a snapshot and its whole tree, in path order.
+    pub async fn load_tree(
+        &self,
+        index: &Index,
+        id: &SnapshotId,
+    ) -> Result<(SnapshotObject, Vec<Entry>)> {
+        let snap = self.load_snapshot(id).await?;
+        let ids: Vec<ChunkId> = snap.segments.iter().map(|s| s.id).collect();
+        let segs = self.read_chunks(index, &ids).await?;
+        let mut entries =
+            Vec::with_capacity(snap.segments.iter().map(|s| s.entries as usize).sum());
+        for s in &snap.segments {
+            let bytes = segs
+                .get(&s.id)
+                .expect("read_chunks returns every id or fails");
+            entries.extend(snapshot::decode_segment(bytes, &s.id)?);
+        }
+        Ok((snap, entries))
+    }
+
+    /// Every version of `name`, oldest first.
+    pub async fn versions(&self, name: &str) -> Result<Vec<VersionRecord>> {
+        validate_name(name)?;
+        let prefix = version_prefix(name);
+        let mut keys: Vec<String> = self
+            .remote
+            .list(&prefix)
+            .await?
+            .into_iter()
+            .map(|o| o.key)
+            .filter(|k| k.strip_prefix(&prefix).is_some_and(|v| !v.contains('/')))
+            .collect();
+        keys.sort();
+        futures::stream::iter(keys)
+            .map(|k| async move {
+                let bytes = self.remote.get(&k).await?;
+                serde_json::from_slice::<VersionRecord>(&bytes)
+                    .map_err(|e| Error::corrupt(format!("ref {k}"), e.to_string()))
+            })
+            .buffered(16)
+            .try_collect()
+            .await
+    }
+
+    /// The newest version of `name`, if any.
+    pub async fn latest(&self, name: &str) -> Result<Option<VersionRecord>> {
+        Ok(self.versions(name).await?.pop())
+    }
+
+    /// Resolves `NAME[@vN]` to its version record.
+    pub async fn resolve(&self, spec: &RefSpec) -> Result<VersionRecord> {
+        let versions = self.versions(&spec.name).await?;
+        if versions.is_empty() {
+            return Err(Error::NotFound {
+                what: format!("name {:?}", spec.name),
+                hint: "; `labsync ls` lists the stored names".into(),
+            });
+        }
+        match spec.version {
+            None => Ok(versions.into_iter().next_back().expect("non-empty")),
+            Some(v) => {
+                let last = versions.last().map(|r| r.version).unwrap_or(0);
+                versions
+                    .into_iter()
+                    .find(|r| r.version == v)
+                    .ok_or_else(|| Error::NotFound {
+                        what: format!("version {spec}"),
+                        hint: format!("; the latest is v{last} (`labsync log {}`)", spec.name),
+                    })
+            }
+        }
+    }
+
+    /// Writes the next version of a name with a conditional create, so two
+    /// concurrent pushes can never overwrite each other: the loser moves to the
+    /// next number. If the latest version already holds `snapshot`, no version
+    /// is created and that one is returned with `false`.
+    pub async fn commit_version(&self, mut rec: VersionRecord) -> Result<(VersionRecord, bool)> {
+        for _attempt in 0..32 {
+            let latest = self.latest(&rec.name).await?;
+            if let Some(l) = &latest {
+                if l.snapshot == rec.snapshot {
+                    return Ok((l.clone(), false));
+                }
+            }
+            rec.version = latest.map_or(1, |l| l.version + 1);
+            let json = serde_json::to_vec_pretty(&rec).expect("record serialises");
+            if self
+                .remote
+                .create(&version_key(&rec.name, rec.version), json.into())
+                .await?
+            {
+                self.remote.sync().await?;
+                return Ok((rec, true));
+            }
+        }
+        Err(Error::Conflict {
+            what: format!("name {}", rec.name),
+            detail: "32 concurrent pushes won the race for the next version; run the push again (it will be quick)".into(),
+        })
+    }
+
+    /// Every name with at least one version.
+    pub async fn names(&self) -> Result<Vec<String>> {
+        let mut names: Vec<String> = self
+            .remote
+            .list("refs/")
+            .await?
+            .into_iter()
+            .filter_map(|o| {
+                let rest = o.key.strip_prefix("refs/")?;
+                let (name, v) = rest.rsplit_once("/@/")?;
+                (!v.contains('/')).then(|| name.to_string())
+            })
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    }
+
+    /// Every version of every name (gc's roots).
+    pub async fn all_versions(&self) -> Result<Vec<VersionRecord>> {
+        let mut out = Vec::new();
+        for n in self.names().await? {
+            out.extend(self.versions(&n).await?);
+        }
+        Ok(out)
+    }
+
+    /// Reads every pack's footer and writes one fresh index from them, then
+    /// drops the old index objects. Recovers from lost or corrupt indexes.
+    pub async fn rebuild_index(&self) -> Result<(usize, usize)> {
+        let old: Vec<String> = self
+            .remote
+            .list("index/")
+            .await?
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        let packs = self.remote.list("packs/").await?;
+        let recs: Vec<IndexPack> = futures::stream::iter(packs)
+            .map(|o| async move {
+                let id: PackId = o.key.rsplit('/').next().unwrap_or_default().parse()?;
+                let entries = self.read_pack_footer(&id, o.size).await?;
+                Ok::<_, Error>(IndexPack::new(id, o.size, &entries))
+            })
+            .buffer_unordered(8)
+            .try_collect()
+            .await?;
+        let chunks = recs.iter().map(|r| r.chunks.len()).sum();
+        let n = recs.len();
+        let new_key = self.write_index(&recs).await?;
+        self.remote.sync().await?;
+        for k in old {
+            if Some(&k) != new_key.as_ref() {
+                self.remote.delete(&k).await?;
+            }
+        }
+        Ok((n, chunks))
+    }
+
+    /// Reads a pack's footer with two ranged reads.
+    pub async fn read_pack_footer(&self, id: &PackId, size: u64) -> Result<Vec<PackEntry>> {
+        let key = pack_key(id);
+        let tl = pack::trailer_len() as u64;
+        if size < tl {
+            return Err(Error::corrupt(
+                format!("pack {id}"),
+                "shorter than a pack trailer",
+            ));
+        }
+        let trailer = self.remote.get_range(&key, size - tl..size).await?;
+        let flen = pack::parse_trailer(&trailer, id)? as u64;
+        let fstart = (size - tl)
+            .checked_sub(flen)
+            .ok_or_else(|| Error::corrupt(format!("pack {id}"), "footer longer than the pack"))?;
+        let footer = self.remote.get_range(&key, fstart..size - tl).await?;
+        pack::parse_footer(&footer, &trailer, size, id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_specs() {
+        for ok in ["div2k", "runs/42", "a.b-c_d"] {
+            validate_name(ok).unwrap();
+        }
+        for bad in ["", "/abs", "a//b", "a/../b", "a b", "x@y", "a/"] {
+            assert!(validate_name(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            "div2k@v3".parse::<RefSpec>().unwrap(),
+            RefSpec {
+                name: "div2k".into(),
+                version: Some(3)
+            }
+        );
+        assert_eq!("div2k@latest".parse::<RefSpec>().unwrap().version, None);
+        assert!("div2k@vx"
+            .parse::<RefSpec>()
+            .unwrap_err()
+            .to_string()
+            .contains("NAME@vN"));
+    }
+
+    #[tokio::test]
+    async fn params_mismatch_is_an_error() {
+        let remote = Remote::memory();
+        Repo::open(remote.clone(), None).await.unwrap();
+        let other = ChunkerParams {
+            avg: 512 << 10,
+            ..Default::default()
+        };
+        let err = Repo::open(remote.clone(), Some(other)).await.unwrap_err();
+        assert!(err.to_string().contains("dedup only works"), "{err}");
+        Repo::open(remote, Some(ChunkerParams::default()))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn unknown_format_is_refused() {
+        let remote = Remote::memory();
+        let mut cfg = StoreConfig::new(ChunkerParams::default());
+        cfg.format = 9;
+        remote
+            .put(CONFIG_KEY, serde_json::to_vec(&cfg).unwrap().into())
+            .await
+            .unwrap();
+        assert!(Repo::open(remote, None)
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("format 9"));
+    }
+}

@@ -1,0 +1,396 @@
+//! Snapshots: the tree of a pushed directory.
+//!
+//! Entries are sorted by path and cut into *segments* at content-defined
+//! boundaries chosen from the path alone (a BLAKE3 of the path), so editing a
+//! few files of a 50,000-file tree rewrites only the segments that hold them:
+//! a re-push stores a few hundred KB of metadata, not the whole tree again.
+//! Segments are chunks (flag `FLAG_TREE`, zstd) in their own packs; the
+//! snapshot object lists them. Its id is the BLAKE3 of its bytes and holds no
+//! time or host, so pushing an unchanged tree yields the same id.
+
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::id::{ChunkId, SnapshotId};
+
+const MAGIC: &[u8; 4] = b"LSSN";
+const VERSION: u8 = 1;
+const SEGMENT_VERSION: u8 = 1;
+/// On average one boundary per 16 entries; at most 512 entries per segment.
+const BOUNDARY_MASK: u8 = 0x0f;
+const MAX_SEGMENT_ENTRIES: usize = 512;
+
+/// What an entry is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
+}
+
+/// One path in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Relative path, `/`-separated, raw bytes (Unix file names need not be UTF-8).
+    pub path: Vec<u8>,
+    /// File, dir or symlink.
+    pub kind: Kind,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+    /// File size in bytes (0 for dirs and links).
+    pub size: u64,
+    /// File chunks in order.
+    pub chunks: Vec<ChunkId>,
+    /// Link target (symlinks only).
+    pub target: Vec<u8>,
+}
+
+impl Entry {
+    /// The path for messages.
+    pub fn path_lossy(&self) -> String {
+        String::from_utf8_lossy(&self.path).into_owned()
+    }
+}
+
+/// A reference from the snapshot object to one tree segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRef {
+    /// The segment's chunk id.
+    pub id: ChunkId,
+    /// How many entries it holds.
+    pub entries: u32,
+}
+
+/// The snapshot object (`snapshots/<id>`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotObject {
+    /// Regular files in the tree.
+    pub files: u64,
+    /// Directories.
+    pub dirs: u64,
+    /// Symlinks.
+    pub symlinks: u64,
+    /// Sum of file sizes.
+    pub bytes: u64,
+    /// The tree, in path order.
+    pub segments: Vec<SegmentRef>,
+}
+
+impl SnapshotObject {
+    /// Encodes the object; its id is the BLAKE3 of the result.
+    pub fn encode(&self) -> (SnapshotId, Vec<u8>) {
+        let mut out = MAGIC.to_vec();
+        out.push(VERSION);
+        let out = postcard::to_extend(self, out).expect("Vec writer cannot fail");
+        (SnapshotId::of(&out), out)
+    }
+
+    /// Decodes and checks the object against its id.
+    pub fn decode(bytes: &[u8], id: &SnapshotId) -> Result<Self> {
+        let what = || format!("snapshot {id}");
+        if SnapshotId::of(bytes) != *id {
+            return Err(Error::corrupt(
+                what(),
+                "content does not match its BLAKE3 id",
+            ));
+        }
+        if bytes.len() < 5 || &bytes[..4] != MAGIC {
+            return Err(Error::corrupt(what(), "not a labsync snapshot"));
+        }
+        if bytes[4] != VERSION {
+            return Err(Error::corrupt(
+                what(),
+                format!("format version {}; this labsync reads {VERSION}", bytes[4]),
+            ));
+        }
+        postcard::from_bytes(&bytes[5..]).map_err(|e| Error::corrupt(what(), e.to_string()))
+    }
+}
+
+/// Encodes one segment (plain bytes; the chunk id is their BLAKE3).
+pub fn encode_segment(entries: &[Entry]) -> Vec<u8> {
+    postcard::to_extend(entries, vec![SEGMENT_VERSION]).expect("Vec writer cannot fail")
+}
+
+/// Decodes one segment.
+pub fn decode_segment(bytes: &[u8], id: &ChunkId) -> Result<Vec<Entry>> {
+    let what = || format!("tree segment {id}");
+    match bytes.first() {
+        Some(&SEGMENT_VERSION) => {
+            postcard::from_bytes(&bytes[1..]).map_err(|e| Error::corrupt(what(), e.to_string()))
+        }
+        Some(v) => Err(Error::corrupt(
+            what(),
+            format!("format version {v}; this labsync reads {SEGMENT_VERSION}"),
+        )),
+        None => Err(Error::corrupt(what(), "empty")),
+    }
+}
+
+/// Splits sorted entries into segments; a boundary follows every entry whose
+/// path hash has its low bits clear. Depends on paths only, never on content.
+pub fn split_segments(entries: &[Entry]) -> Vec<&[Entry]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, e) in entries.iter().enumerate() {
+        let boundary = blake3::hash(&e.path).as_bytes()[0] & BOUNDARY_MASK == 0;
+        if boundary || i + 1 - start >= MAX_SEGMENT_ENTRIES || i + 1 == entries.len() {
+            out.push(&entries[start..=i]);
+            start = i + 1;
+        }
+    }
+    out
+}
+
+/// Why a path is refused; `None` when it is a plain relative path.
+fn path_problem(path: &[u8]) -> Option<&'static str> {
+    if path.is_empty() {
+        return Some("empty path");
+    }
+    if path.contains(&0) {
+        return Some("NUL byte in path");
+    }
+    if path[0] == b'/' {
+        return Some("absolute path");
+    }
+    for comp in path.split(|&b| b == b'/') {
+        match comp {
+            b"" => return Some("empty path component"),
+            b"." => return Some("'.' path component"),
+            b".." => return Some("'..' path component would escape the destination"),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Checks that materialising `entries` cannot write outside the destination:
+/// relative paths without `..`, strictly sorted (so no duplicates), every
+/// parent a directory of the snapshot and never a symlink (a link to `/etc`
+/// followed by a file `link/passwd` is the classic tar attack).
+pub fn validate_entries(entries: &[Entry], snapshot: &str) -> Result<()> {
+    let refuse = |e: &Entry, why: &'static str| Error::UnsafePath {
+        path: e.path_lossy(),
+        snapshot: snapshot.to_string(),
+        why,
+    };
+    let mut dirs: HashSet<&[u8]> = HashSet::new();
+    let mut prev: Option<&[u8]> = None;
+    for e in entries {
+        if let Some(why) = path_problem(&e.path) {
+            return Err(refuse(e, why));
+        }
+        if prev.is_some_and(|p| p >= e.path.as_slice()) {
+            return Err(refuse(e, "entries out of order or duplicated"));
+        }
+        prev = Some(&e.path);
+        if let Some(slash) = e.path.iter().rposition(|&b| b == b'/') {
+            if !dirs.contains(&e.path[..slash]) {
+                return Err(refuse(
+                    e,
+                    "parent is not a directory of the snapshot (a symlink or missing)",
+                ));
+            }
+        }
+        if e.kind == Kind::Dir {
+            dirs.insert(&e.path);
+        }
+    }
+    Ok(())
+}
+
+/// What changed between two trees.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Changes {
+    /// Paths only in the new tree.
+    pub added: Vec<String>,
+    /// Paths only in the old tree.
+    pub removed: Vec<String>,
+    /// Paths in both whose kind, content, mode or link target differ.
+    pub modified: Vec<String>,
+}
+
+/// Compares two entry lists sorted by path bytes (mtime alone is not a
+/// modification). Byte order puts every directory before its contents.
+pub fn diff(old: &[Entry], new: &[Entry]) -> Changes {
+    use std::cmp::Ordering::*;
+    let mut c = Changes::default();
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        let ord = match (old.get(i), new.get(j)) {
+            (Some(a), Some(b)) => a.path.cmp(&b.path),
+            (Some(_), None) => Less,
+            _ => Greater,
+        };
+        match ord {
+            Less => {
+                c.removed.push(old[i].path_lossy());
+                i += 1;
+            }
+            Greater => {
+                c.added.push(new[j].path_lossy());
+                j += 1;
+            }
+            Equal => {
+                let (a, b) = (&old[i], &new[j]);
+                if a.kind != b.kind
+                    || a.chunks != b.chunks
+                    || a.mode != b.mode
+                    || a.target != b.target
+                    || a.size != b.size
+                {
+                    c.modified.push(b.path_lossy());
+                }
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn file(path: &str, content: &[u8]) -> Entry {
+        Entry {
+            path: path.as_bytes().to_vec(),
+            kind: Kind::File,
+            mode: 0o644,
+            mtime_ns: 1,
+            size: content.len() as u64,
+            chunks: vec![ChunkId::of(content)],
+            target: vec![],
+        }
+    }
+
+    fn dir(path: &str) -> Entry {
+        Entry {
+            kind: Kind::Dir,
+            chunks: vec![],
+            size: 0,
+            ..file(path, b"")
+        }
+    }
+
+    fn link(path: &str, target: &str) -> Entry {
+        Entry {
+            kind: Kind::Symlink,
+            chunks: vec![],
+            size: 0,
+            target: target.as_bytes().to_vec(),
+            ..file(path, b"")
+        }
+    }
+
+    #[test]
+    fn traversal_and_symlink_parents_are_refused() {
+        let ok = vec![dir("a"), file("a/x", b"1"), link("l", "/etc")];
+        validate_entries(&ok, "s").unwrap();
+        for (bad, why) in [
+            (vec![file("/etc/passwd", b"x")], "absolute"),
+            (vec![file("../x", b"x")], ".."),
+            (vec![dir("a"), file("a/../../x", b"x")], ".."),
+            (vec![link("l", "/etc"), file("l/passwd", b"x")], "symlink"),
+            (vec![file("a/x", b"x")], "not a directory"),
+            (vec![file("x", b"1"), file("x", b"2")], "duplicated"),
+            (vec![file("a//b", b"1")], "empty path component"),
+        ] {
+            let err = validate_entries(&bad, "snap1").unwrap_err();
+            assert!(err.to_string().contains(why), "{err} should mention {why}");
+            assert!(err.to_string().contains("snap1"));
+        }
+    }
+
+    #[test]
+    fn snapshot_id_depends_on_content_only() {
+        let s = SnapshotObject {
+            files: 1,
+            dirs: 0,
+            symlinks: 0,
+            bytes: 3,
+            segments: vec![],
+        };
+        let (id1, bytes) = s.encode();
+        assert_eq!(s.encode().0, id1);
+        assert_eq!(SnapshotObject::decode(&bytes, &id1).unwrap(), s);
+        let mut bad = bytes.clone();
+        bad[6] ^= 1;
+        assert!(SnapshotObject::decode(&bad, &id1).is_err());
+    }
+
+    #[test]
+    fn editing_one_file_changes_one_segment() {
+        let entries: Vec<Entry> = (0..2000)
+            .map(|i| file(&format!("f{i:05}"), &[i as u8, 1]))
+            .collect();
+        let before: Vec<ChunkId> = split_segments(&entries)
+            .iter()
+            .map(|s| ChunkId::of(&encode_segment(s)))
+            .collect();
+        let mut edited = entries.clone();
+        edited[1234] = file("f01234", b"changed");
+        let after: Vec<ChunkId> = split_segments(&edited)
+            .iter()
+            .map(|s| ChunkId::of(&encode_segment(s)))
+            .collect();
+        assert_eq!(before.len(), after.len());
+        assert_eq!(before.iter().zip(&after).filter(|(a, b)| a != b).count(), 1);
+        assert!(
+            before.len() > 60 && before.len() < 250,
+            "about 16 entries a segment: {}",
+            before.len()
+        );
+    }
+
+    #[test]
+    fn diff_reports_each_kind() {
+        let old = vec![file("a", b"1"), file("b", b"1"), file("c", b"1")];
+        let new = vec![file("a", b"1"), file("b", b"2"), file("d", b"1")];
+        let d = diff(&old, &new);
+        assert_eq!(
+            (d.added, d.removed, d.modified),
+            (vec!["d".into()], vec!["c".into()], vec!["b".into()])
+        );
+    }
+
+    fn arb_entry() -> impl Strategy<Value = Entry> {
+        (
+            proptest::collection::vec(any::<u8>(), 1..40),
+            0u8..3,
+            any::<u32>(),
+            any::<i64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<[u8; 32]>(), 0..5),
+            proptest::collection::vec(any::<u8>(), 0..20),
+        )
+            .prop_map(|(path, k, mode, mtime_ns, size, chunks, target)| Entry {
+                path,
+                kind: [Kind::File, Kind::Dir, Kind::Symlink][k as usize],
+                mode,
+                mtime_ns,
+                size,
+                chunks: chunks.into_iter().map(ChunkId::from_bytes).collect(),
+                target,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn segment_encode_decode_is_identity(entries in proptest::collection::vec(arb_entry(), 0..50)) {
+            let bytes = encode_segment(&entries);
+            prop_assert_eq!(decode_segment(&bytes, &ChunkId::of(&bytes)).unwrap(), entries.clone());
+            let total: usize = split_segments(&entries).iter().map(|s| s.len()).sum();
+            prop_assert_eq!(total, entries.len());
+        }
+    }
+}
