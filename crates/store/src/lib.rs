@@ -60,7 +60,10 @@ pub use pull::{pull, warm, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT};
-pub use snapshot::{diff, validate_entries, Changes, Entry, Kind, SnapshotObject};
+pub use snapshot::{
+    decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind, SegmentRef,
+    SnapshotObject,
+};
 pub use verify::{verify, VerifyReport};
 
 /// Pack key of a pack id (`packs/<hh>/<id>`), for tools and tests that look at the store.

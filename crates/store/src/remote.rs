@@ -239,6 +239,9 @@ impl Remote {
 
     /// Deletes an object; deleting what is already gone is not an error.
     pub async fn delete(&self, key: &str) -> Result<()> {
+        if self.local_root.is_some() {
+            self.unsynced.lock().expect("unsynced set poisoned").remove(key);
+        }
         match self.inner.delete(&Path::from(key)).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(Self::unavailable("delete", key)(e)),
@@ -259,7 +262,12 @@ impl Remote {
             let mut dirs = BTreeSet::new();
             for key in &keys {
                 let path = root.join(key);
-                let f = std::fs::File::open(&path).map_err(Error::io("open for fsync", &path))?;
+                let f = match std::fs::File::open(&path) {
+                    Ok(f) => f,
+                    // Deleted since it was written (gc, a test): nothing to make durable.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(Error::io("open for fsync", &path)(e)),
+                };
                 f.sync_all().map_err(Error::io("fsync", &path))?;
                 let mut dir = path.parent().map(FsPath::to_path_buf);
                 // New fan-out folders (`packs/3f`) must reach the disk too.

@@ -1,0 +1,669 @@
+//! Integration tests of the store: one conformance suite run against every
+//! backend (in memory, a local folder, and a real S3 server on 127.0.0.1), plus
+//! the crash, race, corruption and traversal cases.
+
+mod support;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use labsync_store::{
+    gc, pull, push, verify, ChunkId, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
+    PackBuilder, PushOptions, Remote, Repo, SnapshotObject, VersionRecord,
+};
+use support::{assert_same_tree, write_tree, S3Server};
+
+fn opts(name: &str, cache: &NodeCache) -> PushOptions {
+    PushOptions {
+        name: name.into(),
+        files_cache: Some(cache.files_cache_dir()),
+        threads: 2,
+        user: "t".into(),
+        host: "h".into(),
+    }
+}
+
+fn np() -> Arc<NoProgress> {
+    Arc::new(NoProgress)
+}
+
+struct Env {
+    _dir: tempfile::TempDir,
+    root: std::path::PathBuf,
+    repo: Repo,
+    cache: NodeCache,
+}
+
+impl Env {
+    async fn new(remote: Remote) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let cache = NodeCache::open(&root.join("cache"), 1 << 30).unwrap();
+        let repo = Repo::open(remote, None).await.unwrap();
+        Env {
+            _dir: dir,
+            root,
+            repo,
+            cache,
+        }
+    }
+
+    fn fresh_cache(&self, name: &str) -> NodeCache {
+        NodeCache::open(&self.root.join(name), 1 << 30).unwrap()
+    }
+}
+
+// ---------------------------------------------------------------- conformance
+
+async fn check_round_trip(env: &Env) {
+    let src = env.root.join("src");
+    write_tree(&src, 1);
+    let r = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    assert!(r.created);
+    assert_eq!(r.record.label(), "ds@v1");
+    let dest = env.root.join("out");
+    let p = pull(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &dest,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert!(p.files_written > 5);
+    assert_same_tree(&src, &dest);
+}
+
+async fn check_unchanged_repush_creates_nothing(env: &Env) {
+    let src = env.root.join("src");
+    let before = env.repo.remote().list("").await.unwrap().len();
+    let r = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    assert!(!r.created, "unchanged tree must not create a version");
+    assert_eq!(r.record.version, 1);
+    assert_eq!(
+        r.files_read, 0,
+        "files cache: no unchanged file is read again"
+    );
+    assert_eq!(
+        env.repo.remote().list("").await.unwrap().len(),
+        before,
+        "no object written"
+    );
+}
+
+async fn check_small_change_stores_little(env: &Env) {
+    let src = env.root.join("src");
+    support::overwrite_middle(&src.join("big.bin"), 4096);
+    let r = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    assert!(r.created);
+    assert_eq!(r.record.version, 2);
+    assert_eq!(
+        (r.record.modified, r.record.added, r.record.removed),
+        (1, 0, 0)
+    );
+    // big.bin is ~9 MB; a 4 KiB overwrite rewrites one chunk (<= 4 MiB).
+    assert!(
+        r.record.new_bytes < 4_400_000,
+        "stored {} bytes for a 4 KiB edit",
+        r.record.new_bytes
+    );
+    let out = env.root.join("out2");
+    pull(
+        &env.repo,
+        &env.cache,
+        &"ds@v2".parse().unwrap(),
+        &out,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &out);
+    // The old version is still intact.
+    let v1 = env.root.join("out1");
+    pull(
+        &env.repo,
+        &env.cache,
+        &"ds@v1".parse().unwrap(),
+        &v1,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_ne!(
+        std::fs::read(v1.join("big.bin")).unwrap(),
+        std::fs::read(src.join("big.bin")).unwrap()
+    );
+}
+
+async fn check_conditional_create(env: &Env) {
+    let r = env.repo.remote();
+    assert!(r.create("refs/cc/@/0000000001", "a".into()).await.unwrap());
+    assert!(
+        !r.create("refs/cc/@/0000000001", "b".into()).await.unwrap(),
+        "second create must lose"
+    );
+    assert_eq!(&r.get("refs/cc/@/0000000001").await.unwrap()[..], b"a");
+    r.delete("refs/cc/@/0000000001").await.unwrap();
+}
+
+async fn check_concurrent_pushes_keep_both_versions(env: &Env) {
+    let (a, b) = (env.root.join("race-a"), env.root.join("race-b"));
+    write_tree(&a, 11);
+    write_tree(&b, 12);
+    let (c1, c2) = (env.fresh_cache("c1"), env.fresh_cache("c2"));
+    let (o1, o2) = (opts("race", &c1), opts("race", &c2));
+    let (r1, r2) = tokio::join!(
+        push(&env.repo, &a, &o1, np()),
+        push(&env.repo, &b, &o2, np())
+    );
+    let (r1, r2) = (r1.unwrap(), r2.unwrap());
+    let mut vs = [r1.record.version, r2.record.version];
+    vs.sort();
+    assert_eq!(vs, [1, 2], "both pushes land as distinct versions");
+    let versions = env.repo.versions("race").await.unwrap();
+    let snaps: HashSet<_> = versions.iter().map(|v| v.snapshot).collect();
+    assert_eq!(snaps.len(), 2);
+}
+
+async fn check_corrupt_chunk_is_never_materialised(env: &Env) {
+    let src = env.root.join("corrupt-src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("victim.bin"), support::random_bytes(300_000, 77)).unwrap();
+    push(&env.repo, &src, &opts("victim", &env.cache), np())
+        .await
+        .unwrap();
+    let (index, _) = env.repo.load_index().await.unwrap();
+    let (_, entries) = env
+        .repo
+        .load_tree(
+            &index,
+            &env.repo
+                .resolve(&"victim".parse().unwrap())
+                .await
+                .unwrap()
+                .snapshot,
+        )
+        .await
+        .unwrap();
+    let chunk = entries
+        .iter()
+        .find(|e| e.kind == Kind::File)
+        .unwrap()
+        .chunks[0];
+    let (pack, e) = index.get(&chunk).unwrap();
+    let key = labsync_store::pack_key(&pack);
+    let original = env.repo.remote().get(&key).await.unwrap();
+    let mut bytes = original.to_vec();
+    bytes[e.offset as usize + 10] ^= 0xff;
+    // Delete first: on a local store the cache may hold a hard link to the original file.
+    env.repo.remote().delete(&key).await.unwrap();
+    env.repo.remote().put(&key, bytes.into()).await.unwrap();
+
+    let cache = env.fresh_cache("corrupt-cache");
+    let dest = env.root.join("corrupt-out");
+    let err = pull(
+        &env.repo,
+        &cache,
+        &"victim".parse().unwrap(),
+        &dest,
+        2,
+        np(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string().contains(&pack.to_string()),
+        "names the pack: {err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&dest).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "nothing materialised, no temp file left: {left:?}"
+    );
+    let report = verify(
+        &env.repo,
+        &cache,
+        Some(&"victim".parse().unwrap()),
+        true,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.contains(&pack.to_string())),
+        "{:?}",
+        report.problems
+    );
+    env.repo.remote().delete(&key).await.unwrap();
+    env.repo.remote().put(&key, original).await.unwrap();
+}
+
+async fn check_rebuild_index(env: &Env) {
+    for o in env.repo.remote().list("index/").await.unwrap() {
+        env.repo.remote().delete(&o.key).await.unwrap();
+    }
+    let (idx, _) = env.repo.load_index().await.unwrap();
+    assert!(idx.is_empty());
+    let (packs, chunks) = env.repo.rebuild_index().await.unwrap();
+    assert!(packs > 0 && chunks > 0);
+    let dest = env.root.join("after-rebuild");
+    pull(
+        &env.repo,
+        &env.fresh_cache("rebuild-cache"),
+        &"ds".parse().unwrap(),
+        &dest,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&env.root.join("src"), &dest);
+}
+
+async fn check_gc_sweeps_only_unreferenced(env: &Env) {
+    // An orphan pack, as a push that crashed after uploading would leave.
+    let mut b = PackBuilder::default();
+    let data = b"orphaned chunk".to_vec();
+    b.add(ChunkId::of(&data), &data, data.len() as u32, 0);
+    let orphan = b.seal();
+    let key = labsync_store::pack_key(&orphan.id);
+    env.repo
+        .remote()
+        .put(&key, orphan.bytes.into())
+        .await
+        .unwrap();
+
+    // Young: kept under the default grace period.
+    let g = gc(&env.repo, false, None, &NoProgress).await.unwrap();
+    assert!(g.deleted.is_empty() && g.condemned.is_empty());
+    assert!(env.repo.remote().head(&key).await.unwrap().is_some());
+    // Dry run changes nothing.
+    let g = gc(&env.repo, true, Some(0), &NoProgress).await.unwrap();
+    assert!(g.deleted.contains(&orphan.id));
+    assert!(env.repo.remote().head(&key).await.unwrap().is_some());
+    // Grace 0: condemned and deleted; everything referenced survives.
+    let g = gc(&env.repo, false, Some(0), &NoProgress).await.unwrap();
+    assert_eq!(g.deleted, vec![orphan.id]);
+    assert!(env.repo.remote().head(&key).await.unwrap().is_none());
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+async fn check_malicious_snapshots_are_refused(env: &Env) {
+    let evil = |path: &str, kind: Kind, target: &str| Entry {
+        path: path.as_bytes().to_vec(),
+        kind,
+        mode: 0o644,
+        mtime_ns: 0,
+        size: if kind == Kind::File { 4 } else { 0 },
+        chunks: if kind == Kind::File {
+            vec![ChunkId::of(b"pwnd")]
+        } else {
+            vec![]
+        },
+        target: target.as_bytes().to_vec(),
+    };
+    let cases: Vec<(&str, Vec<Entry>)> = vec![
+        ("dotdot", vec![evil("../escaped", Kind::File, "")]),
+        ("absolute", vec![evil("/tmp/escaped", Kind::File, "")]),
+        (
+            "via-symlink",
+            vec![
+                evil("link", Kind::Symlink, "/tmp"),
+                evil("link/escaped", Kind::File, ""),
+            ],
+        ),
+    ];
+    for (name, entries) in cases {
+        let rec = plant_snapshot(&env.repo, name, &entries).await;
+        let dest = env.root.join(format!("evil-{name}"));
+        let err = pull(
+            &env.repo,
+            &env.cache,
+            &name.parse().unwrap(),
+            &dest,
+            2,
+            np(),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::UnsafePath { .. }), "{name}: {err}");
+        assert!(!env.root.join("escaped").exists() && !Path::new("/tmp/escaped").exists());
+        assert!(rec.version == 1);
+    }
+}
+
+/// Writes a hand-made snapshot and ref, bypassing push's checks.
+async fn plant_snapshot(repo: &Repo, name: &str, entries: &[Entry]) -> VersionRecord {
+    let seg = labsync_store::encode_segment(entries);
+    let id = ChunkId::of(&seg);
+    let mut b = PackBuilder::default();
+    b.add(id, &seg, seg.len() as u32, 2);
+    b.add(ChunkId::of(b"pwnd"), b"pwnd", 4, 0);
+    let p = b.seal();
+    repo.remote()
+        .put(&labsync_store::pack_key(&p.id), p.bytes.clone().into())
+        .await
+        .unwrap();
+    repo.write_index(&[IndexPack::new(p.id, p.bytes.len() as u64, &p.entries)])
+        .await
+        .unwrap();
+    let snap = SnapshotObject {
+        files: 1,
+        dirs: 0,
+        symlinks: 0,
+        bytes: 4,
+        segments: vec![labsync_store::SegmentRef {
+            id,
+            entries: entries.len() as u32,
+        }],
+    };
+    let (sid, bytes) = snap.encode();
+    repo.remote()
+        .put(&format!("snapshots/{sid}"), bytes.into())
+        .await
+        .unwrap();
+    let rec = VersionRecord {
+        name: name.into(),
+        version: 0,
+        snapshot: sid,
+        time: 0,
+        user: "mallory".into(),
+        host: "x".into(),
+        files: 1,
+        bytes: 4,
+        stored_bytes: 4,
+        new_bytes: 0,
+        added: 0,
+        removed: 0,
+        modified: 0,
+    };
+    repo.commit_version(rec).await.unwrap().0
+}
+
+async fn check_interrupted_pull_resumes(env: &Env) {
+    let dest = env.root.join("resume");
+    let cache = env.fresh_cache("resume-cache");
+    let first = pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+        .await
+        .unwrap();
+    // Simulate an interruption: some files never got renamed into place.
+    let mut removed = 0;
+    for e in std::fs::read_dir(&dest).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() && removed < 3 {
+            std::fs::remove_file(e.path()).unwrap();
+            removed += 1;
+        }
+    }
+    let again = pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+        .await
+        .unwrap();
+    assert_eq!(again.files_written, removed);
+    assert_eq!(again.files_skipped, first.files_written - removed);
+    assert_eq!(again.packs_fetched, 0, "nothing downloaded twice");
+    assert_same_tree(&env.root.join("src"), &dest);
+}
+
+async fn conformance(remote: Remote) {
+    let env = Env::new(remote).await;
+    check_conditional_create(&env).await;
+    check_round_trip(&env).await;
+    check_unchanged_repush_creates_nothing(&env).await;
+    check_small_change_stores_little(&env).await;
+    check_interrupted_pull_resumes(&env).await;
+    check_concurrent_pushes_keep_both_versions(&env).await;
+    check_corrupt_chunk_is_never_materialised(&env).await;
+    check_malicious_snapshots_are_refused(&env).await;
+    check_rebuild_index(&env).await;
+    check_gc_sweeps_only_unreferenced(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_memory() {
+    conformance(Remote::memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_local_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    conformance(Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_s3() {
+    let Some(s3) = S3Server::start() else { return };
+    conformance(s3.remote("conformance")).await;
+}
+
+// ------------------------------------------------------------- local-only cases
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_during_push_never_deletes_what_the_push_references() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("big");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..40 {
+        std::fs::write(
+            src.join(format!("f{i}")),
+            support::random_bytes(1_000_000, i),
+        )
+        .unwrap();
+    }
+    // Leftovers of an earlier crashed push, condemned by a gc two hours ago:
+    // this gc deletes them while the push's own young packs must survive.
+    let mut b = PackBuilder::default();
+    b.add(ChunkId::of(b"old"), b"old", 3, 0);
+    let orphan = b.seal();
+    let key = labsync_store::pack_key(&orphan.id);
+    env.repo
+        .remote()
+        .put(&key, orphan.bytes.into())
+        .await
+        .unwrap();
+    let two_hours_ago =
+        filetime::FileTime::from_unix_time(filetime::FileTime::now().unix_seconds() - 7200, 0);
+    filetime::set_file_mtime(env.repo.remote().local_path(&key).unwrap(), two_hours_ago).unwrap();
+    let rec = serde_json::json!({"time": two_hours_ago.unix_seconds(), "packs": [orphan.id]});
+    env.repo
+        .remote()
+        .put("gc/condemned-old", serde_json::to_vec(&rec).unwrap().into())
+        .await
+        .unwrap();
+    let o = opts("big", &env.cache);
+    let (pushed, swept) = tokio::join!(push(&env.repo, &src, &o, np()), async {
+        let mut runs = Vec::new();
+        for _ in 0..10 {
+            runs.push(gc(&env.repo, false, Some(60), &NoProgress).await.unwrap());
+            tokio::task::yield_now().await;
+        }
+        runs
+    });
+    pushed.unwrap();
+    let deleted: Vec<_> = swept
+        .iter()
+        .flat_map(|g| g.deleted.iter().copied())
+        .collect();
+    assert_eq!(
+        deleted,
+        vec![orphan.id],
+        "only the old orphan goes; the running push's packs are young"
+    );
+    assert!(env.repo.remote().head(&key).await.unwrap().is_none());
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    let out = env.root.join("out");
+    pull(
+        &env.repo,
+        &env.cache,
+        &"big".parse().unwrap(),
+        &out,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_of_many_small_files_writes_few_objects() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("small");
+    for d in 0..20 {
+        std::fs::create_dir_all(src.join(format!("d{d}"))).unwrap();
+        for f in 0..250 {
+            std::fs::write(
+                src.join(format!("d{d}/f{f}.py")),
+                format!("print({d} * {f})\n").repeat(1 + f % 7),
+            )
+            .unwrap();
+        }
+    }
+    let r = push(&env.repo, &src, &opts("small", &env.cache), np())
+        .await
+        .unwrap();
+    // 5,000 files: data pack(s) + tree pack + index + snapshot + ref.
+    assert!(
+        r.objects_written <= 8,
+        "{} objects for 5,000 files",
+        r.objects_written
+    );
+    let out = env.root.join("out");
+    pull(
+        &env.repo,
+        &env.cache,
+        &"small".parse().unwrap(),
+        &out,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let cache = NodeCache::open(&env.root.join("small-cache"), 3_000_000).unwrap();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let src = env.root.join(name);
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(
+            src.join("data"),
+            support::random_bytes(1_200_000, 100 + i as u64),
+        )
+        .unwrap();
+        push(&env.repo, &src, &opts(name, &env.cache), np())
+            .await
+            .unwrap();
+    }
+    let a = labsync_store::warm(&env.repo, &cache, &"a".parse().unwrap(), np())
+        .await
+        .unwrap()
+        .0;
+    cache.set_pinned(a.snapshot, true).unwrap();
+    pull(
+        &env.repo,
+        &cache,
+        &"b".parse().unwrap(),
+        &env.root.join("ob"),
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    pull(
+        &env.repo,
+        &cache,
+        &"c".parse().unwrap(),
+        &env.root.join("oc"),
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    let st = cache.status().unwrap();
+    let labels: Vec<_> = st.snapshots.iter().map(|s| s.1.label.clone()).collect();
+    assert!(
+        labels.contains(&"a@v1".to_string()),
+        "pinned survives: {labels:?}"
+    );
+    assert!(
+        labels.contains(&"c@v1".to_string()),
+        "most recent survives: {labels:?}"
+    );
+    assert!(
+        !labels.contains(&"b@v1".to_string()),
+        "LRU evicted: {labels:?}"
+    );
+    assert!(st.used_bytes <= 3_000_000);
+    cache.set_pinned(a.snapshot, false).unwrap();
+    cache.evict_to(0, None).unwrap();
+    assert_eq!(cache.status().unwrap().used_bytes, 0);
+    let left = walk_files(&env.root.join("small-cache/packs-v1"));
+    assert_eq!(left, 0, "evicted packs are deleted from disk");
+}
+
+fn walk_files(p: &Path) -> usize {
+    std::fs::read_dir(p).map_or(0, |rd| {
+        rd.flatten()
+            .map(|e| {
+                if e.file_type().unwrap().is_dir() {
+                    walk_files(&e.path())
+                } else {
+                    1
+                }
+            })
+            .sum()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_node_cache_is_refetched_not_materialised() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    write_tree(&src, 3);
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    // A cache filled by copy, not hard link, so corrupting it leaves the store intact.
+    let cache = env.fresh_cache("copy-cache");
+    labsync_store::warm(&env.repo, &cache, &"ds".parse().unwrap(), np())
+        .await
+        .unwrap();
+    for p in support::files_under(&cache.root().join("packs-v1")) {
+        let mut b = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        b[5] ^= 0x55;
+        std::fs::write(&p, b).unwrap();
+    }
+    let out = env.root.join("out");
+    pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_same_tree(&src, &out);
+}

@@ -1,0 +1,270 @@
+//! Test helpers: seeded trees, tree comparison, and a real S3 server.
+
+#![allow(dead_code)]
+
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use labsync_store::Remote;
+
+/// Deterministic bytes (BLAKE3 XOF keyed by the seed).
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    blake3::Hasher::new()
+        .update(&seed.to_le_bytes())
+        .finalize_xof()
+        .fill(&mut v);
+    v
+}
+
+fn set_mtime(p: &Path, secs: i64, nanos: u32) {
+    let t = filetime::FileTime::from_unix_time(secs, nanos);
+    filetime::set_symlink_file_times(p, t, t).unwrap();
+}
+
+/// A tree with what datasets and code trees hold: a multi-chunk file, an
+/// empty file, odd modes, nested folders, symlinks (one dangling), a non-UTF-8
+/// name and sub-second mtimes.
+pub fn write_tree(root: &Path, seed: u64) {
+    std::fs::create_dir_all(root.join("a/b/c")).unwrap();
+    std::fs::write(
+        root.join("big.bin"),
+        random_bytes(9_000_000 + seed as usize, seed),
+    )
+    .unwrap();
+    std::fs::write(root.join("empty"), b"").unwrap();
+    std::fs::write(
+        root.join("a/train.py"),
+        format!("print('seed {seed}')\n").repeat(100),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        root.join("a/train.py"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::write(root.join("a/b/secret"), b"s").unwrap();
+    std::fs::set_permissions(
+        root.join("a/b/secret"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    for i in 0..20 {
+        std::fs::write(
+            root.join(format!("a/b/c/img{i:03}.png")),
+            random_bytes(1000 + i * 997, seed * 100 + i as u64),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        root.join(std::ffi::OsStr::from_bytes(b"caf\xe9.txt")),
+        b"latin-1 name",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("a/train.py", root.join("link")).unwrap();
+    std::os::unix::fs::symlink("does/not/exist", root.join("dangling")).unwrap();
+    for (i, p) in files_under(root).iter().enumerate() {
+        set_mtime(p, 1_700_000_000 + i as i64, 123_456_789);
+    }
+    set_mtime(&root.join("link"), 1_600_000_000, 5);
+    std::fs::set_permissions(root.join("a/b"), std::fs::Permissions::from_mode(0o750)).unwrap();
+    set_mtime(&root.join("a/b"), 1_650_000_000, 7);
+}
+
+/// Overwrites `n` bytes in the middle of a file (keeping its size).
+pub fn overwrite_middle(p: &Path, n: usize) {
+    let mut b = std::fs::read(p).unwrap();
+    let mid = b.len() / 2;
+    for (i, x) in b[mid..mid + n].iter_mut().enumerate() {
+        *x = x.wrapping_add((i as u8).wrapping_add(1));
+    }
+    std::fs::write(p, b).unwrap();
+}
+
+/// Every regular file and symlink under `root`.
+pub fn files_under(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                stack.push(e.path());
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn describe(root: &Path) -> Vec<(Vec<u8>, String)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let rel = p
+                .strip_prefix(root)
+                .unwrap()
+                .as_os_str()
+                .as_bytes()
+                .to_vec();
+            let mtime = (m.mtime(), m.mtime_nsec());
+            let what = if m.is_dir() {
+                stack.push(p.clone());
+                format!("dir mode {:o} mtime {:?}", m.mode() & 0o7777, mtime)
+            } else if m.file_type().is_symlink() {
+                format!(
+                    "link -> {:?} mtime {:?}",
+                    std::fs::read_link(&p).unwrap(),
+                    mtime
+                )
+            } else {
+                let h = blake3::hash(&std::fs::read(&p).unwrap());
+                format!(
+                    "file mode {:o} size {} mtime {:?} blake3 {}",
+                    m.mode() & 0o7777,
+                    m.len(),
+                    mtime,
+                    h
+                )
+            };
+            out.push((rel, what));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Byte-identical contents, modes, symlink targets and mtimes.
+pub fn assert_same_tree(a: &Path, b: &Path) {
+    let (da, db) = (describe(a), describe(b));
+    if da != db {
+        for (x, y) in da.iter().zip(&db) {
+            if x != y {
+                panic!(
+                    "trees differ at {:?}:\n  {}\n  {}",
+                    String::from_utf8_lossy(&x.0),
+                    x.1,
+                    y.1
+                );
+            }
+        }
+        panic!(
+            "trees differ in length: {} vs {} entries",
+            da.len(),
+            db.len()
+        );
+    }
+}
+
+/// A real S3-compatible server (`s3s-fs`) on 127.0.0.1, stopped on drop.
+pub struct S3Server {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+pub const ACCESS_KEY: &str = "labsync-test";
+pub const SECRET_KEY: &str = "labsync-test-secret";
+
+fn find_s3s_fs() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("LABSYNC_S3S_FS") {
+        return Some(PathBuf::from(p));
+    }
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Some(h) = std::env::var_os("HOME") {
+        dirs.push(PathBuf::from(h).join(".cargo/bin"));
+    }
+    dirs.into_iter()
+        .map(|d| d.join("s3s-fs"))
+        .find(|p| p.is_file())
+}
+
+impl S3Server {
+    /// Starts the server; `None` (with a note) when `s3s-fs` is not installed
+    /// outside CI. In CI (`CI` set) a missing server is a failure.
+    pub fn start() -> Option<S3Server> {
+        let Some(bin) = find_s3s_fs() else {
+            if std::env::var_os("CI").is_some() {
+                panic!("s3s-fs not found: CI must run scripts/test.sh, which installs it");
+            }
+            eprintln!(
+                "SKIPPED: s3s-fs not installed; scripts/test.sh installs it and runs the S3 tests"
+            );
+            return None;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("labsync")).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(&bin)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--access-key",
+                ACCESS_KEY,
+                "--secret-key",
+                SECRET_KEY,
+            ])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "s3s-fs did not listen on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(S3Server {
+            child,
+            port,
+            _dir: dir,
+        })
+    }
+
+    /// The endpoint URL.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Backend options for `Remote::open`.
+    pub fn options(&self) -> Vec<(String, String)> {
+        vec![
+            ("aws_endpoint".into(), self.endpoint()),
+            ("aws_allow_http".into(), "true".into()),
+            ("aws_access_key_id".into(), ACCESS_KEY.into()),
+            ("aws_secret_access_key".into(), SECRET_KEY.into()),
+            ("aws_region".into(), "us-east-1".into()),
+        ]
+    }
+
+    /// A store under `s3://labsync/<prefix>`.
+    pub fn remote(&self, prefix: &str) -> Remote {
+        Remote::open(&format!("s3://labsync/{prefix}"), &self.options()).unwrap()
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
