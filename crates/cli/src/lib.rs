@@ -52,6 +52,6 @@ mod tests {
         assert_eq!(human_bytes(999), "999 B");
         assert_eq!(human_bytes(1_020_000_000), "1.02 GB");
         assert_eq!(human_time(0), "1970-01-01 00:00");
-        assert_eq!(human_time(1_796_220_000), "2026-12-02 14:40");
+        assert_eq!(human_time(1_796_220_000), "2026-12-02 14:00");
     }
 }

@@ -596,7 +596,11 @@ pub async fn push(
             let old = match repo.load_tree(&full, &l.snapshot).await {
                 Ok((_, old)) => old,
                 // The latest version was pushed concurrently, after our index was loaded.
-                Err(e) if e.is_not_found() => repo.load_tree(&repo.load_index().await?.0, &l.snapshot).await?.1,
+                Err(e) if e.is_not_found() => {
+                    repo.load_tree(&repo.load_index().await?.0, &l.snapshot)
+                        .await?
+                        .1
+                }
                 Err(e) => return Err(e),
             };
             let c = snapshot::diff(&old, &entries);

@@ -240,7 +240,10 @@ impl Remote {
     /// Deletes an object; deleting what is already gone is not an error.
     pub async fn delete(&self, key: &str) -> Result<()> {
         if self.local_root.is_some() {
-            self.unsynced.lock().expect("unsynced set poisoned").remove(key);
+            self.unsynced
+                .lock()
+                .expect("unsynced set poisoned")
+                .remove(key);
         }
         match self.inner.delete(&Path::from(key)).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),

@@ -1,0 +1,410 @@
+//! The benchmark itself: data set by data set, step by step, tool by tool.
+//!
+//! Steps are the outer loop and tools the inner one, because the 1 %
+//! modification must be applied exactly once to the shared source tree: all
+//! tools push the very same bytes at every step.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::thread::sleep;
+use std::time::{Duration, SystemTime};
+
+use crate::datagen::{self, Dataset, DatasetKind, Modification};
+use crate::fsutil::{fresh_dir, remove_all, tree_bytes, tree_digest};
+use crate::runner::{count_fsyncs, run_plain, run_timed, Logs};
+use crate::tools::{Tool, ToolRun};
+
+/// Share of files touched by the modification step.
+pub const MODIFIED_FRACTION: f64 = 0.01;
+/// Bytes overwritten in each modified file.
+pub const PATCH_BYTES: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Cold,
+    Unchanged,
+    Modified,
+    Pull,
+}
+
+impl Step {
+    pub const ALL: [Step; 4] = [Step::Cold, Step::Unchanged, Step::Modified, Step::Pull];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Step::Cold => "cold push",
+            Step::Unchanged => "re-push, unchanged",
+            Step::Modified => "re-push, 1% modified",
+            Step::Pull => "pull (restore)",
+        }
+    }
+
+    pub fn key(self) -> &'static str {
+        match self {
+            Step::Cold => "cold",
+            Step::Unchanged => "unchanged",
+            Step::Modified => "modified",
+            Step::Pull => "pull",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    Ok,
+    /// Binary not found; nothing was run.
+    Missing,
+    /// Non-zero exit, timeout, or setup failure.
+    Error,
+    /// The pull "succeeded" but the restored tree differs from the source.
+    Mismatch,
+}
+
+impl Status {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Missing => "missing",
+            Status::Error => "error",
+            Status::Mismatch => "mismatch",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct StepResult {
+    pub tool: Tool,
+    pub step: Step,
+    pub status: Status,
+    pub wall_s: Option<f64>,
+    pub peak_rss_kib: Option<u64>,
+    /// Size of the repo/target after the step.
+    pub stored: Option<u64>,
+    /// Change in stored bytes caused by this step.
+    pub added: Option<i64>,
+    /// Why the step is not ok (last stderr line, mismatch details...).
+    pub note: Option<String>,
+    pub command: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct DatasetResult {
+    pub kind: DatasetKind,
+    pub files: usize,
+    pub bytes: u64,
+    pub modification: Modification,
+    pub results: Vec<StepResult>,
+}
+
+impl DatasetResult {
+    pub fn get(&self, step: Step, tool: Tool) -> Option<&StepResult> {
+        self.results
+            .iter()
+            .find(|r| r.step == step && r.tool == tool)
+    }
+
+    /// The added-bytes allowance of the 1 % step: 1.5 x changed chunk bytes
+    /// (room for pack/index overhead and neighbouring chunks) plus 1 MiB of
+    /// fixed per-snapshot metadata.
+    pub fn budget(&self) -> f64 {
+        1.5 * self.modification.changed_chunk_bytes as f64 + 1_048_576.0
+    }
+}
+
+pub struct Config {
+    pub work: PathBuf,
+    pub scale: f64,
+    pub tools: Vec<Tool>,
+    pub datasets: Vec<DatasetKind>,
+    pub labsync: PathBuf,
+    pub step_timeout: Duration,
+    pub keep: bool,
+}
+
+/// A tool's state across the steps of one data set.
+struct Lane {
+    run: ToolRun,
+    /// `Err((status, note))` when steps cannot run at all.
+    usable: Result<(), (Status, String)>,
+    stored: u64,
+}
+
+fn progress(msg: &str) {
+    eprintln!("[sync-bench] {msg}");
+}
+
+pub fn run_dataset(cfg: &Config, kind: DatasetKind) -> io::Result<DatasetResult> {
+    let base = cfg.work.join(kind.name());
+    fresh_dir(&base)?;
+    let logs_dir = base.join("logs");
+    fs::create_dir_all(&logs_dir)?;
+    let count = datagen::scaled_count(kind.base_files(), cfg.scale);
+    progress(&format!("{}: generating {count} files", kind.name()));
+    let ds = datagen::generate(kind, count, &base.join("src"))?;
+    let generated_at = SystemTime::now();
+    progress(&format!(
+        "{}: {} files, {:.1} MB",
+        kind.name(),
+        count,
+        ds.bytes as f64 / 1e6
+    ));
+
+    let mut lanes: Vec<Lane> = cfg
+        .tools
+        .iter()
+        .map(|&t| new_lane(cfg, t, &base, &logs_dir))
+        .collect();
+    let mut results = Vec::new();
+    let mut modification = Modification::default();
+
+    for (generation, step) in (1u32..).zip(Step::ALL) {
+        let expected = match step {
+            Step::Modified => {
+                // rsync's quick check compares mtimes in whole seconds by
+                // default (rsync(1) --modify-window); an edit in the same
+                // second as generation would be invisible to it and would
+                // show up as a stale restore. Only short smoke runs can get
+                // here that fast.
+                if let Ok(wait) =
+                    (generated_at + Duration::from_secs(1)).duration_since(SystemTime::now())
+                {
+                    sleep(wait);
+                }
+                modification = datagen::modify(&ds, MODIFIED_FRACTION, PATCH_BYTES)?;
+                progress(&format!(
+                    "{}: modified {} files, changed chunk bytes {}",
+                    kind.name(),
+                    modification.files.len(),
+                    modification.changed_chunk_bytes
+                ));
+                None
+            }
+            Step::Pull => Some(tree_digest(&ds.root)?),
+            _ => None,
+        };
+        for lane in &mut lanes {
+            let r = match step {
+                // The pull restores the newest snapshot, which is number 3.
+                Step::Pull => run_pull(cfg, lane, generation - 1, &logs_dir, expected.as_ref()),
+                _ => run_push(cfg, lane, step, &ds, generation, &logs_dir),
+            };
+            progress(&format!(
+                "{}: {:<22} {:<8} {:>8} {}",
+                kind.name(),
+                step.label(),
+                r.tool.name(),
+                r.wall_s.map(|w| format!("{w:.2} s")).unwrap_or_default(),
+                if r.status == Status::Ok {
+                    ""
+                } else {
+                    r.status.label()
+                }
+            ));
+            results.push(r);
+        }
+    }
+
+    if !cfg.keep {
+        remove_all(&base)?;
+    }
+    Ok(DatasetResult {
+        kind,
+        files: ds.files.len(),
+        bytes: ds.bytes,
+        modification,
+        results,
+    })
+}
+
+fn new_lane(cfg: &Config, tool: Tool, base: &Path, logs_dir: &Path) -> Lane {
+    let program = tool.program(&cfg.labsync);
+    let run = ToolRun::new(tool, program.clone(), base.join(tool.name()));
+    let usable = if crate::fsutil::find_program(&program).is_none() {
+        Err((
+            Status::Missing,
+            format!("`{}` not found", program.display()),
+        ))
+    } else {
+        setup(cfg, &run, logs_dir).map_err(|e| (Status::Error, e))
+    };
+    Lane {
+        run,
+        usable,
+        stored: 0,
+    }
+}
+
+fn setup(cfg: &Config, run: &ToolRun, logs_dir: &Path) -> Result<(), String> {
+    run.prepare_dirs()
+        .map_err(|e| format!("creating dirs: {e}"))?;
+    for (i, cmd) in run.setup().iter().enumerate() {
+        let logs = Logs::new(logs_dir, &format!("{}-setup{i}", run.tool.name()));
+        run_plain(cmd, &logs, cfg.step_timeout)
+            .map_err(|e| format!("setup `{}`: {e}", cmd.display()))?;
+    }
+    Ok(())
+}
+
+fn blank(tool: Tool, step: Step, command: String) -> StepResult {
+    StepResult {
+        tool,
+        step,
+        status: Status::Ok,
+        wall_s: None,
+        peak_rss_kib: None,
+        stored: None,
+        added: None,
+        note: None,
+        command,
+    }
+}
+
+fn unusable(mut r: StepResult, status: &Status, note: &str) -> StepResult {
+    r.status = status.clone();
+    r.note = Some(note.to_string());
+    r
+}
+
+fn run_push(
+    cfg: &Config,
+    lane: &mut Lane,
+    step: Step,
+    ds: &Dataset,
+    generation: u32,
+    logs_dir: &Path,
+) -> StepResult {
+    let cmd = lane.run.push(&ds.root, generation);
+    let r = blank(lane.run.tool, step, cmd.display());
+    if let Err((status, note)) = &lane.usable {
+        return unusable(r, status, note);
+    }
+    let logs = Logs::new(
+        logs_dir,
+        &format!("{}-{}", lane.run.tool.name(), step.key()),
+    );
+    let outcome = run_timed(&cmd, &logs, cfg.step_timeout);
+    finish(r, lane, outcome)
+}
+
+fn run_pull(
+    cfg: &Config,
+    lane: &mut Lane,
+    generation: u32,
+    logs_dir: &Path,
+    expected: Option<&crate::fsutil::TreeDigest>,
+) -> StepResult {
+    let dest = lane.run.pull_dest();
+    let cmd = lane.run.pull(&dest, generation);
+    let r = blank(lane.run.tool, Step::Pull, cmd.display());
+    if let Err((status, note)) = &lane.usable {
+        return unusable(r, status, note);
+    }
+    if let Err(e) = fresh_dir(&dest).and_then(|_| remove_all(&lane.run.pull_cache())) {
+        return unusable(
+            r,
+            &Status::Error,
+            &format!("preparing {}: {e}", dest.display()),
+        );
+    }
+    let logs = Logs::new(logs_dir, &format!("{}-pull", lane.run.tool.name()));
+    let outcome = run_timed(&cmd, &logs, cfg.step_timeout);
+    let mut r = finish(r, lane, outcome);
+    if r.status == Status::Ok {
+        match (tree_digest(&dest), expected) {
+            (Ok(got), Some(want)) if &got != want => {
+                r.status = Status::Mismatch;
+                r.note = Some(format!(
+                    "restored {} files / {} bytes, source has {} files / {} bytes{}",
+                    got.files,
+                    got.bytes,
+                    want.files,
+                    want.bytes,
+                    if got.bytes == want.bytes {
+                        " (content differs)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            (Err(e), _) => {
+                r.status = Status::Error;
+                r.note = Some(format!("reading restored tree: {e}"));
+            }
+            _ => {}
+        }
+    }
+    // Restored copies are only needed for the check; drop them to save disk.
+    let _ = remove_all(&dest);
+    let _ = remove_all(&lane.run.pull_cache());
+    r
+}
+
+fn finish(
+    mut r: StepResult,
+    lane: &mut Lane,
+    outcome: Result<crate::runner::Timed, String>,
+) -> StepResult {
+    match outcome {
+        Ok(t) => {
+            r.wall_s = Some(t.wall_s);
+            r.peak_rss_kib = Some(t.peak_rss_kib);
+        }
+        Err(e) => {
+            r.status = Status::Error;
+            r.note = Some(e);
+        }
+    }
+    // Measured even after a failure, so the next step's "added" is relative
+    // to what is really on disk.
+    match tree_bytes(&lane.run.repo()) {
+        Ok(now) => {
+            r.stored = Some(now);
+            r.added = Some(now as i64 - lane.stored as i64);
+            lane.stored = now;
+        }
+        Err(e) => {
+            r.note.get_or_insert_with(|| format!("measuring repo: {e}"));
+        }
+    }
+    r
+}
+
+/// Observed fsync-family calls of one tool's cold push of a tiny tree.
+pub struct FsyncProbe {
+    pub tool: Tool,
+    pub result: Result<u64, String>,
+}
+
+/// Pushes a three-file tree with each tool under strace and counts fsync,
+/// fdatasync, sync_file_range, syncfs, sync and msync calls. This is what
+/// backs the report's durability column instead of trusting the docs alone.
+pub fn probe_fsync(cfg: &Config) -> io::Result<Vec<FsyncProbe>> {
+    let base = cfg.work.join("fsync-probe");
+    fresh_dir(&base)?;
+    let src = base.join("src");
+    fs::create_dir_all(src.join("sub"))?;
+    fs::write(src.join("a.bin"), vec![7u8; 1 << 20])?;
+    fs::write(src.join("sub/b.txt"), b"fsync probe\n")?;
+    fs::write(src.join("sub/c.txt"), b"another file\n")?;
+    let logs_dir = base.join("logs");
+    fs::create_dir_all(&logs_dir)?;
+    let strace = crate::fsutil::find_program(Path::new("strace")).is_some();
+    let mut out = Vec::new();
+    for &tool in &cfg.tools {
+        let lane = new_lane(cfg, tool, &base, &logs_dir);
+        let result = match lane.usable {
+            _ if !strace => Err("strace not installed".to_string()),
+            Err((_, note)) => Err(note),
+            Ok(()) => {
+                let logs = Logs::new(&logs_dir, &format!("{}-probe", tool.name()));
+                count_fsyncs(&lane.run.push(&src, 1), &logs, cfg.step_timeout)
+            }
+        };
+        out.push(FsyncProbe { tool, result });
+    }
+    if !cfg.keep {
+        remove_all(&base)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,364 @@
+//! End-to-end tests of the `labsync` binary: real processes, real files, a
+//! real S3 server on 127.0.0.1.
+
+#[path = "../../store/tests/support/mod.rs"]
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use support::{assert_same_tree, write_tree, S3Server};
+
+struct Lab {
+    dir: tempfile::TempDir,
+    store: String,
+    extra_env: Vec<(String, String)>,
+}
+
+impl Lab {
+    fn new() -> Lab {
+        let dir = tempfile::tempdir().unwrap();
+        let store = format!("file://{}", dir.path().join("store").display());
+        Lab {
+            dir,
+            store,
+            extra_env: Vec::new(),
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_labsync"));
+        c.args(args)
+            .env("HOME", self.path("home"))
+            .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_DATA_HOME")
+            .env_remove("XDG_CACHE_HOME")
+            .env("LABSYNC_STORE", &self.store)
+            .env("LABSYNC_CACHE", self.path("cache"))
+            .stdin(Stdio::null());
+        for (k, v) in &self.extra_env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        assert!(
+            o.status.success(),
+            "labsync {args:?} failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&self.ok(&a)).unwrap()
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn push_pull_ls_log_diff() {
+    let lab = Lab::new();
+    let src = lab.path("div2k");
+    write_tree(&src, 1);
+    let out = lab.ok(&["push", s(&src)]);
+    assert!(out.starts_with("div2k@v1  "), "{out}");
+    let again = lab.json(&["push", s(&src), "--name", "div2k"]);
+    assert_eq!(again["result"]["created"], false);
+    assert_eq!(again["result"]["record"]["version"], 1);
+    assert_eq!(again["result"]["files_read"], 0);
+
+    support::overwrite_middle(&src.join("big.bin"), 100);
+    assert!(lab
+        .ok(&["push", s(&src), "--name", "div2k"])
+        .starts_with("div2k@v2"));
+
+    let dest = lab.path("scratch/div2k");
+    lab.ok(&["pull", "div2k", s(&dest)]);
+    assert_same_tree(&src, &dest);
+    let old = lab.path("old");
+    lab.ok(&["pull", "div2k@v1", s(&old)]);
+    assert_ne!(
+        std::fs::read(old.join("big.bin")).unwrap(),
+        std::fs::read(src.join("big.bin")).unwrap()
+    );
+
+    let ls = lab.ok(&["ls"]);
+    assert!(ls.contains("div2k") && ls.contains("v2"), "{ls}");
+    let log = lab.ok(&["log", "div2k"]);
+    assert!(log.lines().next().unwrap().starts_with("v2"), "{log}");
+    assert!(log.contains("~1"), "{log}");
+    let diff = lab.ok(&["diff", "div2k@v1", "div2k@v2"]);
+    assert!(diff.contains("M big.bin"), "{diff}");
+    assert!(lab.ok(&["verify"]).starts_with("ok"));
+    assert!(lab.ok(&["verify", "--remote", "div2k"]).starts_with("ok"));
+    let st = lab.json(&["cache", "status"]);
+    assert_eq!(st["status"]["snapshots"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn exit_codes_and_messages() {
+    let lab = Lab::new();
+    let o = lab.run(&["frobnicate"]);
+    assert_eq!(o.status.code(), Some(2), "usage error");
+    let o = lab.run(&["pull", "nosuch"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("\"nosuch\"") && err.contains("not found") && err.contains("labsync ls"),
+        "{err}"
+    );
+    let o = lab.run(&["push", "/definitely/not/here", "--name", "x"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/definitely/not/here"));
+    let o = lab.run(&["push", ".", "--name", "../etc"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("invalid name"));
+    let o = lab.run(&["--json", "pull", "nosuch"]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(doc["error"].as_str().unwrap().contains("not found"));
+    let help = lab.ok(&["push", "--help"]);
+    assert!(
+        help.contains("files cache") || help.contains("unchanged"),
+        "{help}"
+    );
+}
+
+#[test]
+fn two_processes_racing_one_name_never_lose_a_version() {
+    let lab = Lab::new();
+    for round in 0..3u64 {
+        let (a, b) = (
+            lab.path(&format!("a{round}")),
+            lab.path(&format!("b{round}")),
+        );
+        write_tree(&a, 100 + round * 2);
+        write_tree(&b, 101 + round * 2);
+        let pa = lab
+            .cmd(&["--json", "push", s(&a), "--name", "race"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pb = lab
+            .cmd(&["--json", "push", s(&b), "--name", "race"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        for p in [pa, pb] {
+            let o = p.wait_with_output().unwrap();
+            assert!(
+                o.status.success(),
+                "a racing push failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+    let log = lab.json(&["log", "race"]);
+    let versions: Vec<u64> = log["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        versions,
+        (1..=6).collect::<Vec<_>>(),
+        "six pushes, six versions"
+    );
+    let snaps: std::collections::HashSet<_> = log["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["snapshot"].to_string())
+        .collect();
+    assert_eq!(snaps.len(), 6);
+}
+
+#[test]
+fn killed_push_never_leaves_a_ref_to_missing_data() {
+    let lab = Lab::new();
+    let src = lab.path("data");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..48 {
+        std::fs::write(
+            src.join(format!("{i:03}.png")),
+            support::random_bytes(2_000_000, i),
+        )
+        .unwrap();
+    }
+    for (round, delay_ms) in [30u64, 120, 250, 400, 700].into_iter().enumerate() {
+        support::overwrite_middle(&src.join(format!("{:03}.png", round)), 10);
+        let mut p = lab
+            .cmd(&["push", s(&src), "--name", "crashy", "--quiet"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let _ = p.kill(); // SIGKILL
+        let _ = p.wait();
+        let v = lab.run(&["verify", "--remote"]);
+        assert!(
+            v.status.success(),
+            "store inconsistent after kill at {delay_ms} ms: {}",
+            String::from_utf8_lossy(&v.stdout)
+        );
+    }
+    // A completed push after the crashes, then gc of the leftovers, then a clean pull.
+    lab.ok(&["push", s(&src), "--name", "crashy"]);
+    lab.ok(&["gc", "--grace", "0"]);
+    assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
+    let dest = lab.path("out");
+    lab.ok(&["pull", "crashy", s(&dest)]);
+    assert_same_tree(&src, &dest);
+}
+
+#[test]
+fn gc_process_next_to_push_process() {
+    let lab = Lab::new();
+    let src = lab.path("d");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..24 {
+        std::fs::write(
+            src.join(format!("f{i}")),
+            support::random_bytes(2_000_000, 1000 + i),
+        )
+        .unwrap();
+    }
+    let push = lab
+        .cmd(&["push", s(&src), "--name", "d", "--quiet"])
+        .spawn()
+        .unwrap();
+    let mut gcs = 0;
+    let mut push = push;
+    loop {
+        lab.ok(&["gc"]);
+        gcs += 1;
+        if push.try_wait().unwrap().is_some() {
+            break;
+        }
+    }
+    assert!(push.wait().unwrap().success());
+    assert!(gcs >= 1);
+    assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
+    let dest = lab.path("out");
+    lab.ok(&["pull", "d", s(&dest)]);
+    assert_same_tree(&src, &dest);
+}
+
+#[test]
+fn config_file_and_precedence() {
+    let mut lab = Lab::new();
+    let cfg = lab.path("labsync.toml");
+    let file_store = lab.path("file-store");
+    std::fs::write(
+        &cfg,
+        format!(
+            "store = \"file://{}\"\ncache_max = \"1G\"\n",
+            file_store.display()
+        ),
+    )
+    .unwrap();
+    let src = lab.path("x");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a"), b"a").unwrap();
+    // LABSYNC_STORE (environment) beats the file.
+    lab.ok(&["--config", s(&cfg), "push", s(&src)]);
+    assert!(!file_store.exists());
+    // Without it, the file's store is used.
+    lab.store = String::new();
+    let o = lab
+        .cmd(&["--config", s(&cfg), "push", s(&src)])
+        .env_remove("LABSYNC_STORE")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(file_store.join("config").exists());
+    // A flag beats both.
+    let flag_store = lab.path("flag-store");
+    lab.extra_env.push((
+        "LABSYNC_STORE".into(),
+        format!("file://{}", lab.path("env-store").display()),
+    ));
+    lab.ok(&[
+        "--config",
+        s(&cfg),
+        "--store",
+        s(&flag_store),
+        "push",
+        s(&src),
+    ]);
+    assert!(flag_store.join("config").exists());
+}
+
+#[test]
+fn default_store_works_with_no_configuration() {
+    let lab = Lab::new();
+    let src = lab.path("sample");
+    write_tree(&src, 5);
+    let home = lab.path("home");
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_labsync"))
+            .args(args)
+            .env_clear()
+            .env("HOME", &home)
+            .env("PATH", std::env::var_os("PATH").unwrap())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    run(&["push", s(&src)]);
+    run(&["pull", "sample", s(&lab.path("back"))]);
+    assert_same_tree(&src, &lab.path("back"));
+    assert!(home.join(".local/share/labsync/store/config").exists());
+}
+
+#[test]
+fn s3_end_to_end() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let mut lab = Lab::new();
+    lab.store = "s3://labsync/cli-test".into();
+    lab.extra_env = vec![
+        ("AWS_ACCESS_KEY_ID".into(), support::ACCESS_KEY.into()),
+        ("AWS_SECRET_ACCESS_KEY".into(), support::SECRET_KEY.into()),
+        ("AWS_REGION".into(), "us-east-1".into()),
+        ("AWS_ENDPOINT".into(), server.endpoint()),
+    ];
+    let src = lab.path("ds");
+    write_tree(&src, 9);
+    lab.ok(&["push", s(&src)]);
+    let again = lab.json(&["push", s(&src)]);
+    assert_eq!(again["result"]["created"], false);
+    let dest = lab.path("out");
+    lab.ok(&["pull", "ds", s(&dest)]);
+    assert_same_tree(&src, &dest);
+    assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
+    // Wrong credentials: a clear error, exit 1.
+    let o = lab
+        .cmd(&["ls"])
+        .env("AWS_SECRET_ACCESS_KEY", "wrong")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot open store s3://labsync/cli-test"));
+}
