@@ -40,7 +40,12 @@ pub struct PackEntry {
 
 impl PackEntry {
     /// Turns stored bytes back into the chunk and checks them against the id.
-    pub fn decode(&self, stored: &[u8], pack: &PackId) -> Result<Vec<u8>> {
+    /// Plain chunks are returned borrowed, without a copy.
+    pub fn decode<'a>(
+        &self,
+        stored: &'a [u8],
+        pack: &PackId,
+    ) -> Result<std::borrow::Cow<'a, [u8]>> {
         let corrupt = |detail: String| {
             Error::corrupt(
                 format!("chunk {} in pack {}", self.id.short(), pack),
@@ -58,9 +63,9 @@ impl PackEntry {
             let mut out = Vec::with_capacity(self.raw_len as usize);
             zstd::stream::copy_decode(stored, &mut out)
                 .map_err(|e| corrupt(format!("zstd: {e}")))?;
-            out
+            std::borrow::Cow::Owned(out)
         } else {
-            stored.to_vec()
+            std::borrow::Cow::Borrowed(stored)
         };
         if plain.len() != self.raw_len as usize || ChunkId::of(&plain) != self.id {
             return Err(corrupt("content does not match its BLAKE3 id".into()));
@@ -280,7 +285,7 @@ mod tests {
         );
         for (e, c) in entries.iter().zip(&chunks) {
             let stored = &pack.bytes[e.offset as usize..][..e.stored_len as usize];
-            assert_eq!(e.decode(stored, &pack.id).unwrap(), *c);
+            assert_eq!(&*e.decode(stored, &pack.id).unwrap(), *c);
         }
     }
 

@@ -287,8 +287,8 @@ fn write_one(
 ) -> Result<()> {
     let tmp = tmp_name(path);
     let result = (|| {
-        let f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        // Chunks are whole files or up to 4 MiB: written directly, no buffer copy.
+        let mut w = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
         let mut n = 0u64;
         for c in &e.chunks {
             let (pack, entry) = index
@@ -306,9 +306,7 @@ fn write_one(
                 format!("chunks give {n} bytes, the snapshot says {}", e.size),
             ));
         }
-        let f = w
-            .into_inner()
-            .map_err(|x| Error::io("write", &tmp)(x.into_error()))?;
+        let f = w;
         f.set_permissions(std::fs::Permissions::from_mode(e.mode))
             .map_err(Error::io("set mode of", &tmp))?;
         f.set_modified(time_of(e.mtime_ns))

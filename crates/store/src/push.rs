@@ -235,8 +235,16 @@ impl Pipeline<'_> {
         Ok(id)
     }
 
-    /// Reads one file; returns its chunks and byte count.
-    fn read_file(&self, path: &Path, params: ChunkerParams) -> Result<Option<(Vec<ChunkId>, u64)>> {
+    /// Reads one file; returns its chunks and byte count. Files up to one
+    /// block are read whole into the worker's buffer (no per-file allocation:
+    /// a 50,000-file code tree is mostly that case); larger ones stream.
+    fn read_file(
+        &self,
+        path: &Path,
+        params: ChunkerParams,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<(Vec<ChunkId>, u64)>> {
+        use std::io::Read;
         let f = match std::fs::File::open(path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -248,9 +256,25 @@ impl Pipeline<'_> {
             }
             Err(e) => return Err(Error::io("open", path)(e)),
         };
+        let len = f.metadata().map_err(Error::io("stat", path))?.len();
         let mut chunks = Vec::new();
         let mut n = 0u64;
-        StreamChunker::new(f, params, 8 << 20)
+        if len < READ_BLOCK as u64 {
+            buf.clear();
+            f.take(READ_BLOCK as u64)
+                .read_to_end(buf)
+                .map_err(Error::io("read", path))?;
+            if buf.len() < READ_BLOCK {
+                for r in params.cut(buf) {
+                    chunks.push(self.store_chunk(&buf[r])?);
+                }
+                self.progress.advance(buf.len() as u64, 0);
+                return Ok(Some((chunks, buf.len() as u64)));
+            }
+            // It grew past one block while we looked: stream it from the start.
+        }
+        let f = std::fs::File::open(path).map_err(Error::io("open", path))?;
+        StreamChunker::new(f, params, READ_BLOCK)
             .for_each(|c| {
                 n += c.len() as u64;
                 self.progress.advance(c.len() as u64, 0);
@@ -261,6 +285,9 @@ impl Pipeline<'_> {
         Ok(Some((chunks, n)))
     }
 }
+
+/// Read size per worker; twice the largest chunk so streaming stays exact.
+const READ_BLOCK: usize = 8 << 20;
 
 /// A file's chunks and the bytes read, or `None` when it vanished.
 type FileRead = Option<(Vec<ChunkId>, u64)>;
@@ -401,26 +428,29 @@ pub async fn push(
             let first_err: Mutex<Option<Error>> = Mutex::new(None);
             std::thread::scope(|s| {
                 for _ in 0..threads {
-                    s.spawn(|| loop {
-                        let k = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&i) = to_read.get(k) else { break };
-                        if first_err.lock().expect("poisoned").is_some() {
-                            break;
-                        }
-                        let rel = std::ffi::OsStr::from_bytes(&scanned[i].path);
-                        let path = if scanned.len() == 1 && !root.is_dir() {
-                            root.clone()
-                        } else {
-                            root.join(rel)
-                        };
-                        match pipe.read_file(&path, params) {
-                            Ok(r) => {
-                                progress.advance(0, 1);
-                                results.lock().expect("poisoned").push((i, r));
-                            }
-                            Err(e) => {
-                                first_err.lock().expect("poisoned").get_or_insert(e);
+                    s.spawn(|| {
+                        let mut buf = Vec::new();
+                        loop {
+                            let k = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(&i) = to_read.get(k) else { break };
+                            if first_err.lock().expect("poisoned").is_some() {
                                 break;
+                            }
+                            let rel = std::ffi::OsStr::from_bytes(&scanned[i].path);
+                            let path = if scanned.len() == 1 && !root.is_dir() {
+                                root.clone()
+                            } else {
+                                root.join(rel)
+                            };
+                            match pipe.read_file(&path, params, &mut buf) {
+                                Ok(r) => {
+                                    progress.advance(0, 1);
+                                    results.lock().expect("poisoned").push((i, r));
+                                }
+                                Err(e) => {
+                                    first_err.lock().expect("poisoned").get_or_insert(e);
+                                    break;
+                                }
                             }
                         }
                     });

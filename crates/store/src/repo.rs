@@ -359,7 +359,7 @@ impl Repo {
                 entries
                     .iter()
                     .zip(datas)
-                    .map(|(e, d)| Ok((e.id, e.decode(&d, &pack)?)))
+                    .map(|(e, d)| Ok((e.id, e.decode(&d, &pack)?.into_owned())))
                     .collect::<Result<Vec<_>>>()
             })
             .buffer_unordered(8)
@@ -425,9 +425,24 @@ impl Repo {
             .await
     }
 
-    /// The newest version of `name`, if any.
+    /// The newest version of `name`, if any: one list and one read, however
+    /// many versions exist (keys are zero-padded, so the last sorts highest).
     pub async fn latest(&self, name: &str) -> Result<Option<VersionRecord>> {
-        Ok(self.versions(name).await?.pop())
+        validate_name(name)?;
+        let prefix = version_prefix(name);
+        let last = self
+            .remote
+            .list(&prefix)
+            .await?
+            .into_iter()
+            .map(|o| o.key)
+            .filter(|k| k.strip_prefix(&prefix).is_some_and(|v| !v.contains('/')))
+            .max();
+        let Some(k) = last else { return Ok(None) };
+        let bytes = self.remote.get(&k).await?;
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| Error::corrupt(format!("ref {k}"), e.to_string()))
     }
 
     /// Resolves `NAME[@vN]` to its version record.
