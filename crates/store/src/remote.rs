@@ -251,6 +251,21 @@ impl Remote {
         }
     }
 
+    /// Starts writing `key` back to disk now, without waiting (local stores;
+    /// a no-op elsewhere). The batched [`Remote::sync`] at the end of a push
+    /// then finds most pages already clean instead of flushing 1 GB at once.
+    pub async fn start_writeback(&self, key: &str) -> Result<()> {
+        let Some(path) = self.local_path(key) else {
+            return Ok(());
+        };
+        crate::blocking(move || {
+            let f = std::fs::File::open(&path).map_err(Error::io("open for writeback", &path))?;
+            writeback_hint(&f);
+            Ok(())
+        })
+        .await
+    }
+
     /// Makes every write so far durable (fsync of files, then of their
     /// directories). A no-op for remote backends.
     pub async fn sync(&self) -> Result<()> {
@@ -290,3 +305,18 @@ impl Remote {
         .await
     }
 }
+
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn writeback_hint(f: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is valid for the whole call (borrowed from `f`),
+    // and sync_file_range reads no memory of ours. It is only a hint: errors
+    // are ignored because `sync` fsyncs the file before anything depends on it.
+    unsafe {
+        libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn writeback_hint(_: &std::fs::File) {}

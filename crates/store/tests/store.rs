@@ -667,3 +667,38 @@ async fn corrupt_node_cache_is_refetched_not_materialised() {
         .unwrap();
     assert_same_tree(&src, &out);
 }
+
+/// Regression: readers wait for pack buffers the uploader hands back; when an
+/// upload fails, the push must end with that error instead of waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_upload_ends_the_push_with_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let remote = Remote::local(&store).unwrap();
+    let env = Env::new(remote).await;
+    // `packs` as a plain file: every pack write fails.
+    std::fs::write(store.join("packs"), b"in the way").unwrap();
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..6 {
+        std::fs::write(
+            src.join(format!("f{i}")),
+            support::random_bytes(20 << 20, 500 + i),
+        )
+        .unwrap();
+    }
+    let r = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        push(&env.repo, &src, &opts("x", &env.cache), np()),
+    )
+    .await;
+    let err = r.expect("push must not hang").unwrap_err();
+    assert!(
+        err.to_string().contains("packs/"),
+        "names the object: {err}"
+    );
+    assert!(
+        env.repo.versions("x").await.unwrap().is_empty(),
+        "no ref without its data"
+    );
+}
