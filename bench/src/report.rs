@@ -99,7 +99,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "- Page cache: not dropped between steps (not reliably possible here). Data was warm in the page cache for all tools alike: every step reads the same freshly written source tree."
+            "- Page cache: not dropped between steps (not reliably possible here). Data was warm in the page cache for all tools alike: every step reads the same freshly written source tree. Dirty pages are flushed (`sync`, untimed) before every timed step, so no tool pays for another's writeback."
         );
         let _ = writeln!(
             s,

@@ -100,6 +100,10 @@ impl Logs {
 /// Runs `cmd` under `/usr/bin/time -f '%e %M'`. `Err` carries a one-line
 /// reason (exit status plus the last line of stderr) for the report.
 pub fn run_timed(cmd: &Cmd, logs: &Logs, timeout: Duration) -> Result<Timed, String> {
+    // Untimed: flush every dirty page first, so no step pays for the
+    // writeback of data generation or of the previous tool (which would bill
+    // whichever tool fsyncs next, and only the tools that fsync).
+    let _ = Command::new("sync").status();
     let time_file = logs.path("time");
     let wrapper = [
         OsString::from(GNU_TIME),

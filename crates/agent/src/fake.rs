@@ -1,0 +1,185 @@
+//! A fake GPU inventory driven by config, for tests and demos.
+//!
+//! `fake_gpus = "4x11GiB"` gives four 11 GiB GPUs. An optional control file
+//! (TOML, re-read on every call) injects what real nodes suffer:
+//!
+//! ```toml
+//! hang = true                                        # every call blocks until this is false again
+//! foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]    # a process labd did not start
+//! ```
+//! The hang is real: the calling thread blocks, exactly like a wedged driver.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::InventoryError;
+use crate::gpu::{GpuInfo, GpuInventory, GpuProcess};
+
+/// GPUs that exist only in config.
+#[derive(Debug, Clone)]
+pub struct FakeGpus {
+    spec: String,
+    sizes: Vec<u64>,
+    control: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Control {
+    #[serde(default)]
+    hang: bool,
+    #[serde(default)]
+    foreign: Vec<Foreign>,
+    /// Processes to report as running on a GPU (e.g. a job's own pid).
+    #[serde(default)]
+    processes: Vec<Foreign>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Foreign {
+    gpu: u32,
+    pid: u32,
+    mib: u64,
+}
+
+/// `11GiB`, `512MiB`, `24G` → bytes.
+fn parse_size(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let mult: u64 = match unit.trim_end_matches("iB").trim_end_matches('B') {
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        "T" => 1 << 40,
+        _ => return None,
+    };
+    Some(n * mult)
+}
+
+impl FakeGpus {
+    /// Parses `NxSIZE[,NxSIZE…]`, e.g. `4x11GiB` or `2x24GiB,1x80GiB`.
+    pub fn new(spec: &str, control: Option<PathBuf>) -> Result<FakeGpus, InventoryError> {
+        let bad =
+            || InventoryError::BadSpec(format!("{spec:?}: write e.g. 4x11GiB or 2x24GiB,1x80GiB"));
+        let mut sizes = Vec::new();
+        for part in spec.split(',') {
+            let (n, size) = part.trim().split_once('x').ok_or_else(bad)?;
+            let n: usize = n.parse().map_err(|_| bad())?;
+            let size = parse_size(size).ok_or_else(bad)?;
+            sizes.extend(std::iter::repeat_n(size, n));
+        }
+        if sizes.is_empty() || sizes.len() > 64 {
+            return Err(bad());
+        }
+        Ok(FakeGpus {
+            spec: spec.to_string(),
+            sizes,
+            control,
+        })
+    }
+
+    fn control(&self) -> Result<Control, InventoryError> {
+        let Some(path) = &self.control else {
+            return Ok(Control::default());
+        };
+        match std::fs::read_to_string(path) {
+            Ok(t) => toml::from_str(&t)
+                .map_err(|e| InventoryError::BadSpec(format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Control::default()),
+            Err(e) => Err(InventoryError::BadSpec(format!("{}: {e}", path.display()))),
+        }
+    }
+}
+
+impl GpuInventory for FakeGpus {
+    fn read(&self) -> Result<Vec<GpuInfo>, InventoryError> {
+        let mut ctl = self.control()?;
+        while ctl.hang {
+            std::thread::sleep(Duration::from_millis(50));
+            ctl = self.control()?;
+        }
+        let mut gpus: Vec<GpuInfo> = self
+            .sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &total)| GpuInfo {
+                index: i as u32,
+                uuid: format!("GPU-fake-{i:04}"),
+                name: "Fake GPU".into(),
+                memory_total: total,
+                memory_used: 0,
+                utilization: Some(0),
+                temperature: Some(30),
+                processes: Vec::new(),
+            })
+            .collect();
+        for f in ctl.foreign.iter().chain(&ctl.processes) {
+            let g = gpus.get_mut(f.gpu as usize).ok_or_else(|| {
+                InventoryError::BadSpec(format!(
+                    "process {} on GPU {} but only {} GPUs",
+                    f.pid,
+                    f.gpu,
+                    self.sizes.len()
+                ))
+            })?;
+            g.memory_used += f.mib << 20;
+            g.processes.push(GpuProcess {
+                pid: f.pid,
+                used_bytes: Some(f.mib << 20),
+            });
+        }
+        Ok(gpus)
+    }
+
+    fn describe(&self) -> String {
+        format!("fake {}", self.spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs() {
+        let f = FakeGpus::new("4x11GiB", None).unwrap();
+        let g = f.read().unwrap();
+        assert_eq!(g.len(), 4);
+        assert_eq!(g[3].memory_total, 11 << 30);
+        assert_eq!(
+            FakeGpus::new("2x24GiB,1x80G", None)
+                .unwrap()
+                .read()
+                .unwrap()
+                .len(),
+            3
+        );
+        for bad in ["", "4", "x11GiB", "4x11", "4x11Qb", "100x1GiB"] {
+            assert!(FakeGpus::new(bad, None).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn control_file_injects_foreign_processes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = dir.path().join("ctl.toml");
+        std::fs::write(&ctl, "foreign = [{ gpu = 1, pid = 4242, mib = 3000 }]\n").unwrap();
+        let f = FakeGpus::new("2x11GiB", Some(ctl.clone())).unwrap();
+        let g = f.read().unwrap();
+        assert_eq!(
+            g[1].processes,
+            vec![GpuProcess {
+                pid: 4242,
+                used_bytes: Some(3000 << 20)
+            }]
+        );
+        assert_eq!(g[1].memory_used, 3000 << 20);
+        std::fs::write(&ctl, "foreign = [{ gpu = 7, pid = 1, mib = 1 }]\n").unwrap();
+        assert!(f.read().is_err());
+    }
+}

@@ -1,0 +1,37 @@
+//! `labd`'s library, first part: what a GPU server's GPUs are doing and who
+//! may use them.
+//!
+//! - [`GpuInventory`]: NVML ([`Nvml`]), a config-driven [`FakeGpus`] for tests
+//!   and demos (with injectable foreign processes and hangs), or [`NoGpus`] on a
+//!   node without the NVML library — chosen by [`detect`] and logged.
+//! - [`Watchdog`]: inventory reads off the caller's thread under a deadline; a
+//!   hang gives [`Reading::Unknown`], and unknown GPUs are never leased.
+//! - [`classify`]: free / leased / foreign (pid, user, memory) / unknown.
+//! - [`Leases`]: atomic, persistent GPU leases (redb).
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use labsync_agent::{classify, free_gpus, FakeGpus, Watchdog};
+//!
+//! let fake = FakeGpus::new("4x11GiB", None).unwrap();
+//! let dog = Watchdog::new(Arc::new(fake), Duration::from_secs(2));
+//! let status = classify(&dog.poll(), &[], &Default::default(), &|_| false, &|_| None, 256 << 20);
+//! assert_eq!(free_gpus(&status, 10 << 30), vec![0, 1, 2, 3]);
+//! ```
+#![deny(missing_docs)]
+
+mod error;
+mod fake;
+mod gpu;
+mod leases;
+mod status;
+mod watchdog;
+
+pub use error::{InventoryError, LeaseError};
+pub use fake::FakeGpus;
+pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
+pub use leases::Leases;
+pub use status::{
+    classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,
+};
+pub use watchdog::{Reading, Watchdog};
