@@ -77,7 +77,10 @@ pub struct StepResult {
     pub tool: Tool,
     pub step: Step,
     pub status: Status,
+    /// Median over the repetitions.
     pub wall_s: Option<f64>,
+    /// Every repetition's wall time, in run order.
+    pub walls: Vec<f64>,
     pub peak_rss_kib: Option<u64>,
     /// Size of the repo/target after the step.
     pub stored: Option<u64>,
@@ -252,6 +255,7 @@ fn blank(tool: Tool, step: Step, command: String) -> StepResult {
         step,
         status: Status::Ok,
         wall_s: None,
+        walls: Vec::new(),
         peak_rss_kib: None,
         stored: None,
         added: None,
@@ -348,6 +352,7 @@ fn finish(
     match outcome {
         Ok(t) => {
             r.wall_s = Some(t.wall_s);
+            r.walls = vec![t.wall_s];
             r.peak_rss_kib = Some(t.peak_rss_kib);
         }
         Err(e) => {
@@ -407,4 +412,82 @@ pub fn probe_fsync(cfg: &Config) -> io::Result<Vec<FsyncProbe>> {
         remove_all(&base)?;
     }
     Ok(out)
+}
+
+/// Merges repetitions of one data set: per step and tool, the median wall
+/// time and the largest peak RSS; a repetition that failed wins, so a flaky
+/// tool is never reported as ok. Stored bytes come from the first run (the
+/// data is seeded, so they repeat).
+pub fn merge_reps(mut reps: Vec<DatasetResult>) -> DatasetResult {
+    let mut first = reps.remove(0);
+    for r in &mut first.results {
+        for other in &reps {
+            let Some(o) = other.get(r.step, r.tool) else {
+                continue;
+            };
+            if o.status != Status::Ok && r.status == Status::Ok {
+                *r = o.clone();
+                continue;
+            }
+            r.walls.extend(o.walls.iter().copied());
+            r.peak_rss_kib = r.peak_rss_kib.max(o.peak_rss_kib);
+        }
+        if !r.walls.is_empty() {
+            let mut w = r.walls.clone();
+            w.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+            r.wall_s = Some(w[w.len() / 2]);
+        }
+    }
+    first
+}
+
+#[cfg(test)]
+mod merge_tests {
+    use super::*;
+    use crate::datagen::Modification;
+
+    fn ds(walls: &[(Tool, f64, Status)]) -> DatasetResult {
+        DatasetResult {
+            kind: DatasetKind::Sr,
+            files: 1,
+            bytes: 1,
+            modification: Modification::default(),
+            results: walls
+                .iter()
+                .map(|(tool, w, status)| StepResult {
+                    status: status.clone(),
+                    wall_s: Some(*w),
+                    walls: vec![*w],
+                    peak_rss_kib: Some((w * 10.0) as u64),
+                    ..blank(*tool, Step::Cold, String::new())
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn median_of_repetitions_and_failures_win() {
+        let m = merge_reps(vec![
+            ds(&[
+                (Tool::Labsync, 3.0, Status::Ok),
+                (Tool::Rsync, 1.0, Status::Ok),
+            ]),
+            ds(&[
+                (Tool::Labsync, 1.0, Status::Ok),
+                (Tool::Rsync, 1.0, Status::Error),
+            ]),
+            ds(&[
+                (Tool::Labsync, 2.0, Status::Ok),
+                (Tool::Rsync, 1.0, Status::Ok),
+            ]),
+        ]);
+        let l = m.get(Step::Cold, Tool::Labsync).unwrap();
+        assert_eq!(l.wall_s, Some(2.0));
+        assert_eq!(l.walls, vec![3.0, 1.0, 2.0]);
+        assert_eq!(l.peak_rss_kib, Some(30));
+        assert_eq!(
+            m.get(Step::Cold, Tool::Rsync).unwrap().status,
+            Status::Error
+        );
+    }
 }

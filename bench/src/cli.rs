@@ -24,6 +24,8 @@ Options:
   --datasets LIST      comma-separated subset of sr,small
   --step-timeout SECS  kill a step after this long (default 3600)
   --no-fsync-probe     skip the strace fsync probe
+  --reps N             repeat every data set N times, report the median
+                       wall time (default 3; the machine is shared and noisy)
   --keep               keep the work dir (repos, logs) afterwards
   -h, --help           show this help
 ";
@@ -39,6 +41,7 @@ pub struct Options {
     pub step_timeout: Duration,
     pub fsync_probe: bool,
     pub keep: bool,
+    pub reps: usize,
 }
 
 impl Default for Options {
@@ -53,6 +56,7 @@ impl Default for Options {
             step_timeout: Duration::from_secs(3600),
             fsync_probe: true,
             keep: false,
+            reps: 3,
         }
     }
 }
@@ -94,6 +98,14 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Options>, 
             }
             "--no-fsync-probe" => o.fsync_probe = false,
             "--keep" => o.keep = true,
+            "--reps" => {
+                let v = value()?;
+                o.reps = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| format!("bad --reps {v:?}: a count of 1 or more"))?;
+            }
             _ => return Err(format!("unknown argument {arg:?}")),
         }
     }

@@ -109,7 +109,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "- Units: MB = 10^6 bytes. Wall time = GNU time `%e` (10 ms resolution), peak RSS = `%M` (the largest single process of the tool, not a sum: rsync runs 2-3 processes). MB/s = logical data-set bytes / wall time, also for re-pushes (i.e. scan throughput)."
+            "- Units: MB = 10^6 bytes. Wall time = GNU time `%e` (10 ms resolution), the median over the repetitions (each run in brackets, in order; every repetition regenerates the same seeded data and starts from empty repos), peak RSS the largest over them, peak RSS = `%M` (the largest single process of the tool, not a sum: rsync runs 2-3 processes). MB/s = logical data-set bytes / wall time, also for re-pushes (i.e. scan throughput)."
         );
         let _ = writeln!(
             s,
@@ -210,7 +210,12 @@ impl Report {
                     step.label(),
                     r.tool.name(),
                     r.status.label(),
-                    opt(wall, |w| format!("{w:.2}")),
+                    opt(wall, |w| if r.walls.len() > 1 {
+                        let all: Vec<String> = r.walls.iter().map(|x| format!("{x:.2}")).collect();
+                        format!("{w:.2} ({})", all.join(" "))
+                    } else {
+                        format!("{w:.2}")
+                    }),
                     opt(wall.filter(|w| *w > 0.0), |w| format!(
                         "{:.1}",
                         mb(d.bytes as f64) / w
@@ -299,7 +304,7 @@ impl Report {
                     .map(|r| {
                         json!({
                             "tool": r.tool.name(), "step": r.step.key(), "status": r.status.label(),
-                            "wall_s": r.wall_s, "peak_rss_kib": r.peak_rss_kib, "stored_bytes": r.stored,
+                            "wall_s": r.wall_s, "walls_s": r.walls, "peak_rss_kib": r.peak_rss_kib, "stored_bytes": r.stored,
                             "added_bytes": r.added, "note": r.note, "command": r.command,
                             "budget_ratio": budget_ratio(d, r),
                             "labsync_vs_fastest_peer": if r.tool == Tool::Labsync { labsync_ratio(d, r.step).map(|x| x.0) } else { None },
@@ -341,6 +346,7 @@ mod tests {
             step,
             status,
             wall_s: Some(wall),
+            walls: vec![wall],
             peak_rss_kib: Some(1000),
             stored: Some(10),
             added: Some(added),

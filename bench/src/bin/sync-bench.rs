@@ -87,9 +87,19 @@ fn run(opts: cli::Options) -> Result<(), String> {
     };
     let mut datasets = Vec::new();
     for &kind in &cfg.datasets {
-        datasets.push(
-            bench::run_dataset(&cfg, kind).map_err(|e| format!("data set {}: {e}", kind.name()))?,
-        );
+        let mut reps = Vec::new();
+        for rep in 1..=opts.reps {
+            eprintln!(
+                "[sync-bench] {}: repetition {rep} of {}",
+                kind.name(),
+                opts.reps
+            );
+            reps.push(
+                bench::run_dataset(&cfg, kind)
+                    .map_err(|e| format!("data set {}: {e}", kind.name()))?,
+            );
+        }
+        datasets.push(bench::merge_reps(reps));
     }
     if !cfg.keep {
         let _ = fs::remove_dir_all(&work);
