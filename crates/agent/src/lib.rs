@@ -8,6 +8,8 @@
 //!   hang gives [`Reading::Unknown`], and unknown GPUs are never leased.
 //! - [`classify`]: free / leased / foreign (pid, user, memory) / unknown.
 //! - [`Leases`]: atomic, persistent GPU leases (redb).
+//! - [`spawn`] / [`kill_session`]: a job is a Unix session; killing it leaves
+//!   no process of it alive, whatever it forked or ignored.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -24,6 +26,7 @@ mod error;
 mod fake;
 mod gpu;
 mod leases;
+mod runner;
 mod status;
 mod watchdog;
 
@@ -31,6 +34,7 @@ pub use error::{InventoryError, LeaseError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use leases::Leases;
+pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,
 };

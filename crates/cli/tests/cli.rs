@@ -110,6 +110,16 @@ fn push_pull_ls_log_diff() {
     assert!(lab.ok(&["verify", "--remote", "div2k"]).starts_with("ok"));
     let st = lab.json(&["cache", "status"]);
     assert_eq!(st["status"]["snapshots"].as_array().unwrap().len(), 2);
+
+    assert!(lab.ok(&["forget", "div2k@v1"]).contains("div2k@v1"));
+    let log = lab.ok(&["log", "div2k"]);
+    assert_eq!(log.lines().count(), 1, "{log}");
+    assert_eq!(
+        lab.run(&["forget", "div2k"]).status.code(),
+        Some(1),
+        "a version must be named"
+    );
+    assert_eq!(lab.run(&["forget"]).status.code(), Some(2));
 }
 
 #[test]

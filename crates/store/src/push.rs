@@ -734,6 +734,7 @@ pub async fn push(
         added,
         removed,
         modified,
+        forgotten: false,
     };
     let (record, created) = repo.commit_version(rec).await?;
     if created {

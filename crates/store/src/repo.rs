@@ -115,6 +115,10 @@ pub struct VersionRecord {
     pub removed: u64,
     /// Paths modified since the previous version.
     pub modified: u64,
+    /// Set by `labsync forget`: the version is no longer a gc root and is not
+    /// listed, but its number stays taken so versions never repeat.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub forgotten: bool,
 }
 
 impl VersionRecord {
@@ -401,8 +405,7 @@ impl Repo {
         Ok((snap, entries))
     }
 
-    /// Every version of `name`, oldest first.
-    pub async fn versions(&self, name: &str) -> Result<Vec<VersionRecord>> {
+    async fn version_keys(&self, name: &str) -> Result<Vec<String>> {
         validate_name(name)?;
         let prefix = version_prefix(name);
         let mut keys: Vec<String> = self
@@ -413,36 +416,64 @@ impl Repo {
             .map(|o| o.key)
             .filter(|k| k.strip_prefix(&prefix).is_some_and(|v| !v.contains('/')))
             .collect();
+        // Zero-padded numbers: lexical order is version order.
         keys.sort();
-        futures::stream::iter(keys)
-            .map(|k| async move {
-                let bytes = self.remote.get(&k).await?;
-                serde_json::from_slice::<VersionRecord>(&bytes)
-                    .map_err(|e| Error::corrupt(format!("ref {k}"), e.to_string()))
-            })
-            .buffered(16)
-            .try_collect()
-            .await
+        Ok(keys)
     }
 
-    /// The newest version of `name`, if any: one list and one read, however
-    /// many versions exist (keys are zero-padded, so the last sorts highest).
-    pub async fn latest(&self, name: &str) -> Result<Option<VersionRecord>> {
-        validate_name(name)?;
-        let prefix = version_prefix(name);
-        let last = self
-            .remote
-            .list(&prefix)
-            .await?
-            .into_iter()
-            .map(|o| o.key)
-            .filter(|k| k.strip_prefix(&prefix).is_some_and(|v| !v.contains('/')))
-            .max();
-        let Some(k) = last else { return Ok(None) };
-        let bytes = self.remote.get(&k).await?;
+    async fn read_record(&self, key: &str) -> Result<VersionRecord> {
+        let bytes = self.remote.get(key).await?;
         serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| Error::corrupt(format!("ref {k}"), e.to_string()))
+            .map_err(|e| Error::corrupt(format!("ref {key}"), e.to_string()))
+    }
+
+    /// Every live (not forgotten) version of `name`, oldest first.
+    pub async fn versions(&self, name: &str) -> Result<Vec<VersionRecord>> {
+        let keys = self.version_keys(name).await?;
+        let all: Vec<VersionRecord> = futures::stream::iter(keys)
+            .map(|k| async move { self.read_record(&k).await })
+            .buffered(16)
+            .try_collect()
+            .await?;
+        Ok(all.into_iter().filter(|r| !r.forgotten).collect())
+    }
+
+    /// The newest live version of `name`, if any; usually one list and one read.
+    pub async fn latest(&self, name: &str) -> Result<Option<VersionRecord>> {
+        for k in self.version_keys(name).await?.iter().rev() {
+            let r = self.read_record(k).await?;
+            if !r.forgotten {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The highest-numbered record, forgotten or not (numbering never reuses).
+    async fn newest_record(&self, name: &str) -> Result<Option<VersionRecord>> {
+        match self.version_keys(name).await?.last() {
+            Some(k) => self.read_record(k).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Forgets a version: it stops being listed and stops protecting its data
+    /// from gc. The record stays (marked), so its number is never reused.
+    pub async fn forget(&self, spec: &RefSpec) -> Result<VersionRecord> {
+        if spec.version.is_none() {
+            return Err(Error::invalid(
+                format!("version {spec}"),
+                "name the version to forget: NAME@vN",
+            ));
+        }
+        let mut rec = self.resolve(spec).await?;
+        rec.forgotten = true;
+        let json = serde_json::to_vec_pretty(&rec).expect("record serialises");
+        self.remote
+            .put(&version_key(&rec.name, rec.version), json.into())
+            .await?;
+        self.remote.sync().await?;
+        Ok(rec)
     }
 
     /// Resolves `NAME[@vN]` to its version record.
@@ -475,13 +506,13 @@ impl Repo {
     /// is created and that one is returned with `false`.
     pub async fn commit_version(&self, mut rec: VersionRecord) -> Result<(VersionRecord, bool)> {
         for _attempt in 0..32 {
-            let latest = self.latest(&rec.name).await?;
-            if let Some(l) = &latest {
-                if l.snapshot == rec.snapshot {
+            let newest = self.newest_record(&rec.name).await?;
+            if let Some(l) = &newest {
+                if l.snapshot == rec.snapshot && !l.forgotten {
                     return Ok((l.clone(), false));
                 }
             }
-            rec.version = latest.map_or(1, |l| l.version + 1);
+            rec.version = newest.map_or(1, |l| l.version + 1);
             let json = serde_json::to_vec_pretty(&rec).expect("record serialises");
             if self
                 .remote

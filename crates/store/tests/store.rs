@@ -394,6 +394,7 @@ async fn plant_snapshot(repo: &Repo, name: &str, entries: &[Entry]) -> VersionRe
         added: 0,
         removed: 0,
         modified: 0,
+        forgotten: false,
     };
     repo.commit_version(rec).await.unwrap().0
 }
@@ -701,4 +702,66 @@ async fn failing_upload_ends_the_push_with_an_error() {
         env.repo.versions("x").await.unwrap().is_empty(),
         "no ref without its data"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_then_gc_frees_only_the_forgotten_versions_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a"), support::random_bytes(3_000_000, 1)).unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    std::fs::write(src.join("a"), support::random_bytes(3_000_000, 2)).unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let before = env.repo.remote().list("packs/").await.unwrap().len();
+
+    assert!(
+        env.repo.forget(&"ds".parse().unwrap()).await.is_err(),
+        "a version must be named"
+    );
+    env.repo.forget(&"ds@v1".parse().unwrap()).await.unwrap();
+    assert_eq!(
+        env.repo
+            .versions("ds")
+            .await
+            .unwrap()
+            .iter()
+            .map(|v| v.version)
+            .collect::<Vec<_>>(),
+        vec![2]
+    );
+    let g = gc(&env.repo, false, Some(0), &NoProgress).await.unwrap();
+    // v1's data pack and its tree pack (its only segment changed in v2).
+    assert_eq!(g.deleted.len(), 2, "v1's own packs go");
+    assert_eq!(
+        env.repo.remote().list("packs/").await.unwrap().len(),
+        before - 2
+    );
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    pull(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &env.root.join("out"),
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &env.root.join("out"));
+
+    // Numbers are never reused: v1's content again becomes v3.
+    std::fs::write(src.join("a"), support::random_bytes(3_000_000, 1)).unwrap();
+    let r = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    assert_eq!(r.record.version, 3);
 }

@@ -142,6 +142,17 @@ enum Cmd {
         #[arg(long, value_name = "DURATION")]
         grace: Option<String>,
     },
+    /// Forget versions: they are no longer listed, and gc may free their data
+    #[command(
+        long_about = "Forget versions: they are no longer listed, and a later gc may free\n\
+        the data only they used. Version numbers are never reused.\n\n\
+        Example: labsync forget div2k@v1 div2k@v2 && labsync gc"
+    )]
+    Forget {
+        /// Versions to forget, e.g. div2k@v1
+        #[arg(required = true)]
+        specs: Vec<String>,
+    },
     /// Inspect and manage this node's cache
     Cache {
         #[command(subcommand)]
@@ -484,6 +495,23 @@ async fn run(cli: Cli) -> Result<bool> {
                     )
                 },
                 json!({"command": "gc", "result": r}),
+            );
+        }
+        Cmd::Forget { specs } => {
+            let repo = ctx.repo().await?;
+            let specs: Vec<RefSpec> = specs.iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+            let mut done = Vec::new();
+            for spec in &specs {
+                done.push(repo.forget(spec).await?.label());
+            }
+            ctx.out(
+                || {
+                    format!(
+                        "forgot {} (run `labsync gc` to free their data)",
+                        done.join(", ")
+                    )
+                },
+                json!({"command": "forget", "forgotten": done}),
             );
         }
         Cmd::RebuildIndex => {

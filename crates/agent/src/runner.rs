@@ -1,0 +1,201 @@
+//! Runs a job as its own Unix session, logs its output, and kills all of it.
+//!
+//! Each job leads a new session (`setsid`), so every process it forks — a
+//! data loader's workers, a shell pipeline in its own process group, a
+//! grandchild that ignores SIGTERM — carries the job's session id. Killing a
+//! job signals every process of that session (found in `/proc`), SIGTERM
+//! first and SIGKILL after a grace period, until none is left; GPU processes
+//! of the session are the job's own, never "foreign".
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Working directory.
+    pub cwd: PathBuf,
+    /// Extra environment (`CUDA_VISIBLE_DEVICES`, `LABRUN_*`).
+    pub env: Vec<(String, String)>,
+    /// File that receives stdout and stderr.
+    pub log: PathBuf,
+    /// Run as this uid/gid (labd running as root runs a job as its submitter).
+    pub user: Option<(u32, u32)>,
+}
+
+/// A started job. Its pid is also its session id.
+#[derive(Debug)]
+pub struct Started {
+    /// The session leader.
+    pub child: Child,
+}
+
+impl Started {
+    /// Pid of the session leader = the job's session id.
+    pub fn sid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// Starts `spec` in a new session with output appended to its log.
+pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
+    let (prog, args) = spec
+        .argv
+        .split_first()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty command"))?;
+    let log = File::options().create(true).append(true).open(&spec.log)?;
+    let mut cmd = Command::new(prog);
+    cmd.args(args)
+        .current_dir(&spec.cwd)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    if let Some((uid, gid)) = spec.user {
+        cmd.uid(uid).gid(gid);
+    }
+    new_session(&mut cmd);
+    Ok(Started {
+        child: cmd.spawn()?,
+    })
+}
+
+#[allow(unsafe_code)]
+fn new_session(cmd: &mut Command) {
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // setsid(2), which is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Every live process whose session id is `sid`.
+pub fn session_members(sid: u32) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| crate::process_session(pid) == Some(sid) && !is_zombie(pid))
+        .collect()
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .unwrap_or(true)
+}
+
+#[allow(unsafe_code)]
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions; a pid that is gone
+    // gives ESRCH, which is what we want to ignore.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// SIGTERM to every process of the session, SIGKILL to what is left after
+/// `grace`, repeated until the session is empty (a process forking while it
+/// is killed is caught on the next round). Returns how many were SIGKILLed.
+pub fn kill_session(sid: u32, grace: Duration) -> usize {
+    for pid in session_members(sid) {
+        signal(pid, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if session_members(sid).is_empty() {
+            return 0;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut killed = 0;
+    for _ in 0..100 {
+        let left = session_members(sid);
+        if left.is_empty() {
+            break;
+        }
+        for pid in &left {
+            signal(*pid, libc::SIGKILL);
+        }
+        killed += left.len();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    killed
+}
+
+/// True while `pid` exists and is not a zombie (for adopting jobs after a restart).
+pub fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(dir: &Path, script: &str) -> JobSpec {
+        JobSpec {
+            argv: vec!["bash".into(), "-c".into(), script.into()],
+            cwd: dir.to_path_buf(),
+            env: vec![("LABRUN_JOB_ID".into(), "j1".into())],
+            log: dir.join("log"),
+            user: None,
+        }
+    }
+
+    #[test]
+    fn output_and_exit_status() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spawn(&spec(
+            dir.path(),
+            "echo out $LABRUN_JOB_ID; echo err >&2; exit 3",
+        ))
+        .unwrap();
+        let status = s.child.wait().unwrap();
+        assert_eq!(status.code(), Some(3));
+        let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
+        assert!(log.contains("out j1") && log.contains("err"), "{log}");
+    }
+
+    /// The job's grandchildren ignore SIGTERM and sit in another process
+    /// group; all of them must be gone after the kill.
+    #[test]
+    fn kill_leaves_nothing_of_the_session() {
+        let dir = tempfile::tempdir().unwrap();
+        // Ignored signals stay ignored across exec, so the sleeps ignore TERM too;
+        // `set -m` puts the second subshell in a process group of its own.
+        let script = "trap '' TERM; (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & wait";
+        let mut s = spawn(&spec(dir.path(), script)).unwrap();
+        let sid = s.sid();
+        let t = Instant::now();
+        while session_members(sid).len() < 5 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "job did not start its children"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let killed = kill_session(sid, Duration::from_millis(300));
+        assert!(
+            killed >= 4,
+            "SIGTERM was ignored, so SIGKILL did the work: {killed}"
+        );
+        let _ = s.child.wait();
+        assert!(
+            session_members(sid).is_empty(),
+            "left: {:?}",
+            session_members(sid)
+        );
+    }
+}
