@@ -109,7 +109,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "- Units: MB = 10^6 bytes. Wall time = GNU time `%e` (10 ms resolution), the median over the repetitions (each run in brackets, in order; every repetition regenerates the same seeded data and starts from empty repos), peak RSS the largest over them, peak RSS = `%M` (the largest single process of the tool, not a sum: rsync runs 2-3 processes). MB/s = logical data-set bytes / wall time, also for re-pushes (i.e. scan throughput)."
+            "- Units: MB = 10^6 bytes. Wall time = GNU time `%e` (10 ms resolution), the median over the repetitions (each run in brackets, in order; every repetition regenerates the same seeded data, reads it once untimed, starts from empty repos and rotates which tool goes first), peak RSS the largest over them, peak RSS = `%M` (the largest single process of the tool, not a sum: rsync runs 2-3 processes). MB/s = logical data-set bytes / wall time, also for re-pushes (i.e. scan throughput)."
         );
         let _ = writeln!(
             s,

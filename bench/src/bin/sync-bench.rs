@@ -95,7 +95,7 @@ fn run(opts: cli::Options) -> Result<(), String> {
                 opts.reps
             );
             reps.push(
-                bench::run_dataset(&cfg, kind)
+                bench::run_dataset(&cfg, kind, rep - 1)
                     .map_err(|e| format!("data set {}: {e}", kind.name()))?,
             );
         }
