@@ -1,19 +1,66 @@
-//! GPU leases: which job holds which GPU, persisted so a restarted labd knows.
+//! A node's persistent state: GPU leases and job records, in one redb file,
+//! so a labd restarted after `kill -9` knows what it had leased to whom.
 //!
 //! Every change is one redb write transaction, and redb serialises write
-//! transactions: racing submissions can never be handed the same GPU.
+//! transactions: racing submissions can never be handed the same GPU, and a
+//! job's end and the release of its GPUs are one atomic step.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
 
 use crate::error::LeaseError;
 
 /// GPU index → id of the job holding it.
 const LEASES: TableDefinition<u32, &str> = TableDefinition::new("leases-v1");
+/// Job id → JSON [`JobRecord`].
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs-v1");
 
-/// The lease table of one node.
+/// Where a job is in its life.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for GPUs.
+    Queued,
+    /// Started; `sid` is its session (= leader pid).
+    Running {
+        /// Session id.
+        sid: u32,
+    },
+    /// Ended with an exit code (or killed by `signal`).
+    Exited {
+        /// Exit code, if it exited.
+        code: Option<i32>,
+        /// Signal that ended it, if any.
+        signal: Option<i32>,
+    },
+    /// Ended without an exit status (e.g. gone when labd restarted).
+    Failed {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What labd remembers about a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    /// Job id.
+    pub id: String,
+    /// Who submitted it.
+    pub user: String,
+    /// The command.
+    pub argv: Vec<String>,
+    /// GPUs it asked for.
+    pub gpus_wanted: u32,
+    /// GPUs it holds (while running).
+    pub gpus: Vec<u32>,
+    /// Where it is.
+    pub state: JobState,
+}
+
+/// The state database of one node.
 pub struct Leases {
     db: Database,
     path: PathBuf,
@@ -33,6 +80,7 @@ impl Leases {
         // Create the table up front so readers never see "no such table".
         let txn = leases.db.begin_write().map_err(|e| leases.err(e))?;
         txn.open_table(LEASES).map_err(|e| leases.err(e))?;
+        txn.open_table(JOBS).map_err(|e| leases.err(e))?;
         txn.commit().map_err(|e| leases.err(e))?;
         Ok(leases)
     }
@@ -107,6 +155,109 @@ impl Leases {
         Ok(freed)
     }
 
+    /// Stores (creates or replaces) a job record.
+    pub fn put_job(&self, job: &JobRecord) -> Result<(), LeaseError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let json = serde_json::to_vec(job).expect("record serialises");
+            t.insert(job.id.as_str(), json.as_slice())
+                .map_err(|e| self.err(e))?;
+        }
+        txn.commit().map_err(|e| self.err(e))
+    }
+
+    /// Every job record, by id.
+    pub fn jobs(&self) -> Result<Vec<JobRecord>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for r in t.iter().map_err(|e| self.err(e))? {
+            let (_, v) = r.map_err(|e| self.err(e))?;
+            out.push(serde_json::from_slice(v.value()).map_err(|e| self.err(e))?);
+        }
+        Ok(out)
+    }
+
+    /// Ends a job and frees its GPUs in one transaction, however it ended.
+    pub fn finish(&self, id: &str, state: JobState) -> Result<Vec<u32>, LeaseError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        let freed = self.finish_in(&txn, id, state)?;
+        txn.commit().map_err(|e| self.err(e))?;
+        Ok(freed)
+    }
+
+    fn finish_in(
+        &self,
+        txn: &redb::WriteTransaction,
+        id: &str,
+        state: JobState,
+    ) -> Result<Vec<u32>, LeaseError> {
+        let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let rec = jobs
+            .get(id)
+            .map_err(|e| self.err(e))?
+            .map(|v| v.value().to_vec());
+        if let Some(bytes) = rec {
+            let mut rec: JobRecord = serde_json::from_slice(&bytes).map_err(|e| self.err(e))?;
+            rec.state = state;
+            rec.gpus.clear();
+            let json = serde_json::to_vec(&rec).expect("record serialises");
+            jobs.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
+        }
+        let mut leases = txn.open_table(LEASES).map_err(|e| self.err(e))?;
+        let mine: Vec<u32> = leases
+            .iter()
+            .map_err(|e| self.err(e))?
+            .filter_map(|r| r.ok())
+            .filter(|(_, j)| j.value() == id)
+            .map(|(g, _)| g.value())
+            .collect();
+        for g in &mine {
+            leases.remove(*g).map_err(|e| self.err(e))?;
+        }
+        Ok(mine)
+    }
+
+    /// After a restart: running jobs whose session is gone are marked failed,
+    /// and every lease not held by a running job is freed (a crash between
+    /// leasing and starting leaves such leases). Live jobs are adopted as they
+    /// are. Returns the ids of the jobs marked failed.
+    pub fn reconcile(&self, alive: impl Fn(u32) -> bool) -> Result<Vec<String>, LeaseError> {
+        let jobs = self.jobs()?;
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        let mut failed = Vec::new();
+        for j in &jobs {
+            if let JobState::Running { sid } = j.state {
+                if !alive(sid) {
+                    let reason = "the job was gone when labd restarted".to_string();
+                    self.finish_in(&txn, &j.id, JobState::Failed { reason })?;
+                    failed.push(j.id.clone());
+                }
+            }
+        }
+        let running: std::collections::HashSet<&str> = jobs
+            .iter()
+            .filter(|j| matches!(j.state, JobState::Running { .. }) && !failed.contains(&j.id))
+            .map(|j| j.id.as_str())
+            .collect();
+        {
+            let mut leases = txn.open_table(LEASES).map_err(|e| self.err(e))?;
+            let stale: Vec<u32> = leases
+                .iter()
+                .map_err(|e| self.err(e))?
+                .filter_map(|r| r.ok())
+                .filter(|(_, j)| !running.contains(j.value()))
+                .map(|(g, _)| g.value())
+                .collect();
+            for g in stale {
+                leases.remove(g).map_err(|e| self.err(e))?;
+            }
+        }
+        txn.commit().map_err(|e| self.err(e))?;
+        Ok(failed)
+    }
+
     /// Every current lease.
     pub fn all(&self) -> Result<BTreeMap<u32, String>, LeaseError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
@@ -146,6 +297,59 @@ mod tests {
             l.all().unwrap().values().collect::<Vec<_>>(),
             vec!["j2", "j2"]
         );
+    }
+
+    fn job(id: &str, state: JobState, gpus: Vec<u32>) -> JobRecord {
+        JobRecord {
+            id: id.into(),
+            user: "alice".into(),
+            argv: vec!["true".into()],
+            gpus_wanted: gpus.len() as u32,
+            gpus,
+            state,
+        }
+    }
+
+    #[test]
+    fn restart_adopts_live_jobs_and_frees_dead_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        {
+            let l = Leases::open(&path).unwrap();
+            for (id, sid, gpus) in [("live", 100, vec![0]), ("dead", 200, vec![1, 2])] {
+                l.acquire(id, gpus.len(), &gpus).unwrap().unwrap();
+                l.put_job(&job(id, JobState::Running { sid }, gpus))
+                    .unwrap();
+            }
+            // Leased, then labd died before the job started.
+            l.acquire("never-started", 1, &[3]).unwrap().unwrap();
+            l.put_job(&job("never-started", JobState::Queued, vec![]))
+                .unwrap();
+        } // "kill -9": the handle is dropped, the file stays
+        let l = Leases::open(&path).unwrap();
+        let failed = l.reconcile(|sid| sid == 100).unwrap();
+        assert_eq!(failed, vec!["dead".to_string()]);
+        assert_eq!(
+            l.all().unwrap(),
+            BTreeMap::from([(0, "live".to_string())]),
+            "only the live job keeps GPUs"
+        );
+        let jobs = l.jobs().unwrap();
+        let dead = jobs.iter().find(|j| j.id == "dead").unwrap();
+        assert!(matches!(&dead.state, JobState::Failed { reason } if reason.contains("gone")));
+        assert!(dead.gpus.is_empty());
+        assert_eq!(
+            l.finish(
+                "live",
+                JobState::Exited {
+                    code: Some(0),
+                    signal: None
+                }
+            )
+            .unwrap(),
+            vec![0]
+        );
+        assert!(l.all().unwrap().is_empty());
     }
 
     #[test]

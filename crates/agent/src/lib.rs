@@ -7,7 +7,8 @@
 //! - [`Watchdog`]: inventory reads off the caller's thread under a deadline; a
 //!   hang gives [`Reading::Unknown`], and unknown GPUs are never leased.
 //! - [`classify`]: free / leased / foreign (pid, user, memory) / unknown.
-//! - [`Leases`]: atomic, persistent GPU leases (redb).
+//! - [`Leases`]: atomic, persistent GPU leases and job records (redb), with
+//!   [`Leases::reconcile`] adopting live jobs and freeing dead ones after a restart.
 //! - [`spawn`] / [`kill_session`]: a job is a Unix session; killing it leaves
 //!   no process of it alive, whatever it forked or ignored.
 //!
@@ -33,7 +34,7 @@ mod watchdog;
 pub use error::{InventoryError, LeaseError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
-pub use leases::Leases;
+pub use leases::{JobRecord, JobState, Leases};
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,

@@ -49,6 +49,22 @@ impl Env {
         }
     }
 
+    /// Pulls `spec` into `root/dest` with the shared cache and checks it equals `src`.
+    async fn pull_matches(&self, spec: &str, src: &Path, dest: &str) {
+        let out = self.root.join(dest);
+        pull(
+            &self.repo,
+            &self.cache,
+            &spec.parse().unwrap(),
+            &out,
+            2,
+            np(),
+        )
+        .await
+        .unwrap();
+        assert_same_tree(src, &out);
+    }
+
     fn fresh_cache(&self, name: &str) -> NodeCache {
         NodeCache::open(&self.root.join(name), 1 << 30).unwrap()
     }
@@ -116,18 +132,7 @@ async fn check_small_change_stores_little(env: &Env) {
         "stored {} bytes for a 4 KiB edit",
         r.record.new_bytes
     );
-    let out = env.root.join("out2");
-    pull(
-        &env.repo,
-        &env.cache,
-        &"ds@v2".parse().unwrap(),
-        &out,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
-    assert_same_tree(&src, &out);
+    env.pull_matches("ds@v2", &src, "out2").await;
     // The old version is still intact.
     let v1 = env.root.join("out1");
     pull(
@@ -512,18 +517,7 @@ async fn gc_during_push_never_deletes_what_the_push_references() {
         .await
         .unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
-    let out = env.root.join("out");
-    pull(
-        &env.repo,
-        &env.cache,
-        &"big".parse().unwrap(),
-        &out,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
-    assert_same_tree(&src, &out);
+    env.pull_matches("big", &src, "out").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -550,18 +544,7 @@ async fn push_of_many_small_files_writes_few_objects() {
         "{} objects for 5,000 files",
         r.objects_written
     );
-    let out = env.root.join("out");
-    pull(
-        &env.repo,
-        &env.cache,
-        &"small".parse().unwrap(),
-        &out,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
-    assert_same_tree(&src, &out);
+    env.pull_matches("small", &src, "out").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
