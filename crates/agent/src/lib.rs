@@ -9,6 +9,7 @@
 //! - [`classify`]: free / leased / foreign (pid, user, memory) / unknown.
 //! - [`Leases`]: atomic, persistent GPU leases and job records (redb), with
 //!   [`Leases::reconcile`] adopting live jobs and freeing dead ones after a restart.
+//! - [`Node`]: the engine: a FIFO queue over the GPUs, leases, the runner.
 //! - [`spawn`] / [`kill_session`]: a job is a Unix session; killing it leaves
 //!   no process of it alive, whatever it forked or ignored.
 //!
@@ -27,6 +28,7 @@ mod error;
 mod fake;
 mod gpu;
 mod leases;
+mod node;
 mod runner;
 mod status;
 mod watchdog;
@@ -35,6 +37,7 @@ pub use error::{InventoryError, LeaseError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use leases::{JobRecord, JobState, Leases};
+pub use node::{Node, NodeConfig, NodeError, Submit};
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,

@@ -1,0 +1,373 @@
+//! The engine of one node: a first-come-first-served queue over the GPUs,
+//! leases, and the job runner. Synchronous (it forks, scans `/proc` and
+//! waits on children); labd's async API calls it off the runtime.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::error::LeaseError;
+use crate::gpu::GpuInventory;
+use crate::leases::{JobRecord, JobState, Leases};
+use crate::runner::{self, JobSpec};
+use crate::status::{classify, free_gpus, process_session, process_user, GpuState, GpuStatus};
+use crate::watchdog::{Reading, Watchdog};
+
+/// Settings of a node.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Where the state database and job logs live.
+    pub state_dir: PathBuf,
+    /// A GPU with more than this much memory held by foreign processes is not free.
+    pub foreign_limit: u64,
+    /// Deadline of one inventory read.
+    pub inventory_deadline: Duration,
+}
+
+/// A job as submitted.
+#[derive(Clone, Debug)]
+pub struct Submit {
+    /// Who submits it.
+    pub user: String,
+    /// The command.
+    pub argv: Vec<String>,
+    /// Working directory.
+    pub cwd: PathBuf,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// GPUs wanted.
+    pub gpus: u32,
+    /// Free memory each GPU must have, bytes.
+    pub min_free_bytes: u64,
+    /// Run as this uid/gid.
+    pub run_as: Option<(u32, u32)>,
+}
+
+/// Why a submission was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// The job can never run here.
+    #[error("{0}")]
+    Refused(String),
+    /// The state database failed.
+    #[error(transparent)]
+    State(#[from] LeaseError),
+    /// The job could not be started.
+    #[error("cannot start {argv:?}: {source}")]
+    Spawn {
+        /// The command.
+        argv: Vec<String>,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No such job.
+    #[error("no job {0}")]
+    NoJob(String),
+}
+
+struct Inner {
+    queue: VecDeque<(String, Submit)>,
+    children: HashMap<String, Child>,
+    next: u64,
+}
+
+/// One node's jobs and GPUs.
+pub struct Node {
+    cfg: NodeConfig,
+    dog: Watchdog,
+    state: Leases,
+    inner: Mutex<Inner>,
+    /// GPU indices of the last good reading, so a hang shows them as unknown.
+    last_known: Mutex<Vec<u32>>,
+}
+
+impl Node {
+    /// Opens the node's state, adopting jobs that survived a restart.
+    pub fn open(cfg: NodeConfig, inventory: Arc<dyn GpuInventory>) -> Result<Node, NodeError> {
+        std::fs::create_dir_all(cfg.state_dir.join("logs")).map_err(|e| {
+            NodeError::Refused(format!("cannot create {}: {e}", cfg.state_dir.display()))
+        })?;
+        let state = Leases::open(&cfg.state_dir.join("state-v1.redb"))?;
+        let failed = state.reconcile(runner::alive)?;
+        for id in failed {
+            tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
+        }
+        let next = state.jobs()?.len() as u64 + 1;
+        let dog = Watchdog::new(inventory, cfg.inventory_deadline);
+        // Learn the GPU set now, so a later hang can still list them as unknown.
+        let known = match dog.poll() {
+            Reading::Known(g) => g.iter().map(|g| g.index).collect(),
+            Reading::Unknown { reason } => {
+                tracing::warn!(
+                    "GPU inventory ({}) did not answer at start: {reason}",
+                    dog.describe()
+                );
+                Vec::new()
+            }
+        };
+        Ok(Node {
+            cfg,
+            dog,
+            state,
+            inner: Mutex::new(Inner {
+                queue: VecDeque::new(),
+                children: HashMap::new(),
+                next,
+            }),
+            last_known: Mutex::new(known),
+        })
+    }
+
+    fn running_sids(&self) -> Result<HashSet<u32>, NodeError> {
+        Ok(self
+            .state
+            .jobs()?
+            .into_iter()
+            .filter_map(|j| match j.state {
+                JobState::Running { sid } => Some(sid),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Every GPU: free, leased (to which job), foreign (pid, user, bytes), unknown.
+    pub fn gpus(&self) -> Result<Vec<GpuStatus>, NodeError> {
+        let sids = self.running_sids()?;
+        let leases = self.state.all()?;
+        let reading = self.dog.poll();
+        let mut known = self.last_known.lock().expect("node poisoned");
+        if let Reading::Known(g) = &reading {
+            *known = g.iter().map(|g| g.index).collect();
+        }
+        Ok(classify(
+            &reading,
+            &known,
+            &leases,
+            &|pid| process_session(pid).is_some_and(|s| sids.contains(&s)),
+            &process_user,
+            self.cfg.foreign_limit,
+        ))
+    }
+
+    /// Queues a job; refuses one that can never run on this node.
+    pub fn submit(&self, s: Submit) -> Result<String, NodeError> {
+        if s.gpus > 0 {
+            let n = match self.dog.poll() {
+                Reading::Known(g) => Some(g.len()),
+                Reading::Unknown { .. } => None,
+            };
+            if n == Some(0) {
+                return Err(NodeError::Refused(format!(
+                    "this node has no GPUs (inventory: {}); ask for --gpus 0 or run it on a GPU node",
+                    self.dog.describe()
+                )));
+            }
+            if let Some(n) = n.filter(|&n| (s.gpus as usize) > n) {
+                return Err(NodeError::Refused(format!(
+                    "{} GPUs asked for, this node has {n}",
+                    s.gpus
+                )));
+            }
+        }
+        let id = {
+            let mut inner = self.inner.lock().expect("node poisoned");
+            let id = format!("j{}", inner.next);
+            inner.next += 1;
+            self.state.put_job(&JobRecord {
+                id: id.clone(),
+                user: s.user.clone(),
+                argv: s.argv.clone(),
+                gpus_wanted: s.gpus,
+                gpus: Vec::new(),
+                state: JobState::Queued,
+            })?;
+            inner.queue.push_back((id.clone(), s));
+            id
+        };
+        self.schedule()?;
+        Ok(id)
+    }
+
+    /// Starts queued jobs in order while GPUs allow (strict FIFO: a job never
+    /// overtakes an older one). Returns the ids started.
+    pub fn schedule(&self) -> Result<Vec<String>, NodeError> {
+        let mut inner = self.inner.lock().expect("node poisoned");
+        let mut started = Vec::new();
+        while let Some((id, s)) = inner.queue.front().cloned() {
+            let gpus = if s.gpus == 0 {
+                Vec::new()
+            } else {
+                let free = free_gpus(&self.gpus()?, s.min_free_bytes);
+                match self.state.acquire(&id, s.gpus as usize, &free)? {
+                    Some(g) => g,
+                    None => break,
+                }
+            };
+            inner.queue.pop_front();
+            let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
+            let mut env = s.env.clone();
+            env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
+            env.push(("LABRUN_JOB_ID".into(), id.clone()));
+            let spec = JobSpec {
+                argv: s.argv.clone(),
+                cwd: s.cwd.clone(),
+                env,
+                log: self.log_path(&id),
+                user: s.run_as,
+            };
+            match runner::spawn(&spec) {
+                Ok(st) => {
+                    let sid = st.sid();
+                    self.state.put_job(&JobRecord {
+                        id: id.clone(),
+                        user: s.user.clone(),
+                        argv: s.argv.clone(),
+                        gpus_wanted: s.gpus,
+                        gpus,
+                        state: JobState::Running { sid },
+                    })?;
+                    inner.children.insert(id.clone(), st.child);
+                    started.push(id);
+                }
+                Err(source) => {
+                    self.state.finish(
+                        &id,
+                        JobState::Failed {
+                            reason: format!("cannot start: {source}"),
+                        },
+                    )?;
+                }
+            }
+        }
+        Ok(started)
+    }
+
+    /// The job's log file.
+    pub fn log_path(&self, id: &str) -> PathBuf {
+        self.cfg.state_dir.join("logs").join(format!("{id}.log"))
+    }
+
+    /// Records jobs that ended, frees their GPUs, and starts what now fits.
+    pub fn reap(&self) -> Result<Vec<(String, JobState)>, NodeError> {
+        let ended: Vec<(String, JobState)> = {
+            let mut inner = self.inner.lock().expect("node poisoned");
+            let mut ended = Vec::new();
+            for (id, child) in inner.children.iter_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    use std::os::unix::process::ExitStatusExt;
+                    ended.push((
+                        id.clone(),
+                        JobState::Exited {
+                            code: status.code(),
+                            signal: status.signal(),
+                        },
+                    ));
+                }
+            }
+            for (id, _) in &ended {
+                inner.children.remove(id);
+            }
+            ended
+        };
+        for (id, st) in &ended {
+            // Whatever the leader left behind in its session goes too.
+            if let Some(sid) = self.sid_of(id)? {
+                runner::kill_session(sid, Duration::from_secs(2));
+            }
+            self.state.finish(id, st.clone())?;
+        }
+        if !ended.is_empty() {
+            self.schedule()?;
+        }
+        Ok(ended)
+    }
+
+    fn sid_of(&self, id: &str) -> Result<Option<u32>, NodeError> {
+        Ok(self
+            .state
+            .jobs()?
+            .into_iter()
+            .find(|j| j.id == id)
+            .and_then(|j| match j.state {
+                JobState::Running { sid } => Some(sid),
+                _ => None,
+            }))
+    }
+
+    /// Kills a job's whole session (SIGTERM, SIGKILL after `grace`) or drops
+    /// it from the queue; its GPUs are freed either way.
+    pub fn kill(&self, id: &str, grace: Duration) -> Result<(), NodeError> {
+        {
+            let mut inner = self.inner.lock().expect("node poisoned");
+            if let Some(pos) = inner.queue.iter().position(|(q, _)| q == id) {
+                inner.queue.remove(pos);
+                drop(inner);
+                self.state.finish(
+                    id,
+                    JobState::Failed {
+                        reason: "killed while queued".into(),
+                    },
+                )?;
+                return Ok(());
+            }
+        }
+        let sid = self
+            .sid_of(id)?
+            .ok_or_else(|| NodeError::NoJob(id.into()))?;
+        runner::kill_session(sid, grace);
+        let child = self
+            .inner
+            .lock()
+            .expect("node poisoned")
+            .children
+            .remove(id);
+        let state = match child.map(|mut c| c.wait()) {
+            Some(Ok(status)) => {
+                use std::os::unix::process::ExitStatusExt;
+                JobState::Exited {
+                    code: status.code(),
+                    signal: status.signal(),
+                }
+            }
+            _ => JobState::Failed {
+                reason: "killed".into(),
+            },
+        };
+        self.state.finish(id, state)?;
+        self.schedule()?;
+        Ok(())
+    }
+
+    /// All job records.
+    pub fn jobs(&self) -> Result<Vec<JobRecord>, NodeError> {
+        Ok(self.state.jobs()?)
+    }
+
+    /// Why a queued job waits, in words (`labrun ps`).
+    pub fn why_waiting(&self, id: &str) -> Result<Option<String>, NodeError> {
+        let inner = self.inner.lock().expect("node poisoned");
+        let Some(pos) = inner.queue.iter().position(|(q, _)| q == id) else {
+            return Ok(None);
+        };
+        let (want, min_free) = (inner.queue[pos].1.gpus, inner.queue[pos].1.min_free_bytes);
+        drop(inner);
+        let gpus = self.gpus()?;
+        let free = free_gpus(&gpus, min_free).len();
+        let unknown = gpus
+            .iter()
+            .filter(|g| matches!(g.state, GpuState::Unknown { .. }))
+            .count();
+        let mut why = format!("waits for {want} GPU(s): {free} free");
+        if unknown > 0 {
+            why += &format!(", {unknown} unknown (inventory not answering)");
+        }
+        if pos > 0 {
+            why += &format!(", {pos} job(s) ahead in the queue");
+        }
+        Ok(Some(why))
+    }
+}
