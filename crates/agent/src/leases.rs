@@ -137,22 +137,24 @@ impl Leases {
     /// Frees every GPU `job` holds; returns them.
     pub fn release(&self, job: &str) -> Result<Vec<u32>, LeaseError> {
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        let freed = {
-            let mut t = txn.open_table(LEASES).map_err(|e| self.err(e))?;
-            let mine: Vec<u32> = t
-                .iter()
-                .map_err(|e| self.err(e))?
-                .filter_map(|r| r.ok())
-                .filter(|(_, j)| j.value() == job)
-                .map(|(g, _)| g.value())
-                .collect();
-            for g in &mine {
-                t.remove(*g).map_err(|e| self.err(e))?;
-            }
-            mine
-        };
+        let freed = self.release_in(&txn, job)?;
         txn.commit().map_err(|e| self.err(e))?;
         Ok(freed)
+    }
+
+    fn release_in(&self, txn: &redb::WriteTransaction, job: &str) -> Result<Vec<u32>, LeaseError> {
+        let mut t = txn.open_table(LEASES).map_err(|e| self.err(e))?;
+        let mine: Vec<u32> = t
+            .iter()
+            .map_err(|e| self.err(e))?
+            .filter_map(|r| r.ok())
+            .filter(|(_, j)| j.value() == job)
+            .map(|(g, _)| g.value())
+            .collect();
+        for g in &mine {
+            t.remove(*g).map_err(|e| self.err(e))?;
+        }
+        Ok(mine)
     }
 
     /// Stores (creates or replaces) a job record.
@@ -205,18 +207,7 @@ impl Leases {
             let json = serde_json::to_vec(&rec).expect("record serialises");
             jobs.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
         }
-        let mut leases = txn.open_table(LEASES).map_err(|e| self.err(e))?;
-        let mine: Vec<u32> = leases
-            .iter()
-            .map_err(|e| self.err(e))?
-            .filter_map(|r| r.ok())
-            .filter(|(_, j)| j.value() == id)
-            .map(|(g, _)| g.value())
-            .collect();
-        for g in &mine {
-            leases.remove(*g).map_err(|e| self.err(e))?;
-        }
-        Ok(mine)
+        self.release_in(txn, id)
     }
 
     /// After a restart: running jobs whose session is gone are marked failed,
