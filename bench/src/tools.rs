@@ -202,6 +202,16 @@ impl ToolRun {
         }
     }
 
+    /// `labsync --store file://REPO --cache-dir CACHE --quiet`, ready for a subcommand.
+    fn labsync(&self, repo: &Path, cache: PathBuf) -> Cmd {
+        self.cmd()
+            .arg("--store")
+            .arg(file_url(repo))
+            .arg("--cache-dir")
+            .arg(cache)
+            .arg("--quiet")
+    }
+
     /// Push `src` as snapshot number `generation` (1, 2, 3, ...).
     ///
     /// restic and borg run inside `src` and back up `.`, so that snapshots
@@ -210,12 +220,7 @@ impl ToolRun {
         let repo = self.repo();
         match self.tool {
             Tool::Labsync => self
-                .cmd()
-                .arg("--store")
-                .arg(file_url(&repo))
-                .arg("--cache-dir")
-                .arg(self.cache())
-                .arg("--quiet")
+                .labsync(&repo, self.cache())
                 .arg("push")
                 .arg(src)
                 .arg("--name")
@@ -257,12 +262,7 @@ impl ToolRun {
         let repo = self.repo();
         match self.tool {
             Tool::Labsync => self
-                .cmd()
-                .arg("--store")
-                .arg(file_url(&repo))
-                .arg("--cache-dir")
-                .arg(self.pull_cache())
-                .arg("--quiet")
+                .labsync(&repo, self.pull_cache())
                 .arg("pull")
                 .arg(DS_NAME)
                 .arg(dest),

@@ -569,26 +569,12 @@ async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
         .unwrap()
         .0;
     cache.set_pinned(a.snapshot, true).unwrap();
-    pull(
-        &env.repo,
-        &cache,
-        &"b".parse().unwrap(),
-        &env.root.join("ob"),
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
-    pull(
-        &env.repo,
-        &cache,
-        &"c".parse().unwrap(),
-        &env.root.join("oc"),
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
+    for name in ["b", "c"] {
+        let dest = env.root.join(format!("o{name}"));
+        pull(&env.repo, &cache, &name.parse().unwrap(), &dest, 2, np())
+            .await
+            .unwrap();
+    }
     let st = cache.status().unwrap();
     let labels: Vec<_> = st.snapshots.iter().map(|s| s.1.label.clone()).collect();
     assert!(
