@@ -31,3 +31,115 @@ pub enum LeaseError {
         detail: String,
     },
 }
+
+/// Why labd refused or failed a request; each maps to one HTTP status.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiError {
+    /// No token, or one labd does not know (401).
+    #[error("no valid token: set LABRUN_TOKEN or `token` in the config file to the token your admin gave you")]
+    Unauthorized,
+    /// The caller may not do this (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// No such job (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is malformed (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The request cannot be done in this state (409).
+    #[error("{0}")]
+    Conflict(String),
+    /// labd itself failed (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// The HTTP status of this error.
+    pub fn status(&self) -> u16 {
+        match self {
+            ApiError::Unauthorized => 401,
+            ApiError::Forbidden(_) => 403,
+            ApiError::NotFound(_) => 404,
+            ApiError::BadRequest(_) => 400,
+            ApiError::Conflict(_) => 409,
+            ApiError::Internal(_) => 500,
+        }
+    }
+}
+
+/// Why a job's code or data could not be made ready.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrepareError {
+    /// The store failed (missing snapshot, corrupt chunk, …).
+    #[error(transparent)]
+    Store(#[from] labsync_store::Error),
+    /// A file operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The path.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The name's version now holds another snapshot than the one submitted.
+    #[error("{label} is snapshot {found}, but the job was submitted for {expected}")]
+    Moved {
+        /// `NAME@vN`.
+        label: String,
+        /// Submitted snapshot.
+        expected: String,
+        /// Snapshot found.
+        found: String,
+    },
+    /// The outputs folder cannot be made in the code tree.
+    #[error("--outputs {0}: {1}")]
+    Outputs(String, String),
+}
+
+impl PrepareError {
+    pub(crate) fn io(
+        what: &'static str,
+        path: &std::path::Path,
+    ) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.display().to_string();
+        move |source| PrepareError::Io { what, path, source }
+    }
+}
+
+/// Errors of the labd client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// labd could not be reached.
+    #[error("cannot reach labd at {endpoint}: {source}")]
+    Connect {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// labd answered with an error.
+    #[error("labd: {message}")]
+    Status {
+        /// HTTP status.
+        status: u16,
+        /// labd's message.
+        message: String,
+    },
+    /// The exchange broke off or made no sense.
+    #[error("labd at {endpoint}: {detail}")]
+    Protocol {
+        /// Where.
+        endpoint: String,
+        /// What.
+        detail: String,
+    },
+}

@@ -5,12 +5,12 @@
 //! tests and demos; [`NoGpus`] is what a node without the NVML library has,
 //! chosen explicitly and logged, never a silent fake.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::InventoryError;
 
 /// A process holding memory on a GPU.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuProcess {
     /// Process id (in the host's pid namespace).
     pub pid: u32,
@@ -19,7 +19,7 @@ pub struct GpuProcess {
 }
 
 /// One GPU as read from the inventory.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuInfo {
     /// NVML index (the `CUDA_VISIBLE_DEVICES` number with default ordering).
     pub index: u32,

@@ -58,6 +58,49 @@ pub struct JobRecord {
     pub gpus: Vec<u32>,
     /// Where it is.
     pub state: JobState,
+    /// When it was submitted, ended (Unix seconds; 0 / `None` in records of older labd).
+    #[serde(default)]
+    pub submitted_at: u64,
+    /// When it started running.
+    #[serde(default)]
+    pub started_at: Option<u64>,
+    /// When it ended.
+    #[serde(default)]
+    pub ended_at: Option<u64>,
+    /// What labd made of it: trees, work folder, outputs.
+    #[serde(default)]
+    pub meta: JobMeta,
+}
+
+/// The parts of a job labd (not the engine) keeps: what it runs on and where
+/// its outputs went.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobMeta {
+    /// The code snapshot, `code/alice/proj@v3`.
+    pub code: Option<String>,
+    /// The data snapshots, `div2k@v1`.
+    pub data: Vec<String>,
+    /// The job's working folder.
+    pub work: Option<PathBuf>,
+    /// Outputs folder, relative to `work`.
+    pub outputs: Option<String>,
+    /// Seconds between periodic pushes of the outputs.
+    pub outputs_every_s: u64,
+    /// The last version the outputs were pushed as, `runs/j3@v2`.
+    pub outputs_saved: Option<String>,
+    /// Why the last push of the outputs failed.
+    pub outputs_error: Option<String>,
+    /// True until the final push after the job's end has been done.
+    pub outputs_pending: bool,
+    /// Still materialising code and data: what, in words.
+    pub preparing: Option<String>,
+}
+
+/// Now, in Unix seconds.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The state database of one node.
@@ -169,6 +212,44 @@ impl Leases {
         txn.commit().map_err(|e| self.err(e))
     }
 
+    /// Changes one job record in one transaction; `None` when there is no such job.
+    pub fn update<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut JobRecord) -> T,
+    ) -> Result<Option<T>, LeaseError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        let out = {
+            let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let rec = t
+                .get(id)
+                .map_err(|e| self.err(e))?
+                .map(|v| v.value().to_vec());
+            match rec {
+                None => None,
+                Some(bytes) => {
+                    let mut rec: JobRecord =
+                        serde_json::from_slice(&bytes).map_err(|e| self.err(e))?;
+                    let out = f(&mut rec);
+                    let json = serde_json::to_vec(&rec).expect("record serialises");
+                    t.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
+                    Some(out)
+                }
+            }
+        };
+        txn.commit().map_err(|e| self.err(e))?;
+        Ok(out)
+    }
+
+    /// One job record.
+    pub fn job(&self, id: &str) -> Result<Option<JobRecord>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let v = t.get(id).map_err(|e| self.err(e))?;
+        v.map(|v| serde_json::from_slice(v.value()).map_err(|e| self.err(e)))
+            .transpose()
+    }
+
     /// Every job record, by id.
     pub fn jobs(&self) -> Result<Vec<JobRecord>, LeaseError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
@@ -202,8 +283,12 @@ impl Leases {
             .map(|v| v.value().to_vec());
         if let Some(bytes) = rec {
             let mut rec: JobRecord = serde_json::from_slice(&bytes).map_err(|e| self.err(e))?;
+            if !matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
+                rec.ended_at = Some(unix_now());
+            }
             rec.state = state;
             rec.gpus.clear();
+            rec.meta.preparing = None;
             let json = serde_json::to_vec(&rec).expect("record serialises");
             jobs.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
         }
@@ -298,6 +383,10 @@ mod tests {
             gpus_wanted: gpus.len() as u32,
             gpus,
             state,
+            submitted_at: 0,
+            started_at: None,
+            ended_at: None,
+            meta: JobMeta::default(),
         }
     }
 

@@ -12,6 +12,9 @@
 //! - [`Node`]: the engine: a FIFO queue over the GPUs, leases, the runner.
 //! - [`spawn`] / [`kill_session`]: a job is a Unix session; killing it leaves
 //!   no process of it alive, whatever it forked or ignored.
+//! - [`Daemon`]: labd: the engine, the store, shared read-only trees of
+//!   code and data ([`Trees`]), and outputs pushed as `runs/<job-id>`;
+//!   [`serve`]d over HTTP ([`proto`] lists the routes) to a [`Client`].
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -24,22 +27,33 @@
 //! ```
 #![deny(missing_docs)]
 
+mod api;
+mod client;
+mod daemon;
 mod error;
 mod fake;
 mod gpu;
 mod leases;
 mod node;
+pub mod proto;
 mod runner;
 mod status;
+mod trees;
+mod users;
 mod watchdog;
 
-pub use error::{InventoryError, LeaseError};
+pub use api::{router, serve, Listener};
+pub use client::{Client, Endpoint, LogPiece};
+pub use daemon::{off_runtime, Caller, Daemon, DaemonConfig, DaemonError, LogRead};
+pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
-pub use leases::{JobRecord, JobState, Leases};
+pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases};
 pub use node::{Node, NodeConfig, NodeError, Submit};
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,
 };
+pub use trees::{check_outputs, make_workdir, remove_tree, Trees};
+pub use users::{current_user, euid, user_by_name, user_by_uid, UnixUser};
 pub use watchdog::{Reading, Watchdog};

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::LeaseError;
 use crate::gpu::GpuInventory;
-use crate::leases::{JobRecord, JobState, Leases};
+use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases};
 use crate::runner::{self, JobSpec};
 use crate::status::{classify, free_gpus, process_session, process_user, GpuState, GpuStatus};
 use crate::watchdog::{Reading, Watchdog};
@@ -43,6 +43,8 @@ pub struct Submit {
     pub min_free_bytes: u64,
     /// Run as this uid/gid.
     pub run_as: Option<(u32, u32)>,
+    /// What labd records beside the engine's state.
+    pub meta: JobMeta,
 }
 
 /// Why a submission was refused.
@@ -96,7 +98,13 @@ impl Node {
         for id in failed {
             tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
         }
-        let next = state.jobs()?.len() as u64 + 1;
+        let next = state
+            .jobs()?
+            .iter()
+            .filter_map(|j| j.id.strip_prefix('j')?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0)
+            + 1;
         let dog = Watchdog::new(inventory, cfg.inventory_deadline);
         // Learn the GPU set now, so a later hang can still list them as unknown.
         let known = match dog.poll() {
@@ -153,43 +161,91 @@ impl Node {
         ))
     }
 
+    /// Refuses a job that can never run on this node.
+    pub fn admissible(&self, gpus: u32) -> Result<(), NodeError> {
+        if gpus == 0 {
+            return Ok(());
+        }
+        let n = match self.dog.poll() {
+            Reading::Known(g) => Some(g.len()),
+            Reading::Unknown { .. } => None,
+        };
+        if n == Some(0) {
+            return Err(NodeError::Refused(format!(
+                "this node has no GPUs (inventory: {}); ask for --gpus 0 or run it on a GPU node",
+                self.dog.describe()
+            )));
+        }
+        if let Some(n) = n.filter(|&n| (gpus as usize) > n) {
+            return Err(NodeError::Refused(format!(
+                "{gpus} GPUs asked for, this node has {n}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records a new job as queued and returns its id; it runs once
+    /// [`Node::enqueue`]d (labd materialises its code and data in between).
+    pub fn reserve(&self, s: &Submit) -> Result<String, NodeError> {
+        self.admissible(s.gpus)?;
+        let mut inner = self.inner.lock().expect("node poisoned");
+        let id = format!("j{}", inner.next);
+        inner.next += 1;
+        self.state.put_job(&JobRecord {
+            id: id.clone(),
+            user: s.user.clone(),
+            argv: s.argv.clone(),
+            gpus_wanted: s.gpus,
+            gpus: Vec::new(),
+            state: JobState::Queued,
+            submitted_at: unix_now(),
+            started_at: None,
+            ended_at: None,
+            meta: s.meta.clone(),
+        })?;
+        Ok(id)
+    }
+
+    /// Puts a reserved job in the queue and starts what fits.
+    pub fn enqueue(&self, id: &str, s: Submit) -> Result<(), NodeError> {
+        self.state.update(id, |r| {
+            r.meta = s.meta.clone();
+            r.meta.preparing = None;
+        })?;
+        self.inner
+            .lock()
+            .expect("node poisoned")
+            .queue
+            .push_back((id.to_string(), s));
+        self.schedule()?;
+        Ok(())
+    }
+
     /// Queues a job; refuses one that can never run on this node.
     pub fn submit(&self, s: Submit) -> Result<String, NodeError> {
-        if s.gpus > 0 {
-            let n = match self.dog.poll() {
-                Reading::Known(g) => Some(g.len()),
-                Reading::Unknown { .. } => None,
-            };
-            if n == Some(0) {
-                return Err(NodeError::Refused(format!(
-                    "this node has no GPUs (inventory: {}); ask for --gpus 0 or run it on a GPU node",
-                    self.dog.describe()
-                )));
-            }
-            if let Some(n) = n.filter(|&n| (s.gpus as usize) > n) {
-                return Err(NodeError::Refused(format!(
-                    "{} GPUs asked for, this node has {n}",
-                    s.gpus
-                )));
-            }
-        }
-        let id = {
-            let mut inner = self.inner.lock().expect("node poisoned");
-            let id = format!("j{}", inner.next);
-            inner.next += 1;
-            self.state.put_job(&JobRecord {
-                id: id.clone(),
-                user: s.user.clone(),
-                argv: s.argv.clone(),
-                gpus_wanted: s.gpus,
-                gpus: Vec::new(),
-                state: JobState::Queued,
-            })?;
-            inner.queue.push_back((id.clone(), s));
-            id
-        };
-        self.schedule()?;
+        let id = self.reserve(&s)?;
+        self.enqueue(&id, s)?;
         Ok(id)
+    }
+
+    /// Ends a reserved job that could not be prepared.
+    pub fn fail(&self, id: &str, reason: String) -> Result<(), NodeError> {
+        self.state.finish(id, JobState::Failed { reason })?;
+        Ok(())
+    }
+
+    /// Changes a job's record (labd's outputs bookkeeping).
+    pub fn update_meta<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut JobMeta) -> T,
+    ) -> Result<Option<T>, NodeError> {
+        Ok(self.state.update(id, |r| f(&mut r.meta))?)
+    }
+
+    /// One job's record.
+    pub fn job(&self, id: &str) -> Result<Option<JobRecord>, NodeError> {
+        Ok(self.state.job(id)?)
     }
 
     /// Starts queued jobs in order while GPUs allow (strict FIFO: a job never
@@ -222,13 +278,11 @@ impl Node {
             match runner::spawn(&spec) {
                 Ok(st) => {
                     let sid = st.sid();
-                    self.state.put_job(&JobRecord {
-                        id: id.clone(),
-                        user: s.user.clone(),
-                        argv: s.argv.clone(),
-                        gpus_wanted: s.gpus,
-                        gpus,
-                        state: JobState::Running { sid },
+                    self.state.update(&id, |r| {
+                        r.gpus = gpus;
+                        r.state = JobState::Running { sid };
+                        r.started_at = Some(unix_now());
+                        r.meta.preparing = None;
                     })?;
                     inner.children.insert(id.clone(), st.child);
                     started.push(id);
@@ -270,6 +324,24 @@ impl Node {
             }
             for (id, _) in &ended {
                 inner.children.remove(id);
+            }
+            // Jobs adopted after a restart are not our children: their exit
+            // status is lost, but their end is not.
+            for j in self.state.jobs()? {
+                if let JobState::Running { sid } = j.state {
+                    if !inner.children.contains_key(&j.id)
+                        && !ended.iter().any(|(id, _)| *id == j.id)
+                        && !runner::alive(sid)
+                    {
+                        ended.push((
+                            j.id,
+                            JobState::Failed {
+                                reason: "ended while labd was restarting; exit status unknown"
+                                    .into(),
+                            },
+                        ));
+                    }
+                }
             }
             ended
         };

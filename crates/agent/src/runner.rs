@@ -20,7 +20,9 @@ pub struct JobSpec {
     pub argv: Vec<String>,
     /// Working directory.
     pub cwd: PathBuf,
-    /// Extra environment (`CUDA_VISIBLE_DEVICES`, `LABRUN_*`).
+    /// The whole environment (the submitter's, plus `CUDA_VISIBLE_DEVICES`
+    /// and `LABRUN_*`): nothing of labd's own leaks into a job. Without a
+    /// `PATH`, the job gets a standard one.
     pub env: Vec<(String, String)>,
     /// File that receives stdout and stderr.
     pub log: PathBuf,
@@ -52,10 +54,14 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
     let mut cmd = Command::new(prog);
     cmd.args(args)
         .current_dir(&spec.cwd)
+        .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
+    if !spec.env.iter().any(|(k, _)| k == "PATH") {
+        cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin");
+    }
     if let Some((uid, gid)) = spec.user {
         cmd.uid(uid).gid(gid);
     }

@@ -3,13 +3,13 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::gpu::GpuInfo;
 use crate::watchdog::Reading;
 
 /// A process on a GPU that labd did not start.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForeignProcess {
     /// Its pid.
     pub pid: u32,
@@ -20,7 +20,7 @@ pub struct ForeignProcess {
 }
 
 /// One GPU's state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum GpuState {
     /// Not leased, nobody else holding memory above the limit.
@@ -43,7 +43,7 @@ pub enum GpuState {
 }
 
 /// A GPU and its state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuStatus {
     /// NVML index.
     pub index: u32,

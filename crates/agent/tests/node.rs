@@ -27,6 +27,7 @@ fn job(script: &str, gpus: u32, cwd: &Path) -> Submit {
         gpus,
         min_free_bytes: 0,
         run_as: None,
+        meta: Default::default(),
     }
 }
 

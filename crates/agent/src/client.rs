@@ -1,0 +1,267 @@
+//! The labd client `labrun` uses: one HTTP/1.1 exchange per call, over a
+//! Unix socket or TCP.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::header;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+
+use crate::error::ClientError;
+use crate::proto::{ErrorBody, Info, JobView, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::status::GpuStatus;
+
+/// Where a labd listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A Unix socket (`unix:///run/labsync/labd.sock`, or a bare path).
+    Unix(PathBuf),
+    /// TCP (`http://gpu3:7420` or `gpu3:7420`).
+    Tcp(String),
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(p) = s.strip_prefix("unix://") {
+            return Ok(Endpoint::Unix(p.into()));
+        }
+        if s.starts_with('/') || s.starts_with('.') {
+            return Ok(Endpoint::Unix(s.into()));
+        }
+        let hostport = s
+            .strip_prefix("http://")
+            .or_else(|| s.strip_prefix("tcp://"))
+            .unwrap_or(s)
+            .trim_end_matches('/');
+        match hostport.rsplit_once(':') {
+            Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {
+                Ok(Endpoint::Tcp(hostport.into()))
+            }
+            _ => Err(format!(
+                "labd address {s:?}: write unix:///path/labd.sock, /path/labd.sock or http://host:port"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix://{}", p.display()),
+            Endpoint::Tcp(a) => write!(f, "http://{a}"),
+        }
+    }
+}
+
+/// A labd, as seen by one user.
+#[derive(Clone, Debug)]
+pub struct Client {
+    endpoint: Endpoint,
+    token: Option<String>,
+}
+
+/// A piece of a job's log.
+#[derive(Debug)]
+pub struct LogPiece {
+    /// The bytes.
+    pub bytes: Bytes,
+    /// Offset to ask for next.
+    pub next: u64,
+    /// Nothing more will come: the job ended and its outputs are saved.
+    pub done: bool,
+}
+
+impl Client {
+    /// A client of the labd at `endpoint`, authenticating with `token`.
+    pub fn new(endpoint: Endpoint, token: Option<String>) -> Client {
+        Client { endpoint, token }
+    }
+
+    /// Where it talks to.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    async fn exchange(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<hyper::Response<Bytes>, ClientError> {
+        let connect = |source| ClientError::Connect {
+            endpoint: self.endpoint.to_string(),
+            source,
+        };
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "labd");
+        if let Some(t) = &self.token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| self.protocol(e))?;
+        match &self.endpoint {
+            Endpoint::Unix(p) => {
+                let s = tokio::net::UnixStream::connect(p).await.map_err(connect)?;
+                self.send(s, req).await
+            }
+            Endpoint::Tcp(a) => {
+                let s = tokio::net::TcpStream::connect(a).await.map_err(connect)?;
+                let _ = s.set_nodelay(true);
+                self.send(s, req).await
+            }
+        }
+    }
+
+    fn protocol(&self, e: impl std::fmt::Display) -> ClientError {
+        ClientError::Protocol {
+            endpoint: self.endpoint.to_string(),
+            detail: e.to_string(),
+        }
+    }
+
+    async fn send<S>(
+        &self,
+        stream: S,
+        req: hyper::Request<Full<Bytes>>,
+    ) -> Result<hyper::Response<Bytes>, ClientError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.protocol(e))?;
+        tokio::spawn(conn);
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| self.protocol(e))?;
+        let (parts, body) = resp.into_parts();
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| self.protocol(e))?
+            .to_bytes();
+        if !parts.status.is_success() {
+            let message = serde_json::from_slice::<ErrorBody>(&bytes)
+                .map(|b| b.error)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(ClientError::Status {
+                status: parts.status.as_u16(),
+                message,
+            });
+        }
+        Ok(hyper::Response::from_parts(parts, bytes))
+    }
+
+    async fn json<T: DeserializeOwned>(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ClientError> {
+        let resp = self.exchange(method, path, body).await?;
+        serde_json::from_slice(resp.body()).map_err(|e| self.protocol(e))
+    }
+
+    /// True when labd answers its health check (no token needed).
+    pub async fn healthy(&self) -> bool {
+        self.exchange(hyper::Method::GET, "/v1/health", None)
+            .await
+            .is_ok()
+    }
+
+    /// Who we are to labd, and its store.
+    pub async fn info(&self) -> Result<Info, ClientError> {
+        self.json(hyper::Method::GET, "/v1/info", None).await
+    }
+
+    /// Every GPU of the node.
+    pub async fn gpus(&self) -> Result<Vec<GpuStatus>, ClientError> {
+        self.json(hyper::Method::GET, "/v1/gpus", None).await
+    }
+
+    /// Every job.
+    pub async fn jobs(&self) -> Result<Vec<JobView>, ClientError> {
+        self.json(hyper::Method::GET, "/v1/jobs", None).await
+    }
+
+    /// One job.
+    pub async fn job(&self, id: &str) -> Result<JobView, ClientError> {
+        self.json(hyper::Method::GET, &format!("/v1/jobs/{id}"), None)
+            .await
+    }
+
+    /// Submits a job.
+    pub async fn submit(&self, req: &SubmitRequest) -> Result<JobView, ClientError> {
+        let body = serde_json::to_vec(req).expect("request serialises");
+        self.json(hyper::Method::POST, "/v1/jobs", Some(body)).await
+    }
+
+    /// Kills a job.
+    pub async fn kill(&self, id: &str) -> Result<JobView, ClientError> {
+        self.json(hyper::Method::POST, &format!("/v1/jobs/{id}/kill"), None)
+            .await
+    }
+
+    /// The job's log from `offset`, waiting up to `wait` for something new.
+    pub async fn log(
+        &self,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogPiece, ClientError> {
+        let path = format!(
+            "/v1/jobs/{id}/log?offset={offset}&wait_ms={}",
+            wait.as_millis()
+        );
+        let resp = self.exchange(hyper::Method::GET, &path, None).await?;
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let next = header(NEXT_OFFSET)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| self.protocol("log answer without an offset"))?;
+        let done = header(DONE).as_deref() == Some("true");
+        Ok(LogPiece {
+            next,
+            done,
+            bytes: resp.into_body(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        let u: Endpoint = "unix:///run/labsync/labd.sock".parse().unwrap();
+        assert_eq!(u, Endpoint::Unix("/run/labsync/labd.sock".into()));
+        assert_eq!(u.to_string(), "unix:///run/labsync/labd.sock");
+        assert_eq!(
+            "/tmp/x.sock".parse(),
+            Ok(Endpoint::Unix("/tmp/x.sock".into()))
+        );
+        assert_eq!(
+            "http://gpu3:7420".parse(),
+            Ok(Endpoint::Tcp("gpu3:7420".into()))
+        );
+        assert_eq!("gpu3:7420".parse(), Ok(Endpoint::Tcp("gpu3:7420".into())));
+        assert!("gpu3".parse::<Endpoint>().is_err());
+    }
+}

@@ -1,0 +1,632 @@
+//! labd: the node engine, the store, the shared trees and the outputs
+//! pushes, behind the API's operations. The HTTP layer ([`crate::serve`])
+//! only authenticates and translates.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use labsync_store::{push, NoProgress, NodeCache, PushOptions, Remote, Repo};
+
+use crate::error::{ApiError, PrepareError};
+use crate::gpu::GpuInventory;
+use crate::leases::{JobMeta, JobRecord, JobState};
+use crate::node::{Node, NodeConfig, NodeError, Submit};
+use crate::proto::{Info, JobView, SubmitRequest};
+use crate::status::GpuStatus;
+use crate::trees::{check_outputs, make_workdir, Trees};
+use crate::users;
+
+/// Everything labd is told (the binary resolves files, flags and defaults).
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// This node's name.
+    pub node_name: String,
+    /// State database, logs and job folders.
+    pub state_dir: PathBuf,
+    /// Store URL.
+    pub store: String,
+    /// Backend options of the store.
+    pub store_options: Vec<(String, String)>,
+    /// Node cache folder (packs and shared trees).
+    pub cache_dir: PathBuf,
+    /// Node cache cap, bytes.
+    pub cache_max: u64,
+    /// A GPU with more foreign memory than this is not free.
+    pub foreign_limit: u64,
+    /// Deadline of one inventory read.
+    pub inventory_deadline: Duration,
+    /// SIGTERM → SIGKILL grace of `labrun kill`.
+    pub kill_grace: Duration,
+    /// Default time between pushes of a job's outputs.
+    pub outputs_every: Duration,
+    /// Run each job as the Unix user who submitted it (only when labd is root).
+    pub run_as_submitter: bool,
+    /// (user, token) pairs.
+    pub tokens: Vec<(String, String)>,
+    /// Users who may kill and read every job.
+    pub admins: Vec<String>,
+    /// How often ended jobs are reaped and queued ones started.
+    pub tick: Duration,
+}
+
+/// Who is calling, from the token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The user.
+    pub user: String,
+    /// May kill and read every job.
+    pub admin: bool,
+}
+
+/// A log read.
+#[derive(Debug)]
+pub struct LogRead {
+    /// The bytes from the offset asked for.
+    pub bytes: Vec<u8>,
+    /// Offset to ask for next.
+    pub next: u64,
+    /// The job ended, its outputs are saved, and this is the end of its log.
+    pub done: bool,
+}
+
+/// A running labd.
+pub struct Daemon {
+    cfg: DaemonConfig,
+    node: Arc<Node>,
+    repo: Repo,
+    cache: Arc<NodeCache>,
+    trees: Trees,
+    /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
+    tokens: Vec<(blake3::Hash, String)>,
+    /// Jobs whose outputs are being pushed right now.
+    pushing: Mutex<HashSet<String>>,
+    /// When each running job's outputs were last pushed, and failed final pushes.
+    pushed_at: Mutex<std::collections::HashMap<String, (Instant, u32)>>,
+    inventory: String,
+    _lock: File,
+}
+
+/// Runs blocking work (the engine forks, waits and scans `/proc`) off the runtime.
+pub async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+impl From<NodeError> for ApiError {
+    fn from(e: NodeError) -> Self {
+        match e {
+            NodeError::Refused(m) => ApiError::Conflict(m),
+            NodeError::NoJob(id) => ApiError::NotFound(format!("no job {id}")),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// Why labd could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DaemonError {
+    /// Another labd holds the state folder.
+    #[error(
+        "another labd is running on {0} (see its labd.pid); stop it or use another --state-dir"
+    )]
+    Running(PathBuf),
+    /// The state folder, cache or store could not be opened.
+    #[error("{0}")]
+    Open(String),
+}
+
+impl Daemon {
+    /// Opens the state (adopting jobs that outlived a previous labd), the store and the cache.
+    pub async fn open(
+        cfg: DaemonConfig,
+        inventory: Arc<dyn GpuInventory>,
+    ) -> Result<Arc<Daemon>, DaemonError> {
+        let open = |what: &str, e: &dyn std::fmt::Display| {
+            DaemonError::Open(format!("cannot open {what}: {e}"))
+        };
+        std::fs::create_dir_all(&cfg.state_dir)
+            .map_err(|e| open(&cfg.state_dir.display().to_string(), &e))?;
+        let lock_path = cfg.state_dir.join("labd.lock");
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| open(&lock_path.display().to_string(), &e))?;
+        if !try_lock(&lock) {
+            return Err(DaemonError::Running(cfg.state_dir.clone()));
+        }
+        let _ = std::fs::write(
+            cfg.state_dir.join("labd.pid"),
+            std::process::id().to_string(),
+        );
+        let inventory_name = inventory.describe();
+        let node_cfg = NodeConfig {
+            state_dir: cfg.state_dir.clone(),
+            foreign_limit: cfg.foreign_limit,
+            inventory_deadline: cfg.inventory_deadline,
+        };
+        let node = off_runtime(move || Node::open(node_cfg, inventory))
+            .await
+            .map_err(|e| open("the job state", &e))?;
+        let remote = Remote::open(&cfg.store, &cfg.store_options)
+            .map_err(|e| open(&format!("store {}", cfg.store), &e))?;
+        let repo = Repo::open(remote, None)
+            .await
+            .map_err(|e| open(&format!("store {}", cfg.store), &e))?;
+        let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
+            .map_err(|e| open(&format!("cache {}", cfg.cache_dir.display()), &e))?;
+        let trees = Trees::new(&cache).map_err(|e| open("the shared trees", &e))?;
+        let jobs_dir = cfg.state_dir.join("jobs");
+        std::fs::create_dir_all(&jobs_dir).map_err(|e| open("the job folders", &e))?;
+        if users::euid() == 0 {
+            // Jobs run as their submitters must reach their working folders.
+            use std::os::unix::fs::PermissionsExt;
+            for d in [&cfg.state_dir, &jobs_dir] {
+                let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755));
+            }
+        }
+        let tokens = cfg
+            .tokens
+            .iter()
+            .map(|(u, t)| (blake3::hash(t.as_bytes()), u.clone()))
+            .collect();
+        Ok(Arc::new(Daemon {
+            node: Arc::new(node),
+            repo,
+            cache: Arc::new(cache),
+            trees,
+            tokens,
+            pushing: Mutex::new(HashSet::new()),
+            pushed_at: Mutex::new(Default::default()),
+            inventory: inventory_name,
+            _lock: lock,
+            cfg,
+        }))
+    }
+
+    /// The caller a bearer token belongs to.
+    pub fn authenticate(&self, token: &str) -> Option<Caller> {
+        let h = blake3::hash(token.as_bytes());
+        // Every entry is compared (blake3::Hash's `==` is constant-time).
+        let mut found = None;
+        for (t, user) in &self.tokens {
+            if *t == h {
+                found = Some(user.clone());
+            }
+        }
+        found.map(|user| Caller {
+            admin: self.cfg.admins.contains(&user),
+            user,
+        })
+    }
+
+    /// `labrun`'s first question.
+    pub fn info(&self, caller: &Caller) -> Info {
+        Info {
+            version: env!("CARGO_PKG_VERSION").into(),
+            node: self.cfg.node_name.clone(),
+            store: self.cfg.store.clone(),
+            user: caller.user.clone(),
+            admin: caller.admin,
+            inventory: self.inventory.clone(),
+        }
+    }
+
+    /// Every GPU and what it is.
+    pub async fn gpus(self: &Arc<Self>) -> Result<Vec<GpuStatus>, ApiError> {
+        let node = self.node.clone();
+        Ok(off_runtime(move || node.gpus()).await?)
+    }
+
+    fn view(&self, rec: JobRecord) -> JobView {
+        let why = match rec.state {
+            JobState::Queued => match &rec.meta.preparing {
+                Some(p) => Some(p.clone()),
+                None => self.node.why_waiting(&rec.id).ok().flatten(),
+            },
+            _ => None,
+        };
+        JobView {
+            id: rec.id,
+            user: rec.user,
+            argv: rec.argv,
+            gpus_wanted: rec.gpus_wanted,
+            gpus: rec.gpus,
+            state: rec.state,
+            why,
+            submitted_at: rec.submitted_at,
+            started_at: rec.started_at,
+            ended_at: rec.ended_at,
+            meta: rec.meta,
+        }
+    }
+
+    /// Every job, oldest first.
+    pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
+        let me = self.clone();
+        off_runtime(move || {
+            let mut jobs = me.node.jobs()?;
+            jobs.sort_by_key(|j| (j.submitted_at, j.id.len(), j.id.clone()));
+            Ok(jobs.into_iter().map(|j| me.view(j)).collect())
+        })
+        .await
+    }
+
+    fn record(&self, id: &str) -> Result<JobRecord, ApiError> {
+        self.node
+            .job(id)?
+            .ok_or_else(|| ApiError::NotFound(format!("no job {id} on {}", self.cfg.node_name)))
+    }
+
+    /// One job.
+    pub async fn job(self: &Arc<Self>, id: &str) -> Result<JobView, ApiError> {
+        let (me, id) = (self.clone(), id.to_string());
+        off_runtime(move || Ok(me.view(me.record(&id)?))).await
+    }
+
+    fn own(&self, caller: &Caller, rec: &JobRecord, what: &str) -> Result<(), ApiError> {
+        if caller.admin || caller.user == rec.user {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(format!(
+                "job {} is {}'s; only they or an admin may {what} it",
+                rec.id, rec.user
+            )))
+        }
+    }
+
+    /// Takes a job: records it, materialises its code and data in the
+    /// background, then queues it.
+    pub async fn submit(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: SubmitRequest,
+    ) -> Result<JobView, ApiError> {
+        if req.argv.is_empty() {
+            return Err(ApiError::BadRequest("no command to run".into()));
+        }
+        if let Some(o) = &req.outputs {
+            check_outputs(o).map_err(ApiError::BadRequest)?;
+        }
+        for d in &req.data {
+            let ok = d.env.starts_with("LABRUN_DATA_")
+                && d.env
+                    .bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+            if !ok {
+                return Err(ApiError::BadRequest(format!(
+                    "data variable {:?} must be LABRUN_DATA_ and capitals, digits or _",
+                    d.env
+                )));
+            }
+        }
+        let run_as = if self.cfg.run_as_submitter && users::euid() == 0 {
+            let u = users::user_by_name(&caller.user).ok_or_else(|| {
+                ApiError::Conflict(format!(
+                    "no Unix user {:?} on {}: labd runs jobs as the user who submits them",
+                    caller.user, self.cfg.node_name
+                ))
+            })?;
+            Some((u.uid, u.gid))
+        } else {
+            None
+        };
+        let meta = JobMeta {
+            code: req.code.as_ref().map(|t| t.label.clone()),
+            data: req.data.iter().map(|d| d.tree.label.clone()).collect(),
+            work: None,
+            outputs: req.outputs.clone(),
+            outputs_every_s: req
+                .outputs_every_s
+                .unwrap_or(self.cfg.outputs_every.as_secs())
+                .max(1),
+            outputs_saved: None,
+            outputs_error: None,
+            outputs_pending: req.outputs.is_some(),
+            preparing: Some("materialising code and data".into()),
+        };
+        let mut submit = Submit {
+            user: caller.user.clone(),
+            argv: req.argv.clone(),
+            cwd: PathBuf::new(),
+            env: Vec::new(),
+            gpus: req.gpus,
+            min_free_bytes: req.gpu_mem,
+            run_as,
+            meta,
+        };
+        let node = self.node.clone();
+        let s = submit.clone();
+        let id = off_runtime(move || node.reserve(&s)).await?;
+        let work = self.cfg.state_dir.join("jobs").join(&id).join("work");
+        submit.cwd = work.clone();
+        submit.meta.work = Some(work);
+        let me = self.clone();
+        let job = id.clone();
+        // The store's pull future is not `Send` for every lifetime
+        // tokio::spawn asks of it, so preparing runs on a blocking thread
+        // driven by this runtime.
+        let handle = tokio::runtime::Handle::current();
+        tokio::spawn(off_runtime(move || {
+            let outcome = handle.block_on(me.prepare(&job, &req, &mut submit));
+            let node = &me.node;
+            let result = match outcome {
+                Ok(()) => {
+                    // Killed while it was being prepared: leave it ended.
+                    match node.job(&job).map(|r| r.map(|r| r.state)) {
+                        Ok(Some(JobState::Queued)) => node.enqueue(&job, submit),
+                        Ok(_) => Ok(()),
+                        Err(e) => Err(e),
+                    }
+                }
+                Err(e) => node
+                    .update_meta(&job, |m| m.outputs_pending = false)
+                    .and_then(|_| node.fail(&job, format!("cannot prepare the job: {e}"))),
+            };
+            if let Err(e) = result {
+                tracing::error!("job state: {e}");
+            }
+        }));
+        self.job(&id).await
+    }
+
+    async fn prepare(
+        &self,
+        id: &str,
+        req: &SubmitRequest,
+        submit: &mut Submit,
+    ) -> Result<(), PrepareError> {
+        let code = match &req.code {
+            Some(t) => Some(self.trees.get(&self.repo, &self.cache, t).await?),
+            None => None,
+        };
+        let mut env: Vec<(String, String)> = req
+            .env
+            .iter()
+            .filter(|(k, _)| k != "LABRUN_TOKEN" && !k.starts_with("LABRUN_DATA"))
+            .cloned()
+            .collect();
+        for (i, d) in req.data.iter().enumerate() {
+            let path = self.trees.get(&self.repo, &self.cache, &d.tree).await?;
+            let path = path.display().to_string();
+            if i == 0 {
+                env.push(("LABRUN_DATA".into(), path.clone()));
+            }
+            env.push((d.env.clone(), path));
+        }
+        env.push(("LABRUN_NODE".into(), self.cfg.node_name.clone()));
+        submit.env = env;
+        let (work, outputs, owner) = (submit.cwd.clone(), req.outputs.clone(), submit.run_as);
+        off_runtime(move || make_workdir(code.as_deref(), &work, outputs.as_deref(), owner))
+            .await?;
+        tracing::info!("job {id} ready in {}", submit.cwd.display());
+        Ok(())
+    }
+
+    /// Kills a job (or drops it from the queue); its GPUs are freed and its
+    /// outputs pushed.
+    pub async fn kill(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
+        let rec = self.record(id)?;
+        self.own(caller, &rec, "kill")?;
+        match rec.state {
+            JobState::Exited { .. } | JobState::Failed { .. } => {
+                return Err(ApiError::Conflict(format!("job {id} has already ended")))
+            }
+            JobState::Queued if rec.meta.preparing.is_some() => {
+                self.node.fail(id, "killed while being prepared".into())?;
+            }
+            _ => {
+                let (node, job, grace) = (self.node.clone(), id.to_string(), self.cfg.kill_grace);
+                off_runtime(move || node.kill(&job, grace)).await?;
+            }
+        }
+        tracing::info!("job {id} killed by {}", caller.user);
+        self.tick().await;
+        self.job(id).await
+    }
+
+    /// The job's log from `offset`, waiting up to `wait` for new bytes.
+    pub async fn log(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogRead, ApiError> {
+        let rec = self.record(id)?;
+        self.own(caller, &rec, "read the log of")?;
+        let path = self.node.log_path(id);
+        let deadline = Instant::now() + wait.min(Duration::from_secs(30));
+        loop {
+            // Whether it had ended is read before the file, so no last line is missed.
+            let rec = self.record(id)?;
+            let finished = matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. })
+                && !rec.meta.outputs_pending;
+            let p = path.clone();
+            let bytes = off_runtime(move || read_from(&p, offset, 1 << 20))
+                .await
+                .map_err(internal)?;
+            let next = offset + bytes.len() as u64;
+            let done = finished && bytes.len() < 1 << 20;
+            if !bytes.is_empty() || done || Instant::now() >= deadline {
+                return Ok(LogRead { bytes, next, done });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Reaps ended jobs, starts what fits, and pushes outputs that are due.
+    pub async fn tick(self: &Arc<Self>) {
+        let node = self.node.clone();
+        let jobs = off_runtime(move || {
+            node.reap()?;
+            node.schedule()?;
+            node.jobs()
+        })
+        .await;
+        let jobs = match jobs {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!("job state: {e}");
+                return;
+            }
+        };
+        for j in jobs {
+            if j.meta.outputs.is_none() {
+                continue;
+            }
+            let ended = matches!(j.state, JobState::Exited { .. } | JobState::Failed { .. });
+            let due = match j.state {
+                _ if ended => j.meta.outputs_pending,
+                JobState::Running { .. } => {
+                    let every = Duration::from_secs(j.meta.outputs_every_s);
+                    let at = self
+                        .pushed_at
+                        .lock()
+                        .expect("labd poisoned")
+                        .get(&j.id)
+                        .copied();
+                    match at {
+                        Some((t, _)) => t.elapsed() >= every,
+                        None => j.started_at.is_some_and(|s| {
+                            crate::leases::unix_now().saturating_sub(s) >= every.as_secs()
+                        }),
+                    }
+                }
+                _ => false,
+            };
+            if due
+                && self
+                    .pushing
+                    .lock()
+                    .expect("labd poisoned")
+                    .insert(j.id.clone())
+            {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let id = j.id.clone();
+                    me.push_outputs(j, ended).await;
+                    me.pushing.lock().expect("labd poisoned").remove(&id);
+                });
+            }
+        }
+    }
+
+    async fn push_outputs(&self, job: JobRecord, last: bool) {
+        let (Some(work), Some(out)) = (&job.meta.work, &job.meta.outputs) else {
+            return;
+        };
+        let dir = work.join(out);
+        let result = if dir.is_dir() {
+            let opts = PushOptions {
+                name: format!("runs/{}", job.id),
+                files_cache: Some(self.cache.files_cache_dir()),
+                threads: 2,
+                user: job.user.clone(),
+                host: self.cfg.node_name.clone(),
+            };
+            // The push future is not `Send` for every lifetime tokio::spawn
+            // asks of it, so it runs on a blocking thread driven by this runtime.
+            let (repo, handle, d) = (
+                self.repo.clone(),
+                tokio::runtime::Handle::current(),
+                dir.clone(),
+            );
+            off_runtime(move || {
+                handle.block_on(async move { push(&repo, &d, &opts, Arc::new(NoProgress)).await })
+            })
+            .await
+            .map(|o| o.record.label())
+            .map_err(|e| e.to_string())
+        } else {
+            Err(format!("the job left no {out} folder to save"))
+        };
+        let attempts = {
+            let mut at = self.pushed_at.lock().expect("labd poisoned");
+            let e = at.entry(job.id.clone()).or_insert((Instant::now(), 0));
+            *e = (Instant::now(), e.1 + u32::from(result.is_err()));
+            e.1
+        };
+        match &result {
+            Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
+            Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
+        }
+        // A final push that failed is retried on the next ticks, three times in all.
+        let settled = last && (result.is_ok() || attempts >= 3 || !dir.is_dir());
+        let node = self.node.clone();
+        let id = job.id.clone();
+        let r = off_runtime(move || {
+            node.update_meta(&id, |m| {
+                match result {
+                    Ok(label) => {
+                        m.outputs_saved = Some(label);
+                        m.outputs_error = None;
+                    }
+                    Err(e) => m.outputs_error = Some(e),
+                }
+                if settled {
+                    m.outputs_pending = false;
+                }
+            })
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!("job state: {e}");
+        }
+        if settled {
+            self.pushed_at
+                .lock()
+                .expect("labd poisoned")
+                .remove(&job.id);
+        }
+    }
+
+    /// The ticker: every `tick`, until `shutdown`.
+    pub async fn run_ticker(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
+        let mut shutdown = shutdown;
+        let mut every = tokio::time::interval(self.cfg.tick);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => self.tick().await,
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    /// Where shared trees live (tests look at them).
+    pub fn trees_dir(&self) -> PathBuf {
+        self.trees.path("")
+    }
+}
+
+fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    f.seek(SeekFrom::Start(offset))?;
+    let mut buf = Vec::new();
+    f.take(max as u64).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+#[allow(unsafe_code)]
+fn try_lock(f: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor we own; no memory is shared.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}

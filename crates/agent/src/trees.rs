@@ -1,0 +1,258 @@
+//! Snapshots materialised once per node, read-only, and shared by every job
+//! that uses them; and each job's working folder built over its code tree.
+//!
+//! A tree lives at `<cache>/trees-v1/<snapshot-id>`: pulled into a temporary
+//! folder, made read-only (files `a-w`, folders `a-w`), then renamed into
+//! place, so a half-made tree is never seen and a crash leaves only a
+//! temporary folder that the next attempt removes. A job's working folder
+//! holds links to the top level of its code tree (folders as symlinks, files
+//! as hard links), so starting a job costs one link per top-level entry, not
+//! one copy per file, however many files the code has; the `--outputs`
+//! folder is made real (and the job's own) along its path.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use labsync_store::{pull, NoProgress, NodeCache, RefSpec, Repo, SnapshotId};
+
+use crate::daemon::off_runtime;
+use crate::error::PrepareError;
+use crate::proto::TreeRef;
+
+/// The node's shared read-only trees.
+pub struct Trees {
+    root: PathBuf,
+    /// One materialisation per snapshot at a time; the others wait for it.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Trees {
+    /// Trees under `cache`'s folder.
+    pub fn new(cache: &NodeCache) -> Result<Trees, PrepareError> {
+        let root = cache.root().join("trees-v1");
+        std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
+        // Jobs run as their submitters must be able to reach the trees.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))
+            .map_err(PrepareError::io("chmod", &root))?;
+        Ok(Trees {
+            root,
+            locks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Where the tree of `snapshot` lives (materialised or not).
+    pub fn path(&self, snapshot: &str) -> PathBuf {
+        self.root.join(snapshot)
+    }
+
+    /// The tree of `tree`, materialised now unless it already is.
+    pub async fn get(
+        &self,
+        repo: &Repo,
+        cache: &NodeCache,
+        tree: &TreeRef,
+    ) -> Result<PathBuf, PrepareError> {
+        // Only a well-formed id becomes a folder name.
+        let _: SnapshotId = tree.snapshot.parse()?;
+        let dest = self.path(&tree.snapshot);
+        let lock = self
+            .locks
+            .lock()
+            .expect("trees poisoned")
+            .entry(tree.snapshot.clone())
+            .or_default()
+            .clone();
+        let _held = lock.lock().await;
+        if dest.is_dir() {
+            return Ok(dest);
+        }
+        let spec: RefSpec = tree.label.parse()?;
+        let tmp = self.root.join(format!(".tmp-{}", tree.snapshot));
+        if tmp.exists() {
+            let t = tmp.clone();
+            off_runtime(move || remove_tree(&t))
+                .await
+                .map_err(PrepareError::io("remove", &tmp))?;
+        }
+        let got = pull(repo, cache, &spec, &tmp, 2, Arc::new(NoProgress)).await?;
+        if got.record.snapshot.to_string() != tree.snapshot {
+            return Err(PrepareError::Moved {
+                label: tree.label.clone(),
+                expected: tree.snapshot.clone(),
+                found: got.record.snapshot.to_string(),
+            });
+        }
+        let (t, d) = (tmp.clone(), dest.clone());
+        off_runtime(move || {
+            read_only_below(&t)?;
+            std::fs::rename(&t, &d)?;
+            set_mode(&d, |m| m & !0o222 | 0o555)
+        })
+        .await
+        .map_err(PrepareError::io("make read-only", &dest))?;
+        Ok(dest)
+    }
+}
+
+fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
+    let m = std::fs::symlink_metadata(path)?.permissions().mode();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(f(m)))
+}
+
+/// Everything under `root` (not `root` itself, so it can still be renamed)
+/// loses its write bits; folders and files stay readable to all, so jobs run
+/// as other users can use them.
+fn read_only_below(root: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(root)? {
+        let entry = entry?;
+        let ft = entry.file_type()?;
+        let p = entry.path();
+        if ft.is_dir() {
+            read_only_below(&p)?;
+            set_mode(&p, |m| m & !0o222 | 0o555)?;
+        } else if ft.is_file() {
+            set_mode(&p, |m| m & !0o222 | 0o444)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes a tree that was made read-only for sharing.
+pub fn remove_tree(root: &Path) -> std::io::Result<()> {
+    fn writable(p: &Path) -> std::io::Result<()> {
+        set_mode(p, |m| m | 0o700)?;
+        for entry in std::fs::read_dir(p)? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                writable(&entry.path())?;
+            }
+        }
+        Ok(())
+    }
+    writable(root)?;
+    std::fs::remove_dir_all(root)
+}
+
+/// Checks an `--outputs` path: relative, inside the working folder.
+pub fn check_outputs(path: &str) -> Result<(), String> {
+    let p = Path::new(path);
+    if path.is_empty() || p.is_absolute() {
+        return Err(format!(
+            "--outputs {path:?} must be a folder relative to the code folder, e.g. ckpt/"
+        ));
+    }
+    if p.components()
+        .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        return Err(format!("--outputs {path:?} must not contain '..'"));
+    }
+    Ok(())
+}
+
+/// Builds a job's working folder at `work`: the top level of `code` linked
+/// in, the `outputs` folder real along its path, all owned by `owner`.
+pub fn make_workdir(
+    code: Option<&Path>,
+    work: &Path,
+    outputs: Option<&str>,
+    owner: Option<(u32, u32)>,
+) -> Result<(), PrepareError> {
+    std::fs::create_dir_all(work).map_err(PrepareError::io("create", work))?;
+    let mut own = vec![work.to_path_buf()];
+    if let Some(code) = code {
+        link_children(code, work)?;
+    }
+    if let Some(out) = outputs {
+        check_outputs(out).map_err(|e| PrepareError::Outputs(out.into(), e))?;
+        let mut dir = work.to_path_buf();
+        for c in Path::new(out).components() {
+            let Component::Normal(name) = c else { continue };
+            dir.push(name);
+            match std::fs::symlink_metadata(&dir) {
+                Ok(m) if m.file_type().is_symlink() => {
+                    // A folder of the code tree: make it real, its entries linked.
+                    let target =
+                        std::fs::read_link(&dir).map_err(PrepareError::io("read link", &dir))?;
+                    std::fs::remove_file(&dir).map_err(PrepareError::io("unlink", &dir))?;
+                    std::fs::create_dir(&dir).map_err(PrepareError::io("create", &dir))?;
+                    if target.is_dir() {
+                        link_children(&target, &dir)?;
+                    }
+                }
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(PrepareError::Outputs(
+                        out.into(),
+                        format!("{} is a file in the code", dir.display()),
+                    ))
+                }
+                Err(_) => std::fs::create_dir(&dir).map_err(PrepareError::io("create", &dir))?,
+            }
+            own.push(dir.clone());
+        }
+    }
+    if let Some((uid, gid)) = owner {
+        for d in own {
+            std::os::unix::fs::chown(&d, Some(uid), Some(gid))
+                .map_err(PrepareError::io("chown", &d))?;
+        }
+    }
+    Ok(())
+}
+
+fn link_children(from: &Path, to: &Path) -> Result<(), PrepareError> {
+    for entry in std::fs::read_dir(from).map_err(PrepareError::io("read", from))? {
+        let entry = entry.map_err(PrepareError::io("read", from))?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        let ft = entry.file_type().map_err(PrepareError::io("stat", &src))?;
+        let res = if ft.is_dir() {
+            std::os::unix::fs::symlink(&src, &dst)
+        } else if ft.is_symlink() {
+            std::fs::read_link(&src).and_then(|t| std::os::unix::fs::symlink(t, &dst))
+        } else {
+            // A hard link shares the read-only inode; another file system gets a copy.
+            std::fs::hard_link(&src, &dst).or_else(|_| std::fs::copy(&src, &dst).map(drop))
+        };
+        res.map_err(PrepareError::io("link", &dst))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workdir_links_the_top_level_and_makes_outputs_real() {
+        let dir = tempfile::tempdir().unwrap();
+        let code = dir.path().join("code");
+        std::fs::create_dir_all(code.join("pkg/ckpt")).unwrap();
+        std::fs::write(code.join("train.py"), "print(1)").unwrap();
+        std::fs::write(code.join("pkg/m.py"), "x = 1").unwrap();
+        std::fs::write(code.join("pkg/ckpt/keep"), "").unwrap();
+        read_only_below(&code).unwrap();
+        let work = dir.path().join("work");
+        make_workdir(Some(&code), &work, Some("pkg/ckpt/new"), None).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(work.join("train.py")).unwrap(),
+            "print(1)"
+        );
+        assert_eq!(
+            std::fs::read_to_string(work.join("pkg/m.py")).unwrap(),
+            "x = 1"
+        );
+        for d in ["pkg", "pkg/ckpt", "pkg/ckpt/new"] {
+            let m = std::fs::symlink_metadata(work.join(d)).unwrap();
+            assert!(m.is_dir() && !m.file_type().is_symlink(), "{d} is real");
+        }
+        assert!(work.join("pkg/ckpt/keep").exists());
+        std::fs::write(work.join("pkg/ckpt/new/model.pt"), "w").unwrap();
+        assert!(!code.join("pkg/ckpt/new").exists(), "the tree is untouched");
+        assert!(make_workdir(Some(&code), &dir.path().join("w2"), Some("train.py"), None).is_err());
+        assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
+        remove_tree(&code).unwrap();
+        assert!(!code.exists());
+    }
+}
