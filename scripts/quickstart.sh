@@ -1,24 +1,64 @@
 #!/usr/bin/env bash
-# The README's main job on a fresh machine: build labsync, make a small sample
-# dataset, push it to the default store (~/.local/share/labsync/store), pull it
-# back and check the copy is identical.
+# The README's main job on a fresh machine: build labsync, labrun and labd, make
+# a sample super-resolution dataset and a training script, and run
+#
+#     labrun --data ../sample-sr --outputs ckpt train.py
+#
+# with no configuration at all: the dataset and the code go to the embedded
+# store (~/.local/share/labsync/store), labrun starts a personal labd in the
+# background, the job runs with its data read-only at $LABRUN_DATA, its output
+# streams back, and its checkpoint is saved to the store as runs/<job-id>.
+#
+# LABSYNC_BIN=DIR uses binaries already built there (the tests do).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${LABSYNC_BIN:-}" ]; then
+  (cd "$root" && cargo build --release --locked --bins)
+  LABSYNC_BIN="$root/target/release"
+fi
 
-cargo build --release --locked --bin labsync
-labsync="$PWD/target/release/labsync"
+sample="${LABSYNC_SAMPLE:-$HOME/labsync-sample}"
+data="$sample/sample-sr"
+code="$sample/code"
+mkdir -p "$data/train" "$data/valid" "$code"
+if [ ! -e "$data/valid/0920.png" ]; then
+  for i in $(seq -w 1 8); do
+    head -c $((2000000 + 10#$i * 37000)) /dev/urandom > "$data/train/08${i}.png"
+  done
+  for i in 1 2; do head -c 1500000 /dev/urandom > "$data/valid/09${i}0.png"; done
+fi
 
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-sample="$work/sample-sr"
-mkdir -p "$sample/train" "$sample/valid"
-for i in $(seq -w 1 8); do
-  head -c $((2000000 + 10#$i * 37000)) /dev/urandom > "$sample/train/08${i}.png"
+if command -v python3 > /dev/null; then
+  script=train.py
+  cat > "$code/train.py" <<'PY'
+import hashlib, os, pathlib, time
+data = pathlib.Path(os.environ["LABRUN_DATA"])
+images = sorted(p for p in data.rglob("*.png"))
+print(f"job {os.environ['LABRUN_JOB_ID']}: {len(images)} images at {data}, "
+      f"GPUs {os.environ.get('CUDA_VISIBLE_DEVICES') or 'none'}", flush=True)
+state = hashlib.blake2b()
+for epoch in range(1, 4):
+    for img in images:
+        state.update(img.read_bytes()[:4096])
+    print(f"epoch {epoch}/3  loss {int(state.hexdigest()[:4], 16) / 65536:.4f}", flush=True)
+    time.sleep(0.2)
+os.makedirs("ckpt", exist_ok=True)
+pathlib.Path("ckpt/model.txt").write_text(state.hexdigest())
+print("saved ckpt/model.txt", flush=True)
+PY
+else
+  script=train.sh
+  cat > "$code/train.sh" <<'SH'
+set -e
+n=$(find "$LABRUN_DATA" -name '*.png' | wc -l)
+echo "job $LABRUN_JOB_ID: $n images at $LABRUN_DATA, GPUs ${CUDA_VISIBLE_DEVICES:-none}"
+for epoch in 1 2 3; do
+  echo "epoch $epoch/3  checksum $(cat "$LABRUN_DATA"/train/*.png | cksum | cut -d' ' -f1)"
 done
-for i in 1 2; do head -c 1500000 /dev/urandom > "$sample/valid/09${i}0.png"; done
-printf 'import os\nprint("data at", os.environ.get("LABRUN_DATA"))\n' > "$sample/train.py"
+mkdir -p ckpt && echo trained > ckpt/model.txt && echo "saved ckpt/model.txt"
+SH
+fi
 
-"$labsync" push "$sample" --name sample-sr
-"$labsync" pull sample-sr "$work/pulled"
-diff -r "$sample" "$work/pulled" && echo "quickstart: pulled copy is identical"
-"$labsync" ls
+cd "$code"
+"$LABSYNC_BIN/labrun" --data ../sample-sr --outputs ckpt "$script"
+"$LABSYNC_BIN/labsync" ls

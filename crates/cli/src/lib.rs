@@ -1,6 +1,7 @@
 //! The labsync command-line tools: clap arguments become [`Settings`], then
 //! one library call. Progress bars (indicatif) and printing live only here.
 
+pub mod local;
 pub mod progress;
 pub mod settings;
 

@@ -19,6 +19,10 @@ pub struct FileConfig {
     pub s3_endpoint: Option<String>,
     /// S3 region.
     pub s3_region: Option<String>,
+    /// Where `labrun` finds labd: `unix:///run/labsync/labd.sock` or `http://gpu1:7420`.
+    pub labd: Option<String>,
+    /// `labrun`'s token for that labd.
+    pub token: Option<String>,
 }
 
 /// What the flags and environment gave (clap merges those two).
@@ -49,6 +53,10 @@ pub struct Settings {
     pub cache_dir: PathBuf,
     /// Node cache cap in bytes.
     pub cache_max: u64,
+    /// labd's address from the config file.
+    pub labd: Option<String>,
+    /// labrun's token from the config file.
+    pub token: Option<String>,
 }
 
 const DEFAULT_CACHE_MAX: u64 = 50 << 30;
@@ -100,6 +108,8 @@ impl Settings {
             store_options,
             cache_dir,
             cache_max,
+            labd: file.labd,
+            token: file.token,
         })
     }
 }

@@ -4,6 +4,9 @@
 #[path = "../../store/tests/support/mod.rs"]
 mod support;
 
+#[path = "cli/labrun.rs"]
+mod labrun;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

@@ -1,0 +1,653 @@
+//! `labd` and `labrun` end to end: real labd processes on real Unix sockets,
+//! real jobs, fake GPUs driven by a control file.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use labsync_agent::proto::JobView;
+use labsync_agent::{session_members, JobState};
+
+const ALICE: &str = "tok-alice-0123456789";
+const BOB: &str = "tok-bob-0123456789";
+const ADMIN: &str = "tok-admin-0123456789";
+
+/// A temporary lab: a store, a labd with fake GPUs, and users' tokens.
+struct Node {
+    dir: tempfile::TempDir,
+    labd: Option<Child>,
+    config: PathBuf,
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+impl Node {
+    /// `gpus` like "2x11GiB"; `extra` appended to labd's config.
+    fn start(gpus: Option<&str>, extra: &str) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        // Jobs run as other users (when the tests run as root) must reach their folders.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let d = dir.path();
+        std::fs::create_dir_all(d.join("home")).unwrap();
+        std::fs::write(d.join("control.toml"), "").unwrap();
+        let fake = match gpus {
+            Some(g) => format!(
+                "fake_gpus = \"{g}\"\nfake_gpus_control = \"{}\"\n",
+                d.join("control.toml").display()
+            ),
+            None => String::new(),
+        };
+        let config = d.join("labd.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"unix://{sock}\"\nstate_dir = \"{state}\"\nstore = \"file://{store}\"\n\
+                 cache_dir = \"{cache}\"\ntick_ms = 50\nkill_grace_s = 1\ninventory_deadline_ms = 300\n\
+                 {fake}{extra}\nadmins = [\"admin\"]\n[tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\n\
+                 admin = \"{ADMIN}\"\nnobody = \"tok-nobody-0123456789\"\n",
+                sock = d.join("labd.sock").display(),
+                state = d.join("state").display(),
+                store = d.join("store").display(),
+                cache = d.join("cache").display(),
+            ),
+        )
+        .unwrap();
+        let mut n = Node {
+            dir,
+            labd: None,
+            config,
+        };
+        n.restart();
+        n
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// Starts labd (again) and waits until it answers.
+    fn restart(&mut self) {
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(self.path("labd.log"))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_labd"))
+            .arg("--config")
+            .arg(&self.config)
+            .env("HOME", self.path("home"))
+            .env("LABD_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.labd = Some(child);
+        let sock = self.path("labd.sock");
+        wait_until("labd to answer", 30, || {
+            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+        });
+    }
+
+    /// `kill -9` labd, as a crash would.
+    fn crash(&mut self) {
+        let mut c = self.labd.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    fn control(&self, toml: &str) {
+        std::fs::write(self.path("control.toml"), toml).unwrap();
+    }
+
+    fn labrun_cmd(&self, token: Option<&str>, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_labrun"));
+        c.args(args)
+            .current_dir(self.path("code"))
+            .env("HOME", self.path("home"))
+            .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_STATE_HOME")
+            .env_remove("LABRUN_TOKEN")
+            .env(
+                "LABRUN_LABD",
+                format!("unix://{}", self.path("labd.sock").display()),
+            )
+            .env("LABSYNC_CACHE", self.path("client-cache"))
+            .stdin(Stdio::null());
+        if let Some(t) = token {
+            c.env("LABRUN_TOKEN", t);
+        }
+        c
+    }
+
+    fn labrun(&self, token: Option<&str>, args: &[&str]) -> Output {
+        std::fs::create_dir_all(self.path("code")).unwrap();
+        self.labrun_cmd(token, args).output().unwrap()
+    }
+
+    fn ok(&self, token: &str, args: &[&str]) -> String {
+        let o = self.labrun(Some(token), args);
+        assert!(
+            o.status.success(),
+            "labrun {args:?} failed ({}): {}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// Submits without waiting; returns the job id.
+    fn detach(&self, token: &str, args: &[&str]) -> String {
+        let mut a = vec!["-d"];
+        a.extend_from_slice(args);
+        self.ok(token, &a).trim().to_string()
+    }
+
+    fn jobs(&self) -> Vec<JobView> {
+        serde_json::from_str(&self.ok(ADMIN, &["ps", "--all", "--json"])).unwrap()
+    }
+
+    fn job(&self, id: &str) -> JobView {
+        self.jobs().into_iter().find(|j| j.id == id).unwrap()
+    }
+
+    fn ended(&self, id: &str) -> bool {
+        let j = self.job(id);
+        j.ended() && !j.meta.outputs_pending
+    }
+
+    fn status(&self) -> String {
+        self.ok(ALICE, &["status"])
+    }
+
+    fn labsync(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_labsync"))
+            .args(args)
+            .env("HOME", self.path("home"))
+            .env(
+                "LABSYNC_STORE",
+                format!("file://{}", self.path("store").display()),
+            )
+            .env("LABSYNC_CACHE", self.path("client-cache"))
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.labd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Jobs outlive labd by design; the tests' own must not outlive the test.
+        let state = self.path("state/state-v1.redb");
+        if state.exists() {
+            if let Ok(l) = labsync_agent::Leases::open(&state) {
+                for j in l.jobs().unwrap_or_default() {
+                    if let JobState::Running { sid } = j.state {
+                        labsync_agent::kill_session(sid, Duration::from_millis(100));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn sid(j: &JobView) -> u32 {
+    match j.state {
+        JobState::Running { sid } => sid,
+        ref s => panic!("job {} is not running: {s:?}", j.id),
+    }
+}
+
+/// Test 1: many submissions race for one free GPU; exactly one runs on it at
+/// a time, the others wait (and say why), then run.
+#[test]
+fn racing_submissions_share_one_gpu_one_at_a_time() {
+    let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
+    let trace = n.path("trace");
+    std::fs::create_dir_all(n.path("code")).unwrap();
+    let script = format!(
+        "echo start $LABRUN_JOB_ID $CUDA_VISIBLE_DEVICES $(date +%s%N) >> {t}; sleep 0.4; \
+         echo end $LABRUN_JOB_ID $(date +%s%N) >> {t}",
+        t = trace.display()
+    );
+    let children: Vec<Child> = (0..5)
+        .map(|_| {
+            n.labrun_cmd(
+                Some(ALICE),
+                &["-d", "--gpus", "1", "--", "bash", "-c", &script],
+            )
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    let ids: Vec<String> = children
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            assert!(o.status.success());
+            String::from_utf8(o.stdout).unwrap().trim().to_string()
+        })
+        .collect();
+    wait_until("a job to wait", 20, || {
+        n.jobs().iter().any(|j| {
+            j.why
+                .as_deref()
+                .is_some_and(|w| w.contains("waits for 1 GPU(s): 0 free"))
+        })
+    });
+    wait_until("all five jobs to end", 60, || {
+        ids.iter().all(|id| n.ended(id))
+    });
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let mut spans: Vec<(u128, u128)> = Vec::new();
+    for id in &ids {
+        let start = text
+            .lines()
+            .find(|l| l.starts_with(&format!("start {id} ")))
+            .unwrap_or_else(|| panic!("{id} never ran: {text}"));
+        let f: Vec<&str> = start.split_whitespace().collect();
+        assert_eq!(f[2], "0", "{id} sees only its GPU: {start}");
+        let end = text
+            .lines()
+            .find(|l| l.starts_with(&format!("end {id} ")))
+            .unwrap();
+        spans.push((
+            f[3].parse().unwrap(),
+            end.split_whitespace().nth(2).unwrap().parse().unwrap(),
+        ));
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(w[0].1 <= w[1].0, "two jobs held the GPU at once: {spans:?}");
+    }
+    assert!(n.status().contains("free"), "the GPU is free again");
+}
+
+/// Test 2: a foreign process on a GPU keeps it out of leasing and `labrun
+/// status` shows it with pid, user and memory.
+#[test]
+fn foreign_process_keeps_its_gpu_out() {
+    let n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    let mut zombie = Command::new("sleep").arg("300").spawn().unwrap();
+    n.control(&format!(
+        "foreign = [{{ gpu = 0, pid = {}, mib = 2048 }}]",
+        zombie.id()
+    ));
+    let status = n.status();
+    assert!(
+        status.contains(&format!("FOREIGN: pid {} (", zombie.id())) && status.contains("2048 MiB"),
+        "{status}"
+    );
+    let one = n.ok(
+        ALICE,
+        &[
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            "echo gpu=$CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    assert_eq!(
+        one.trim(),
+        "gpu=1",
+        "the job got the GPU without the foreign process"
+    );
+    let two = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "2",
+            "--",
+            "bash",
+            "-c",
+            "echo gpus=$CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    wait_until("the 2-GPU job to wait", 10, || {
+        n.job(&two).why.is_some_and(|w| w.contains("1 free"))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        n.job(&two).state,
+        JobState::Queued,
+        "never leased over a foreign process"
+    );
+    zombie.kill().unwrap();
+    zombie.wait().unwrap();
+    n.control("");
+    wait_until("the 2-GPU job to end", 20, || n.ended(&two));
+    assert_eq!(n.ok(ALICE, &["logs", &two]).trim(), "gpus=0,1");
+}
+
+/// Test 3: an NVML hang makes every GPU unknown; nothing is leased; when the
+/// inventory answers again the waiting job runs.
+#[test]
+fn inventory_hang_makes_gpus_unknown_until_it_answers() {
+    let n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    n.control("hang = true");
+    let status = n.status();
+    assert!(status.matches("UNKNOWN").count() == 2, "{status}");
+    let id = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            "echo ran on $CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    wait_until("the job to say why it waits", 10, || {
+        n.job(&id).why.is_some_and(|w| w.contains("unknown"))
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        n.job(&id).state,
+        JobState::Queued,
+        "nothing leased while unknown"
+    );
+    n.control("");
+    wait_until("the job to end after recovery", 20, || n.ended(&id));
+    assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "ran on 0");
+    assert!(!n.status().contains("UNKNOWN"));
+}
+
+/// Test 4 and 6 (killed): `labrun kill` leaves no process of the job alive —
+/// grandchildren that ignore SIGTERM in another process group included — frees
+/// the lease, and the job's outputs are still saved.
+#[test]
+fn kill_leaves_no_process_and_saves_outputs() {
+    let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
+    let script = "mkdir -p ckpt; echo epoch-1 > ckpt/model.pt; trap '' TERM; \
+                  (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & echo ready; wait";
+    let id = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "1",
+            "--outputs",
+            "ckpt",
+            "--",
+            "bash",
+            "-c",
+            script,
+        ],
+    );
+    wait_until("the job to start its children", 20, || {
+        let j = n.job(&id);
+        matches!(j.state, JobState::Running { .. }) && session_members(sid(&j)).len() >= 5
+    });
+    let s = sid(&n.job(&id));
+    let o = n.labrun(Some(BOB), &["kill", &id]);
+    assert!(!o.status.success(), "bob may not kill alice's job");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("alice's"));
+    n.ok(ALICE, &["kill", &id]);
+    assert!(
+        session_members(s).is_empty(),
+        "left: {:?}",
+        session_members(s)
+    );
+    wait_until("the outputs to be saved", 20, || n.ended(&id));
+    let j = n.job(&id);
+    assert!(
+        j.gpus.is_empty() && n.status().contains("free"),
+        "lease freed"
+    );
+    assert_eq!(
+        j.meta.outputs_saved.as_deref(),
+        Some(format!("runs/{id}@v1").as_str())
+    );
+    let dest = n.path("recovered");
+    assert!(n
+        .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
+        .status
+        .success());
+    assert_eq!(
+        std::fs::read_to_string(dest.join("model.pt")).unwrap(),
+        "epoch-1\n"
+    );
+}
+
+/// Test 6 (crashed) and the exit code: a job that fails leaves its outputs in
+/// the store, and labrun exits with the job's code after streaming its output.
+#[test]
+fn crashed_job_leaves_its_outputs_and_labrun_returns_its_exit_code() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    std::fs::create_dir_all(n.path("code")).unwrap();
+    std::fs::write(
+        n.path("code/train.sh"),
+        "mkdir -p ckpt; echo step-100 > ckpt/last.pt; echo training; echo oops >&2; exit 7\n",
+    )
+    .unwrap();
+    let o = n.labrun(Some(ALICE), &["--outputs", "ckpt", "train.sh"]);
+    assert_eq!(
+        o.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("training") && out.contains("oops"), "{out}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("outputs saved as runs/j1@v1"), "{err}");
+    let dest = n.path("recovered");
+    assert!(n
+        .labsync(&["pull", "runs/j1", dest.to_str().unwrap()])
+        .status
+        .success());
+    assert_eq!(
+        std::fs::read_to_string(dest.join("last.pt")).unwrap(),
+        "step-100\n"
+    );
+    // Asking for a GPU on a node without any is refused, with what to do
+    // (this node reads the real inventory: on a GPU machine it has GPUs).
+    if n.status().contains("no GPUs on this node") {
+        let o = n.labrun(Some(ALICE), &["--gpus", "1", "train.sh"]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--gpus 0"));
+    }
+}
+
+/// Test 5: `kill -9` of labd mid-job and a restart: the live job is adopted
+/// (its GPU stays leased to it), the one that died meanwhile is marked failed
+/// and its GPU freed; when the adopted job ends, its GPU is freed too.
+#[test]
+fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
+    let mut n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    let long = n.detach(ALICE, &["--gpus", "1", "--", "bash", "-c", "sleep 3"]);
+    let short = n.detach(ALICE, &["--gpus", "1", "--", "bash", "-c", "sleep 0.5"]);
+    wait_until("both to run", 20, || {
+        [&long, &short]
+            .iter()
+            .all(|id| matches!(n.job(id).state, JobState::Running { .. }))
+    });
+    n.crash();
+    std::thread::sleep(Duration::from_millis(1000));
+    n.restart();
+    let (l, s) = (n.job(&long), n.job(&short));
+    assert!(
+        matches!(l.state, JobState::Running { .. }),
+        "adopted: {l:?}"
+    );
+    assert_eq!(l.gpus.len(), 1);
+    assert!(
+        matches!(s.state, JobState::Failed { .. }),
+        "dead one failed: {s:?}"
+    );
+    assert!(n.status().contains(&format!("leased to {long} (alice)")));
+    wait_until("the adopted job to end", 20, || n.job(&long).ended());
+    let status = n.status();
+    assert_eq!(status.matches("free").count(), 2, "{status}");
+}
+
+/// Test 7: without a valid token nothing but the health check answers; a user
+/// cannot kill or read another user's job; an admin can.
+#[test]
+fn tokens_are_required_and_users_own_their_jobs() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    for token in [None, Some("wrong-token")] {
+        let o = n.labrun(token, &["ps"]);
+        assert_eq!(o.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("no valid token"), "{err}");
+        assert!(!err.contains(ALICE));
+    }
+    let id = n.detach(ALICE, &["--", "bash", "-c", "echo secret; sleep 30"]);
+    wait_until("the job to print", 20, || {
+        n.ok(ALICE, &["logs", &id]).contains("secret")
+    });
+    let o = n.labrun(Some(BOB), &["logs", &id]);
+    assert!(!o.status.success() && o.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("only they or an admin"));
+    assert!(!n.labrun(Some(BOB), &["kill", &id]).status.success());
+    assert!(matches!(n.job(&id).state, JobState::Running { .. }));
+    assert!(
+        n.ok(BOB, &["ps", "--all"]).contains(&id),
+        "everyone sees every job"
+    );
+    assert!(!n.ok(BOB, &["ps"]).contains(&id), "ps alone is one's own");
+    n.ok(ADMIN, &["kill", &id]);
+    wait_until("the job to end", 20, || n.job(&id).ended());
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(
+        !log.contains(ALICE) && !log.contains("wrong-token"),
+        "tokens are never logged"
+    );
+}
+
+/// Test 8: data is read-only to the job, and two concurrent jobs on one
+/// dataset share one materialised copy. When the tests run as root, the job
+/// runs as `nobody`, as it would for a user on a shared node.
+#[test]
+fn data_is_read_only_and_shared_between_jobs() {
+    let n = Node::start(None, "");
+    let user_token = "tok-nobody-0123456789";
+    let data = n.path("div2k");
+    std::fs::create_dir_all(data.join("train")).unwrap();
+    std::fs::write(data.join("train/0001.png"), vec![7u8; 300_000]).unwrap();
+    assert!(n
+        .labsync(&["push", data.to_str().unwrap(), "--name", "div2k"])
+        .status
+        .success());
+    let script = "echo data=$LABRUN_DATA_DIV2K same=$([ \"$LABRUN_DATA\" = \"$LABRUN_DATA_DIV2K\" ] && echo y); \
+                  echo inode=$(stat -c %i $LABRUN_DATA/train/0001.png); \
+                  touch $LABRUN_DATA/new 2>/dev/null && echo WROTE-NEW; \
+                  echo x >> $LABRUN_DATA/train/0001.png 2>/dev/null && echo WROTE-OLD; \
+                  rm -f $LABRUN_DATA/train/0001.png 2>/dev/null; [ -e $LABRUN_DATA/train/0001.png ] || echo REMOVED; \
+                  echo whoami=$(id -un); sleep 1";
+    let a = n.detach(user_token, &["--data", "div2k", "--", "bash", "-c", script]);
+    let b = n.detach(user_token, &["--data", "div2k", "--", "bash", "-c", script]);
+    wait_until("both jobs to end", 30, || n.ended(&a) && n.ended(&b));
+    let (la, lb) = (
+        n.ok(user_token, &["logs", &a]),
+        n.ok(user_token, &["logs", &b]),
+    );
+    for log in [&la, &lb] {
+        assert!(log.contains("same=y"), "{log}");
+        assert!(
+            !log.contains("WROTE") && !log.contains("REMOVED"),
+            "data writable: {log}"
+        );
+        if labsync_agent::euid() == 0 {
+            assert!(
+                log.contains("whoami=nobody"),
+                "runs as its submitter: {log}"
+            );
+        }
+    }
+    let line = |log: &str, key: &str| {
+        log.lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or_else(|| panic!("{key} missing in {log}"))
+            .to_string()
+    };
+    assert_eq!(
+        line(&la, "data="),
+        line(&lb, "data="),
+        "one materialised copy"
+    );
+    assert_eq!(line(&la, "inode="), line(&lb, "inode="));
+    let trees: Vec<_> = std::fs::read_dir(n.path("cache/trees-v1"))
+        .unwrap()
+        .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .collect();
+    assert_eq!(
+        trees.len(),
+        2,
+        "one tree for the data, one for the (empty) code"
+    );
+    assert_eq!(
+        std::fs::read(data.join("train/0001.png")).unwrap(),
+        vec![7u8; 300_000],
+        "the source is untouched"
+    );
+}
+
+/// Test 9: the README's main command (scripts/quickstart.sh), on a fresh HOME
+/// with no configuration: it starts its own labd, runs the sample training
+/// script on the sample dataset, and saves the checkpoint.
+#[test]
+fn readme_main_job_runs_on_a_fresh_home() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let bin = Path::new(env!("CARGO_BIN_EXE_labrun")).parent().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/quickstart.sh");
+    let o = Command::new("bash")
+        .arg(script)
+        .env("HOME", &home)
+        .env_remove("XDG_CONFIG_HOME")
+        .env_remove("XDG_STATE_HOME")
+        .env_remove("XDG_DATA_HOME")
+        .env_remove("XDG_CACHE_HOME")
+        .env_remove("LABSYNC_STORE")
+        .env_remove("LABSYNC_CACHE")
+        .env_remove("LABRUN_LABD")
+        .env_remove("LABRUN_TOKEN")
+        .env("LABSYNC_BIN", bin)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let pid = std::fs::read_to_string(home.join(".local/state/labsync/labd/labd.pid"));
+    if let Ok(pid) = &pid {
+        let _ = Command::new("kill").arg(pid.trim()).status();
+    }
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "quickstart failed:\n{out}\n{err}");
+    assert!(pid.is_ok(), "labrun started a labd of its own");
+    assert!(
+        out.contains("10 images at") && out.contains("epoch 3/3"),
+        "{out}"
+    );
+    assert!(
+        out.contains("runs/j1"),
+        "the checkpoint is listed in the store: {out}"
+    );
+    assert!(err.contains("outputs saved as runs/j1@v1"), "{err}");
+    assert!(
+        home.join(".local/share/labsync/store/config").exists(),
+        "embedded default store"
+    );
+}
