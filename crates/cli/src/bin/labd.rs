@@ -165,7 +165,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         run_as_submitter,
         tokens,
         admins,
-        tick: Duration::from_millis(file.tick_ms.unwrap_or(200)),
+        tick: Duration::from_millis(file.tick_ms.unwrap_or(100)),
     };
     Ok((cfg, listen, inventory))
 }

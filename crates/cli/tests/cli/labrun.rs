@@ -385,6 +385,8 @@ fn kill_leaves_no_process_and_saves_outputs() {
             "1",
             "--outputs",
             "ckpt",
+            "--outputs-every",
+            "1s",
             "--",
             "bash",
             "-c",
@@ -394,6 +396,10 @@ fn kill_leaves_no_process_and_saves_outputs() {
     wait_until("the job to start its children", 20, || {
         let j = n.job(&id);
         matches!(j.state, JobState::Running { .. }) && session_members(sid(&j)).len() >= 5
+    });
+    wait_until("a periodic save while it runs", 20, || {
+        let j = n.job(&id);
+        matches!(j.state, JobState::Running { .. }) && j.meta.outputs_saved.is_some()
     });
     let s = sid(&n.job(&id));
     let o = n.labrun(Some(BOB), &["kill", &id]);
@@ -464,6 +470,52 @@ fn crashed_job_leaves_its_outputs_and_labrun_returns_its_exit_code() {
         assert_eq!(o.status.code(), Some(1));
         assert!(String::from_utf8_lossy(&o.stderr).contains("--gpus 0"));
     }
+}
+
+/// Ctrl-C as srun users expect: once shows the state and leaves the job
+/// running; twice within a second kills it, and labrun returns its status.
+#[test]
+fn ctrl_c_once_reports_twice_kills() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    std::fs::create_dir_all(n.path("code")).unwrap();
+    let mut child = n
+        .labrun_cmd(
+            Some(ALICE),
+            &["--gpus", "0", "--", "bash", "-c", "echo started; sleep 300"],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line, "started\n");
+    let sigint = |pid: u32| {
+        assert!(Command::new("kill")
+            .args(["-INT", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success())
+    };
+    sigint(child.id());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "one Ctrl-C leaves labrun following"
+    );
+    assert!(
+        matches!(n.job("j1").state, JobState::Running { .. }),
+        "and the job running"
+    );
+    sigint(child.id());
+    std::thread::sleep(Duration::from_millis(200));
+    sigint(child.id());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("Ctrl-C again within 1 s kills it"), "{err}");
+    assert_eq!(o.status.code(), Some(128 + 15), "killed by SIGTERM: {err}");
+    assert!(n.job("j1").ended());
 }
 
 /// Test 5: `kill -9` of labd mid-job and a restart: the live job is adopted
