@@ -611,6 +611,11 @@ pub async fn push(
     let mut tree = PackBuilder::default();
     let mut segments = Vec::new();
     let mut seen_tree = HashSet::new();
+    let mut zstd_tree = zstd::bulk::Compressor::new(3).map_err(|e| Error::Io {
+        op: "compress tree",
+        path: root.clone(),
+        source: e,
+    })?;
     for seg in snapshot::split_segments(&entries) {
         let bytes = snapshot::encode_segment(seg);
         let id = ChunkId::of(&bytes);
@@ -621,7 +626,7 @@ pub async fn push(
         if index.contains(&id) || !seen_tree.insert(id) {
             continue;
         }
-        let z = zstd::bulk::compress(&bytes, 3).map_err(|e| Error::Io {
+        let z = zstd_tree.compress(&bytes).map_err(|e| Error::Io {
             op: "compress tree",
             path: root.clone(),
             source: e,
