@@ -35,6 +35,9 @@ pub struct DaemonConfig {
     pub cache_dir: PathBuf,
     /// Node cache cap, bytes.
     pub cache_max: u64,
+    /// Cap on the shared read-only trees, bytes; trees no active job uses
+    /// are removed, least recently used first, above it.
+    pub trees_max: u64,
     /// A GPU with more foreign memory than this is not free.
     pub foreign_limit: u64,
     /// Deadline of one inventory read.
@@ -79,7 +82,9 @@ pub struct Daemon {
     node: Arc<Node>,
     repo: Repo,
     cache: Arc<NodeCache>,
-    trees: Trees,
+    trees: Arc<Trees>,
+    /// When trees were last checked against their cap.
+    evicted_at: Mutex<Instant>,
     /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
     tokens: Vec<(blake3::Hash, String)>,
     /// Jobs whose outputs are being pushed right now.
@@ -186,7 +191,8 @@ impl Daemon {
             node: Arc::new(node),
             repo,
             cache: Arc::new(cache),
-            trees,
+            trees: Arc::new(trees),
+            evicted_at: Mutex::new(Instant::now()),
             tokens,
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(Default::default()),
@@ -336,6 +342,12 @@ impl Daemon {
             outputs_error: None,
             outputs_pending: req.outputs.is_some(),
             preparing: Some("materialising code and data".into()),
+            trees: req
+                .code
+                .iter()
+                .chain(req.data.iter().map(|d| &d.tree))
+                .map(|t| t.snapshot.clone())
+                .collect(),
         };
         let mut submit = Submit {
             user: caller.user.clone(),
@@ -473,7 +485,7 @@ impl Daemon {
         let jobs = off_runtime(move || {
             node.reap()?;
             node.schedule()?;
-            node.jobs()
+            node.active_jobs()
         })
         .await;
         let jobs = match jobs {
@@ -483,6 +495,24 @@ impl Daemon {
                 return;
             }
         };
+        let due = {
+            let mut at = self.evicted_at.lock().expect("labd poisoned");
+            let due = at.elapsed() >= Duration::from_secs(5);
+            if due {
+                *at = Instant::now();
+            }
+            due
+        };
+        if due {
+            let in_use: HashSet<String> = jobs
+                .iter()
+                .flat_map(|j| j.meta.trees.iter().cloned())
+                .collect();
+            let (trees, budget) = (self.trees.clone(), self.cfg.trees_max);
+            for snap in off_runtime(move || trees.evict(budget, &in_use)).await {
+                tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
+            }
+        }
         for j in jobs {
             if j.meta.outputs.is_none() {
                 continue;

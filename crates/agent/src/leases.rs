@@ -17,6 +17,10 @@ use crate::error::LeaseError;
 const LEASES: TableDefinition<u32, &str> = TableDefinition::new("leases-v1");
 /// Job id → JSON [`JobRecord`].
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs-v1");
+/// Ids of the jobs that still need labd's attention (queued, running, or
+/// ended with outputs still to save), so the periodic work of a daemon that
+/// has run for months reads a handful of records, not its whole history.
+const ACTIVE: TableDefinition<&str, ()> = TableDefinition::new("active-v1");
 
 /// Where a job is in its life.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +74,35 @@ pub struct JobRecord {
     /// What labd made of it: trees, work folder, outputs.
     #[serde(default)]
     pub meta: JobMeta,
+    /// How to start it, kept while it is queued so a restarted labd queues
+    /// it again.
+    #[serde(default)]
+    pub queued: Option<QueuedSpec>,
+}
+
+impl JobRecord {
+    /// True while labd still has work with it.
+    pub fn active(&self) -> bool {
+        !matches!(
+            self.state,
+            JobState::Exited { .. } | JobState::Failed { .. }
+        ) || self.meta.outputs_pending
+    }
+}
+
+/// What a queued job needs to start.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedSpec {
+    /// The command.
+    pub argv: Vec<String>,
+    /// Working folder.
+    pub cwd: PathBuf,
+    /// Environment.
+    pub env: Vec<(String, String)>,
+    /// Free memory each GPU must have.
+    pub min_free_bytes: u64,
+    /// Run as uid/gid.
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// The parts of a job labd (not the engine) keeps: what it runs on and where
@@ -94,6 +127,9 @@ pub struct JobMeta {
     pub outputs_pending: bool,
     /// Still materialising code and data: what, in words.
     pub preparing: Option<String>,
+    /// Snapshot ids of the shared trees it uses (kept while it is active).
+    #[serde(default)]
+    pub trees: Vec<String>,
 }
 
 /// Now, in Unix seconds.
@@ -124,6 +160,21 @@ impl Leases {
         let txn = leases.db.begin_write().map_err(|e| leases.err(e))?;
         txn.open_table(LEASES).map_err(|e| leases.err(e))?;
         txn.open_table(JOBS).map_err(|e| leases.err(e))?;
+        {
+            // Rebuilt at every start: cheap once, and right after any change of format.
+            let jobs = txn.open_table(JOBS).map_err(|e| leases.err(e))?;
+            let mut active = txn.open_table(ACTIVE).map_err(|e| leases.err(e))?;
+            for r in jobs.iter().map_err(|e| leases.err(e))? {
+                let (id, v) = r.map_err(|e| leases.err(e))?;
+                let rec: JobRecord =
+                    serde_json::from_slice(v.value()).map_err(|e| leases.err(e))?;
+                if rec.active() {
+                    active.insert(id.value(), ()).map_err(|e| leases.err(e))?;
+                } else {
+                    active.remove(id.value()).map_err(|e| leases.err(e))?;
+                }
+            }
+        }
         txn.commit().map_err(|e| leases.err(e))?;
         Ok(leases)
     }
@@ -203,13 +254,37 @@ impl Leases {
     /// Stores (creates or replaces) a job record.
     pub fn put_job(&self, job: &JobRecord) -> Result<(), LeaseError> {
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        {
-            let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
-            let json = serde_json::to_vec(job).expect("record serialises");
-            t.insert(job.id.as_str(), json.as_slice())
-                .map_err(|e| self.err(e))?;
-        }
+        self.write_in(&txn, job)?;
         txn.commit().map_err(|e| self.err(e))
+    }
+
+    fn write_in(&self, txn: &redb::WriteTransaction, job: &JobRecord) -> Result<(), LeaseError> {
+        let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let json = serde_json::to_vec(job).expect("record serialises");
+        t.insert(job.id.as_str(), json.as_slice())
+            .map_err(|e| self.err(e))?;
+        let mut a = txn.open_table(ACTIVE).map_err(|e| self.err(e))?;
+        if job.active() {
+            a.insert(job.id.as_str(), ()).map_err(|e| self.err(e))?;
+        } else {
+            a.remove(job.id.as_str()).map_err(|e| self.err(e))?;
+        }
+        Ok(())
+    }
+
+    /// The records of the jobs that are not yet settled (see [`JobRecord::active`]).
+    pub fn active_jobs(&self) -> Result<Vec<JobRecord>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let a = txn.open_table(ACTIVE).map_err(|e| self.err(e))?;
+        let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for r in a.iter().map_err(|e| self.err(e))? {
+            let (id, _) = r.map_err(|e| self.err(e))?;
+            if let Some(v) = t.get(id.value()).map_err(|e| self.err(e))? {
+                out.push(serde_json::from_slice(v.value()).map_err(|e| self.err(e))?);
+            }
+        }
+        Ok(out)
     }
 
     /// Changes one job record in one transaction; `None` when there is no such job.
@@ -219,26 +294,27 @@ impl Leases {
         f: impl FnOnce(&mut JobRecord) -> T,
     ) -> Result<Option<T>, LeaseError> {
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        let out = {
-            let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
-            let rec = t
-                .get(id)
-                .map_err(|e| self.err(e))?
-                .map(|v| v.value().to_vec());
-            match rec {
-                None => None,
-                Some(bytes) => {
-                    let mut rec: JobRecord =
-                        serde_json::from_slice(&bytes).map_err(|e| self.err(e))?;
-                    let out = f(&mut rec);
-                    let json = serde_json::to_vec(&rec).expect("record serialises");
-                    t.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
-                    Some(out)
-                }
+        let out = match self.read_in(&txn, id)? {
+            None => None,
+            Some(mut rec) => {
+                let out = f(&mut rec);
+                self.write_in(&txn, &rec)?;
+                Some(out)
             }
         };
         txn.commit().map_err(|e| self.err(e))?;
         Ok(out)
+    }
+
+    fn read_in(
+        &self,
+        txn: &redb::WriteTransaction,
+        id: &str,
+    ) -> Result<Option<JobRecord>, LeaseError> {
+        let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let v = t.get(id).map_err(|e| self.err(e))?;
+        v.map(|v| serde_json::from_slice(v.value()).map_err(|e| self.err(e)))
+            .transpose()
     }
 
     /// One job record.
@@ -276,21 +352,15 @@ impl Leases {
         id: &str,
         state: JobState,
     ) -> Result<Vec<u32>, LeaseError> {
-        let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
-        let rec = jobs
-            .get(id)
-            .map_err(|e| self.err(e))?
-            .map(|v| v.value().to_vec());
-        if let Some(bytes) = rec {
-            let mut rec: JobRecord = serde_json::from_slice(&bytes).map_err(|e| self.err(e))?;
+        if let Some(mut rec) = self.read_in(txn, id)? {
             if !matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
                 rec.ended_at = Some(unix_now());
             }
             rec.state = state;
             rec.gpus.clear();
             rec.meta.preparing = None;
-            let json = serde_json::to_vec(&rec).expect("record serialises");
-            jobs.insert(id, json.as_slice()).map_err(|e| self.err(e))?;
+            rec.queued = None;
+            self.write_in(txn, &rec)?;
         }
         self.release_in(txn, id)
     }
@@ -300,7 +370,7 @@ impl Leases {
     /// leasing and starting leaves such leases). Live jobs are adopted as they
     /// are. Returns the ids of the jobs marked failed.
     pub fn reconcile(&self, alive: impl Fn(u32) -> bool) -> Result<Vec<String>, LeaseError> {
-        let jobs = self.jobs()?;
+        let jobs = self.active_jobs()?;
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         let mut failed = Vec::new();
         for j in &jobs {
@@ -387,6 +457,7 @@ mod tests {
             started_at: None,
             ended_at: None,
             meta: JobMeta::default(),
+            queued: None,
         }
     }
 
@@ -430,6 +501,40 @@ mod tests {
             vec![0]
         );
         assert!(l.all().unwrap().is_empty());
+    }
+
+    #[test]
+    fn active_jobs_are_the_unsettled_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let l = Leases::open(&path).unwrap();
+        let mut pending = job("a", JobState::Running { sid: 1 }, vec![]);
+        pending.meta.outputs_pending = true;
+        l.put_job(&pending).unwrap();
+        l.put_job(&job("b", JobState::Queued, vec![])).unwrap();
+        l.finish("b", JobState::Failed { reason: "x".into() })
+            .unwrap();
+        let ids = |l: &Leases| {
+            let mut v: Vec<String> = l.active_jobs().unwrap().into_iter().map(|j| j.id).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(ids(&l), vec!["a"]);
+        l.finish(
+            "a",
+            JobState::Exited {
+                code: Some(0),
+                signal: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(ids(&l), vec!["a"], "ended, outputs still to save");
+        l.update("a", |r| r.meta.outputs_pending = false).unwrap();
+        assert!(ids(&l).is_empty());
+        drop(l);
+        let l = Leases::open(&path).unwrap();
+        assert!(ids(&l).is_empty(), "rebuilt the same at open");
+        assert_eq!(l.jobs().unwrap().len(), 2, "history is kept");
     }
 
     #[test]

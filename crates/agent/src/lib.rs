@@ -48,7 +48,7 @@ pub use daemon::{off_runtime, Caller, Daemon, DaemonConfig, DaemonError, LogRead
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
-pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases};
+pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{Node, NodeConfig, NodeError, Submit};
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use status::{

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::LeaseError;
 use crate::gpu::GpuInventory;
-use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases};
+use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 use crate::runner::{self, JobSpec};
 use crate::status::{classify, free_gpus, process_session, process_user, GpuState, GpuStatus};
 use crate::watchdog::{Reading, Watchdog};
@@ -27,7 +27,7 @@ pub struct NodeConfig {
 }
 
 /// A job as submitted.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Submit {
     /// Who submits it.
     pub user: String,
@@ -117,12 +117,43 @@ impl Node {
                 Vec::new()
             }
         };
+        // Jobs still queued when labd stopped queue again, in their order;
+        // one stopped while its code and data were being prepared cannot be.
+        let mut queued: Vec<JobRecord> = state
+            .active_jobs()?
+            .into_iter()
+            .filter(|j| j.state == JobState::Queued)
+            .collect();
+        queued.sort_by_key(|j| (j.submitted_at, j.id.len(), j.id.clone()));
+        let mut queue = VecDeque::new();
+        for j in queued {
+            match j.queued.clone() {
+                Some(q) => queue.push_back((
+                    j.id.clone(),
+                    Submit {
+                        user: j.user,
+                        argv: q.argv,
+                        cwd: q.cwd,
+                        env: q.env,
+                        gpus: j.gpus_wanted,
+                        min_free_bytes: q.min_free_bytes,
+                        run_as: q.run_as,
+                        meta: j.meta,
+                    },
+                )),
+                None => {
+                    let reason = "labd stopped while preparing it; submit it again".into();
+                    state.update(&j.id, |r| r.meta.outputs_pending = false)?;
+                    state.finish(&j.id, JobState::Failed { reason })?;
+                }
+            }
+        }
         Ok(Node {
             cfg,
             dog,
             state,
             inner: Mutex::new(Inner {
-                queue: VecDeque::new(),
+                queue,
                 children: HashMap::new(),
                 next,
             }),
@@ -133,7 +164,7 @@ impl Node {
     fn running_sids(&self) -> Result<HashSet<u32>, NodeError> {
         Ok(self
             .state
-            .jobs()?
+            .active_jobs()?
             .into_iter()
             .filter_map(|j| match j.state {
                 JobState::Running { sid } => Some(sid),
@@ -202,6 +233,7 @@ impl Node {
             started_at: None,
             ended_at: None,
             meta: s.meta.clone(),
+            queued: None,
         })?;
         Ok(id)
     }
@@ -211,6 +243,13 @@ impl Node {
         self.state.update(id, |r| {
             r.meta = s.meta.clone();
             r.meta.preparing = None;
+            r.queued = Some(QueuedSpec {
+                argv: s.argv.clone(),
+                cwd: s.cwd.clone(),
+                env: s.env.clone(),
+                min_free_bytes: s.min_free_bytes,
+                run_as: s.run_as,
+            });
         })?;
         self.inner
             .lock()
@@ -283,6 +322,7 @@ impl Node {
                         r.state = JobState::Running { sid };
                         r.started_at = Some(unix_now());
                         r.meta.preparing = None;
+                        r.queued = None;
                     })?;
                     inner.children.insert(id.clone(), st.child);
                     started.push(id);
@@ -327,7 +367,7 @@ impl Node {
             }
             // Jobs adopted after a restart are not our children: their exit
             // status is lost, but their end is not.
-            for j in self.state.jobs()? {
+            for j in self.state.active_jobs()? {
                 if let JobState::Running { sid } = j.state {
                     if !inner.children.contains_key(&j.id)
                         && !ended.iter().any(|(id, _)| *id == j.id)
@@ -359,15 +399,15 @@ impl Node {
     }
 
     fn sid_of(&self, id: &str) -> Result<Option<u32>, NodeError> {
-        Ok(self
-            .state
-            .jobs()?
-            .into_iter()
-            .find(|j| j.id == id)
-            .and_then(|j| match j.state {
-                JobState::Running { sid } => Some(sid),
-                _ => None,
-            }))
+        Ok(self.state.job(id)?.and_then(|j| match j.state {
+            JobState::Running { sid } => Some(sid),
+            _ => None,
+        }))
+    }
+
+    /// Jobs labd still has work with (queued, running, outputs to save).
+    pub fn active_jobs(&self) -> Result<Vec<JobRecord>, NodeError> {
+        Ok(self.state.active_jobs()?)
     }
 
     /// Kills a job's whole session (SIGTERM, SIGKILL after `grace`) or drops

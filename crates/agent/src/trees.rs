@@ -9,17 +9,34 @@
 //! as hard links), so starting a job costs one link per top-level entry, not
 //! one copy per file, however many files the code has; the `--outputs`
 //! folder is made real (and the job's own) along its path.
+//!
+//! Trees are bounded like the rest of the node cache: each has a small
+//! record (`<snapshot-id>.json`: bytes, last use), and [`Trees::evict`]
+//! removes the least recently used trees that no active job uses until the
+//! rest fit the budget.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use labsync_store::{pull, NoProgress, NodeCache, RefSpec, Repo, SnapshotId};
 
+use serde::{Deserialize, Serialize};
+
 use crate::daemon::off_runtime;
 use crate::error::PrepareError;
+use crate::leases::unix_now;
 use crate::proto::TreeRef;
+
+/// What the node knows of one materialised tree.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct TreeRecord {
+    /// Bytes of its files.
+    bytes: u64,
+    /// Last time a job was given it (Unix seconds).
+    used_at: u64,
+}
 
 /// The node's shared read-only trees.
 pub struct Trees {
@@ -66,6 +83,9 @@ impl Trees {
             .clone();
         let _held = lock.lock().await;
         if dest.is_dir() {
+            let mut rec = self.record(&tree.snapshot);
+            rec.used_at = unix_now();
+            self.write_record(&tree.snapshot, &rec);
             return Ok(dest);
         }
         let spec: RefSpec = tree.label.parse()?;
@@ -92,7 +112,79 @@ impl Trees {
         })
         .await
         .map_err(PrepareError::io("make read-only", &dest))?;
+        let rec = TreeRecord {
+            bytes: got.bytes_written,
+            used_at: unix_now(),
+        };
+        self.write_record(&tree.snapshot, &rec);
         Ok(dest)
+    }
+
+    fn record(&self, snapshot: &str) -> TreeRecord {
+        std::fs::read(self.root.join(format!("{snapshot}.json")))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    fn write_record(&self, snapshot: &str, rec: &TreeRecord) {
+        let path = self.root.join(format!("{snapshot}.json"));
+        let tmp = self.root.join(format!(".{snapshot}.json.tmp"));
+        let json = serde_json::to_vec(rec).expect("record serialises");
+        // Only eviction order depends on it: a lost record makes a tree look old.
+        if std::fs::write(&tmp, json)
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .is_err()
+        {
+            tracing::warn!("cannot write {}", path.display());
+        }
+    }
+
+    /// Removes least recently used trees that are not in `in_use` until the
+    /// rest take at most `budget` bytes. Returns the snapshots removed.
+    pub fn evict(&self, budget: u64, in_use: &HashSet<String>) -> Vec<String> {
+        let Ok(rd) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut trees: Vec<(String, TreeRecord)> = rd
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|n| !n.starts_with('.'))
+            .map(|n| {
+                let r = self.record(&n);
+                (n, r)
+            })
+            .collect();
+        let mut total: u64 = trees.iter().map(|(_, r)| r.bytes).sum();
+        trees.sort_by_key(|(_, r)| r.used_at);
+        let mut removed = Vec::new();
+        for (snap, rec) in trees {
+            if total <= budget {
+                break;
+            }
+            if in_use.contains(&snap) {
+                continue;
+            }
+            // Held while removing, so no job is handed a tree half gone.
+            let lock = self
+                .locks
+                .lock()
+                .expect("trees poisoned")
+                .entry(snap.clone())
+                .or_default()
+                .clone();
+            let Ok(_held) = lock.try_lock() else { continue };
+            match remove_tree(&self.root.join(&snap)) {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(self.root.join(format!("{snap}.json")));
+                    total = total.saturating_sub(rec.bytes);
+                    removed.push(snap);
+                }
+                Err(e) => tracing::warn!("cannot remove tree {snap}: {e}"),
+            }
+        }
+        removed
     }
 }
 

@@ -38,6 +38,7 @@ A shared GPU server runs it as root with a config file, for example:
   state_dir = \"/var/lib/labsync\"
   cache_dir = \"/var/cache/labsync\"
   store = \"s3://lab-store/labsync\"
+  trees_max = \"500G\"                       # materialised code and data [cache cap]
   admins = [\"alice\"]
   [tokens]                                  # user = token (give each user theirs)
   alice = \"…\"
@@ -84,6 +85,8 @@ struct LabdFile {
     store: Option<String>,
     cache_dir: Option<PathBuf>,
     cache_max: Option<String>,
+    /// Cap on materialised trees of code and data (default: cache_max).
+    trees_max: Option<String>,
     s3_endpoint: Option<String>,
     s3_region: Option<String>,
     fake_gpus: Option<String>,
@@ -155,6 +158,10 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         store_options: settings.store_options,
         cache_dir: settings.cache_dir,
         cache_max: settings.cache_max,
+        trees_max: match file.trees_max {
+            Some(s) => parse_size(&s)?,
+            None => settings.cache_max,
+        },
         foreign_limit: match file.foreign_limit {
             Some(s) => parse_size(&s)?,
             None => 256 << 20,

@@ -531,6 +531,18 @@ fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
             .iter()
             .all(|id| matches!(n.job(id).state, JobState::Running { .. }))
     });
+    let waiting = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "2",
+            "--",
+            "bash",
+            "-c",
+            "echo both=$CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    wait_until("the third to queue", 20, || n.job(&waiting).why.is_some());
     n.crash();
     std::thread::sleep(Duration::from_millis(1000));
     n.restart();
@@ -545,7 +557,14 @@ fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
         "dead one failed: {s:?}"
     );
     assert!(n.status().contains(&format!("leased to {long} (alice)")));
+    assert_eq!(
+        n.job(&waiting).state,
+        JobState::Queued,
+        "still queued after the restart"
+    );
     wait_until("the adopted job to end", 20, || n.job(&long).ended());
+    wait_until("the queued job to run and end", 20, || n.ended(&waiting));
+    assert_eq!(n.ok(ALICE, &["logs", &waiting]).trim(), "both=0,1");
     let status = n.status();
     assert_eq!(status.matches("free").count(), 2, "{status}");
 }
@@ -640,7 +659,7 @@ fn data_is_read_only_and_shared_between_jobs() {
     let trees: Vec<_> = std::fs::read_dir(n.path("cache/trees-v1"))
         .unwrap()
         .flatten()
-        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.') && e.path().is_dir())
         .collect();
     assert_eq!(
         trees.len(),
@@ -652,6 +671,52 @@ fn data_is_read_only_and_shared_between_jobs() {
         vec![7u8; 300_000],
         "the source is untouched"
     );
+}
+
+/// Materialised trees are bounded: above `trees_max`, a tree no active job
+/// uses is removed; one in use stays.
+#[test]
+fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
+    let n = Node::start(None, "run_as = \"labd\"\ntrees_max = \"1K\"");
+    let data = n.path("div2k");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("0001.png"), vec![7u8; 300_000]).unwrap();
+    assert!(n
+        .labsync(&["push", data.to_str().unwrap(), "--name", "div2k"])
+        .status
+        .success());
+    let data_trees = || -> usize {
+        std::fs::read_dir(n.path("cache/trees-v1"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.path().join("0001.png").exists())
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let id = n.detach(
+        ALICE,
+        &[
+            "--data",
+            "div2k",
+            "--",
+            "bash",
+            "-c",
+            "sleep 7; wc -c < $LABRUN_DATA/0001.png",
+        ],
+    );
+    wait_until("the job to run", 20, || {
+        matches!(n.job(&id).state, JobState::Running { .. })
+    });
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        data_trees(),
+        1,
+        "in use: kept over the cap (an eviction pass has run)"
+    );
+    wait_until("the job to end", 20, || n.ended(&id));
+    assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "300000");
+    wait_until("the unused data tree to go", 20, || data_trees() == 0);
 }
 
 /// Test 9: the README's main command (scripts/quickstart.sh), on a fresh HOME
