@@ -9,7 +9,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${LABSYNC_BIN:-}" ]; then
-  (cd "$root" && cargo build --release --locked --bins)
+  (cd "$root" && cargo build --release --locked -p labsync-cli)
   LABSYNC_BIN="$root/target/release"
 fi
 command -v python3 > /dev/null || { echo "gpu-check: needs python3 (for the CUDA holder)"; exit 1; }

@@ -175,11 +175,20 @@ impl Daemon {
         let trees = Trees::new(&cache).map_err(|e| open("the shared trees", &e))?;
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open("the job folders", &e))?;
-        if users::euid() == 0 {
-            // Jobs run as their submitters must reach their working folders.
+        {
             use std::os::unix::fs::PermissionsExt;
-            for d in [&cfg.state_dir, &jobs_dir] {
-                let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755));
+            let mode = |p: &Path, m: u32| {
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(m))
+                    .map_err(|e| open(&p.display().to_string(), &e))
+            };
+            // The database holds queued jobs' environments and the logs their
+            // output: labd's alone. Jobs run as their submitters must still
+            // reach their working folders through the state folder.
+            mode(&cfg.state_dir.join("state-v1.redb"), 0o600)?;
+            mode(&cfg.state_dir.join("logs"), 0o700)?;
+            if users::euid() == 0 {
+                mode(&cfg.state_dir, 0o755)?;
+                mode(&jobs_dir, 0o755)?;
             }
         }
         let tokens = cfg

@@ -110,6 +110,13 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .with_context(|| format!("cannot read config file {}", p.display()))?;
+            let others = std::fs::metadata(p).map_or(0, |m| m.permissions().mode() & 0o077);
+            if others != 0 && text.contains("[tokens]") {
+                tracing::warn!(
+                    "{} holds tokens and is readable by others: chmod 600 it",
+                    p.display()
+                );
+            }
             toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?
         }
         None => LabdFile::default(),

@@ -127,7 +127,7 @@ struct RunArgs {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Jobs: id, user, GPUs, state, runtime, why waiting (yours; --all: everyone's)
+    /// Jobs: id, user, GPUs, state, runtime, why waiting (yours; --all: everyone's; ended ones for a day)
     Ps {
         /// Everyone's jobs
         #[arg(long)]
@@ -586,6 +586,12 @@ async fn ps(g: &Global, client: &Client, all: bool) -> Result<ExitCode> {
         .map_err(explain)?
         .into_iter()
         .filter(|j| all || j.user == me)
+        // Live jobs, and those that ended in the last day.
+        .filter(|j| {
+            !j.ended()
+                || j.ended_at
+                    .is_some_and(|t| labsync_agent::unix_now() < t + 86_400)
+        })
         .collect();
     if g.json {
         println!("{}", serde_json::to_string_pretty(&jobs)?);
