@@ -18,6 +18,8 @@ struct Node {
     dir: tempfile::TempDir,
     labd: Option<Child>,
     config: PathBuf,
+    /// Where labd listens: `unix://…` or `http://127.0.0.1:PORT`.
+    addr: String,
 }
 
 fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
@@ -34,6 +36,11 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
 impl Node {
     /// `gpus` like "2x11GiB"; `extra` appended to labd's config.
     fn start(gpus: Option<&str>, extra: &str) -> Node {
+        Node::start_on(None, gpus, extra)
+    }
+
+    /// As [`Node::start`], listening on `tcp` (`127.0.0.1:PORT`) instead of a Unix socket.
+    fn start_on(tcp: Option<&str>, gpus: Option<&str>, extra: &str) -> Node {
         let dir = tempfile::tempdir().unwrap();
         // Jobs run as other users (when the tests run as root) must reach their folders.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -48,14 +55,17 @@ impl Node {
             None => String::new(),
         };
         let config = d.join("labd.toml");
+        let addr = match tcp {
+            Some(a) => format!("http://{a}"),
+            None => format!("unix://{}", d.join("labd.sock").display()),
+        };
         std::fs::write(
             &config,
             format!(
-                "listen = \"unix://{sock}\"\nstate_dir = \"{state}\"\nstore = \"file://{store}\"\n\
+                "listen = \"{addr}\"\nstate_dir = \"{state}\"\nstore = \"file://{store}\"\n\
                  cache_dir = \"{cache}\"\ntick_ms = 50\nkill_grace_s = 1\ninventory_deadline_ms = 300\n\
                  {fake}{extra}\nadmins = [\"admin\"]\n[tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\n\
                  admin = \"{ADMIN}\"\nnobody = \"tok-nobody-0123456789\"\n",
-                sock = d.join("labd.sock").display(),
                 state = d.join("state").display(),
                 store = d.join("store").display(),
                 cache = d.join("cache").display(),
@@ -66,6 +76,7 @@ impl Node {
             dir,
             labd: None,
             config,
+            addr,
         };
         n.restart();
         n
@@ -93,9 +104,12 @@ impl Node {
             .spawn()
             .unwrap();
         self.labd = Some(child);
-        let sock = self.path("labd.sock");
+        let addr = self.addr.clone();
         wait_until("labd to answer", 30, || {
-            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+            match addr.strip_prefix("http://") {
+                Some(tcp) => std::net::TcpStream::connect(tcp).is_ok(),
+                None => std::os::unix::net::UnixStream::connect(&addr["unix://".len()..]).is_ok(),
+            }
         });
     }
 
@@ -118,10 +132,7 @@ impl Node {
             .env_remove("XDG_CONFIG_HOME")
             .env_remove("XDG_STATE_HOME")
             .env_remove("LABRUN_TOKEN")
-            .env(
-                "LABRUN_LABD",
-                format!("unix://{}", self.path("labd.sock").display()),
-            )
+            .env("LABRUN_LABD", &self.addr)
             .env("LABSYNC_CACHE", self.path("client-cache"))
             .stdin(Stdio::null());
         if let Some(t) = token {
@@ -717,6 +728,34 @@ fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
     wait_until("the job to end", 20, || n.ended(&id));
     assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "300000");
     wait_until("the unused data tree to go", 20, || data_trees() == 0);
+}
+
+/// A cluster node listens on TCP: the same API, the same tokens.
+#[test]
+fn tcp_listener_serves_the_same_api() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let n = Node::start_on(
+        Some(&format!("127.0.0.1:{port}")),
+        Some("1x11GiB"),
+        "run_as = \"labd\"",
+    );
+    let out = n.ok(
+        ALICE,
+        &[
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            "echo over tcp on $CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    assert_eq!(out.trim(), "over tcp on 0");
+    assert!(n.labrun(Some("wrong-token"), &["status"]).status.code() == Some(1));
 }
 
 /// Test 9: the README's main command (scripts/quickstart.sh), on a fresh HOME
