@@ -163,15 +163,19 @@ fn settings(g: &Global) -> Result<Settings> {
     )
 }
 
-/// Finds labd, starting the personal one if nothing else is configured.
-async fn connect(g: &Global, s: &Settings) -> Result<Client> {
+/// Finds labd, starting the personal one if nothing else is configured
+/// (then also returned, so its store can be checked against the settings).
+async fn connect(g: &Global, s: &Settings) -> Result<(Client, Option<LocalLabd>)> {
     let token = std::env::var("LABRUN_TOKEN").ok().or(s.token.clone());
     if let Some(addr) = g.labd.clone().or(s.labd.clone()) {
         let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
-        return Ok(Client::new(ep, token));
+        return Ok((Client::new(ep, token), None));
     }
     if Path::new(SYSTEM_SOCKET).exists() {
-        return Ok(Client::new(Endpoint::Unix(SYSTEM_SOCKET.into()), token));
+        return Ok((
+            Client::new(Endpoint::Unix(SYSTEM_SOCKET.into()), token),
+            None,
+        ));
     }
     let local = LocalLabd::for_user()?;
     let probe = Client::new(Endpoint::Unix(local.socket()), None);
@@ -185,7 +189,8 @@ async fn connect(g: &Global, s: &Settings) -> Result<Client> {
             .trim()
             .to_string(),
     };
-    Ok(Client::new(Endpoint::Unix(local.socket()), Some(token)))
+    let client = Client::new(Endpoint::Unix(local.socket()), Some(token));
+    Ok((client, Some(local)))
 }
 
 async fn start_local(local: &LocalLabd, s: &Settings, quiet: bool) -> Result<()> {
@@ -372,24 +377,30 @@ async fn push_tree(
     })
 }
 
-async fn submit(g: &Global, s: &Settings, client: &Client, a: RunArgs) -> Result<ExitCode> {
+async fn submit(
+    g: &Global,
+    s: &Settings,
+    (client, personal): (&Client, Option<&LocalLabd>),
+    a: RunArgs,
+) -> Result<ExitCode> {
     let info = client.info().await.map_err(explain)?;
-    if let Some(store) = &g.store {
-        let wanted = Settings::resolve(
-            &Overrides {
-                store: Some(store.clone()),
-                ..Default::default()
-            },
-            &[],
-        )?
-        .store;
-        if wanted != info.store {
-            bail!(
-                "labd at {} uses store {}, not {wanted}; run with its store or another labd",
-                client.endpoint(),
-                info.store
-            );
-        }
+    // The store labrun pushes code to is labd's; a mismatch with what the
+    // user asked for (or, for the personal labd, configured since it
+    // started) is said, not silently followed.
+    if (g.store.is_some() || personal.is_some()) && s.store != info.store {
+        let hint = match personal {
+            Some(local) => format!(
+                "stop it (kill $(cat {})) and labrun starts one with your settings",
+                local.state_dir.join("labd.pid").display()
+            ),
+            None => "run with its store or use another labd".into(),
+        };
+        bail!(
+            "labd at {} uses store {}, not {}: {hint}",
+            client.endpoint(),
+            info.store,
+            s.store
+        );
     }
     let code = a.code.clone().unwrap_or_else(|| PathBuf::from("."));
     let code = code
@@ -714,9 +725,9 @@ fn gib(b: u64) -> String {
 
 async fn run(cli: Cli) -> Result<ExitCode> {
     let s = settings(&cli.global)?;
-    let client = connect(&cli.global, &s).await?;
+    let (client, personal) = connect(&cli.global, &s).await?;
     match cli.cmd {
-        None => submit(&cli.global, &s, &client, cli.run).await,
+        None => submit(&cli.global, &s, (&client, personal.as_ref()), cli.run).await,
         Some(Cmd::Ps { all }) => ps(&cli.global, &client, all).await,
         Some(Cmd::Logs { job, follow }) => logs(&client, &job, follow).await,
         Some(Cmd::Kill { job }) => {

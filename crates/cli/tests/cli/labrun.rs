@@ -783,6 +783,17 @@ fn readme_main_job_runs_on_a_fresh_home() {
         .stdin(Stdio::null())
         .output()
         .unwrap();
+    // The personal labd keeps the store it started with; a changed setting is said.
+    let moved = Command::new(env!("CARGO_BIN_EXE_labrun"))
+        .args(["--", "true"])
+        .current_dir(&home)
+        .env("HOME", &home)
+        .env("LABSYNC_STORE", dir.path().join("elsewhere"))
+        .env_remove("LABRUN_LABD")
+        .env_remove("LABRUN_TOKEN")
+        .env_remove("XDG_STATE_HOME")
+        .output()
+        .unwrap();
     let pid = std::fs::read_to_string(home.join(".local/state/labsync/labd/labd.pid"));
     if let Ok(pid) = &pid {
         let _ = Command::new("kill").arg(pid.trim()).status();
@@ -802,6 +813,13 @@ fn readme_main_job_runs_on_a_fresh_home() {
         "the checkpoint is listed in the store: {out}"
     );
     assert!(err.contains("outputs saved as runs/j1@v1"), "{err}");
+    let moved_err = String::from_utf8_lossy(&moved.stderr);
+    assert!(
+        !moved.status.success()
+            && moved_err.contains("uses store")
+            && moved_err.contains("kill $(cat"),
+        "{moved_err}"
+    );
     assert!(
         home.join(".local/share/labsync/store/config").exists(),
         "embedded default store"
