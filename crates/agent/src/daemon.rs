@@ -376,30 +376,27 @@ impl Daemon {
         submit.meta.work = Some(work);
         let me = self.clone();
         let job = id.clone();
-        // The store's pull future is not `Send` for every lifetime
-        // tokio::spawn asks of it, so preparing runs on a blocking thread
-        // driven by this runtime.
-        let handle = tokio::runtime::Handle::current();
-        tokio::spawn(off_runtime(move || {
-            let outcome = handle.block_on(me.prepare(&job, &req, &mut submit));
-            let node = &me.node;
-            let result = match outcome {
+        tokio::spawn(async move {
+            let outcome = me.prepare(&job, &req, &mut submit).await;
+            let node = me.node.clone();
+            let result = off_runtime(move || match outcome {
                 Ok(()) => {
                     // Killed while it was being prepared: leave it ended.
-                    match node.job(&job).map(|r| r.map(|r| r.state)) {
-                        Ok(Some(JobState::Queued)) => node.enqueue(&job, submit),
-                        Ok(_) => Ok(()),
-                        Err(e) => Err(e),
+                    match node.job(&job)?.map(|r| r.state) {
+                        Some(JobState::Queued) => node.enqueue(&job, submit),
+                        _ => Ok(()),
                     }
                 }
-                Err(e) => node
-                    .update_meta(&job, |m| m.outputs_pending = false)
-                    .and_then(|_| node.fail(&job, format!("cannot prepare the job: {e}"))),
-            };
+                Err(e) => {
+                    node.update_meta(&job, |m| m.outputs_pending = false)?;
+                    node.fail(&job, format!("cannot prepare the job: {e}"))
+                }
+            })
+            .await;
             if let Err(e) = result {
                 tracing::error!("job state: {e}");
             }
-        }));
+        });
         self.job(&id).await
     }
 
@@ -576,19 +573,10 @@ impl Daemon {
                 user: job.user.clone(),
                 host: self.cfg.node_name.clone(),
             };
-            // The push future is not `Send` for every lifetime tokio::spawn
-            // asks of it, so it runs on a blocking thread driven by this runtime.
-            let (repo, handle, d) = (
-                self.repo.clone(),
-                tokio::runtime::Handle::current(),
-                dir.clone(),
-            );
-            off_runtime(move || {
-                handle.block_on(async move { push(&repo, &d, &opts, Arc::new(NoProgress)).await })
-            })
-            .await
-            .map(|o| o.record.label())
-            .map_err(|e| e.to_string())
+            push(&self.repo, &dir, &opts, Arc::new(NoProgress))
+                .await
+                .map(|o| o.record.label())
+                .map_err(|e| e.to_string())
         } else {
             Err(format!("the job left no {out} folder to save"))
         };

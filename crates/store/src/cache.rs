@@ -179,12 +179,18 @@ impl NodeCache {
             .collect();
         let total: u64 = missing.iter().map(|(_, n)| n).sum();
         progress.phase("fetch", Some(total), Some(missing.len() as u64));
-        futures::stream::iter(missing.iter())
+        // Futures collected before streaming them: a closure inside the
+        // stream made the whole future non-`Send` for tokio::spawn
+        // ("FnOnce is not general enough", rust-lang/rust#102211).
+        let fetches: Vec<_> = missing
+            .iter()
             .map(|(p, n)| async move {
                 self.fetch_pack(repo, p).await?;
                 progress.advance(*n, 1);
                 Ok::<_, Error>(())
             })
+            .collect();
+        futures::stream::iter(fetches)
             .buffer_unordered(4)
             .try_collect::<Vec<_>>()
             .await?;

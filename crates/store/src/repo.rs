@@ -312,11 +312,15 @@ impl Repo {
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
         let objects = self.remote.list("index/").await?;
         let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
-        let recs: Vec<Vec<IndexPack>> = futures::stream::iter(keys.iter())
+        // Futures are collected before streaming them (see NodeCache::fetch_packs).
+        let reads: Vec<_> = keys
+            .iter()
             .map(|k| async move {
                 let bytes = self.get_index_object(k).await?;
                 index::decode(&bytes, k)
             })
+            .collect();
+        let recs: Vec<Vec<IndexPack>> = futures::stream::iter(reads)
             .buffer_unordered(8)
             .try_collect()
             .await?;
@@ -353,7 +357,8 @@ impl Repo {
             })?;
             by_pack.entry(pack).or_default().push(e);
         }
-        let parts: Vec<Vec<(ChunkId, Vec<u8>)>> = futures::stream::iter(by_pack)
+        let reads: Vec<_> = by_pack
+            .into_iter()
             .map(|(pack, entries)| async move {
                 let ranges: Vec<_> = entries
                     .iter()
@@ -366,6 +371,8 @@ impl Repo {
                     .map(|(e, d)| Ok((e.id, e.decode(&d, &pack)?.into_owned())))
                     .collect::<Result<Vec<_>>>()
             })
+            .collect();
+        let parts: Vec<Vec<(ChunkId, Vec<u8>)>> = futures::stream::iter(reads)
             .buffer_unordered(8)
             .try_collect()
             .await?;
@@ -430,8 +437,11 @@ impl Repo {
     /// Every live (not forgotten) version of `name`, oldest first.
     pub async fn versions(&self, name: &str) -> Result<Vec<VersionRecord>> {
         let keys = self.version_keys(name).await?;
-        let all: Vec<VersionRecord> = futures::stream::iter(keys)
+        let reads: Vec<_> = keys
+            .into_iter()
             .map(|k| async move { self.read_record(&k).await })
+            .collect();
+        let all: Vec<VersionRecord> = futures::stream::iter(reads)
             .buffered(16)
             .try_collect()
             .await?;
@@ -567,12 +577,15 @@ impl Repo {
             .map(|o| o.key)
             .collect();
         let packs = self.remote.list("packs/").await?;
-        let recs: Vec<IndexPack> = futures::stream::iter(packs)
+        let reads: Vec<_> = packs
+            .into_iter()
             .map(|o| async move {
                 let id: PackId = o.key.rsplit('/').next().unwrap_or_default().parse()?;
                 let entries = self.read_pack_footer(&id, o.size).await?;
                 Ok::<_, Error>(IndexPack::new(id, o.size, &entries))
             })
+            .collect();
+        let recs: Vec<IndexPack> = futures::stream::iter(reads)
             .buffer_unordered(8)
             .try_collect()
             .await?;

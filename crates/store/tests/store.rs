@@ -441,6 +441,28 @@ async fn conformance(remote: Remote) {
     check_gc_sweeps_only_unreferenced(&env).await;
 }
 
+/// Regression: push and pull futures were not `Send` for every lifetime
+/// `tokio::spawn` asks of them ("implementation of `FnOnce` is not general
+/// enough": closures inside `stream::iter(..).map(..)`), so labd had to run
+/// them on blocking threads. This test stops compiling if that comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_and_pull_futures_can_be_spawned() {
+    let env = Arc::new(Env::new(Remote::memory()).await);
+    let src = env.root.join("src");
+    write_tree(&src, 3);
+    let e = env.clone();
+    let s = src.clone();
+    let pushed = tokio::spawn(async move { push(&e.repo, &s, &opts("ds", &e.cache), np()).await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(pushed.created);
+    let e = env.clone();
+    tokio::spawn(async move { e.pull_matches("ds", &src, "spawned").await })
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_memory() {
     conformance(Remote::memory()).await;
