@@ -64,7 +64,9 @@ pub struct SubmitRequest {
     pub outputs_every_s: Option<u64>,
 }
 
-/// A job as `labrun ps` shows it.
+/// A job as `labrun ps` shows it. Its own type, not the stored
+/// `JobRecord`: the record keeps a queued job's environment, which must
+/// never reach another user through the API.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobView {
     /// Job id.
