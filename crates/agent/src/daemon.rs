@@ -351,6 +351,7 @@ impl Daemon {
             outputs_error: None,
             outputs_pending: req.outputs.is_some(),
             preparing: Some("materialising code and data".into()),
+            run_as,
             trees: req
                 .code
                 .iter()
@@ -379,18 +380,12 @@ impl Daemon {
         tokio::spawn(async move {
             let outcome = me.prepare(&job, &req, &mut submit).await;
             let node = me.node.clone();
+            // Either may find the job killed meanwhile; it then stays ended.
             let result = off_runtime(move || match outcome {
-                Ok(()) => {
-                    // Killed while it was being prepared: leave it ended.
-                    match node.job(&job)?.map(|r| r.state) {
-                        Some(JobState::Queued) => node.enqueue(&job, submit),
-                        _ => Ok(()),
-                    }
-                }
-                Err(e) => {
-                    node.update_meta(&job, |m| m.outputs_pending = false)?;
-                    node.fail(&job, format!("cannot prepare the job: {e}"))
-                }
+                Ok(()) => node.enqueue(&job, submit).map(drop),
+                Err(e) => node
+                    .cancel_reserved(&job, format!("cannot prepare the job: {e}"))
+                    .map(drop),
             })
             .await;
             if let Err(e) = result {
@@ -436,20 +431,22 @@ impl Daemon {
     /// Kills a job (or drops it from the queue); its GPUs are freed and its
     /// outputs pushed.
     pub async fn kill(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
-        let rec = self.record(id)?;
+        let (me, job) = (self.clone(), id.to_string());
+        let rec = off_runtime(move || me.record(&job)).await?;
         self.own(caller, &rec, "kill")?;
-        match rec.state {
-            JobState::Exited { .. } | JobState::Failed { .. } => {
-                return Err(ApiError::Conflict(format!("job {id} has already ended")))
-            }
-            JobState::Queued if rec.meta.preparing.is_some() => {
-                self.node.fail(id, "killed while being prepared".into())?;
-            }
-            _ => {
-                let (node, job, grace) = (self.node.clone(), id.to_string(), self.cfg.kill_grace);
-                off_runtime(move || node.kill(&job, grace)).await?;
-            }
+        if matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
+            return Err(ApiError::Conflict(format!("job {id} has already ended")));
         }
+        let (node, job, grace) = (self.node.clone(), id.to_string(), self.cfg.kill_grace);
+        off_runtime(move || {
+            // A job still being prepared is ended before it is queued; one
+            // queued meanwhile is killed like any other.
+            if !node.cancel_reserved(&job, "killed while being prepared".into())? {
+                node.kill(&job, grace)?;
+            }
+            Ok::<_, NodeError>(())
+        })
+        .await?;
         tracing::info!("job {id} killed by {}", caller.user);
         self.tick().await;
         self.job(id).await
@@ -572,6 +569,7 @@ impl Daemon {
                 threads: 2,
                 user: job.user.clone(),
                 host: self.cfg.node_name.clone(),
+                read_as: job.meta.run_as,
             };
             push(&self.repo, &dir, &opts, Arc::new(NoProgress))
                 .await

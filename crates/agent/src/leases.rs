@@ -130,6 +130,9 @@ pub struct JobMeta {
     /// Snapshot ids of the shared trees it uses (kept while it is active).
     #[serde(default)]
     pub trees: Vec<String>,
+    /// The uid/gid it runs as, when not labd's own: its outputs are read as them.
+    #[serde(default)]
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// Now, in Unix seconds.

@@ -238,26 +238,52 @@ impl Node {
         Ok(id)
     }
 
-    /// Puts a reserved job in the queue and starts what fits.
-    pub fn enqueue(&self, id: &str, s: Submit) -> Result<(), NodeError> {
-        self.state.update(id, |r| {
-            r.meta = s.meta.clone();
-            r.meta.preparing = None;
-            r.queued = Some(QueuedSpec {
-                argv: s.argv.clone(),
-                cwd: s.cwd.clone(),
-                env: s.env.clone(),
-                min_free_bytes: s.min_free_bytes,
-                run_as: s.run_as,
-            });
-        })?;
-        self.inner
-            .lock()
-            .expect("node poisoned")
-            .queue
-            .push_back((id.to_string(), s));
+    /// Puts a reserved job in the queue and starts what fits. Returns false
+    /// (and queues nothing) when the job was ended meanwhile, e.g. killed
+    /// while labd prepared it.
+    pub fn enqueue(&self, id: &str, s: Submit) -> Result<bool, NodeError> {
+        {
+            // Under the queue's lock, so a cancel of the reserved job cannot interleave.
+            let mut inner = self.inner.lock().expect("node poisoned");
+            let queued = self.state.update(id, |r| {
+                if r.state != JobState::Queued || r.queued.is_some() {
+                    return false;
+                }
+                r.meta = s.meta.clone();
+                r.meta.preparing = None;
+                r.queued = Some(QueuedSpec {
+                    argv: s.argv.clone(),
+                    cwd: s.cwd.clone(),
+                    env: s.env.clone(),
+                    min_free_bytes: s.min_free_bytes,
+                    run_as: s.run_as,
+                });
+                true
+            })?;
+            if queued != Some(true) {
+                return Ok(false);
+            }
+            inner.queue.push_back((id.to_string(), s));
+        }
         self.schedule()?;
-        Ok(())
+        Ok(true)
+    }
+
+    /// Ends a reserved job that is not queued yet (its preparation failed,
+    /// or it was killed meanwhile). Returns false when it was queued first;
+    /// [`Node::kill`] handles it then.
+    pub fn cancel_reserved(&self, id: &str, reason: String) -> Result<bool, NodeError> {
+        let inner = self.inner.lock().expect("node poisoned");
+        let reserved = self
+            .state
+            .job(id)?
+            .is_some_and(|r| r.state == JobState::Queued && r.queued.is_none())
+            && !inner.queue.iter().any(|(q, _)| q == id);
+        if reserved {
+            self.state.update(id, |r| r.meta.outputs_pending = false)?;
+            self.state.finish(id, JobState::Failed { reason })?;
+        }
+        Ok(reserved)
     }
 
     /// Queues a job; refuses one that can never run on this node.
@@ -265,12 +291,6 @@ impl Node {
         let id = self.reserve(&s)?;
         self.enqueue(&id, s)?;
         Ok(id)
-    }
-
-    /// Ends a reserved job that could not be prepared.
-    pub fn fail(&self, id: &str, reason: String) -> Result<(), NodeError> {
-        self.state.finish(id, JobState::Failed { reason })?;
-        Ok(())
     }
 
     /// Changes a job's record (labd's outputs bookkeeping).
@@ -427,9 +447,12 @@ impl Node {
                 return Ok(());
             }
         }
-        let sid = self
-            .sid_of(id)?
-            .ok_or_else(|| NodeError::NoJob(id.into()))?;
+        let Some(sid) = self.sid_of(id)? else {
+            return Err(match self.state.job(id)? {
+                Some(_) => NodeError::Refused(format!("job {id} has already ended")),
+                None => NodeError::NoJob(id.into()),
+            });
+        };
         runner::kill_session(sid, grace);
         let child = self
             .inner
@@ -445,8 +468,20 @@ impl Node {
                     signal: status.signal(),
                 }
             }
-            _ => JobState::Failed {
+            Some(Err(_)) => JobState::Failed {
                 reason: "killed".into(),
+            },
+            // The reaper collected it while it was being killed and has
+            // recorded its exit; or it was adopted after a restart and is not
+            // our child, and only its end is known.
+            None => match self.state.job(id)?.map(|r| r.state) {
+                Some(JobState::Running { .. }) => JobState::Failed {
+                    reason: "killed".into(),
+                },
+                _ => {
+                    self.schedule()?;
+                    return Ok(());
+                }
             },
         };
         self.state.finish(id, state)?;

@@ -265,8 +265,17 @@ pub fn make_workdir(
             match std::fs::symlink_metadata(&dir) {
                 Ok(m) if m.file_type().is_symlink() => {
                     // A folder of the code tree: make it real, its entries linked.
+                    // Only links made here, into the tree, are followed: a
+                    // symlink that came with the code could point anywhere,
+                    // and labd may be root.
                     let target =
                         std::fs::read_link(&dir).map_err(PrepareError::io("read link", &dir))?;
+                    if !code.is_some_and(|c| target.is_absolute() && target.starts_with(c)) {
+                        return Err(PrepareError::Outputs(
+                            out.into(),
+                            format!("{} is a symlink in the code", dir.display()),
+                        ));
+                    }
                     std::fs::remove_file(&dir).map_err(PrepareError::io("unlink", &dir))?;
                     std::fs::create_dir(&dir).map_err(PrepareError::io("create", &dir))?;
                     if target.is_dir() {
@@ -343,6 +352,14 @@ mod tests {
         std::fs::write(work.join("pkg/ckpt/new/model.pt"), "w").unwrap();
         assert!(!code.join("pkg/ckpt/new").exists(), "the tree is untouched");
         assert!(make_workdir(Some(&code), &dir.path().join("w2"), Some("train.py"), None).is_err());
+        // A symlink that came with the code is never followed to make outputs.
+        let code2 = dir.path().join("code2");
+        std::fs::create_dir_all(&code2).unwrap();
+        std::os::unix::fs::symlink("/etc", code2.join("ckpt")).unwrap();
+        let e =
+            make_workdir(Some(&code2), &dir.path().join("w3"), Some("ckpt/x"), None).unwrap_err();
+        assert!(e.to_string().contains("is a symlink in the code"), "{e}");
+        assert!(!Path::new("/etc/x").exists());
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
         remove_tree(&code).unwrap();
         assert!(!code.exists());

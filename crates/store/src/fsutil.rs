@@ -44,3 +44,51 @@ pub async fn blocking<T: Send + 'static>(
         }),
     }
 }
+
+/// While alive, this thread reads files as another user: its file-system
+/// uid and gid (setfsuid(2), setfsgid(2)) are switched and its supplementary
+/// groups dropped, so permission checks are that user's and root's file
+/// capabilities are off. Linux keeps these per thread; the raw system calls
+/// are used because libc wrappers may apply id changes to every thread.
+/// labd, running as root, pushes a job's outputs this way, so a job cannot
+/// make it read what its user may not (a symlink to `/root`, say).
+pub(crate) struct ReadAs {
+    saved: Option<(libc::c_long, libc::c_long, Vec<libc::gid_t>)>,
+}
+
+impl ReadAs {
+    #[allow(unsafe_code)]
+    pub(crate) fn enter(who: Option<(u32, u32)>) -> ReadAs {
+        let Some((uid, gid)) = who else {
+            return ReadAs { saved: None };
+        };
+        // SAFETY: these system calls change only this thread's credentials;
+        // the buffers passed are valid for the lengths given.
+        unsafe {
+            let n = libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<libc::gid_t>());
+            let mut groups = vec![0 as libc::gid_t; n.max(0) as usize];
+            let n = libc::syscall(libc::SYS_getgroups, groups.len(), groups.as_mut_ptr());
+            groups.truncate(n.max(0) as usize);
+            libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
+            let old_gid = libc::syscall(libc::SYS_setfsgid, gid);
+            let old_uid = libc::syscall(libc::SYS_setfsuid, uid);
+            ReadAs {
+                saved: Some((old_uid, old_gid, groups)),
+            }
+        }
+    }
+}
+
+impl Drop for ReadAs {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        if let Some((uid, gid, groups)) = self.saved.take() {
+            // SAFETY: as in `enter`; restores what it saved, on the same thread.
+            unsafe {
+                libc::syscall(libc::SYS_setfsuid, uid);
+                libc::syscall(libc::SYS_setfsgid, gid);
+                libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr());
+            }
+        }
+    }
+}

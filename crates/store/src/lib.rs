@@ -23,6 +23,7 @@
 //!     threads: 2,
 //!     user: "alice".into(),
 //!     host: "gpu1".into(),
+//!     read_as: None,
 //! };
 //! let pushed = push(&repo, "./div2k".as_ref(), &opts, Arc::new(NoProgress)).await?;
 //! println!("{}", pushed.record.label());

@@ -42,6 +42,9 @@ pub struct PushOptions {
     pub user: String,
     /// Recorded in the version.
     pub host: String,
+    /// Read the source as this uid/gid (Linux file-system ids, per thread):
+    /// a root labd pushing a job's outputs reads only what the job's user may.
+    pub read_as: Option<(u32, u32)>,
 }
 
 /// What a push did.
@@ -412,13 +415,25 @@ pub async fn push(
 ) -> Result<PushOutcome> {
     let started = Instant::now();
     validate_name(&opts.name)?;
-    let root = src.canonicalize().map_err(Error::io("open source", src))?;
+    let read_as = opts.read_as;
+    let src_owned = src.to_path_buf();
+    let root = blocking(move || {
+        let _as = crate::fsutil::ReadAs::enter(read_as);
+        src_owned
+            .canonicalize()
+            .map_err(Error::io("open source", &src_owned))
+    })
+    .await?;
     let params = repo.config().params;
 
     progress.phase("scan", None, None);
     let scan_root = root.clone();
     let p2 = progress.clone();
-    let scanned = blocking(move || scan(&scan_root, p2.as_ref())).await?;
+    let scanned = blocking(move || {
+        let _as = crate::fsutil::ReadAs::enter(read_as);
+        scan(&scan_root, p2.as_ref())
+    })
+    .await?;
 
     let (mut index, _) = repo.load_index().await?;
     let condemned = crate::gc::condemned_packs(repo).await?;
@@ -506,6 +521,7 @@ pub async fn push(
             std::thread::scope(|s| {
                 for _ in 0..threads {
                     s.spawn(|| {
+                        let _as = crate::fsutil::ReadAs::enter(read_as);
                         let mut buf = Vec::new();
                         loop {
                             let k = next.fetch_add(1, Ordering::Relaxed);

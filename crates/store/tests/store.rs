@@ -21,6 +21,7 @@ fn opts(name: &str, cache: &NodeCache) -> PushOptions {
         threads: 2,
         user: "t".into(),
         host: "h".into(),
+        read_as: None,
     }
 }
 

@@ -358,6 +358,7 @@ async fn push_tree(
         threads: 2,
         user: user.to_string(),
         host: hostname(),
+        read_as: None,
     };
     let out = push(repo, src, &opts, bar.clone())
         .await

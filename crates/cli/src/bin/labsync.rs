@@ -297,6 +297,7 @@ async fn run(cli: Cli) -> Result<bool> {
                 threads: threads(t),
                 user,
                 host,
+                read_as: None,
             };
             let r = store::push(&repo, &src, &opts, ctx.progress()).await?;
             ctx.out(

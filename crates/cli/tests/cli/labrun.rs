@@ -730,6 +730,33 @@ fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
     wait_until("the unused data tree to go", 20, || data_trees() == 0);
 }
 
+/// A root labd reads a job's outputs as the job's user: a job that swaps its
+/// outputs folder for a symlink to a root-only folder saves nothing of it.
+/// (Only root can run jobs as another user, so only then is there anything to show.)
+#[test]
+fn outputs_are_read_as_the_jobs_user() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: jobs run as labd's own user; nothing to escalate");
+        return;
+    }
+    let n = Node::start(None, "");
+    let secret = n.path("root-only");
+    std::fs::create_dir_all(&secret).unwrap();
+    std::fs::write(secret.join("key"), "root's").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let script = format!("rm -rf ckpt; ln -s {} ckpt; echo swapped", secret.display());
+    let id = n.detach(
+        "tok-nobody-0123456789",
+        &["--outputs", "ckpt", "--", "bash", "-c", &script],
+    );
+    wait_until("the job and its final push to end", 30, || n.ended(&id));
+    let j = n.job(&id);
+    assert_eq!(j.meta.outputs_saved, None, "{j:?}");
+    assert!(j.meta.outputs_error.is_some(), "{j:?}");
+    let ls = n.labsync(&["ls"]);
+    assert!(!String::from_utf8_lossy(&ls.stdout).contains(&format!("runs/{id}")));
+}
+
 /// A cluster node listens on TCP: the same API, the same tokens.
 #[test]
 fn tcp_listener_serves_the_same_api() {
