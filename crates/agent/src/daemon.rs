@@ -85,6 +85,8 @@ pub struct Daemon {
     trees: Arc<Trees>,
     /// When trees were last checked against their cap.
     evicted_at: Mutex<Instant>,
+    /// An eviction pass is running.
+    evicting: std::sync::atomic::AtomicBool,
     /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
     tokens: Vec<(blake3::Hash, String)>,
     /// Jobs whose outputs are being pushed right now.
@@ -202,6 +204,7 @@ impl Daemon {
             cache: Arc::new(cache),
             trees: Arc::new(trees),
             evicted_at: Mutex::new(Instant::now()),
+            evicting: std::sync::atomic::AtomicBool::new(false),
             tokens,
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(Default::default()),
@@ -506,15 +509,27 @@ impl Daemon {
             }
             due
         };
-        if due {
-            let in_use: HashSet<String> = jobs
-                .iter()
-                .flat_map(|j| j.meta.trees.iter().cloned())
-                .collect();
-            let (trees, budget) = (self.trees.clone(), self.cfg.trees_max);
-            for snap in off_runtime(move || trees.evict(budget, &in_use)).await {
-                tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
-            }
+        // Its own task: removing a big tree must not hold up reaping and scheduling.
+        if due
+            && !self
+                .evicting
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            let me = self.clone();
+            tokio::spawn(off_runtime(move || {
+                let node = me.node.clone();
+                let in_use = move |snap: &str| {
+                    // An error reading the state keeps every tree.
+                    node.active_jobs().map_or(true, |jobs| {
+                        jobs.iter().any(|j| j.meta.trees.iter().any(|t| t == snap))
+                    })
+                };
+                for snap in me.trees.evict(me.cfg.trees_max, &in_use) {
+                    tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
+                }
+                me.evicting
+                    .store(false, std::sync::atomic::Ordering::Release);
+            }));
         }
         for j in jobs {
             if j.meta.outputs.is_none() {
@@ -522,7 +537,17 @@ impl Daemon {
             }
             let ended = matches!(j.state, JobState::Exited { .. } | JobState::Failed { .. });
             let due = match j.state {
-                _ if ended => j.meta.outputs_pending,
+                // A failed final push is tried again after 10 s, then 60 s.
+                _ if ended => {
+                    j.meta.outputs_pending
+                        && match self.pushed_at.lock().expect("labd poisoned").get(&j.id) {
+                            Some(&(t, failed)) if failed > 0 => {
+                                t.elapsed()
+                                    >= Duration::from_secs(if failed == 1 { 10 } else { 60 })
+                            }
+                            _ => true,
+                        }
+                }
                 JobState::Running { .. } => {
                     let every = Duration::from_secs(j.meta.outputs_every_s);
                     let at = self
@@ -578,17 +603,19 @@ impl Daemon {
         } else {
             Err(format!("the job left no {out} folder to save"))
         };
+        // Failed final pushes are counted (periodic ones are not: a store
+        // that was down during the run must not cost the last checkpoint).
         let attempts = {
             let mut at = self.pushed_at.lock().expect("labd poisoned");
             let e = at.entry(job.id.clone()).or_insert((Instant::now(), 0));
-            *e = (Instant::now(), e.1 + u32::from(result.is_err()));
+            *e = (Instant::now(), e.1 + u32::from(last && result.is_err()));
             e.1
         };
         match &result {
             Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
             Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
         }
-        // A final push that failed is retried on the next ticks, three times in all.
+        // A final push is tried three times in all.
         let settled = last && (result.is_ok() || attempts >= 3 || !dir.is_dir());
         let node = self.node.clone();
         let id = job.id.clone();

@@ -192,13 +192,26 @@ impl Node {
         ))
     }
 
-    /// Refuses a job that can never run on this node.
-    pub fn admissible(&self, gpus: u32) -> Result<(), NodeError> {
+    /// Refuses a job that can never run on this node: more GPUs than it
+    /// has, or more free memory per GPU than any of them holds.
+    pub fn admissible(&self, gpus: u32, min_free_bytes: u64) -> Result<(), NodeError> {
         if gpus == 0 {
             return Ok(());
         }
         let n = match self.dog.poll() {
-            Reading::Known(g) => Some(g.len()),
+            Reading::Known(g) => {
+                let big = g
+                    .iter()
+                    .filter(|g| g.memory_total >= min_free_bytes)
+                    .count();
+                if !g.is_empty() && big < gpus as usize {
+                    return Err(NodeError::Refused(format!(
+                        "{gpus} GPU(s) with {} MiB free asked for; this node has {big} GPU(s) that large",
+                        min_free_bytes >> 20
+                    )));
+                }
+                Some(g.len())
+            }
             Reading::Unknown { .. } => None,
         };
         if n == Some(0) {
@@ -218,7 +231,7 @@ impl Node {
     /// Records a new job as queued and returns its id; it runs once
     /// [`Node::enqueue`]d (labd materialises its code and data in between).
     pub fn reserve(&self, s: &Submit) -> Result<String, NodeError> {
-        self.admissible(s.gpus)?;
+        self.admissible(s.gpus, s.min_free_bytes)?;
         let mut inner = self.inner.lock().expect("node poisoned");
         let id = format!("j{}", inner.next);
         inner.next += 1;
@@ -348,12 +361,12 @@ impl Node {
                     started.push(id);
                 }
                 Err(source) => {
-                    self.state.finish(
-                        &id,
-                        JobState::Failed {
-                            reason: format!("cannot start: {source}"),
-                        },
-                    )?;
+                    let reason = format!(
+                        "cannot start {} in {}: {source}",
+                        s.argv.first().map_or("", String::as_str),
+                        s.cwd.display()
+                    );
+                    self.state.finish(&id, JobState::Failed { reason })?;
                 }
             }
         }

@@ -62,10 +62,10 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
     if !spec.env.iter().any(|(k, _)| k == "PATH") {
         cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin");
     }
-    if let Some((uid, gid)) = spec.user {
-        cmd.uid(uid).gid(gid);
-    }
     new_session(&mut cmd);
+    if let Some((uid, gid)) = spec.user {
+        become_user(&mut cmd, uid, gid);
+    }
     Ok(Started {
         child: cmd.spawn()?,
     })
@@ -78,6 +78,49 @@ fn new_session(cmd: &mut Command) {
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The job runs as `uid` with its primary group and all its supplementary
+/// groups (`video`/`render` for `/dev/nvidia*` on some systems, the lab's
+/// data groups). `Command::uid` would drop the supplementary ones.
+#[allow(unsafe_code)]
+fn become_user(cmd: &mut Command, uid: u32, gid: u32) {
+    // Looked up before the fork: NSS is not async-signal-safe.
+    let mut groups: Vec<libc::gid_t> = vec![gid];
+    if let Some(user) = crate::users::user_by_uid(uid) {
+        if let Ok(name) = std::ffi::CString::new(user.name) {
+            let mut n: libc::c_int = 64;
+            loop {
+                let mut buf = vec![0 as libc::gid_t; n as usize];
+                let want = n;
+                // SAFETY: `buf` holds `n` entries, and `n` says so.
+                let rc =
+                    unsafe { libc::getgrouplist(name.as_ptr(), gid, buf.as_mut_ptr(), &mut n) };
+                if rc >= 0 {
+                    buf.truncate(n as usize);
+                    groups = buf;
+                    break;
+                }
+                if n <= want {
+                    break;
+                }
+            }
+        }
+    }
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only setgroups/setgid/setuid system calls, which are async-signal-safe,
+    // on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) == -1
+                || libc::setgid(gid) == -1
+                || libc::setuid(uid) == -1
+            {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

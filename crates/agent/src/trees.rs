@@ -15,7 +15,7 @@
 //! removes the least recently used trees that no active job uses until the
 //! rest fit the budget.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -53,6 +53,12 @@ impl Trees {
         // Jobs run as their submitters must be able to reach the trees.
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))
             .map_err(PrepareError::io("chmod", &root))?;
+        for e in std::fs::read_dir(&root).map_err(PrepareError::io("read", &root))? {
+            let e = e.map_err(PrepareError::io("read", &root))?;
+            if e.file_name().to_string_lossy().starts_with(".trash-") {
+                remove_tree(&e.path()).map_err(PrepareError::io("remove", &e.path()))?;
+            }
+        }
         Ok(Trees {
             root,
             locks: Mutex::new(HashMap::new()),
@@ -140,9 +146,13 @@ impl Trees {
         }
     }
 
-    /// Removes least recently used trees that are not in `in_use` until the
-    /// rest take at most `budget` bytes. Returns the snapshots removed.
-    pub fn evict(&self, budget: u64, in_use: &HashSet<String>) -> Vec<String> {
+    /// Removes least recently used trees that are not in use until the rest
+    /// take at most `budget` bytes. Returns the snapshots removed.
+    ///
+    /// `in_use` is asked under the tree's own lock, after the job that wants
+    /// a tree has been recorded and before [`Trees::get`] hands it out: a
+    /// tree cannot go between a job being given it and the job being seen.
+    pub fn evict(&self, budget: u64, in_use: &dyn Fn(&str) -> bool) -> Vec<String> {
         let Ok(rd) = std::fs::read_dir(&self.root) else {
             return Vec::new();
         };
@@ -163,9 +173,6 @@ impl Trees {
             if total <= budget {
                 break;
             }
-            if in_use.contains(&snap) {
-                continue;
-            }
             // Held while removing, so no job is handed a tree half gone.
             let lock = self
                 .locks
@@ -175,7 +182,16 @@ impl Trees {
                 .or_default()
                 .clone();
             let Ok(_held) = lock.try_lock() else { continue };
-            match remove_tree(&self.root.join(&snap)) {
+            if in_use(&snap) {
+                continue;
+            }
+            // Renamed away first: a crash mid-removal leaves a `.trash-`
+            // folder (removed at the next start), never a partial tree under
+            // the snapshot's name.
+            let trash = self.root.join(format!(".trash-{snap}"));
+            let removed_ok =
+                std::fs::rename(self.root.join(&snap), &trash).and_then(|_| remove_tree(&trash));
+            match removed_ok {
                 Ok(()) => {
                     let _ = std::fs::remove_file(self.root.join(format!("{snap}.json")));
                     total = total.saturating_sub(rec.bytes);

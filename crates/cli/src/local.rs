@@ -63,7 +63,9 @@ pub fn load_or_create_token(path: &Path) -> Result<String> {
     }
     let bytes: [u8; 32] = rand::random();
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let tmp = path.with_extension("tmp");
+    // Written under a name of its own, then linked into place: of two
+    // labds starting at once, one token wins and both read it back.
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     {
         use std::io::Write;
         let mut f = std::fs::File::options()
@@ -77,8 +79,17 @@ pub fn load_or_create_token(path: &Path) -> Result<String> {
         f.sync_all()?;
     }
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(token)
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(token),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let t = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            Ok(t.trim().to_string())
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot write {}", path.display())),
+    }
 }
 
 /// `5m`, `30s`, `2h`, `90` (seconds) → seconds.

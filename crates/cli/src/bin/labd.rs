@@ -142,6 +142,9 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         None => Endpoint::Unix(local.socket()),
     };
     let me = current_user();
+    if let Some((user, _)) = file.tokens.iter().find(|(_, t)| t.trim().len() < 16) {
+        bail!("the token of {user} in the config file is shorter than 16 characters; use a long random one (e.g. openssl rand -hex 32)");
+    }
     let mut tokens: Vec<(String, String)> = file.tokens.into_iter().collect();
     tokens.push((me.clone(), load_or_create_token(&local.token_file())?));
     let mut admins = file.admins;
@@ -151,6 +154,9 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         Some("labd") => false,
         Some(o) => bail!("run_as = {o:?}: write \"submitter\" or \"labd\""),
     };
+    if !run_as_submitter && euid() == 0 && tokens.len() > 1 {
+        tracing::warn!("run_as = \"labd\" as root: every token holder's jobs run as root");
+    }
     let inventory: Arc<dyn GpuInventory> = match cli.fake_gpus.clone().or(file.fake_gpus) {
         Some(spec) => {
             let control = cli.fake_gpus_control.clone().or(file.fake_gpus_control);
@@ -206,11 +212,20 @@ async fn bind(endpoint: &Endpoint, shared: bool) -> Result<Listener> {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
             Ok(Listener::Unix(l))
         }
-        Endpoint::Tcp(addr) => Ok(Listener::Tcp(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on {addr}"))?,
-        )),
+        Endpoint::Tcp(addr) => {
+            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+            if !matches!(host, "127.0.0.1" | "localhost" | "[::1]") {
+                tracing::warn!(
+                    "listening on {addr} without TLS: tokens and job environments cross the \
+                     network in clear; keep it on a trusted lab network or tunnel it (ssh -L)"
+                );
+            }
+            Ok(Listener::Tcp(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?,
+            ))
+        }
     }
 }
 

@@ -27,9 +27,10 @@ GPU in a spreadsheet.
 
 The current folder (or --code) is pushed to the store as your code (only what
 changed is uploaded) and materialised as the job's working folder. Each
---data is a stored name (div2k, div2k@v3) or a local folder (pushed first);
-the job sees it read-only at $LABRUN_DATA (the first) and $LABRUN_DATA_<NAME>
-(each), shared with every other job on the same version. The job sees only
+--data is a stored name (div2k, div2k@v3) or a local folder (pushed first,
+as data/USER/FOLDER); the job sees it read-only at $LABRUN_DATA (the first)
+and $LABRUN_DATA_<NAME> (each), shared with every other job on the same
+version. The job sees only
 its leased GPUs in CUDA_VISIBLE_DEVICES, and LABRUN_JOB_ID. If not enough
 GPUs are free it waits, first come first served; `labrun ps` says why.
 
@@ -92,7 +93,7 @@ struct Global {
 
 #[derive(Args, Debug, Clone)]
 struct RunArgs {
-    /// Dataset: a stored name (div2k, div2k@v3) or a local folder; repeatable
+    /// Dataset: a stored name (div2k, div2k@v3) or a local folder (stored as data/USER/FOLDER); repeatable
     #[arg(long, value_name = "NAME|PATH")]
     data: Vec<String>,
     /// GPUs to lease [default: 1 on a node with GPUs, 0 on one without]
@@ -407,7 +408,17 @@ async fn submit(
     let code = code
         .canonicalize()
         .with_context(|| format!("cannot open code folder {}", code.display()))?;
-    let argv = interpret(&a.command, &code)?;
+    // After `--` the command runs as given; clap drops the `--` itself.
+    let raw: Vec<String> = std::env::args().collect();
+    let dashdash = raw
+        .iter()
+        .position(|x| x == "--")
+        .is_some_and(|i| raw.get(i + 1) == a.command.first());
+    let argv = if dashdash {
+        a.command.clone()
+    } else {
+        interpret(&a.command, &code)?
+    };
     let gpus = match a.gpus {
         Some(n) => n,
         None => u32::from(!client.gpus().await.map_err(explain)?.is_empty()),
@@ -425,8 +436,15 @@ async fn submit(
     for d in &a.data {
         let p = Path::new(d);
         let tree = if p.is_dir() {
+            // Under the user's own prefix, so a folder called `data` never
+            // becomes a new version of someone else's dataset `data`.
             let p = p.canonicalize()?;
-            push_tree(&repo, s, &p, name_part(&p), &info.user, g.quiet).await?
+            let name = format!(
+                "data/{}/{}",
+                name_part(Path::new(&info.user)),
+                name_part(&p)
+            );
+            push_tree(&repo, s, &p, name, &info.user, g.quiet).await?
         } else {
             let spec: RefSpec = d.parse().with_context(|| {
                 format!("--data {d}: neither a folder nor a stored name (see labsync ls)")
@@ -448,7 +466,9 @@ async fn submit(
     }
     let req = SubmitRequest {
         argv,
-        env: std::env::vars()
+        // Variables that are not UTF-8 cannot travel as JSON strings; they stay behind.
+        env: std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
             .filter(|(k, _)| k != "LABRUN_TOKEN")
             .collect(),
         code: Some(code_ref.clone()),

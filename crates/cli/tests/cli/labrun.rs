@@ -320,6 +320,19 @@ fn foreign_process_keeps_its_gpu_out() {
         "gpu=1",
         "the job got the GPU without the foreign process"
     );
+    // A job no GPU here could ever hold is refused, not queued forever.
+    let o = n.labrun(
+        Some(ALICE),
+        &["--gpus", "1", "--gpu-mem", "20G", "--", "true"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("0 GPU(s) that large"));
+    // After `--`, a command runs as given, even an absolute path.
+    assert_eq!(
+        n.ok(ALICE, &["--gpus", "0", "--", "/bin/echo", "as given"])
+            .trim(),
+        "as given"
+    );
     let two = n.detach(
         ALICE,
         &[
@@ -749,10 +762,18 @@ fn outputs_are_read_as_the_jobs_user() {
         "tok-nobody-0123456789",
         &["--outputs", "ckpt", "--", "bash", "-c", &script],
     );
-    wait_until("the job and its final push to end", 30, || n.ended(&id));
+    // The failed final push is retried later (10 s, 60 s); its first failure is enough here.
+    wait_until("the final push to fail", 30, || {
+        let j = n.job(&id);
+        j.ended() && j.meta.outputs_error.is_some()
+    });
     let j = n.job(&id);
     assert_eq!(j.meta.outputs_saved, None, "{j:?}");
-    assert!(j.meta.outputs_error.is_some(), "{j:?}");
+    let err = j.meta.outputs_error.unwrap();
+    assert!(
+        err.contains("root-only"),
+        "refused reading the escaped folder: {err}"
+    );
     let ls = n.labsync(&["ls"]);
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&format!("runs/{id}")));
 }
