@@ -46,6 +46,8 @@ pub struct DaemonConfig {
     pub kill_grace: Duration,
     /// Default time between pushes of a job's outputs.
     pub outputs_every: Duration,
+    /// How long a job's working folder stays after it ended.
+    pub work_keep: Duration,
     /// Run each job as the Unix user who submitted it (only when labd is root).
     pub run_as_submitter: bool,
     /// (user, token) pairs.
@@ -527,6 +529,7 @@ impl Daemon {
                 for snap in me.trees.evict(me.cfg.trees_max, &in_use) {
                     tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
                 }
+                me.sweep_work_folders();
                 me.evicting
                     .store(false, std::sync::atomic::Ordering::Release);
             }));
@@ -642,6 +645,35 @@ impl Daemon {
                 .lock()
                 .expect("labd poisoned")
                 .remove(&job.id);
+        }
+    }
+
+    /// Removes the working folders of jobs that ended (outputs saved) more
+    /// than `work_keep` ago: checkpoints are in the store by then, and a
+    /// node's disk must not fill with old runs.
+    fn sweep_work_folders(&self) {
+        let jobs_dir = self.cfg.state_dir.join("jobs");
+        let Ok(rd) = std::fs::read_dir(&jobs_dir) else {
+            return;
+        };
+        let now = crate::leases::unix_now();
+        for e in rd.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            let old = match self.node.job(&id) {
+                Ok(Some(j)) => {
+                    !j.active()
+                        && j.ended_at
+                            .is_some_and(|t| now >= t + self.cfg.work_keep.as_secs())
+                }
+                Ok(None) => true,
+                Err(_) => false,
+            };
+            if old {
+                match std::fs::remove_dir_all(e.path()) {
+                    Ok(()) => tracing::info!("removed the working folder of job {id}"),
+                    Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
+                }
+            }
         }
     }
 

@@ -311,11 +311,14 @@ pub fn make_workdir(
         }
     }
     if let Some((uid, gid)) = owner {
-        for d in own {
-            std::os::unix::fs::chown(&d, Some(uid), Some(gid))
-                .map_err(PrepareError::io("chown", &d))?;
+        for d in &own {
+            std::os::unix::fs::chown(d, Some(uid), Some(gid))
+                .map_err(PrepareError::io("chown", d))?;
         }
     }
+    // The job's own: other users of the node do not read its outputs.
+    std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700))
+        .map_err(PrepareError::io("chmod", work))?;
     Ok(())
 }
 

@@ -96,6 +96,8 @@ struct LabdFile {
     inventory_deadline_ms: Option<u64>,
     kill_grace_s: Option<u64>,
     outputs_every_s: Option<u64>,
+    /// Seconds a job's working folder stays after it ended (default: one day).
+    work_keep_s: Option<u64>,
     /// `submitter` (default; only when root) or `labd`.
     run_as: Option<String>,
     #[serde(default)]
@@ -182,6 +184,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         inventory_deadline: Duration::from_millis(file.inventory_deadline_ms.unwrap_or(2000)),
         kill_grace: Duration::from_secs(file.kill_grace_s.unwrap_or(10)),
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
+        work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
         run_as_submitter,
         tokens,
         admins,

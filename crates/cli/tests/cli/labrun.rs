@@ -460,7 +460,7 @@ fn kill_leaves_no_process_and_saves_outputs() {
 /// the store, and labrun exits with the job's code after streaming its output.
 #[test]
 fn crashed_job_leaves_its_outputs_and_labrun_returns_its_exit_code() {
-    let n = Node::start(None, "run_as = \"labd\"");
+    let n = Node::start(None, "run_as = \"labd\"\nwork_keep_s = 0");
     std::fs::create_dir_all(n.path("code")).unwrap();
     std::fs::write(
         n.path("code/train.sh"),
@@ -487,6 +487,10 @@ fn crashed_job_leaves_its_outputs_and_labrun_returns_its_exit_code() {
         std::fs::read_to_string(dest.join("last.pt")).unwrap(),
         "step-100\n"
     );
+    // Saved in the store, the job's folder on the node goes (work_keep_s = 0).
+    wait_until("the working folder to be swept", 20, || {
+        !n.path("state/jobs/j1").exists()
+    });
     // Asking for a GPU on a node without any is refused, with what to do
     // (this node reads the real inventory: on a GPU machine it has GPUs).
     if n.status().contains("no GPUs on this node") {
