@@ -184,9 +184,14 @@ pub fn kill_session(sid: u32, grace: Duration) -> usize {
     killed
 }
 
-/// True while `pid` exists and is not a zombie (for adopting jobs after a restart).
+/// True while the job led by `pid` lives (for adopting jobs after a
+/// restart): the process exists, is not a zombie, and still leads its own
+/// session, as every job's leader does, so a pid reused by an ordinary
+/// process is not taken for the job.
 pub fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !is_zombie(pid)
+        && crate::process_session(pid) == Some(pid)
 }
 
 #[cfg(test)]
@@ -215,6 +220,21 @@ mod tests {
         assert_eq!(status.code(), Some(3));
         let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
         assert!(log.contains("out j1") && log.contains("err"), "{log}");
+    }
+
+    /// A pid reused by a process that leads no session is not the job.
+    #[test]
+    fn alive_means_a_live_session_leader() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut job = spawn(&spec(dir.path(), "sleep 30")).unwrap();
+        let mut plain = Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(alive(job.sid()));
+        assert!(!alive(plain.id()), "not a session leader");
+        kill_session(job.sid(), Duration::from_millis(100));
+        let _ = job.child.wait();
+        assert!(!alive(job.sid()));
+        plain.kill().unwrap();
+        plain.wait().unwrap();
     }
 
     /// The job's grandchildren ignore SIGTERM and sit in another process
