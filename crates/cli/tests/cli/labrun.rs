@@ -158,6 +158,14 @@ impl Node {
         String::from_utf8(o.stdout).unwrap()
     }
 
+    /// Submits `bash -c script` on `gpus` GPUs without waiting; returns the job id.
+    fn bash(&self, token: &str, gpus: u32, script: &str) -> String {
+        self.detach(
+            token,
+            &["--gpus", &gpus.to_string(), "--", "bash", "-c", script],
+        )
+    }
+
     /// Submits without waiting; returns the job id.
     fn detach(&self, token: &str, args: &[&str]) -> String {
         let mut a = vec!["-d"];
@@ -333,17 +341,7 @@ fn foreign_process_keeps_its_gpu_out() {
             .trim(),
         "as given"
     );
-    let two = n.detach(
-        ALICE,
-        &[
-            "--gpus",
-            "2",
-            "--",
-            "bash",
-            "-c",
-            "echo gpus=$CUDA_VISIBLE_DEVICES",
-        ],
-    );
+    let two = n.bash(ALICE, 2, "echo gpus=$CUDA_VISIBLE_DEVICES");
     wait_until("the 2-GPU job to wait", 10, || {
         n.job(&two).why.is_some_and(|w| w.contains("1 free"))
     });
@@ -368,17 +366,7 @@ fn inventory_hang_makes_gpus_unknown_until_it_answers() {
     n.control("hang = true");
     let status = n.status();
     assert!(status.matches("UNKNOWN").count() == 2, "{status}");
-    let id = n.detach(
-        ALICE,
-        &[
-            "--gpus",
-            "1",
-            "--",
-            "bash",
-            "-c",
-            "echo ran on $CUDA_VISIBLE_DEVICES",
-        ],
-    );
+    let id = n.bash(ALICE, 1, "echo ran on $CUDA_VISIBLE_DEVICES");
     wait_until("the job to say why it waits", 10, || {
         n.job(&id).why.is_some_and(|w| w.contains("unknown"))
     });
@@ -552,24 +540,14 @@ fn ctrl_c_once_reports_twice_kills() {
 #[test]
 fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
     let mut n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
-    let long = n.detach(ALICE, &["--gpus", "1", "--", "bash", "-c", "sleep 3"]);
-    let short = n.detach(ALICE, &["--gpus", "1", "--", "bash", "-c", "sleep 0.5"]);
+    let long = n.bash(ALICE, 1, "sleep 3");
+    let short = n.bash(ALICE, 1, "sleep 0.5");
     wait_until("both to run", 20, || {
         [&long, &short]
             .iter()
             .all(|id| matches!(n.job(id).state, JobState::Running { .. }))
     });
-    let waiting = n.detach(
-        ALICE,
-        &[
-            "--gpus",
-            "2",
-            "--",
-            "bash",
-            "-c",
-            "echo both=$CUDA_VISIBLE_DEVICES",
-        ],
-    );
+    let waiting = n.bash(ALICE, 2, "echo both=$CUDA_VISIBLE_DEVICES");
     wait_until("the third to queue", 20, || n.job(&waiting).why.is_some());
     n.crash();
     std::thread::sleep(Duration::from_millis(1000));
