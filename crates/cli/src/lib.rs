@@ -7,6 +7,28 @@ pub mod settings;
 
 pub use settings::{parse_size, Overrides, Settings};
 
+/// What the binaries share before their one library call: logs on stderr
+/// (filtered by `log_var`, else `default_filter`) and a multi-threaded
+/// runtime. `None` (after saying why) when the runtime cannot start.
+pub fn start(bin: &str, log_var: &str, default_filter: &str) -> Option<tokio::runtime::Runtime> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(log_var)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("{bin}: cannot start the runtime: {e}");
+            None
+        }
+    }
+}
+
 /// `1.02 GB` (decimal units, as `du -h --si` and the examples).
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];

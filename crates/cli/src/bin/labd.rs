@@ -268,22 +268,8 @@ async fn run(cli: Cli) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LABD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("labd: cannot start the runtime: {e}");
-            return ExitCode::from(1);
-        }
+    let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "info") else {
+        return ExitCode::from(1);
     };
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,

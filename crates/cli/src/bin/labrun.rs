@@ -766,20 +766,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("LABSYNC_LOG"))
-        .with_writer(std::io::stderr)
-        .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("labrun: cannot start the runtime: {e}");
-            return ExitCode::from(1);
-        }
+    let Some(rt) = labsync_cli::start("labrun", "LABSYNC_LOG", "error") else {
+        return ExitCode::from(1);
     };
     match rt.block_on(run(cli)) {
         Ok(code) => code,
