@@ -181,6 +181,16 @@ impl Node {
         self.jobs().into_iter().find(|j| j.id == id).unwrap()
     }
 
+    /// Waits until `id` says it waits for something containing `why`, then
+    /// checks it is still queued half a second later.
+    fn stays_queued(&self, id: &str, why: &str, because: &str) {
+        wait_until("the job to say why it waits", 10, || {
+            self.job(id).why.is_some_and(|w| w.contains(why))
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(self.job(id).state, JobState::Queued, "{because}");
+    }
+
     fn ended(&self, id: &str) -> bool {
         let j = self.job(id);
         j.ended() && !j.meta.outputs_pending
@@ -342,15 +352,7 @@ fn foreign_process_keeps_its_gpu_out() {
         "as given"
     );
     let two = n.bash(ALICE, 2, "echo gpus=$CUDA_VISIBLE_DEVICES");
-    wait_until("the 2-GPU job to wait", 10, || {
-        n.job(&two).why.is_some_and(|w| w.contains("1 free"))
-    });
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(
-        n.job(&two).state,
-        JobState::Queued,
-        "never leased over a foreign process"
-    );
+    n.stays_queued(&two, "1 free", "never leased over a foreign process");
     zombie.kill().unwrap();
     zombie.wait().unwrap();
     n.control("");
@@ -367,15 +369,7 @@ fn inventory_hang_makes_gpus_unknown_until_it_answers() {
     let status = n.status();
     assert!(status.matches("UNKNOWN").count() == 2, "{status}");
     let id = n.bash(ALICE, 1, "echo ran on $CUDA_VISIBLE_DEVICES");
-    wait_until("the job to say why it waits", 10, || {
-        n.job(&id).why.is_some_and(|w| w.contains("unknown"))
-    });
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        n.job(&id).state,
-        JobState::Queued,
-        "nothing leased while unknown"
-    );
+    n.stays_queued(&id, "unknown", "nothing leased while unknown");
     n.control("");
     wait_until("the job to end after recovery", 20, || n.ended(&id));
     assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "ran on 0");
