@@ -149,6 +149,23 @@ impl Remote {
     /// Writes `key`, replacing what is there. For content-addressed objects,
     /// where a concurrent writer of the same key writes the same bytes.
     pub async fn put(&self, key: &str, data: Bytes) -> Result<()> {
+        if let Some(path) = self.local_path(key).filter(|_| data.len() >= DIRECT_MIN) {
+            let bytes = data.clone();
+            let staged = crate::blocking(move || {
+                direct::write(&path, &bytes).map_err(Error::io("write", &path))
+            })
+            .await?;
+            if staged {
+                self.note_write(key);
+                return Ok(());
+            }
+            // The filesystem refused O_DIRECT (tmpfs, some FUSE): write as usual.
+            return self.put_buffered(key, data).await;
+        }
+        self.put_buffered(key, data).await
+    }
+
+    async fn put_buffered(&self, key: &str, data: Bytes) -> Result<()> {
         self.inner
             .put(&Path::from(key), PutPayload::from(data))
             .await
@@ -306,6 +323,119 @@ impl Remote {
     }
 }
 
+/// Objects at least this large (packs) bypass the page cache on local stores.
+const DIRECT_MIN: usize = 1 << 20;
+
+/// Pack writes with `O_DIRECT` on local stores.
+///
+/// A pack is written once and not read again by the push, so copying it into
+/// the page cache only costs: on this project's VMs (a balloon hands freed
+/// pages back to the host) a buffered 1 GB write spent 2.7 s of system time
+/// faulting page-cache pages in, against 0.1 s for the same write with
+/// `O_DIRECT` (`dd`, 32 × 32 MiB, with fsync). On any machine it also keeps a
+/// multi-GB push from evicting the page cache that jobs are using.
+#[cfg(target_os = "linux")]
+mod direct {
+    use std::cell::RefCell;
+    use std::io;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Alignment `O_DIRECT` asks of buffer address, offset and length: the
+    /// largest logical block size in use (4096 on every common disk).
+    const ALIGN: usize = 4096;
+    /// Bytes per write: big enough for full device throughput, small enough
+    /// that a per-thread bounce buffer costs nothing next to a 32 MiB pack.
+    const BOUNCE: usize = 4 << 20;
+
+    thread_local! {
+        static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Writes `data` to `path` through a staging file (`path#N`, the
+    /// convention `object_store` uses and `Remote::list` skips) renamed into
+    /// place. Returns `Ok(false)`, leaving nothing behind, when the
+    /// filesystem does not do `O_DIRECT`; the caller then writes normally.
+    pub(super) fn write(path: &Path, data: &[u8]) -> io::Result<bool> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let mut staging = path.as_os_str().to_owned();
+        staging.push(format!(
+            "#{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let staging = PathBuf::from(staging);
+        let open = || {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o644)
+                .custom_flags(libc::O_DIRECT)
+                .open(&staging)
+        };
+        let file = match open() {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                open()
+            }
+            r => r,
+        };
+        let file = match file {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let written = BUF.with(|b| write_aligned(&file, data, &mut b.borrow_mut()));
+        let result = match written {
+            Ok(true) => file
+                .set_len(data.len() as u64)
+                .and_then(|()| std::fs::rename(&staging, path))
+                .map(|()| true),
+            other => other,
+        };
+        if !matches!(result, Ok(true)) {
+            let _ = std::fs::remove_file(&staging);
+        }
+        result
+    }
+
+    /// Copies `data` through an aligned bounce buffer, padding the last
+    /// block with zeros (the caller truncates the padding away). `Ok(false)`
+    /// when the kernel refuses the alignment.
+    fn write_aligned(file: &std::fs::File, data: &[u8], buf: &mut Vec<u8>) -> io::Result<bool> {
+        if buf.len() < BOUNCE + ALIGN {
+            buf.resize(BOUNCE + ALIGN, 0);
+        }
+        let start = buf.as_ptr().align_offset(ALIGN);
+        if start >= ALIGN {
+            return Ok(false);
+        }
+        let bounce = &mut buf[start..start + BOUNCE];
+        for (i, piece) in data.chunks(BOUNCE).enumerate() {
+            let padded = piece.len().next_multiple_of(ALIGN);
+            bounce[..piece.len()].copy_from_slice(piece);
+            bounce[piece.len()..padded].fill(0);
+            match file.write_all_at(&bounce[..padded], (i * BOUNCE) as u64) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod direct {
+    /// No `O_DIRECT` here: the caller writes through the page cache.
+    pub(super) fn write(_: &std::path::Path, _: &[u8]) -> std::io::Result<bool> {
+        Ok(false)
+    }
+}
+
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 fn writeback_hint(f: &std::fs::File) {
@@ -320,3 +450,30 @@ fn writeback_hint(f: &std::fs::File) {
 
 #[cfg(not(target_os = "linux"))]
 fn writeback_hint(_: &std::fs::File) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packs go through `O_DIRECT` with a zero-padded last block: the object
+    /// must still read back byte for byte at its exact length, in a fan-out
+    /// folder that did not exist, with no staging file left behind, and a
+    /// second write of the same key must replace it.
+    #[tokio::test]
+    async fn large_local_put_round_trips_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let remote = Remote::local(dir.path()).unwrap();
+        for len in [DIRECT_MIN, (5 << 20) + 4097, 9 << 20] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let key = "packs/ab/abcdef";
+            remote.put(key, Bytes::from(data.clone())).await.unwrap();
+            assert_eq!(remote.get(key).await.unwrap(), data, "{len} bytes");
+            let names: Vec<_> = std::fs::read_dir(dir.path().join("packs/ab"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(names, ["abcdef"], "{len} bytes");
+        }
+        remote.sync().await.unwrap();
+    }
+}
