@@ -292,9 +292,12 @@ impl Pipeline<'_> {
     /// Reads one file; returns its chunks and byte count. Files up to one
     /// block are read whole into the worker's buffer (no per-file allocation:
     /// a 50,000-file code tree is mostly that case); larger ones stream.
+    /// `scanned_len` (the size the scan saw) only picks the way to read, so
+    /// no second stat is needed; the bytes read are what counts.
     fn read_file(
         &self,
         path: &Path,
+        scanned_len: u64,
         params: ChunkerParams,
         buf: &mut Vec<u8>,
     ) -> Result<Option<(Vec<ChunkId>, u64)>> {
@@ -310,10 +313,9 @@ impl Pipeline<'_> {
             }
             Err(e) => return Err(Error::io("open", path)(e)),
         };
-        let len = f.metadata().map_err(Error::io("stat", path))?.len();
         let mut chunks = Vec::new();
         let mut n = 0u64;
-        if len < READ_BLOCK as u64 {
+        if scanned_len < READ_BLOCK as u64 {
             buf.clear();
             f.take(READ_BLOCK as u64)
                 .read_to_end(buf)
@@ -535,7 +537,7 @@ pub async fn push(
                             } else {
                                 root.join(rel)
                             };
-                            match pipe.read_file(&path, params, &mut buf) {
+                            match pipe.read_file(&path, scanned[i].size, params, &mut buf) {
                                 Ok(r) => {
                                     progress.advance(0, 1);
                                     results.lock().expect("poisoned").push((i, r));
