@@ -102,7 +102,7 @@ impl Trees {
                 .await
                 .map_err(PrepareError::io("remove", &tmp))?;
         }
-        let got = pull(repo, cache, &spec, &tmp, 2, Arc::new(NoProgress)).await?;
+        let got = pull(repo, cache, &spec, &tmp, 4, Arc::new(NoProgress)).await?;
         if got.record.snapshot.to_string() != tree.snapshot {
             return Err(PrepareError::Moved {
                 label: tree.label.clone(),

@@ -385,27 +385,47 @@ pub fn verify_pack_bytes(bytes: &[u8], id: &PackId) -> Result<u64> {
 }
 
 /// Keeps open file handles on cached packs for one materialising thread.
+///
+/// Large chunks are read with `O_DIRECT` into the caller's reused buffer: a
+/// pull would otherwise pull every pack through the page cache next to the
+/// files it writes, doubling the memory it churns (and on VMs whose balloon
+/// returns freed pages to the host, each fresh page-cache page costs a host
+/// fault: a 1 GB pull of packs not yet cached took 1.7 s instead of 0.35 s).
+/// Small chunks stay buffered, where the kernel's read-ahead serves a run of
+/// them from one disk read.
 pub(crate) struct PackReader<'a> {
     cache: &'a NodeCache,
     open: HashMap<PackId, std::fs::File>,
+    direct: HashMap<PackId, Option<std::fs::File>>,
 }
+
+/// Chunks at least this large are read with `O_DIRECT`.
+const DIRECT_READ_MIN: u32 = 128 << 10;
 
 impl<'a> PackReader<'a> {
     pub(crate) fn new(cache: &'a NodeCache) -> Self {
         PackReader {
             cache,
             open: HashMap::new(),
+            direct: HashMap::new(),
         }
     }
 
-    pub(crate) fn read(
+    /// Reads `len` stored bytes at `offset` of a cached pack, into `buf`;
+    /// returns them.
+    pub(crate) fn read<'b>(
         &mut self,
         pack: &PackId,
         offset: u64,
         len: u32,
-        buf: &mut Vec<u8>,
-    ) -> Result<()> {
+        buf: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8]> {
         use std::os::unix::fs::FileExt;
+        if len >= DIRECT_READ_MIN {
+            if let Some(at) = self.read_direct(pack, offset, len, buf) {
+                return Ok(&buf[at..at + len as usize]);
+            }
+        }
         if !self.open.contains_key(pack) {
             if self.open.len() >= 64 {
                 self.open.clear();
@@ -426,6 +446,37 @@ impl<'a> PackReader<'a> {
                 Error::corrupt(format!("pack {pack}"), "truncated in the node cache")
             }
             _ => Error::io("read", self.cache.pack_path(pack))(e),
-        })
+        })?;
+        Ok(&buf[..])
+    }
+
+    /// The aligned read around the wanted bytes; returns where they start in
+    /// `buf`, or `None` for anything unusual (no `O_DIRECT`, a short read, an
+    /// error), which the buffered path then reads again and reports.
+    fn read_direct(
+        &mut self,
+        pack: &PackId,
+        offset: u64,
+        len: u32,
+        buf: &mut Vec<u8>,
+    ) -> Option<usize> {
+        use crate::fsutil::{aligned_window, open_direct, DIRECT_ALIGN};
+        use std::os::unix::fs::FileExt;
+        if !self.direct.contains_key(pack) {
+            if self.direct.len() >= 64 {
+                self.direct.clear();
+            }
+            let f = open_direct(&self.cache.pack_path(pack));
+            self.direct.insert(*pack, f);
+        }
+        let f = self.direct[pack].as_ref()?;
+        let align = DIRECT_ALIGN as u64;
+        let from = offset - offset % align;
+        let wanted = (offset + len as u64 - from) as usize;
+        let window = wanted.next_multiple_of(DIRECT_ALIGN);
+        let start = aligned_window(buf, window)?;
+        // One read; at the end of the file it returns less than the window.
+        let n = f.read_at(&mut buf[start..start + window], from).ok()?;
+        (n >= wanted).then_some(start + (offset - from) as usize)
     }
 }

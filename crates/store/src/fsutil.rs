@@ -92,3 +92,36 @@ impl Drop for ReadAs {
         }
     }
 }
+
+/// The alignment `O_DIRECT` asks of buffer address, file offset and length:
+/// the largest logical block size in use (4096 on every common disk).
+pub(crate) const DIRECT_ALIGN: usize = 4096;
+
+/// Where a `DIRECT_ALIGN`-aligned window of `len` bytes starts inside `buf`,
+/// which is grown (and then reused: its pages are already faulted in) to
+/// hold it; `None` if no aligned start can be found.
+pub(crate) fn aligned_window(buf: &mut Vec<u8>, len: usize) -> Option<usize> {
+    if buf.len() < len + DIRECT_ALIGN {
+        buf.resize(len + DIRECT_ALIGN, 0);
+    }
+    let start = buf.as_ptr().align_offset(DIRECT_ALIGN);
+    (start < DIRECT_ALIGN).then_some(start)
+}
+
+/// Opens `path` for reading with `O_DIRECT` (bypassing the page cache);
+/// `None` where the file system does not support it.
+#[cfg(target_os = "linux")]
+pub(crate) fn open_direct(path: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+/// No `O_DIRECT` off Linux.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn open_direct(_: &Path) -> Option<std::fs::File> {
+    None
+}

@@ -319,9 +319,9 @@ fn write_one(
             let (pack, entry) = index
                 .get(c)
                 .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
-            reader.read(&pack, entry.offset, entry.stored_len, buf)?;
+            let stored = reader.read(&pack, entry.offset, entry.stored_len, buf)?;
             // Verified before a single byte reaches the file.
-            let plain = entry.decode(buf, &pack)?;
+            let plain = entry.decode(stored, &pack)?;
             w.write_all(&plain).map_err(Error::io("write", &tmp))?;
             n += plain.len() as u64;
         }

@@ -342,9 +342,8 @@ mod direct {
     use std::path::{Path, PathBuf};
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// Alignment `O_DIRECT` asks of buffer address, offset and length: the
-    /// largest logical block size in use (4096 on every common disk).
-    const ALIGN: usize = 4096;
+    use crate::fsutil::{aligned_window, DIRECT_ALIGN as ALIGN};
+
     /// Bytes per write: big enough for full device throughput, small enough
     /// that a per-thread bounce buffer costs nothing next to a 32 MiB pack.
     const BOUNCE: usize = 4 << 20;
@@ -406,13 +405,9 @@ mod direct {
     /// block with zeros (the caller truncates the padding away). `Ok(false)`
     /// when the kernel refuses the alignment.
     fn write_aligned(file: &std::fs::File, data: &[u8], buf: &mut Vec<u8>) -> io::Result<bool> {
-        if buf.len() < BOUNCE + ALIGN {
-            buf.resize(BOUNCE + ALIGN, 0);
-        }
-        let start = buf.as_ptr().align_offset(ALIGN);
-        if start >= ALIGN {
+        let Some(start) = aligned_window(buf, BOUNCE) else {
             return Ok(false);
-        }
+        };
         let bounce = &mut buf[start..start + BOUNCE];
         for (i, piece) in data.chunks(BOUNCE).enumerate() {
             let padded = piece.len().next_multiple_of(ALIGN);

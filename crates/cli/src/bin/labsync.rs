@@ -97,7 +97,9 @@ enum Cmd {
         spec: String,
         /// Destination folder [default: ./NAME]
         dest: Option<PathBuf>,
-        /// Writer threads [default: number of CPUs]
+        /// Writer threads [default: number of CPUs, at least 4: large
+        /// chunks are read straight from disk, and more reads in flight keep
+        /// it busy]
         #[arg(long)]
         threads: Option<usize>,
     },
@@ -330,7 +332,15 @@ async fn run(cli: Cli) -> Result<bool> {
             });
             let repo = ctx.repo().await?;
             let cache = ctx.cache()?;
-            let r = store::pull(&repo, &cache, &spec, &dest, threads(t), ctx.progress()).await?;
+            let r = store::pull(
+                &repo,
+                &cache,
+                &spec,
+                &dest,
+                threads(t).max(if t.is_some() { 1 } else { 4 }),
+                ctx.progress(),
+            )
+            .await?;
             ctx.out(
                 || {
                     format!(
