@@ -78,7 +78,16 @@ struct Scanned {
     target: Vec<u8>,
 }
 
-fn scan(root: &Path, progress: &dyn Progress) -> Result<Vec<Scanned>> {
+/// Lists `root` recursively, sorted by path. Folders are listed by `threads`
+/// workers sharing a stack of folders still to list: the scan is one
+/// `statx` per entry, and on one thread it was a tenth of a cold push of
+/// 50,000 small files and most of a re-push, with the other cores idle.
+fn scan(
+    root: &Path,
+    threads: usize,
+    read_as: Option<(u32, u32)>,
+    progress: &dyn Progress,
+) -> Result<Vec<Scanned>> {
     let meta = std::fs::symlink_metadata(root).map_err(Error::io("read", root))?;
     let mut out = Vec::new();
     if !meta.is_dir() {
@@ -91,37 +100,100 @@ fn scan(root: &Path, progress: &dyn Progress) -> Result<Vec<Scanned>> {
         }
         return Ok(out);
     }
-    let mut stack: Vec<Vec<u8>> = vec![Vec::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = if rel.is_empty() {
-            root.to_path_buf()
-        } else {
-            root.join(std::ffi::OsStr::from_bytes(&rel))
-        };
-        let rd = std::fs::read_dir(&dir).map_err(Error::io("list", &dir))?;
-        for ent in rd {
-            let ent = ent.map_err(Error::io("list", &dir))?;
-            let name = ent.file_name();
-            let mut path = rel.clone();
-            if !path.is_empty() {
-                path.push(b'/');
-            }
-            path.extend_from_slice(name.as_bytes());
-            let m = match ent.metadata() {
-                Ok(m) => m,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(Error::io("stat", ent.path())(e)),
-            };
-            if let Some(s) = scanned(&dir, path, &m, progress)? {
-                if s.kind == Kind::Dir {
-                    stack.push(s.path.clone());
-                }
-                out.push(s);
-            }
+    struct Shared {
+        to_list: Vec<Vec<u8>>,
+        listing: usize,
+        failed: Option<Error>,
+    }
+    let shared = Mutex::new(Shared {
+        to_list: vec![Vec::new()],
+        listing: 0,
+        failed: None,
+    });
+    let changed = std::sync::Condvar::new();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let _as = crate::fsutil::ReadAs::enter(read_as);
+                    let mut found = Vec::new();
+                    loop {
+                        let rel = {
+                            let mut st = shared.lock().expect("scan poisoned");
+                            loop {
+                                if st.failed.is_some() {
+                                    return found;
+                                }
+                                if let Some(d) = st.to_list.pop() {
+                                    st.listing += 1;
+                                    break d;
+                                }
+                                if st.listing == 0 {
+                                    return found;
+                                }
+                                st = changed.wait(st).expect("scan poisoned");
+                            }
+                        };
+                        let listed = list_dir(root, &rel, progress, &mut found);
+                        let mut st = shared.lock().expect("scan poisoned");
+                        st.listing -= 1;
+                        match listed {
+                            Ok(dirs) => st.to_list.extend(dirs),
+                            Err(e) => {
+                                st.failed.get_or_insert(e);
+                            }
+                        }
+                        changed.notify_all();
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            out.extend(w.join().expect("scan worker panicked"));
         }
+    });
+    if let Some(e) = shared.into_inner().expect("scan poisoned").failed {
+        return Err(e);
     }
     out.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
+}
+
+/// Lists one folder (`rel` under `root`) into `found`; returns its subfolders.
+fn list_dir(
+    root: &Path,
+    rel: &[u8],
+    progress: &dyn Progress,
+    found: &mut Vec<Scanned>,
+) -> Result<Vec<Vec<u8>>> {
+    let dir = if rel.is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(std::ffi::OsStr::from_bytes(rel))
+    };
+    let mut dirs = Vec::new();
+    let rd = std::fs::read_dir(&dir).map_err(Error::io("list", &dir))?;
+    for ent in rd {
+        let ent = ent.map_err(Error::io("list", &dir))?;
+        let name = ent.file_name();
+        let mut path = rel.to_vec();
+        if !path.is_empty() {
+            path.push(b'/');
+        }
+        path.extend_from_slice(name.as_bytes());
+        let m = match ent.metadata() {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io("stat", ent.path())(e)),
+        };
+        if let Some(s) = scanned(&dir, path, &m, progress)? {
+            if s.kind == Kind::Dir {
+                dirs.push(s.path.clone());
+            }
+            found.push(s);
+        }
+    }
+    Ok(dirs)
 }
 
 fn scanned(
@@ -431,11 +503,8 @@ pub async fn push(
     progress.phase("scan", None, None);
     let scan_root = root.clone();
     let p2 = progress.clone();
-    let scanned = blocking(move || {
-        let _as = crate::fsutil::ReadAs::enter(read_as);
-        scan(&scan_root, p2.as_ref())
-    })
-    .await?;
+    let scan_threads = opts.threads.max(1);
+    let scanned = blocking(move || scan(&scan_root, scan_threads, read_as, p2.as_ref())).await?;
 
     let (mut index, _) = repo.load_index().await?;
     let condemned = crate::gc::condemned_packs(repo).await?;
