@@ -67,6 +67,11 @@ pub struct GcOutcome {
     pub deleted_bytes: u64,
     /// Unreferenced snapshot objects deleted.
     pub deleted_snapshots: u64,
+    /// Staging files of local writes that never finished (older than the
+    /// grace period), removed.
+    pub deleted_staging: u64,
+    /// Their bytes.
+    pub deleted_staging_bytes: u64,
     /// Whether anything was changed.
     pub dry_run: bool,
 }
@@ -211,6 +216,16 @@ pub async fn gc(
             }
             out.deleted_snapshots += 1;
         }
+    }
+
+    // Half-written objects of pushes that were killed: never referenced by
+    // anything, and older than any write still in progress.
+    for o in repo.remote().stale_staging(grace).await? {
+        if !dry_run {
+            repo.remote().remove_staging(&o.key).await?;
+        }
+        out.deleted_staging += 1;
+        out.deleted_staging_bytes += o.size;
     }
 
     // One index for what is left. Index objects written after our listing

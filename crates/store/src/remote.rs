@@ -254,6 +254,71 @@ impl Remote {
             .collect())
     }
 
+    /// Staging files (`key#N`) of local writes that never finished (a push
+    /// killed mid-pack) and were last modified at least `min_age_secs` ago:
+    /// their keys and sizes. Empty for remote backends, which stage nothing
+    /// visible.
+    pub async fn stale_staging(&self, min_age_secs: i64) -> Result<Vec<ObjectInfo>> {
+        let Some(root) = self.local_root.clone() else {
+            return Ok(Vec::new());
+        };
+        crate::blocking(move || {
+            let now = std::time::SystemTime::now();
+            let mut out = Vec::new();
+            let mut dirs = vec![root.clone()];
+            while let Some(dir) = dirs.pop() {
+                let rd = match std::fs::read_dir(&dir) {
+                    Ok(rd) => rd,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(Error::io("list", &dir)(e)),
+                };
+                for ent in rd {
+                    let ent = ent.map_err(Error::io("list", &dir))?;
+                    let Ok(meta) = ent.metadata() else { continue };
+                    if meta.is_dir() {
+                        dirs.push(ent.path());
+                        continue;
+                    }
+                    if !ent.file_name().as_encoded_bytes().contains(&b'#') {
+                        continue;
+                    }
+                    let age = meta
+                        .modified()
+                        .ok()
+                        .and_then(|m| now.duration_since(m).ok())
+                        .map_or(0, |d| d.as_secs() as i64);
+                    if age < min_age_secs {
+                        continue; // a write in progress, or one that just finished
+                    }
+                    let path = ent.path();
+                    let Ok(rel) = path.strip_prefix(&root) else {
+                        continue;
+                    };
+                    out.push(ObjectInfo {
+                        key: rel.to_string_lossy().into_owned(),
+                        size: meta.len(),
+                        modified: now_secs_of(meta.modified().ok()),
+                    });
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Removes a staging file found by [`Remote::stale_staging`].
+    pub async fn remove_staging(&self, key: &str) -> Result<()> {
+        let Some(path) = self.local_path(key) else {
+            return Ok(());
+        };
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::io("remove", &path)(e))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Deletes an object; deleting what is already gone is not an error.
     pub async fn delete(&self, key: &str) -> Result<()> {
         if self.local_root.is_some() {
@@ -321,6 +386,11 @@ impl Remote {
         })
         .await
     }
+}
+
+fn now_secs_of(t: Option<std::time::SystemTime>) -> i64 {
+    t.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 /// Objects at least this large (packs) bypass the page cache on local stores.

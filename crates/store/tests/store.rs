@@ -757,3 +757,46 @@ async fn forget_then_gc_frees_only_the_forgotten_versions_data() {
         .unwrap();
     assert_eq!(r.record.version, 3);
 }
+
+/// A push killed mid-pack leaves a staging file (`key#N`) on a local store:
+/// gc removes it once it is older than the grace period, keeps a young one
+/// (a write that may still be in progress), and never touches real packs.
+#[tokio::test]
+async fn gc_removes_stale_staging_files_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let env = Env::new(Remote::local(&store).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a"), support::random_bytes(2_000_000, 5)).unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let packs = env.repo.remote().list("packs/").await.unwrap();
+    let real = store.join(&packs[0].key);
+    let stale = real.with_file_name("0123abcd#4242-0");
+    let young = real.with_file_name("4567cdef#4242-1");
+    std::fs::write(&stale, vec![7u8; 5000]).unwrap();
+    std::fs::write(&young, vec![7u8; 3000]).unwrap();
+    let two_days_ago = filetime::FileTime::from_unix_time(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+            - 2 * 86400,
+        0,
+    );
+    filetime::set_file_mtime(&stale, two_days_ago).unwrap();
+
+    let g = gc(&env.repo, true, None, &NoProgress).await.unwrap();
+    assert_eq!((g.deleted_staging, g.deleted_staging_bytes), (1, 5000));
+    assert!(stale.exists(), "a dry run removes nothing");
+    let g = gc(&env.repo, false, None, &NoProgress).await.unwrap();
+    assert_eq!((g.deleted_staging, g.deleted_staging_bytes), (1, 5000));
+    assert!(!stale.exists() && young.exists() && real.exists());
+    assert!(g.deleted.is_empty());
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}

@@ -493,7 +493,7 @@ async fn run(cli: Cli) -> Result<bool> {
             ctx.out(
                 || {
                     format!(
-                        "{}{} versions, {} packs ({} referenced, {} young kept); {} condemned now; {} deleted ({}); {} snapshot objects deleted",
+                        "{}{} versions, {} packs ({} referenced, {} young kept); {} condemned now; {} deleted ({}); {} snapshot objects and {} unfinished writes ({}) deleted",
                         if dry_run { "dry run: " } else { "" },
                         r.versions,
                         r.packs,
@@ -502,7 +502,9 @@ async fn run(cli: Cli) -> Result<bool> {
                         r.condemned.len(),
                         r.deleted.len(),
                         human_bytes(r.deleted_bytes),
-                        r.deleted_snapshots
+                        r.deleted_snapshots,
+                        r.deleted_staging,
+                        human_bytes(r.deleted_staging_bytes)
                     )
                 },
                 json!({"command": "gc", "result": r}),
