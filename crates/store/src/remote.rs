@@ -428,30 +428,42 @@ mod direct {
     /// filesystem does not do `O_DIRECT`; the caller then writes normally.
     pub(super) fn write(path: &Path, data: &[u8]) -> io::Result<bool> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        let mut staging = path.as_os_str().to_owned();
-        staging.push(format!(
-            "#{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let staging = PathBuf::from(staging);
-        let open = || {
+        // pid, sequence and clock: a staging file left by a killed push in a
+        // container that reused our pid must not collide with ours.
+        let staging_name = || {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let mut name = path.as_os_str().to_owned();
+            name.push(format!(
+                "#{}-{}-{nanos:x}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            ));
+            PathBuf::from(name)
+        };
+        let open = |staging: &Path| {
             std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .mode(0o644)
                 .custom_flags(libc::O_DIRECT)
-                .open(&staging)
+                .open(staging)
         };
-        let file = match open() {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
+        let mut staging = staging_name();
+        let mut file = open(&staging);
+        for _ in 0..3 {
+            match &file {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    if let Some(dir) = path.parent() {
+                        std::fs::create_dir_all(dir)?;
+                    }
                 }
-                open()
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => staging = staging_name(),
+                _ => break,
             }
-            r => r,
-        };
+            file = open(&staging);
+        }
         let file = match file {
             Ok(f) => f,
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
