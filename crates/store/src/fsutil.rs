@@ -22,12 +22,15 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
 pub(crate) fn tmp_name(path: &Path) -> PathBuf {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
+    // getpid is a system call (glibc stopped caching it): once per process.
+    static PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let pid = *PID.get_or_init(std::process::id);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!(".{name}.{}.{n}.labsync-tmp", std::process::id()))
+    path.with_file_name(format!(".{name}.{pid}.{n}.labsync-tmp"))
 }
 
 /// Runs blocking work (file I/O, hashing a tree) off the async runtime.

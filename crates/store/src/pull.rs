@@ -95,6 +95,11 @@ pub async fn pull(
         Ok(_) => {}
         Err(_) => std::fs::create_dir_all(dest).map_err(Error::io("create destination", dest))?,
     }
+    // Into an empty folder nothing can be complete already: skip one lookup per file.
+    let empty = std::fs::read_dir(dest)
+        .map_err(Error::io("list destination", dest))?
+        .next()
+        .is_none();
     let dest = dest
         .canonicalize()
         .map_err(Error::io("resolve destination", dest))?;
@@ -118,7 +123,7 @@ pub async fn pull(
     let files: Vec<usize> = entries
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.kind == Kind::File && !complete(&dest_path(&dest, e), e))
+        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(&dest_path(&dest, e), e)))
         .map(|(i, _)| i)
         .collect();
     let skipped =
@@ -162,8 +167,19 @@ pub async fn pull(
             progress.clone(),
             files.clone(),
         );
-        let res =
-            blocking(move || write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref())).await;
+        let retry = !refetched.is_empty();
+        let res = blocking(move || {
+            // After a re-fetch, what the first attempt wrote is done already.
+            let f2: Vec<usize> = if retry {
+                f2.into_iter()
+                    .filter(|&i| !complete(&dest_path(&d2, &e2[i]), &e2[i]))
+                    .collect()
+            } else {
+                f2
+            };
+            write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref())
+        })
+        .await;
         match res {
             Ok(n) => break n,
             // One re-fetch of a pack that failed verification; a second failure is corruption in the store.
@@ -256,9 +272,6 @@ fn write_files(
                     }
                     let e = &entries[i];
                     let path = dest_path(dest, e);
-                    if complete(&path, e) {
-                        continue; // written before a re-fetch retry
-                    }
                     match write_one(e, &path, index, &mut reader, &mut buf) {
                         Ok(()) => {
                             bytes.fetch_add(e.size, Ordering::Relaxed);
@@ -337,13 +350,18 @@ fn write_one(
         f.set_modified(time_of(e.mtime_ns))
             .map_err(Error::io("set time of", &tmp))?;
         drop(f);
-        if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::invalid(
-                format!("destination {}", path.display()),
-                "is a directory where the snapshot has a file",
-            ));
-        }
-        std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
+        // No look before the rename (one lookup per file saved): only a
+        // failed rename asks whether a directory was in the way.
+        std::fs::rename(&tmp, path).map_err(|e| {
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+                Error::invalid(
+                    format!("destination {}", path.display()),
+                    "is a directory where the snapshot has a file",
+                )
+            } else {
+                Error::io("rename into place", path)(e)
+            }
+        })
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

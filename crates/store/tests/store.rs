@@ -800,3 +800,34 @@ async fn gc_removes_stale_staging_files_only() {
         .unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
+
+/// A directory in the destination where the snapshot has a file is reported
+/// as such (not as a bare rename error), and left as it was.
+#[tokio::test]
+async fn pull_refuses_a_directory_in_place_of_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("model.pt"), b"weights").unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let out = env.root.join("out");
+    std::fs::create_dir_all(out.join("model.pt")).unwrap();
+    std::fs::write(out.join("model.pt/keep"), b"mine").unwrap();
+    let err = pull(&env.repo, &env.cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("is a directory where the snapshot has a file"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(out.join("model.pt/keep")).unwrap(), b"mine");
+    let leftovers: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(leftovers, ["model.pt"], "no temporary file is left behind");
+}
