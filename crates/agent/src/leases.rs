@@ -32,6 +32,12 @@ pub enum JobState {
     Running {
         /// Session id.
         sid: u32,
+        /// When the leader started, in clock ticks after boot
+        /// (`/proc/PID/stat` field 22): after a restart, a process that
+        /// reuses the pid (even another session leader) is not the job.
+        /// Absent in records written before it was kept.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start: Option<u64>,
     },
     /// Ended with an exit code (or killed by `signal`).
     Exited {
@@ -372,13 +378,16 @@ impl Leases {
     /// and every lease not held by a running job is freed (a crash between
     /// leasing and starting leaves such leases). Live jobs are adopted as they
     /// are. Returns the ids of the jobs marked failed.
-    pub fn reconcile(&self, alive: impl Fn(u32) -> bool) -> Result<Vec<String>, LeaseError> {
+    pub fn reconcile(
+        &self,
+        alive: impl Fn(u32, Option<u64>) -> bool,
+    ) -> Result<Vec<String>, LeaseError> {
         let jobs = self.active_jobs()?;
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         let mut failed = Vec::new();
         for j in &jobs {
-            if let JobState::Running { sid } = j.state {
-                if !alive(sid) {
+            if let JobState::Running { sid, start } = j.state {
+                if !alive(sid, start) {
                     let reason = "the job was gone when labd restarted".to_string();
                     self.finish_in(&txn, &j.id, JobState::Failed { reason })?;
                     failed.push(j.id.clone());
@@ -472,7 +481,7 @@ mod tests {
             let l = Leases::open(&path).unwrap();
             for (id, sid, gpus) in [("live", 100, vec![0]), ("dead", 200, vec![1, 2])] {
                 l.acquire(id, gpus.len(), &gpus).unwrap().unwrap();
-                l.put_job(&job(id, JobState::Running { sid }, gpus))
+                l.put_job(&job(id, JobState::Running { sid, start: None }, gpus))
                     .unwrap();
             }
             // Leased, then labd died before the job started.
@@ -481,7 +490,7 @@ mod tests {
                 .unwrap();
         } // "kill -9": the handle is dropped, the file stays
         let l = Leases::open(&path).unwrap();
-        let failed = l.reconcile(|sid| sid == 100).unwrap();
+        let failed = l.reconcile(|sid, _| sid == 100).unwrap();
         assert_eq!(failed, vec!["dead".to_string()]);
         assert_eq!(
             l.all().unwrap(),
@@ -511,7 +520,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state.redb");
         let l = Leases::open(&path).unwrap();
-        let mut pending = job("a", JobState::Running { sid: 1 }, vec![]);
+        let mut pending = job(
+            "a",
+            JobState::Running {
+                sid: 1,
+                start: None,
+            },
+            vec![],
+        );
         pending.meta.outputs_pending = true;
         l.put_job(&pending).unwrap();
         l.put_job(&job("b", JobState::Queued, vec![])).unwrap();

@@ -167,7 +167,7 @@ impl Node {
             .active_jobs()?
             .into_iter()
             .filter_map(|j| match j.state {
-                JobState::Running { sid } => Some(sid),
+                JobState::Running { sid, .. } => Some(sid),
                 _ => None,
             })
             .collect())
@@ -352,7 +352,10 @@ impl Node {
                     let sid = st.sid();
                     self.state.update(&id, |r| {
                         r.gpus = gpus;
-                        r.state = JobState::Running { sid };
+                        r.state = JobState::Running {
+                            sid,
+                            start: runner::start_ticks(sid),
+                        };
                         r.started_at = Some(unix_now());
                         r.meta.preparing = None;
                         r.queued = None;
@@ -401,10 +404,10 @@ impl Node {
             // Jobs adopted after a restart are not our children: their exit
             // status is lost, but their end is not.
             for j in self.state.active_jobs()? {
-                if let JobState::Running { sid } = j.state {
+                if let JobState::Running { sid, start } = j.state {
                     if !inner.children.contains_key(&j.id)
                         && !ended.iter().any(|(id, _)| *id == j.id)
-                        && !runner::alive(sid)
+                        && !runner::alive(sid, start)
                     {
                         ended.push((
                             j.id,
@@ -433,7 +436,7 @@ impl Node {
 
     fn sid_of(&self, id: &str) -> Result<Option<u32>, NodeError> {
         Ok(self.state.job(id)?.and_then(|j| match j.state {
-            JobState::Running { sid } => Some(sid),
+            JobState::Running { sid, .. } => Some(sid),
             _ => None,
         }))
     }

@@ -184,14 +184,26 @@ pub fn kill_session(sid: u32, grace: Duration) -> usize {
     killed
 }
 
+/// When `pid` started, in clock ticks after boot (`/proc/PID/stat` field
+/// 22); `None` if it is gone.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces;
+    // what follows starts at field 3.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
 /// True while the job led by `pid` lives (for adopting jobs after a
-/// restart): the process exists, is not a zombie, and still leads its own
-/// session, as every job's leader does, so a pid reused by an ordinary
-/// process is not taken for the job.
-pub fn alive(pid: u32) -> bool {
+/// restart): the process exists, is not a zombie, still leads its own
+/// session, as every job's leader does, and started when the job's leader
+/// did (`start`, when the record has it), so a pid reused by another
+/// process, session leader or not, is not taken for the job.
+pub fn alive(pid: u32, start: Option<u64>) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !is_zombie(pid)
         && crate::process_session(pid) == Some(pid)
+        && start.is_none_or(|s| start_ticks(pid) == Some(s))
 }
 
 #[cfg(test)]
@@ -222,17 +234,25 @@ mod tests {
         assert!(log.contains("out j1") && log.contains("err"), "{log}");
     }
 
-    /// A pid reused by a process that leads no session is not the job.
+    /// A pid reused by a process that leads no session, or by a session
+    /// leader that started at another time, is not the job.
     #[test]
-    fn alive_means_a_live_session_leader() {
+    fn alive_means_the_same_live_session_leader() {
         let dir = tempfile::tempdir().unwrap();
         let mut job = spawn(&spec(dir.path(), "sleep 30")).unwrap();
         let mut plain = Command::new("sleep").arg("30").spawn().unwrap();
-        assert!(alive(job.sid()));
-        assert!(!alive(plain.id()), "not a session leader");
+        let start = start_ticks(job.sid());
+        assert!(start.is_some());
+        assert!(alive(job.sid(), start));
+        assert!(alive(job.sid(), None), "records without a start time");
+        assert!(
+            !alive(job.sid(), start.map(|s| s + 1)),
+            "a leader that started at another time is another process"
+        );
+        assert!(!alive(plain.id(), None), "not a session leader");
         kill_session(job.sid(), Duration::from_millis(100));
         let _ = job.child.wait();
-        assert!(!alive(job.sid()));
+        assert!(!alive(job.sid(), start));
         plain.kill().unwrap();
         plain.wait().unwrap();
     }

@@ -159,7 +159,7 @@ fn kill_ends_the_whole_session_and_frees_the_gpu() {
             dir.path(),
         ))
         .unwrap();
-    let JobState::Running { sid } = state_of(&n, &id) else {
+    let JobState::Running { sid, .. } = state_of(&n, &id) else {
         panic!("not running")
     };
     wait_until("children", || session_members(sid).len() >= 4);

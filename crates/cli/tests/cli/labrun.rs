@@ -225,7 +225,7 @@ impl Drop for Node {
         if state.exists() {
             if let Ok(l) = labsync_agent::Leases::open(&state) {
                 for j in l.jobs().unwrap_or_default() {
-                    if let JobState::Running { sid } = j.state {
+                    if let JobState::Running { sid, .. } = j.state {
                         labsync_agent::kill_session(sid, Duration::from_millis(100));
                     }
                 }
@@ -236,7 +236,7 @@ impl Drop for Node {
 
 fn sid(j: &JobView) -> u32 {
     match j.state {
-        JobState::Running { sid } => sid,
+        JobState::Running { sid, .. } => sid,
         ref s => panic!("job {} is not running: {s:?}", j.id),
     }
 }
@@ -548,8 +548,8 @@ fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
     n.restart();
     let (l, s) = (n.job(&long), n.job(&short));
     assert!(
-        matches!(l.state, JobState::Running { .. }),
-        "adopted: {l:?}"
+        matches!(l.state, JobState::Running { start: Some(_), .. }),
+        "adopted, with its leader's start time on record: {l:?}"
     );
     assert_eq!(l.gpus.len(), 1);
     assert!(
