@@ -20,6 +20,11 @@ use crate::status::GpuStatus;
 use crate::trees::{check_outputs, make_workdir, Trees};
 use crate::users;
 
+/// How long a file in a running job's outputs must have been left alone
+/// before a periodic push takes it as it is: `torch.save` writes in place,
+/// and a copy taken mid-write would be the checkpoint a crash leaves.
+const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
+
 /// Everything labd is told (the binary resolves files, flags and defaults).
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -598,6 +603,10 @@ impl Daemon {
                 user: job.user.clone(),
                 host: self.cfg.node_name.clone(),
                 read_as: job.meta.run_as,
+                // While the job runs, a checkpoint may be half saved: keep
+                // its previous copy until it has been still for a while.
+                // The push after the job ended takes everything as it is.
+                settle: (!last).then_some(OUTPUTS_SETTLE),
             };
             push(&self.repo, &dir, &opts, Arc::new(NoProgress))
                 .await

@@ -24,6 +24,7 @@
 //!     user: "alice".into(),
 //!     host: "gpu1".into(),
 //!     read_as: None,
+//!     settle: None,
 //! };
 //! let pushed = push(&repo, "./div2k".as_ref(), &opts, Arc::new(NoProgress)).await?;
 //! println!("{}", pushed.record.label());

@@ -45,6 +45,12 @@ pub struct PushOptions {
     /// Read the source as this uid/gid (Linux file-system ids, per thread):
     /// a root labd pushing a job's outputs reads only what the job's user may.
     pub read_as: Option<(u32, u32)>,
+    /// Files modified less than this long ago may be half written (a
+    /// checkpoint being saved while a running job's outputs are pushed):
+    /// the version keeps the content the files cache last recorded for
+    /// them, or leaves them out when it has none. `None` takes every file
+    /// as it is (a push after the writer stopped).
+    pub settle: Option<std::time::Duration>,
 }
 
 /// What a push did.
@@ -504,7 +510,8 @@ pub async fn push(
     let scan_root = root.clone();
     let p2 = progress.clone();
     let scan_threads = opts.threads.max(1);
-    let scanned = blocking(move || scan(&scan_root, scan_threads, read_as, p2.as_ref())).await?;
+    let mut scanned =
+        blocking(move || scan(&scan_root, scan_threads, read_as, p2.as_ref())).await?;
 
     let (mut index, _) = repo.load_index().await?;
     let condemned = crate::gc::condemned_packs(repo).await?;
@@ -528,9 +535,17 @@ pub async fn push(
 
     // Merge-join scan and cache (both sorted by path): unchanged files keep their chunks.
     let mut chunks_of: Vec<Option<Vec<ChunkId>>> = vec![None; scanned.len()];
+    let unsettled_after = opts.settle.map(|d| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        now.saturating_sub(d).as_nanos() as i64
+    });
+    let mut left_out = HashSet::new();
     let mut to_read = Vec::new();
     let mut ci = 0;
-    for (i, s) in scanned.iter().enumerate() {
+    for i in 0..scanned.len() {
+        let s = &scanned[i];
         if s.kind != Kind::File {
             continue;
         }
@@ -545,10 +560,37 @@ pub async fn push(
                 && c.ino == s.ino
                 && c.chunks.iter().all(|id| index.contains(id))
         });
-        match hit {
-            Some(c) => chunks_of[i] = Some(c.chunks.clone()),
-            None => to_read.push(i),
+        if let Some(c) = hit {
+            chunks_of[i] = Some(c.chunks.clone());
+            continue;
         }
+        if unsettled_after.is_some_and(|t| s.mtime_ns > t) {
+            // Being written: the last recorded content, as it was recorded.
+            let previous = cache
+                .files
+                .get(ci)
+                .filter(|c| c.path == s.path && c.chunks.iter().all(|id| index.contains(id)));
+            let name = String::from_utf8_lossy(&s.path).into_owned();
+            match previous {
+                Some(c) => {
+                    progress.warn(&format!(
+                        "{name} changed in the last seconds: keeping its previous content"
+                    ));
+                    chunks_of[i] = Some(c.chunks.clone());
+                    let s = &mut scanned[i];
+                    (s.size, s.mtime_ns, s.ctime_ns, s.ino) =
+                        (c.size, c.mtime_ns, c.ctime_ns, c.ino);
+                }
+                None => {
+                    progress.warn(&format!(
+                        "leaving out {name}: it changed in the last seconds and may be half written"
+                    ));
+                    left_out.insert(i);
+                }
+            }
+            continue;
+        }
+        to_read.push(i);
     }
 
     let total_read: u64 = to_read.iter().map(|&i| scanned[i].size).sum();
@@ -666,7 +708,7 @@ pub async fn push(
     let mut entries = Vec::with_capacity(scanned.len());
     let mut new_cache = Vec::new();
     for (i, s) in scanned.iter().enumerate() {
-        if vanished.contains(&i) {
+        if vanished.contains(&i) || left_out.contains(&i) {
             continue;
         }
         let chunks = chunks_of[i].take().unwrap_or_default();

@@ -22,6 +22,7 @@ fn opts(name: &str, cache: &NodeCache) -> PushOptions {
         user: "t".into(),
         host: "h".into(),
         read_as: None,
+        settle: None,
     }
 }
 
@@ -830,4 +831,69 @@ async fn pull_refuses_a_directory_in_place_of_a_file() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(leftovers, ["model.pt"], "no temporary file is left behind");
+}
+
+/// A push with `settle` (labd's periodic push of a running job's outputs)
+/// never stores a file that is being written: one modified in the last
+/// seconds keeps the content the previous push recorded, one that has no
+/// previous content is left out, and both are taken once they are still.
+#[tokio::test]
+async fn settle_keeps_the_last_whole_copy_of_a_file_being_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("ckpt");
+    std::fs::create_dir_all(&src).unwrap();
+    let ago = |secs: i64| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        filetime::FileTime::from_unix_time(now - secs, 0)
+    };
+    std::fs::write(src.join("model.pt"), b"epoch 1, whole").unwrap();
+    filetime::set_file_mtime(src.join("model.pt"), ago(600)).unwrap();
+    push(&env.repo, &src, &opts("runs/j1", &env.cache), np())
+        .await
+        .unwrap();
+
+    // Mid-save: model.pt half rewritten, best.pt just created.
+    std::fs::write(src.join("model.pt"), b"epoch 2, half").unwrap();
+    std::fs::write(src.join("best.pt"), b"being written").unwrap();
+    let settle = PushOptions {
+        settle: Some(std::time::Duration::from_secs(60)),
+        ..opts("runs/j1", &env.cache)
+    };
+    let pulled = |v: &str| {
+        let out = env.root.join(format!("out-{v}"));
+        let (repo, cache) = (env.repo.clone(), env.cache.clone());
+        let spec: labsync_store::RefSpec = format!("runs/j1@{v}").parse().unwrap();
+        async move {
+            pull(&repo, &cache, &spec, &out, 2, np()).await.unwrap();
+            out
+        }
+    };
+    let r = push(&env.repo, &src, &settle, np()).await.unwrap();
+    assert!(!r.created, "nothing settled changed: still v1");
+    let out = pulled("v1").await;
+    assert_eq!(
+        std::fs::read(out.join("model.pt")).unwrap(),
+        b"epoch 1, whole"
+    );
+    assert!(!out.join("best.pt").exists());
+
+    // Both still for long enough: taken as they are.
+    std::fs::write(src.join("model.pt"), b"epoch 2, whole").unwrap();
+    filetime::set_file_mtime(src.join("model.pt"), ago(120)).unwrap();
+    filetime::set_file_mtime(src.join("best.pt"), ago(120)).unwrap();
+    let r = push(&env.repo, &src, &settle, np()).await.unwrap();
+    assert_eq!(r.record.version, 2);
+    let out = pulled("v2").await;
+    assert_eq!(
+        std::fs::read(out.join("model.pt")).unwrap(),
+        b"epoch 2, whole"
+    );
+    assert_eq!(
+        std::fs::read(out.join("best.pt")).unwrap(),
+        b"being written"
+    );
 }

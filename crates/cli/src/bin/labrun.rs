@@ -105,7 +105,9 @@ struct RunArgs {
     /// Folder (relative to the code) saved to the store as runs/JOB-ID
     #[arg(long, value_name = "DIR")]
     outputs: Option<String>,
-    /// How often --outputs is saved while the job runs, e.g. 10m [default: labd's, 5m]
+    /// How often --outputs is saved while the job runs, e.g. 10m; files
+    /// changed in the last 5 s keep their previous copy in such a save
+    /// (they may be half written) [default: labd's, 5m]
     #[arg(long, value_name = "DURATION")]
     outputs_every: Option<String>,
     /// Code folder [default: the current folder]
@@ -360,6 +362,7 @@ async fn push_tree(
         user: user.to_string(),
         host: hostname(),
         read_as: None,
+        settle: None,
     };
     let out = push(repo, src, &opts, bar.clone())
         .await

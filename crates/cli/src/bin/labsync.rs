@@ -300,6 +300,7 @@ async fn run(cli: Cli) -> Result<bool> {
                 user,
                 host,
                 read_as: None,
+                settle: None,
             };
             let r = store::push(&repo, &src, &opts, ctx.progress()).await?;
             ctx.out(

@@ -382,8 +382,10 @@ fn inventory_hang_makes_gpus_unknown_until_it_answers() {
 #[test]
 fn kill_leaves_no_process_and_saves_outputs() {
     let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
-    let script = "mkdir -p ckpt; echo epoch-1 > ckpt/model.pt; trap '' TERM; \
-                  (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & echo ready; wait";
+    // The checkpoint is dated a minute back: periodic saves leave out files
+    // written in the last seconds (they may be half saved).
+    let script = "mkdir -p ckpt; echo epoch-1 > ckpt/model.pt; touch -d '-1 minute' ckpt/model.pt; \
+                  trap '' TERM; (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & echo ready; wait";
     let id = n.detach(
         ALICE,
         &[
