@@ -5,7 +5,7 @@
 mod support;
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use labsync_store::{
@@ -24,6 +24,18 @@ fn opts(name: &str, cache: &NodeCache) -> PushOptions {
         read_as: None,
         settle: None,
     }
+}
+
+/// Makes `env.root/dir` holding one file `file` with `bytes`, pushes it as
+/// `name`; returns the folder.
+async fn push_one_file(env: &Env, dir: &str, name: &str, file: &str, bytes: &[u8]) -> PathBuf {
+    let src = env.root.join(dir);
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join(file), bytes).unwrap();
+    push(&env.repo, &src, &opts(name, &env.cache), np())
+        .await
+        .unwrap();
+    src
 }
 
 fn np() -> Arc<NoProgress> {
@@ -184,12 +196,8 @@ async fn check_concurrent_pushes_keep_both_versions(env: &Env) {
 }
 
 async fn check_corrupt_chunk_is_never_materialised(env: &Env) {
-    let src = env.root.join("corrupt-src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("victim.bin"), support::random_bytes(300_000, 77)).unwrap();
-    push(&env.repo, &src, &opts("victim", &env.cache), np())
-        .await
-        .unwrap();
+    let bytes = support::random_bytes(300_000, 77);
+    push_one_file(env, "corrupt-src", "victim", "victim.bin", &bytes).await;
     let (index, _) = env.repo.load_index().await.unwrap();
     let (_, entries) = env
         .repo
@@ -701,12 +709,7 @@ async fn failing_upload_ends_the_push_with_an_error() {
 async fn forget_then_gc_frees_only_the_forgotten_versions_data() {
     let dir = tempfile::tempdir().unwrap();
     let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
-    let src = env.root.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("a"), support::random_bytes(3_000_000, 1)).unwrap();
-    push(&env.repo, &src, &opts("ds", &env.cache), np())
-        .await
-        .unwrap();
+    let src = push_one_file(&env, "src", "ds", "a", &support::random_bytes(3_000_000, 1)).await;
     std::fs::write(src.join("a"), support::random_bytes(3_000_000, 2)).unwrap();
     push(&env.repo, &src, &opts("ds", &env.cache), np())
         .await
@@ -767,12 +770,7 @@ async fn gc_removes_stale_staging_files_only() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let env = Env::new(Remote::local(&store).unwrap()).await;
-    let src = env.root.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("a"), support::random_bytes(2_000_000, 5)).unwrap();
-    push(&env.repo, &src, &opts("ds", &env.cache), np())
-        .await
-        .unwrap();
+    push_one_file(&env, "src", "ds", "a", &support::random_bytes(2_000_000, 5)).await;
     let packs = env.repo.remote().list("packs/").await.unwrap();
     let real = store.join(&packs[0].key);
     let stale = real.with_file_name("0123abcd#4242-0");
@@ -808,12 +806,7 @@ async fn gc_removes_stale_staging_files_only() {
 async fn pull_refuses_a_directory_in_place_of_a_file() {
     let dir = tempfile::tempdir().unwrap();
     let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
-    let src = env.root.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("model.pt"), b"weights").unwrap();
-    push(&env.repo, &src, &opts("ds", &env.cache), np())
-        .await
-        .unwrap();
+    push_one_file(&env, "src", "ds", "model.pt", b"weights").await;
     let out = env.root.join("out");
     std::fs::create_dir_all(out.join("model.pt")).unwrap();
     std::fs::write(out.join("model.pt/keep"), b"mine").unwrap();
