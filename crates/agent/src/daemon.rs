@@ -40,6 +40,8 @@ pub struct DaemonConfig {
     pub cache_dir: PathBuf,
     /// Node cache cap, bytes.
     pub cache_max: u64,
+    /// How outputs pushes compress compressible chunks.
+    pub compression: labsync_store::Codec,
     /// Cap on the shared read-only trees, bytes; trees no active job uses
     /// are removed, least recently used first, above it.
     pub trees_max: u64,
@@ -607,6 +609,7 @@ impl Daemon {
                 // its previous copy until it has been still for a while.
                 // The push after the job ended takes everything as it is.
                 settle: (!last).then_some(OUTPUTS_SETTLE),
+                compression: self.cfg.compression,
             };
             push(&self.repo, &dir, &opts, Arc::new(NoProgress))
                 .await

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use labsync_store::Codec;
 use serde::Deserialize;
 
 /// The config file (`~/.config/labsync/config.toml` or `--config`).
@@ -23,6 +24,8 @@ pub struct FileConfig {
     pub labd: Option<String>,
     /// `labrun`'s token for that labd.
     pub token: Option<String>,
+    /// How pushes compress compressible chunks: `lz4` (default) or `zstd`.
+    pub compression: Option<String>,
 }
 
 /// What the flags and environment gave (clap merges those two).
@@ -40,6 +43,8 @@ pub struct Overrides {
     pub s3_endpoint: Option<String>,
     /// `--s3-region` / `AWS_REGION`.
     pub s3_region: Option<String>,
+    /// `--compression` / `LABSYNC_COMPRESSION`.
+    pub compression: Option<String>,
 }
 
 /// Fully resolved settings.
@@ -57,6 +62,8 @@ pub struct Settings {
     pub labd: Option<String>,
     /// labrun's token from the config file.
     pub token: Option<String>,
+    /// How pushes compress compressible chunks.
+    pub compression: Codec,
 }
 
 const DEFAULT_CACHE_MAX: u64 = 50 << 30;
@@ -103,7 +110,16 @@ impl Settings {
         if let Some(r) = o.s3_region.clone().or(file.s3_region) {
             store_options.push(("aws_region".into(), r));
         }
+        let from_env = env
+            .iter()
+            .find(|(k, _)| k == "LABSYNC_COMPRESSION")
+            .map(|(_, v)| v.clone());
+        let compression = match o.compression.clone().or(from_env).or(file.compression) {
+            Some(c) => c.parse::<Codec>()?,
+            None => Codec::default(),
+        };
         Ok(Settings {
+            compression,
             store,
             store_options,
             cache_dir,
@@ -215,6 +231,30 @@ mod tests {
         assert!(s
             .store_options
             .contains(&("aws_allow_http".into(), "true".into())));
+    }
+
+    #[test]
+    fn compression_flag_beats_environment_beats_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "compression = \"zstd\"\n").unwrap();
+        let env = |v: &str| vec![("LABSYNC_COMPRESSION".to_string(), v.to_string())];
+        let mut o = Overrides::default();
+        assert_eq!(Settings::resolve(&o, &[]).unwrap().compression, Codec::Lz4);
+        o.config = Some(cfg);
+        assert_eq!(Settings::resolve(&o, &[]).unwrap().compression, Codec::Zstd);
+        assert_eq!(
+            Settings::resolve(&o, &env("lz4")).unwrap().compression,
+            Codec::Lz4
+        );
+        o.compression = Some("zstd".into());
+        assert_eq!(
+            Settings::resolve(&o, &env("lz4")).unwrap().compression,
+            Codec::Zstd
+        );
+        o.compression = Some("gzip".into());
+        let err = Settings::resolve(&o, &[]).unwrap_err().to_string();
+        assert!(err.contains("gzip") && err.contains("lz4 or zstd"), "{err}");
     }
 
     #[test]

@@ -151,6 +151,17 @@ fn exit_codes_and_messages() {
         help.contains("files cache") || help.contains("unchanged"),
         "{help}"
     );
+    assert!(
+        help.contains("--compression") && help.contains("zstd"),
+        "{help}"
+    );
+    let o = lab.run(&["push", ".", "--name", "x", "--compression", "gzip"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("\"gzip\"") && err.contains("lz4 or zstd"),
+        "{err}"
+    );
 }
 
 #[test]

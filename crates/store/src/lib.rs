@@ -25,6 +25,7 @@
 //!     host: "gpu1".into(),
 //!     read_as: None,
 //!     settle: None,
+//!     compression: labsync_store::Codec::default(),
 //! };
 //! let pushed = push(&repo, "./div2k".as_ref(), &opts, Arc::new(NoProgress)).await?;
 //! println!("{}", pushed.record.label());
@@ -56,7 +57,7 @@ pub use fsutil::blocking;
 pub use gc::{condemned_packs, gc, GcOutcome};
 pub use id::{ChunkId, PackId, SnapshotId};
 pub use index::{Index, IndexPack};
-pub use pack::{PackBuilder, PackEntry, SealedPack};
+pub use pack::{Codec, PackBuilder, PackEntry, SealedPack, FLAG_LZ4, FLAG_TREE, FLAG_ZSTD};
 pub use progress::{NoProgress, Progress};
 pub use pull::{pull, warm, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};

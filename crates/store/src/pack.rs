@@ -1,7 +1,7 @@
 //! Pack objects: many chunks in one object, with a self-describing footer.
 //!
 //! ```text
-//! chunk bytes (plain or zstd) …
+//! chunk bytes (plain, LZ4 block or zstd frame) …
 //! footer:  per chunk  id[32] offset:u64 stored_len:u32 raw_len:u32 flags:u8   (49 bytes)
 //! trailer: footer_len:u32 count:u32 footer_check[8] magic "LSPK" version:u32    (24 bytes)
 //! ```
@@ -22,6 +22,47 @@ const TRAILER_LEN: usize = 24;
 pub const FLAG_ZSTD: u8 = 1;
 /// Flag bit: the chunk is snapshot metadata (a tree segment), not file data.
 pub const FLAG_TREE: u8 = 2;
+/// Flag bit: the stored bytes are one LZ4 block (no frame: `raw_len` bounds it).
+pub const FLAG_LZ4: u8 = 4;
+const KNOWN_FLAGS: u8 = FLAG_ZSTD | FLAG_TREE | FLAG_LZ4;
+
+/// How `push` compresses the file chunks that look compressible. Either way a
+/// chunk's id is the BLAKE3 of its plain bytes, so the codec never affects
+/// dedup, and every labsync reads both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Codec {
+    /// LZ4 (the default): on a 2-core machine, zstd level 1 on source text
+    /// ran at 280 MB/s per core against LZ4's 500 MB/s, and was most of
+    /// the time of a push of 50,000 small files; LZ4 stores about an eighth
+    /// more for such trees and decompresses 2.5 times faster.
+    #[default]
+    Lz4,
+    /// zstd level 1: about 30% smaller than LZ4 on text, at half the speed.
+    Zstd,
+}
+
+impl std::str::FromStr for Codec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Codec> {
+        match s {
+            "lz4" => Ok(Codec::Lz4),
+            "zstd" => Ok(Codec::Zstd),
+            _ => Err(Error::invalid(
+                format!("compression {s:?}"),
+                "expected lz4 or zstd",
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Codec::Lz4 => "lz4",
+            Codec::Zstd => "zstd",
+        })
+    }
+}
 
 /// Where one chunk lives inside a pack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +100,22 @@ impl PackEntry {
                 stored.len()
             )));
         }
-        let plain = if self.flags & FLAG_ZSTD != 0 {
+        if self.flags & !KNOWN_FLAGS != 0
+            || self.flags & (FLAG_ZSTD | FLAG_LZ4) == FLAG_ZSTD | FLAG_LZ4
+        {
+            return Err(corrupt(format!(
+                "unknown flags {:#04x} (written by a newer labsync?)",
+                self.flags
+            )));
+        }
+        let plain = if self.flags & FLAG_LZ4 != 0 {
+            // A fresh output buffer: lz4_flex's safe decoder into new memory
+            // cannot leak earlier contents (RUSTSEC-2026-0041 concerns reused
+            // buffers), and the BLAKE3 check below stands behind it anyway.
+            let out = lz4_flex::block::decompress(stored, self.raw_len as usize)
+                .map_err(|e| corrupt(format!("lz4: {e}")))?;
+            std::borrow::Cow::Owned(out)
+        } else if self.flags & FLAG_ZSTD != 0 {
             // One context per thread: a fresh one per chunk was 3.6% of a
             // 50,000-file pull. The output is capped at the recorded length.
             thread_local! {
@@ -257,31 +313,61 @@ pub fn read_entries(pack_bytes: &[u8], pack: &PackId) -> Result<Vec<PackEntry>> 
     )
 }
 
-/// Compresses `raw` with zstd when that saves at least an eighth; returns
-/// `None` when the chunk should be stored plain.
+/// Calls `f` with the bytes to store for the file chunk `raw` and their flag:
+/// compressed with `codec` when that saves at least an eighth, else `raw`
+/// itself with no flag.
 ///
 /// Already-compressed data (PNG, JPEG, archives) is the common case for lab
-/// datasets, so the byte entropy of a 4 KiB sample decides first: above 7.2
+/// datasets, so the byte entropy of a 1 KiB sample decides first: above 7.2
 /// bits per byte, no coder can save an eighth on symbol statistics, and
 /// compressing random-looking bytes was half the CPU of a 50,000-file push.
 /// (A chunk of repeated high-entropy blocks is stored plain; rare in datasets.)
-/// Level 1 with one reused context per thread: creating a zstd context per call
-/// cost more than compressing a small source file.
-pub fn maybe_compress(raw: &[u8]) -> Option<Vec<u8>> {
+/// The output buffer and the zstd context are reused per thread: creating a
+/// zstd context per call cost more than compressing a small source file.
+pub fn with_stored<R>(raw: &[u8], codec: Codec, f: impl FnOnce(&[u8], u8) -> R) -> R {
+    struct Scratch {
+        out: Vec<u8>,
+        zstd: Option<zstd::bulk::Compressor<'static>>,
+    }
     thread_local! {
-        static ZSTD: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
-            const { std::cell::RefCell::new(None) };
+        static SCRATCH: std::cell::RefCell<Scratch> =
+            const { std::cell::RefCell::new(Scratch { out: Vec::new(), zstd: None }) };
     }
     if raw.len() < 512 || looks_incompressible(raw) {
-        return None;
+        return f(raw, 0);
     }
-    ZSTD.with(|z| {
-        let mut z = z.borrow_mut();
-        if z.is_none() {
-            *z = zstd::bulk::Compressor::new(1).ok();
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let Scratch { out, zstd } = &mut *s;
+        let compressed = match codec {
+            Codec::Lz4 => {
+                let need = lz4_flex::block::get_maximum_output_size(raw.len());
+                if out.len() < need {
+                    out.resize(need, 0);
+                }
+                lz4_flex::block::compress_into(raw, out)
+                    .ok()
+                    .map(|n| (&out[..n], FLAG_LZ4))
+            }
+            Codec::Zstd => {
+                if zstd.is_none() {
+                    *zstd = zstd::bulk::Compressor::new(1).ok();
+                }
+                out.clear();
+                out.reserve(zstd::zstd_safe::compress_bound(raw.len()));
+                match zstd.as_mut() {
+                    Some(z) => z
+                        .compress_to_buffer(raw, out)
+                        .ok()
+                        .map(|n| (&out[..n], FLAG_ZSTD)),
+                    None => None,
+                }
+            }
+        };
+        match compressed {
+            Some((stored, flag)) if stored.len() * 8 <= raw.len() * 7 => f(stored, flag),
+            _ => f(raw, 0),
         }
-        let out = z.as_mut()?.compress(raw).ok()?;
-        (out.len() * 8 <= raw.len() * 7).then_some(out)
     })
 }
 
@@ -353,38 +439,94 @@ mod tests {
                 "text, {len} bytes"
             );
         }
-        assert!(maybe_compress(&random).is_none());
-        assert!(maybe_compress(text.as_bytes()).is_some());
+        for codec in [Codec::Lz4, Codec::Zstd] {
+            assert_eq!(flag_of(&random, codec), 0);
+            assert_ne!(flag_of(text.as_bytes(), codec), 0);
+        }
+    }
+
+    /// The flag `with_stored` picks for `raw`.
+    fn flag_of(raw: &[u8], codec: Codec) -> u8 {
+        with_stored(raw, codec, |_, flag| flag)
+    }
+
+    fn build_with(chunks: &[&[u8]], codec: Codec) -> SealedPack {
+        let mut b = PackBuilder::default();
+        for c in chunks {
+            with_stored(c, codec, |stored, flags| {
+                b.add(ChunkId::of(c), stored, c.len() as u32, flags)
+            });
+        }
+        b.seal()
     }
 
     fn build(chunks: &[&[u8]]) -> SealedPack {
-        let mut b = PackBuilder::default();
-        for c in chunks {
-            match maybe_compress(c) {
-                Some(z) => b.add(ChunkId::of(c), &z, c.len() as u32, FLAG_ZSTD),
-                None => b.add(ChunkId::of(c), c, c.len() as u32, 0),
-            }
-        }
-        b.seal()
+        build_with(chunks, Codec::default())
     }
 
     #[test]
     fn footer_round_trip_and_decode() {
         let text = "fn main() { println!(\"hi\"); }\n".repeat(200);
         let chunks: Vec<&[u8]> = vec![b"abc", text.as_bytes(), &[7u8; 10]];
-        let pack = build(&chunks);
-        assert_eq!(pack.id, PackId::of(&pack.bytes));
-        let entries = read_entries(&pack.bytes, &pack.id).unwrap();
-        assert_eq!(entries, pack.entries);
-        assert_eq!(
-            entries[1].flags & FLAG_ZSTD,
-            FLAG_ZSTD,
-            "source text compresses"
-        );
-        for (e, c) in entries.iter().zip(&chunks) {
-            let stored = &pack.bytes[e.offset as usize..][..e.stored_len as usize];
-            assert_eq!(&*e.decode(stored, &pack.id).unwrap(), *c);
+        for (codec, flag) in [(Codec::Lz4, FLAG_LZ4), (Codec::Zstd, FLAG_ZSTD)] {
+            let pack = build_with(&chunks, codec);
+            assert_eq!(pack.id, PackId::of(&pack.bytes));
+            let entries = read_entries(&pack.bytes, &pack.id).unwrap();
+            assert_eq!(entries, pack.entries);
+            assert_eq!(entries[1].flags, flag, "{codec}: source text compresses");
+            assert!(entries[1].stored_len * 4 < entries[1].raw_len);
+            assert_eq!(entries[0].flags, 0, "tiny chunks stay plain");
+            for (e, c) in entries.iter().zip(&chunks) {
+                let stored = &pack.bytes[e.offset as usize..][..e.stored_len as usize];
+                assert_eq!(&*e.decode(stored, &pack.id).unwrap(), *c);
+            }
         }
+    }
+
+    #[test]
+    fn damaged_compressed_chunks_and_unknown_flags_are_corrupt() {
+        let text = "def f(x):\n    return x * 2  # double\n".repeat(100);
+        for codec in [Codec::Lz4, Codec::Zstd] {
+            let pack = build_with(&[text.as_bytes()], codec);
+            let e = pack.entries[0];
+            assert_ne!(e.flags, 0);
+            let stored = &pack.bytes[e.offset as usize..][..e.stored_len as usize];
+            // Every truncation and a flipped byte anywhere: an error, never a
+            // panic and never different bytes.
+            for cut in [0, 1, stored.len() / 2, stored.len() - 1] {
+                let short = PackEntry {
+                    stored_len: cut as u32,
+                    ..e
+                };
+                assert!(
+                    short.decode(&stored[..cut], &pack.id).is_err(),
+                    "{codec} cut {cut}"
+                );
+            }
+            for i in (0..stored.len()).step_by(7) {
+                let mut bad = stored.to_vec();
+                bad[i] ^= 0x5a;
+                let err = e.decode(&bad, &pack.id).unwrap_err();
+                assert!(
+                    matches!(err, Error::Corrupt { .. }),
+                    "{codec} byte {i}: {err}"
+                );
+            }
+            // Both codecs at once, or a flag this labsync does not know.
+            for flags in [FLAG_LZ4 | FLAG_ZSTD, e.flags | 0x40] {
+                let err = PackEntry { flags, ..e }
+                    .decode(stored, &pack.id)
+                    .unwrap_err();
+                assert!(err.to_string().contains("unknown flags"), "{err}");
+            }
+        }
+        assert_eq!("zstd".parse::<Codec>().unwrap(), Codec::Zstd);
+        assert_eq!(Codec::default().to_string(), "lz4");
+        assert!("gzip"
+            .parse::<Codec>()
+            .unwrap_err()
+            .to_string()
+            .contains("lz4 or zstd"));
     }
 
     #[test]
@@ -423,16 +565,12 @@ mod tests {
             .update(b"x")
             .finalize_xof()
             .fill(&mut v);
-        assert!(maybe_compress(&v).is_none());
-        assert!(maybe_compress(&vec![b'a'; 100_000]).is_some());
         let code = "fn main() { let x = compute(42); println!(\"{x}\"); }\n".repeat(50);
-        assert!(
-            maybe_compress(code.as_bytes()).is_some(),
-            "source text compresses"
-        );
-        assert!(
-            maybe_compress(&v[..2000]).is_none(),
-            "small random chunk skipped"
-        );
+        for codec in [Codec::Lz4, Codec::Zstd] {
+            assert_eq!(flag_of(&v, codec), 0);
+            assert_ne!(flag_of(&vec![b'a'; 100_000], codec), 0);
+            assert_ne!(flag_of(code.as_bytes(), codec), 0, "source text compresses");
+            assert_eq!(flag_of(&v[..2000], codec), 0, "small random chunk skipped");
+        }
     }
 }

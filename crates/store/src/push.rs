@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::fsutil::{blocking, write_atomic};
 use crate::id::{ChunkId, PackId};
 use crate::index::{Index, IndexPack};
-use crate::pack::{self, PackBuilder, SealedPack, FLAG_TREE, FLAG_ZSTD};
+use crate::pack::{self, Codec, PackBuilder, SealedPack, FLAG_TREE, FLAG_ZSTD};
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, snapshot_key, validate_name, Repo, VersionRecord};
 use crate::snapshot::{self, Entry, Kind, SegmentRef, SnapshotObject};
@@ -51,6 +51,8 @@ pub struct PushOptions {
     /// them, or leaves them out when it has none. `None` takes every file
     /// as it is (a push after the writer stopped).
     pub settle: Option<std::time::Duration>,
+    /// How compressible file chunks are compressed (trees always use zstd).
+    pub compression: Codec,
 }
 
 /// What a push did.
@@ -326,6 +328,7 @@ struct Pipeline<'a> {
     seen: Mutex<HashSet<ChunkId>>,
     packer: Mutex<PackBuilder>,
     pack_size: usize,
+    codec: Codec,
     tx: mpsc::Sender<SealedPack>,
     progress: &'a dyn Progress,
 }
@@ -345,20 +348,15 @@ impl Pipeline<'_> {
         if self.index.contains(&id) || !self.seen.lock().expect("seen poisoned").insert(id) {
             return Ok(id);
         }
-        let z = pack::maybe_compress(data);
-        let (stored, flags) = match &z {
-            Some(z) => (z.as_slice(), FLAG_ZSTD),
-            None => (data, 0),
-        };
-        let full = {
+        let full = pack::with_stored(data, self.codec, |stored, flags| {
             let mut p = self.packer.lock().expect("packer poisoned");
             p.add(id, stored, data.len() as u32, flags);
-            if p.len() >= self.pack_size {
+            Ok::<_, Error>(if p.len() >= self.pack_size {
                 Some(std::mem::replace(&mut *p, self.new_builder()?))
             } else {
                 None
-            }
-        };
+            })
+        })?;
         if let Some(b) = full {
             self.tx
                 .blocking_send(b.seal())
@@ -609,6 +607,7 @@ pub async fn push(
     let scanned = Arc::new(scanned);
     let threads = opts.threads.max(1);
     let pack_size = repo.config().pack_size as usize;
+    let codec = opts.compression;
     let work = {
         let (index, scanned, root, progress, tx) = (
             index.clone(),
@@ -624,6 +623,7 @@ pub async fn push(
                 seen: Mutex::new(HashSet::new()),
                 packer: Mutex::new(PackBuilder::default()),
                 pack_size,
+                codec,
                 tx,
                 progress: progress.as_ref(),
             };

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use labsync_store::{
-    gc, pull, push, verify, ChunkId, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
-    PackBuilder, PushOptions, Remote, Repo, SnapshotObject, VersionRecord,
+    gc, pull, push, verify, ChunkId, Codec, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
+    PackBuilder, PushOptions, Remote, Repo, SnapshotObject, VersionRecord, FLAG_LZ4, FLAG_ZSTD,
 };
 use support::{assert_same_tree, write_tree, S3Server};
 
@@ -23,6 +23,7 @@ fn opts(name: &str, cache: &NodeCache) -> PushOptions {
         host: "h".into(),
         read_as: None,
         settle: None,
+        compression: labsync_store::Codec::default(),
     }
 }
 
@@ -491,6 +492,44 @@ async fn conformance_s3() {
 }
 
 // ------------------------------------------------------------- local-only cases
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_codec_compresses_text_keeps_random_plain_and_pulls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote = Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap();
+    let env = Env::new(remote).await;
+    let mut random = vec![0u8; 200_000]; // under the minimum chunk: one chunk
+    for (codec, flag) in [(Codec::Lz4, FLAG_LZ4), (Codec::Zstd, FLAG_ZSTD)] {
+        let src = env.root.join(format!("src-{codec}"));
+        std::fs::create_dir_all(&src).unwrap();
+        let text = format!("def step_{codec}(model, batch):\n    return model(batch).mean()\n")
+            .repeat(2000)
+            .into_bytes();
+        blake3::Hasher::new()
+            .update(codec.to_string().as_bytes())
+            .finalize_xof()
+            .fill(&mut random);
+        std::fs::write(src.join("train.py"), &text).unwrap();
+        std::fs::write(src.join("weights.bin"), &random).unwrap();
+        let o = PushOptions {
+            compression: codec,
+            ..opts(&format!("code-{codec}"), &env.cache)
+        };
+        push(&env.repo, &src, &o, np()).await.unwrap();
+        let (index, _) = env.repo.load_index().await.unwrap();
+        let (_, t) = index.get(&ChunkId::of(&text)).unwrap();
+        assert_eq!(t.flags, flag, "{codec}: text is compressed with it");
+        assert!(t.stored_len * 10 < t.raw_len, "{codec}: {t:?}");
+        let (_, r) = index.get(&ChunkId::of(&random)).unwrap();
+        assert_eq!(r.flags, 0, "{codec}: random bytes are stored plain");
+        env.pull_matches(&format!("code-{codec}"), &src, &format!("out-{codec}"))
+            .await;
+    }
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_during_push_never_deletes_what_the_push_references() {

@@ -89,6 +89,8 @@ struct LabdFile {
     trees_max: Option<String>,
     s3_endpoint: Option<String>,
     s3_region: Option<String>,
+    /// How outputs pushes compress compressible chunks: `lz4` or `zstd`.
+    compression: Option<String>,
     fake_gpus: Option<String>,
     fake_gpus_control: Option<PathBuf>,
     /// A GPU with more than this held by foreign processes is not free (default 256M).
@@ -131,6 +133,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
             cache_max: cli.cache_max.clone().or(file.cache_max.clone()),
             s3_endpoint: file.s3_endpoint.clone(),
             s3_region: file.s3_region.clone(),
+            compression: file.compression.clone(),
             ..Default::default()
         },
         &env,
@@ -173,6 +176,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         store_options: settings.store_options,
         cache_dir: settings.cache_dir,
         cache_max: settings.cache_max,
+        compression: settings.compression,
         trees_max: match file.trees_max {
             Some(s) => parse_size(&s)?,
             None => settings.cache_max,

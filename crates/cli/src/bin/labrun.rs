@@ -363,6 +363,7 @@ async fn push_tree(
         host: hostname(),
         read_as: None,
         settle: None,
+        compression: s.compression,
     };
     let out = push(repo, src, &opts, bar.clone())
         .await
