@@ -374,6 +374,12 @@ impl NodeCache {
 
 /// Checks every chunk of a pack held in memory; returns the chunk count.
 pub fn verify_pack_bytes(bytes: &[u8], id: &PackId) -> Result<u64> {
+    if !crate::pack::id_covers_footer_only(bytes) && PackId::of(bytes) != *id {
+        return Err(Error::corrupt(
+            format!("pack {id}"),
+            "content does not match its BLAKE3 id",
+        ));
+    }
     let entries = crate::pack::read_entries(bytes, id)?;
     for e in &entries {
         let stored = bytes
