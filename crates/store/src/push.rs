@@ -492,6 +492,7 @@ pub async fn push(
     progress: Arc<dyn Progress>,
 ) -> Result<PushOutcome> {
     let started = Instant::now();
+    tracing::debug!(src = %src.display(), "push: start");
     validate_name(&opts.name)?;
     let read_as = opts.read_as;
     let src_owned = src.to_path_buf();
@@ -511,6 +512,7 @@ pub async fn push(
     let mut scanned =
         blocking(move || scan(&scan_root, scan_threads, read_as, p2.as_ref())).await?;
 
+    tracing::debug!(entries = scanned.len(), "push: scanned");
     let (mut index, _) = repo.load_index().await?;
     let condemned = crate::gc::condemned_packs(repo).await?;
     if !condemned.is_empty() {
@@ -591,6 +593,10 @@ pub async fn push(
         to_read.push(i);
     }
 
+    tracing::debug!(
+        to_read = to_read.len(),
+        "push: index loaded, files cache compared"
+    );
     let total_read: u64 = to_read.iter().map(|&i| scanned[i].size).sum();
     progress.phase("read", Some(total_read), Some(to_read.len() as u64));
     let (tx, rx) = mpsc::channel::<SealedPack>(1);
@@ -686,6 +692,7 @@ pub async fn push(
         }
     };
 
+    tracing::debug!("push: files read");
     let mut files_read = 0u64;
     let mut bytes_read = 0u64;
     let mut vanished = HashSet::new();
@@ -736,36 +743,50 @@ pub async fn push(
         });
     }
 
-    // Tree segments go into their own pack, so reading a tree never drags file data along.
-    let mut tree = PackBuilder::default();
-    let mut segments = Vec::new();
-    let mut seen_tree = HashSet::new();
-    let mut zstd_tree = zstd::bulk::Compressor::new(3).map_err(|e| Error::Io {
+    // Tree segments go into their own packs (split at the pack size), so
+    // reading a tree never drags file data along. Encoding, hashing and
+    // compressing them is split over as many threads as the readers had:
+    // for 50,000 files it is 3,000 small zstd calls on a critical path.
+    let parts = snapshot::split_segments(&entries);
+    let per_thread = parts.len().div_ceil(threads).max(1);
+    let encoded = std::thread::scope(|s| {
+        let workers: Vec<_> = parts
+            .chunks(per_thread)
+            .map(|part| {
+                let index = &index;
+                s.spawn(move || encode_tree_part(part, index))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("tree worker panicked"))
+            .collect::<std::io::Result<Vec<_>>>()
+    })
+    .map_err(|e| Error::Io {
         op: "compress tree",
         path: root.clone(),
         source: e,
     })?;
-    for seg in snapshot::split_segments(&entries) {
-        let bytes = snapshot::encode_segment(seg);
-        let id = ChunkId::of(&bytes);
-        segments.push(SegmentRef {
-            id,
-            entries: seg.len() as u32,
-        });
-        if index.contains(&id) || !seen_tree.insert(id) {
-            continue;
+    let mut tree = PackBuilder::default();
+    let mut segments = Vec::with_capacity(parts.len());
+    let mut seen_tree = HashSet::new();
+    for (id, n, stored) in encoded.into_iter().flatten() {
+        segments.push(SegmentRef { id, entries: n });
+        if let Some((z, raw_len)) = stored {
+            if seen_tree.insert(id) {
+                tree.add(id, &z, raw_len, FLAG_TREE | FLAG_ZSTD);
+            }
         }
-        let z = zstd_tree.compress(&bytes).map_err(|e| Error::Io {
-            op: "compress tree",
-            path: root.clone(),
-            source: e,
-        })?;
-        tree.add(id, &z, bytes.len() as u32, FLAG_TREE | FLAG_ZSTD);
+        if tree.len() >= pack_size {
+            let full = std::mem::take(&mut tree);
+            tx.send(full.seal()).await.map_err(|_| upload_stopped())?;
+        }
     }
     if !tree.is_empty() {
         tx.send(tree.seal()).await.map_err(|_| upload_stopped())?;
     }
     drop(tx);
+    tracing::debug!(segments = segments.len(), "push: tree built");
     let (packs, pack_bytes) = uploader.await.map_err(|e| Error::Io {
         op: "upload",
         path: root.clone(),
@@ -797,6 +818,7 @@ pub async fn push(
         objects += 1;
         repo.remote().sync().await?;
     }
+    tracing::debug!(packs = packs.len(), "push: packs and index durable");
     let latest = repo.latest(&opts.name).await?;
     let unchanged = latest.as_ref().is_some_and(|l| l.snapshot == snap_id);
     if !unchanged {
@@ -808,6 +830,7 @@ pub async fn push(
         objects += 1;
         repo.remote().sync().await?;
     }
+    tracing::debug!("push: snapshot durable");
 
     let elapsed = started.elapsed().as_secs();
     if !unchanged && elapsed * 2 > repo.config().gc_grace_secs {
@@ -871,6 +894,7 @@ pub async fn push(
         forgotten: false,
     };
     let (record, created) = repo.commit_version(rec).await?;
+    tracing::debug!(created, "push: version committed");
     if created {
         objects += 1;
     }
@@ -890,6 +914,7 @@ pub async fn push(
         }
     }
 
+    tracing::debug!("push: files cache saved");
     Ok(PushOutcome {
         record,
         created,
@@ -899,6 +924,28 @@ pub async fn push(
         objects_written: objects,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Encodes, hashes and (when the index lacks them) compresses a run of tree
+/// segments: `(id, entries, Some((zstd bytes, plain length)))`. Level 1: the
+/// 32-byte chunk ids that fill a segment do not compress, and level 3 made
+/// the tree of 50,000 files only 0.06% smaller.
+type EncodedSegment = (ChunkId, u32, Option<(Vec<u8>, u32)>);
+
+fn encode_tree_part(part: &[&[Entry]], index: &Index) -> std::io::Result<Vec<EncodedSegment>> {
+    let mut z = zstd::bulk::Compressor::new(1)?;
+    part.iter()
+        .map(|seg| {
+            let bytes = snapshot::encode_segment(seg);
+            let id = ChunkId::of(&bytes);
+            let stored = if index.contains(&id) {
+                None
+            } else {
+                Some((z.compress(&bytes)?, bytes.len() as u32))
+            };
+            Ok((id, seg.len() as u32, stored))
+        })
+        .collect()
 }
 
 /// A push that ran longer than half of gc's grace period re-checks that the
