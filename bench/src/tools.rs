@@ -92,7 +92,7 @@ impl Tool {
     /// Defaults that matter when reading the numbers.
     pub fn defaults_note(self) -> &'static str {
         match self {
-            Tool::Labsync => "FastCDC v2020 256 KiB/1 MiB/4 MiB, BLAKE3 ids, packs; local files cache in --cache-dir",
+            Tool::Labsync => "FastCDC v2020 256 KiB/1 MiB/4 MiB, BLAKE3 ids, packs, LZ4 where a chunk compresses (default `--compression lz4`); local files cache in --cache-dir",
             Tool::Rsync => "`-a`, quick check by size+mtime, whole-file copies locally (delta algorithm is off for local paths)",
             Tool::Rclone => "size+mtime check, 4 transfers/8 checkers, MD5 verified after each copy; no history",
             Tool::Restic => "repo format v2, compression `auto` (zstd), AES-256 encryption always on, ~1 MiB Rabin chunks; cache in --cache-dir",
