@@ -933,7 +933,8 @@ pub async fn push(
 type EncodedSegment = (ChunkId, u32, Option<(Vec<u8>, u32)>);
 
 fn encode_tree_part(part: &[&[Entry]], index: &Index) -> std::io::Result<Vec<EncodedSegment>> {
-    let mut z = zstd::bulk::Compressor::new(1)?;
+    // Made on first use: an unchanged re-push (every labrun) compresses nothing.
+    let mut z: Option<zstd::bulk::Compressor> = None;
     part.iter()
         .map(|seg| {
             let bytes = snapshot::encode_segment(seg);
@@ -941,6 +942,10 @@ fn encode_tree_part(part: &[&[Entry]], index: &Index) -> std::io::Result<Vec<Enc
             let stored = if index.contains(&id) {
                 None
             } else {
+                let z = match &mut z {
+                    Some(z) => z,
+                    None => z.insert(zstd::bulk::Compressor::new(1)?),
+                };
                 Some((z.compress(&bytes)?, bytes.len() as u32))
             };
             Ok((id, seg.len() as u32, stored))
