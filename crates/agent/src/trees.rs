@@ -1,7 +1,7 @@
 //! Snapshots materialised once per node, read-only, and shared by every job
 //! that uses them; and each job's working folder built over its code tree.
 //!
-//! A tree lives at `<cache>/trees-v1/<snapshot-id>`: pulled into a temporary
+//! A tree lives at `<cache>/trees-v2/<snapshot-id>`: pulled into a temporary
 //! folder, made read-only (files `a-w`, folders `a-w`), then renamed into
 //! place, so a half-made tree is never seen and a crash leaves only a
 //! temporary folder that the next attempt removes. A job's working folder
@@ -48,7 +48,13 @@ pub struct Trees {
 impl Trees {
     /// Trees under `cache`'s folder.
     pub fn new(cache: &NodeCache) -> Result<Trees, PrepareError> {
-        let root = cache.root().join("trees-v1");
+        // v1 trees were made before modes were masked and may hold setuid
+        // bits from the store: none of them is ever handed to a job again.
+        let old = cache.root().join("trees-v1");
+        if old.exists() {
+            remove_tree(&old).map_err(PrepareError::io("remove", &old))?;
+        }
+        let root = cache.root().join("trees-v2");
         std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
         // Jobs run as their submitters must be able to reach the trees.
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))
@@ -114,7 +120,7 @@ impl Trees {
         off_runtime(move || {
             read_only_below(&t)?;
             std::fs::rename(&t, &d)?;
-            set_mode(&d, |m| m & !0o222 | 0o555)
+            set_mode(&d, |m| m & 0o1777 & !0o222 | 0o555)
         })
         .await
         .map_err(PrepareError::io("make read-only", &dest))?;
@@ -217,11 +223,12 @@ fn read_only_below(root: &Path) -> std::io::Result<()> {
         let entry = entry?;
         let ft = entry.file_type()?;
         let p = entry.path();
+        // Setuid and setgid never survive, whatever pull wrote (it writes none).
         if ft.is_dir() {
             read_only_below(&p)?;
-            set_mode(&p, |m| m & !0o222 | 0o555)?;
+            set_mode(&p, |m| m & 0o1777 & !0o222 | 0o555)?;
         } else if ft.is_file() {
-            set_mode(&p, |m| m & !0o222 | 0o444)?;
+            set_mode(&p, |m| m & 0o777 & !0o222 | 0o444)?;
         }
     }
     Ok(())

@@ -64,8 +64,8 @@ pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT};
 pub use snapshot::{
-    decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind, SegmentRef,
-    SnapshotObject,
+    allowed_mode, decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind,
+    SegmentRef, SnapshotObject,
 };
 pub use verify::{verify, VerifyReport};
 

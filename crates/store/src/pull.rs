@@ -63,6 +63,7 @@ fn complete(path: &Path, e: &Entry) -> bool {
     std::fs::symlink_metadata(path).is_ok_and(|m| {
         m.is_file()
             && m.size() == e.size
+            && m.mode() & 0o7777 == e.mode
             && m.mtime() * 1_000_000_000 + m.mtime_nsec() == e.mtime_ns
     })
 }
@@ -82,8 +83,16 @@ pub async fn pull(
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     let (index, _) = repo.load_index().await?;
-    let (_, entries) = repo.load_tree(&index, &record.snapshot).await?;
-    validate_entries(&entries, &record.snapshot.to_string())?;
+    let (_, mut entries) = repo.load_tree(&index, &record.snapshot).await?;
+    let masked = validate_entries(&mut entries, &record.snapshot.to_string())?;
+    if let Some(first) = masked.first() {
+        progress.warn(&format!(
+            "{} entries of {} carry setuid, setgid or other special mode bits \
+             (first: {first}); they are restored without them",
+            masked.len(),
+            record.label()
+        ));
+    }
 
     match std::fs::symlink_metadata(dest) {
         Ok(m) if !m.is_dir() => {

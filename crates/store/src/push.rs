@@ -229,7 +229,7 @@ fn scanned(
     };
     Ok(Some(Scanned {
         kind,
-        mode: m.mode() & 0o7777,
+        mode: crate::snapshot::allowed_mode(kind, m.mode()),
         mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
         ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
         ino: m.ino(),

@@ -40,7 +40,8 @@ pub struct Entry {
     pub path: Vec<u8>,
     /// File, dir or symlink.
     pub kind: Kind,
-    /// Permission bits (`st_mode & 0o7777`).
+    /// Permission bits: `st_mode & 0o777`, plus the sticky bit for
+    /// directories ([`allowed_mode`]). Never setuid or setgid.
     pub mode: u32,
     /// Modification time, nanoseconds since the Unix epoch.
     pub mtime_ns: i64,
@@ -149,6 +150,17 @@ pub fn split_segments(entries: &[Entry]) -> Vec<&[Entry]> {
     out
 }
 
+/// The mode bits a tree may carry for an entry of `kind`: permissions, and
+/// the sticky bit on folders. Setuid and setgid never pass: labd
+/// materialises trees as root, and every lab member can write to the store,
+/// so a setuid bit from the store would be a setuid-root binary on the node.
+pub fn allowed_mode(kind: Kind, mode: u32) -> u32 {
+    match kind {
+        Kind::Dir => mode & 0o1777,
+        Kind::File | Kind::Symlink => mode & 0o777,
+    }
+}
+
 /// Why a path is refused; `None` when it is a plain relative path.
 fn path_problem(path: &[u8]) -> Option<&'static str> {
     if path.is_empty() {
@@ -175,7 +187,24 @@ fn path_problem(path: &[u8]) -> Option<&'static str> {
 /// relative paths without `..`, strictly sorted (so no duplicates), every
 /// parent a directory of the snapshot and never a symlink (a link to `/etc`
 /// followed by a file `link/passwd` is the classic tar attack).
-pub fn validate_entries(entries: &[Entry], snapshot: &str) -> Result<()> {
+///
+/// Modes are masked to [`allowed_mode`] (push never records more; a
+/// hand-made or older snapshot may): returns the paths whose setuid, setgid
+/// or other non-permission bits were dropped, for the caller to report.
+pub fn validate_entries(entries: &mut [Entry], snapshot: &str) -> Result<Vec<String>> {
+    let mut masked = Vec::new();
+    for e in entries.iter_mut() {
+        let allowed = allowed_mode(e.kind, e.mode);
+        if allowed != e.mode {
+            masked.push(e.path_lossy());
+            e.mode = allowed;
+        }
+    }
+    check_paths(entries, snapshot)?;
+    Ok(masked)
+}
+
+fn check_paths(entries: &[Entry], snapshot: &str) -> Result<()> {
     let refuse = |e: &Entry, why: &'static str| Error::UnsafePath {
         path: e.path_lossy(),
         snapshot: snapshot.to_string(),
@@ -294,8 +323,8 @@ mod tests {
 
     #[test]
     fn traversal_and_symlink_parents_are_refused() {
-        let ok = vec![dir("a"), file("a/x", b"1"), link("l", "/etc")];
-        validate_entries(&ok, "s").unwrap();
+        let mut ok = vec![dir("a"), file("a/x", b"1"), link("l", "/etc")];
+        assert!(validate_entries(&mut ok, "s").unwrap().is_empty());
         for (bad, why) in [
             (vec![file("/etc/passwd", b"x")], "absolute"),
             (vec![file("../x", b"x")], ".."),
@@ -305,10 +334,36 @@ mod tests {
             (vec![file("x", b"1"), file("x", b"2")], "duplicated"),
             (vec![file("a//b", b"1")], "empty path component"),
         ] {
-            let err = validate_entries(&bad, "snap1").unwrap_err();
+            let mut bad = bad;
+            let err = validate_entries(&mut bad, "snap1").unwrap_err();
             assert!(err.to_string().contains(why), "{err} should mention {why}");
             assert!(err.to_string().contains("snap1"));
         }
+    }
+
+    /// Issue 9, point 1: a hand-made snapshot with a setuid-root binary
+    /// must not become one on the node that materialises it.
+    #[test]
+    fn setuid_and_setgid_bits_are_masked_and_reported() {
+        let mut entries = vec![
+            Entry {
+                mode: 0o3775,
+                ..dir("d")
+            },
+            Entry {
+                mode: 0o4755,
+                ..file("d/su", b"x")
+            },
+            file("plain", b"x"),
+            Entry {
+                mode: 0o1755,
+                ..file("sticky", b"x")
+            },
+        ];
+        let masked = validate_entries(&mut entries, "s").unwrap();
+        assert_eq!(masked, ["d", "d/su", "sticky"]);
+        let modes: Vec<u32> = entries.iter().map(|e| e.mode).collect();
+        assert_eq!(modes, [0o1775, 0o755, 0o644, 0o755]);
     }
 
     #[test]

@@ -929,3 +929,101 @@ async fn settle_keeps_the_last_whole_copy_of_a_file_being_written() {
         b"being written"
     );
 }
+
+/// Collects warnings (what a user would see).
+#[derive(Default)]
+struct Warnings(std::sync::Mutex<Vec<String>>);
+
+impl labsync_store::Progress for Warnings {
+    fn phase(&self, _: &str, _: Option<u64>, _: Option<u64>) {}
+    fn advance(&self, _: u64, _: u64) {}
+    fn warn(&self, message: &str) {
+        self.0.lock().unwrap().push(message.to_string());
+    }
+}
+
+/// Issue 9, point 1: `chmod 4755 x && labsync push` then a pull as root used
+/// to give a root-owned setuid file (labd materialises code trees as root).
+/// Push records permission bits only, and pull masks whatever a hand-made
+/// snapshot says, and says so.
+#[tokio::test]
+async fn setuid_and_setgid_bits_never_pass_through_the_store() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(src.join("shared")).unwrap();
+    std::fs::write(src.join("x"), b"#!/bin/sh\nid\n").unwrap();
+    std::fs::set_permissions(src.join("x"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    std::fs::set_permissions(src.join("shared"), std::fs::Permissions::from_mode(0o3775)).unwrap();
+    assert_eq!(mode(&src.join("x")), 0o4755);
+    push(&env.repo, &src, &opts("su", &env.cache), np())
+        .await
+        .unwrap();
+    let out = env.root.join("out");
+    pull(&env.repo, &env.cache, &"su".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_eq!(mode(&out.join("x")), 0o755, "setuid dropped at push");
+    assert_eq!(
+        mode(&out.join("shared")),
+        0o1775,
+        "setgid dropped, sticky kept"
+    );
+
+    // A hand-made snapshot says 4755 (and 6777 on a folder): masked at pull, with a warning.
+    let file = Entry {
+        path: b"d/su".to_vec(),
+        kind: Kind::File,
+        mode: 0o4755,
+        mtime_ns: 0,
+        size: 4,
+        chunks: vec![ChunkId::of(b"pwnd")],
+        target: vec![],
+    };
+    let folder = Entry {
+        path: b"d".to_vec(),
+        kind: Kind::Dir,
+        mode: 0o6777,
+        size: 0,
+        chunks: vec![],
+        ..file.clone()
+    };
+    plant_snapshot(&env.repo, "evil-su", &[folder, file]).await;
+    let out = env.root.join("evil-out");
+    let warnings = Arc::new(Warnings::default());
+    pull(
+        &env.repo,
+        &env.cache,
+        &"evil-su".parse().unwrap(),
+        &out,
+        2,
+        warnings.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mode(&out.join("d/su")), 0o755);
+    assert_eq!(mode(&out.join("d")), 0o777);
+    let w = warnings.0.lock().unwrap().join("\n");
+    assert!(
+        w.contains("2 entries of evil-su@v1") && w.contains("setuid"),
+        "{w}"
+    );
+
+    // A setuid copy left by an older pull is not taken as complete: rewritten without the bit.
+    std::fs::set_permissions(out.join("d/su"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let t = filetime::FileTime::from_unix_time(0, 0);
+    filetime::set_file_mtime(out.join("d/su"), t).unwrap();
+    pull(
+        &env.repo,
+        &env.cache,
+        &"evil-su".parse().unwrap(),
+        &out,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mode(&out.join("d/su")), 0o755);
+}

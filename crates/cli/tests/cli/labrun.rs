@@ -658,7 +658,7 @@ fn data_is_read_only_and_shared_between_jobs() {
         "one materialised copy"
     );
     assert_eq!(line(&la, "inode="), line(&lb, "inode="));
-    let trees: Vec<_> = std::fs::read_dir(n.path("cache/trees-v1"))
+    let trees: Vec<_> = std::fs::read_dir(n.path("cache/trees-v2"))
         .unwrap()
         .flatten()
         .filter(|e| !e.file_name().to_string_lossy().starts_with('.') && e.path().is_dir())
@@ -688,7 +688,7 @@ fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
         .status
         .success());
     let data_trees = || -> usize {
-        std::fs::read_dir(n.path("cache/trees-v1"))
+        std::fs::read_dir(n.path("cache/trees-v2"))
             .map(|rd| {
                 rd.flatten()
                     .filter(|e| e.path().join("0001.png").exists())
