@@ -80,6 +80,7 @@ fn push_pull_ls_log_diff() {
     let lab = Lab::new();
     let src = lab.path("div2k");
     write_tree(&src, 1);
+    support::wait_until_at_rest(&src);
     let out = lab.ok(&["push", s(&src)]);
     assert!(out.starts_with("div2k@v1  "), "{out}");
     let again = lab.json(&["push", s(&src), "--name", "div2k"]);

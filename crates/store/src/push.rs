@@ -241,12 +241,42 @@ fn scanned(
 
 /// The files cache: what each file looked like when its chunks were computed.
 /// Keyed by store, chunker parameters and source folder; an entry is trusted
-/// only if size, mtime, ctime and inode all match (restic's and borg's rule).
+/// only if size, mtime, ctime and inode all match (restic's and borg's rule)
+/// and it was not racily clean (see [`racily_clean`]).
 #[derive(Serialize, Deserialize, Default)]
 struct FilesCache {
     store: String,
     params: Option<ChunkerParams>,
+    /// Wall clock (ns since the epoch) when the push that wrote it started
+    /// its scan: no entry was looked at before then.
+    recorded_at_ns: i64,
     files: Vec<CachedFile>,
+}
+
+/// How far a file's timestamps may trail the moment they were read and still
+/// hide a later change. Whole seconds on NFS servers and on ext4 with 128-byte
+/// inodes (2 s on FAT), plus some skew between a file server's clock and
+/// ours; a jiffy (at most 10 ms) on file systems with nanosecond fields.
+const RACY_WINDOW_COARSE_NS: i64 = 3_000_000_000;
+const RACY_WINDOW_FINE_NS: i64 = 100_000_000;
+
+/// Git's "racy git" rule: a file whose mtime or ctime is not clearly older
+/// than the moment its entry was recorded may have been rewritten, with the
+/// same size, within the same timestamp tick after it was read. Such an entry
+/// proves nothing and the file is read again. A file system keeps whole
+/// seconds when both times have no sub-second part (ctime is the kernel's
+/// own, so a tar-extracted mtime does not fool it). Costs a re-read of files
+/// changed just before a push; a stale `config.py` pushed as new code would
+/// cost a training run.
+fn racily_clean(c: &CachedFile, recorded_at_ns: i64) -> bool {
+    const SECOND: i64 = 1_000_000_000;
+    let coarse = c.mtime_ns.rem_euclid(SECOND) == 0 && c.ctime_ns.rem_euclid(SECOND) == 0;
+    let window = if coarse {
+        RACY_WINDOW_COARSE_NS
+    } else {
+        RACY_WINDOW_FINE_NS
+    };
+    c.mtime_ns.max(c.ctime_ns) >= recorded_at_ns.saturating_sub(window)
 }
 
 #[derive(Serialize, Deserialize, Clone)]
@@ -259,7 +289,8 @@ struct CachedFile {
     chunks: Vec<ChunkId>,
 }
 
-const FILES_CACHE_VERSION: u8 = 1;
+/// 2: `recorded_at_ns` (the racy rule); a version 1 cache is read as empty.
+const FILES_CACHE_VERSION: u8 = 2;
 
 fn files_cache_path(dir: &Path, store_id: &str, root: &Path) -> PathBuf {
     let key = blake3::hash(format!("{store_id}\0{}", root.display()).as_bytes()).to_hex();
@@ -505,6 +536,10 @@ pub async fn push(
     .await?;
     let params = repo.config().params;
 
+    // Taken before any file is looked at (the racy rule compares with it).
+    let scan_started_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
     progress.phase("scan", None, None);
     let scan_root = root.clone();
     let p2 = progress.clone();
@@ -558,6 +593,7 @@ pub async fn push(
                 && c.mtime_ns == s.mtime_ns
                 && c.ctime_ns == s.ctime_ns
                 && c.ino == s.ino
+                && !racily_clean(c, cache.recorded_at_ns)
                 && c.chunks.iter().all(|id| index.contains(id))
         });
         if let Some(c) = hit {
@@ -903,6 +939,7 @@ pub async fn push(
         let fc = FilesCache {
             store: repo.config().id.clone(),
             params: Some(params),
+            recorded_at_ns: scan_started_ns,
             files: new_cache,
         };
         let mut bytes = vec![FILES_CACHE_VERSION];

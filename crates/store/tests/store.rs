@@ -90,6 +90,7 @@ impl Env {
 async fn check_round_trip(env: &Env) {
     let src = env.root.join("src");
     write_tree(&src, 1);
+    support::wait_until_at_rest(&src);
     let r = push(&env.repo, &src, &opts("ds", &env.cache), np())
         .await
         .unwrap();
@@ -1026,4 +1027,70 @@ async fn setuid_and_setgid_bits_never_pass_through_the_store() {
     .await
     .unwrap();
     assert_eq!(mode(&out.join("d/su")), 0o755);
+}
+
+/// Issue 9, point 9 ("racy git"): on a file system with whole-second
+/// timestamps, a file rewritten with the same size in the same second as the
+/// push that recorded it has the same size, mtime, ctime and inode. The next
+/// push must still read it again, not push the stale content as new code.
+#[tokio::test]
+async fn racily_clean_files_are_read_again_on_coarse_timestamps() {
+    use std::os::unix::fs::MetadataExt;
+    let fs = support::Mounted::coarse_ext4(16);
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = fs.path.join("code");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("config.py");
+    let times = |p: &Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (
+            m.mtime(),
+            m.mtime_nsec(),
+            m.ctime(),
+            m.ctime_nsec(),
+            m.ino(),
+        )
+    };
+    let mut raced = 0;
+    for round in 0..20 {
+        std::fs::write(&file, format!("lr = 0.{round:02}\n")).unwrap();
+        let before = times(&file);
+        assert_eq!((before.1, before.3), (0, 0), "whole-second timestamps");
+        push(&env.repo, &src, &opts("code", &env.cache), np())
+            .await
+            .unwrap();
+        std::fs::write(&file, format!("lr = 9.{round:02}\n")).unwrap();
+        if times(&file) != before {
+            continue; // a second boundary passed: not the racy case
+        }
+        raced += 1;
+        let r = push(&env.repo, &src, &opts("code", &env.cache), np())
+            .await
+            .unwrap();
+        assert_eq!(r.files_read, 1, "the racily clean file is read again");
+        let out = env.root.join(format!("again{round}"));
+        pull(
+            &env.repo,
+            &env.cache,
+            &"code".parse().unwrap(),
+            &out,
+            2,
+            np(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(out.join("config.py")).unwrap(),
+            format!("lr = 9.{round:02}\n"),
+            "the new content was pushed"
+        );
+        if raced == 3 {
+            break;
+        }
+    }
+    assert!(
+        raced > 0,
+        "never wrote twice within one second in 20 rounds"
+    );
 }

@@ -268,3 +268,88 @@ impl Drop for S3Server {
         let _ = self.child.wait();
     }
 }
+
+/// A small file system mounted for one test (the tests run as root, as CI
+/// does): ext4 on a loop device, or tmpfs. Unmounted when dropped.
+pub struct Mounted {
+    _dir: tempfile::TempDir,
+    /// Where it is mounted.
+    pub path: PathBuf,
+}
+
+impl Mounted {
+    /// ext4 with 128-byte inodes: timestamps in whole seconds, as on NFS
+    /// servers and old ext4 file systems that lab servers still have.
+    pub fn coarse_ext4(mib: u64) -> Mounted {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("fs.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(mib << 20)
+            .unwrap();
+        run(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-I", "128"])
+            .arg(&img));
+        let path = dir.path().join("mnt");
+        std::fs::create_dir(&path).unwrap();
+        run(Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&path));
+        Mounted { _dir: dir, path }
+    }
+
+    /// tmpfs of `kib` KiB: a disk that fills up.
+    pub fn tmpfs(kib: u64) -> Mounted {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mnt");
+        std::fs::create_dir(&path).unwrap();
+        run(Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"])
+            .arg(&path));
+        Mounted { _dir: dir, path }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}
+
+fn run(c: &mut Command) {
+    let o = c.output().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{c:?} failed (these tests need root, as CI has): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Waits until every entry under `root` last changed more than 0.2 s ago, as
+/// a dataset at rest has. A push records a file as unchanged only once its
+/// times are older than the push's start by more than the file system's
+/// timestamp granularity (the "racy git" rule); tests that count files read
+/// by an unchanged re-push let the tree they just wrote come to rest first.
+pub fn wait_until_at_rest(root: &Path) {
+    let mut newest = 0i64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            newest = newest.max(m.ctime() * 1_000_000_000 + m.ctime_nsec());
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64
+    };
+    while now() < newest + 200_000_000 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
