@@ -267,15 +267,45 @@ pub fn check_outputs(path: &str) -> Result<(), String> {
 }
 
 /// Builds a job's working folder at `work`: the top level of `code` linked
-/// in, the `outputs` folder real along its path, all owned by `owner`.
+/// in, the `outputs` folder real along its path, all handed to `owner`.
+///
+/// labd runs this as root, and the job's user must never turn it into a
+/// chown of something else. So `work` must be new, and stays writable by
+/// labd alone (0700, root's) until the hand-over: nothing the user plants
+/// can be inside while it is built. The hand-over then changes owners
+/// through handles opened without following symlinks, deepest first and
+/// `work` last, so even a user who could write into a folder the moment it
+/// is theirs can only swap names, never redirect a chown.
 pub fn make_workdir(
     code: Option<&Path>,
     work: &Path,
     outputs: Option<&str>,
     owner: Option<(u32, u32)>,
 ) -> Result<(), PrepareError> {
-    std::fs::create_dir_all(work).map_err(PrepareError::io("create", work))?;
-    let mut own = vec![work.to_path_buf()];
+    build_workdir(code, work, outputs, owner, &|| {})
+}
+
+/// [`make_workdir`], with `before_hand_over` run between building and
+/// handing over (where tests play the attacker).
+fn build_workdir(
+    code: Option<&Path>,
+    work: &Path,
+    outputs: Option<&str>,
+    owner: Option<(u32, u32)>,
+    before_hand_over: &dyn Fn(),
+) -> Result<(), PrepareError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if let Some(parent) = work.parent() {
+        std::fs::create_dir_all(parent).map_err(PrepareError::io("create", parent))?;
+    }
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(work)
+        .map_err(PrepareError::io(
+            "create (a job's folder is always new)",
+            work,
+        ))?;
+    let mut own = vec![open_dir_nofollow(work)?];
     if let Some(code) = code {
         link_children(code, work)?;
     }
@@ -314,19 +344,28 @@ pub fn make_workdir(
                 }
                 Err(_) => std::fs::create_dir(&dir).map_err(PrepareError::io("create", &dir))?,
             }
-            own.push(dir.clone());
+            own.push(open_dir_nofollow(&dir)?);
         }
     }
+    before_hand_over();
     if let Some((uid, gid)) = owner {
-        for d in &own {
-            std::os::unix::fs::chown(d, Some(uid), Some(gid))
-                .map_err(PrepareError::io("chown", d))?;
+        for (d, f) in own.iter().rev() {
+            std::os::unix::fs::fchown(f, Some(uid), Some(gid))
+                .map_err(PrepareError::io("hand over", d))?;
         }
     }
-    // The job's own: other users of the node do not read its outputs.
-    std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700))
-        .map_err(PrepareError::io("chmod", work))?;
     Ok(())
+}
+
+/// A handle on the folder `path` itself, refusing a symlink in its place.
+fn open_dir_nofollow(path: &Path) -> Result<(PathBuf, std::fs::File), PrepareError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(PrepareError::io("open (no symlinks)", path))?;
+    Ok((path.to_path_buf(), f))
 }
 
 fn link_children(from: &Path, to: &Path) -> Result<(), PrepareError> {
@@ -389,5 +428,42 @@ mod tests {
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
         remove_tree(&code).unwrap();
         assert!(!code.exists());
+    }
+
+    /// Issue 9, point 2: labd (root) hands the job's folders to its user.
+    /// A path component swapped for a symlink to a root-owned folder during
+    /// the hand-over must not make that folder the user's; and a folder that
+    /// already exists (one the user may own) is never built on.
+    #[test]
+    fn the_hand_over_never_follows_a_symlink_planted_meanwhile() {
+        use std::os::unix::fs::MetadataExt;
+        if crate::users::euid() != 0 {
+            eprintln!("not root: labd hands nothing over, nothing to test");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("root-only");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::write(victim.join("secret"), "root's").unwrap();
+        let work = dir.path().join("job/work");
+        let nobody = Some((65534, 65534));
+        let swap = || {
+            for p in ["out/deeper", "out"] {
+                let p = work.join(p);
+                std::fs::rename(&p, p.with_extension("moved")).unwrap();
+                std::os::unix::fs::symlink(&victim, &p).unwrap();
+            }
+        };
+        build_workdir(None, &work, Some("out/deeper"), nobody, &swap).unwrap();
+        let owner = |p: &Path| std::fs::symlink_metadata(p).unwrap().uid();
+        assert_eq!(owner(&victim), 0, "the planted symlink was followed");
+        assert_eq!(owner(&victim.join("secret")), 0);
+        assert_eq!(owner(&work), 65534);
+        assert_eq!(owner(&work.join("out.moved")), 65534, "the real folder");
+        assert_eq!(owner(&work.join("out.moved/deeper.moved")), 65534);
+
+        // A folder left at the job's path is not reused.
+        let e = make_workdir(None, &work, Some("out"), nobody).unwrap_err();
+        assert!(e.to_string().contains("always new"), "{e}");
     }
 }
