@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 
 use crate::error::ClientError;
 use crate::proto::{ErrorBody, Info, JobView, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::secret::Secret;
 use crate::status::GpuStatus;
 
 /// Where a labd listens.
@@ -62,7 +63,7 @@ impl std::fmt::Display for Endpoint {
 #[derive(Clone, Debug)]
 pub struct Client {
     endpoint: Endpoint,
-    token: Option<String>,
+    token: Option<Secret>,
 }
 
 /// A piece of a job's log.
@@ -78,7 +79,7 @@ pub struct LogPiece {
 
 impl Client {
     /// A client of the labd at `endpoint`, authenticating with `token`.
-    pub fn new(endpoint: Endpoint, token: Option<String>) -> Client {
+    pub fn new(endpoint: Endpoint, token: Option<Secret>) -> Client {
         Client { endpoint, token }
     }
 
@@ -102,7 +103,7 @@ impl Client {
             .uri(path)
             .header(header::HOST, "labd");
         if let Some(t) = &self.token {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+            req = req.header(header::AUTHORIZATION, format!("Bearer {}", t.expose()));
         }
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");

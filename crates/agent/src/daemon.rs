@@ -16,6 +16,7 @@ use crate::gpu::GpuInventory;
 use crate::leases::{JobMeta, JobRecord, JobState};
 use crate::node::{Node, NodeConfig, NodeError, Submit};
 use crate::proto::{Info, JobView, SubmitRequest};
+use crate::secret::{RedactedOptions, Secret};
 use crate::status::GpuStatus;
 use crate::trees::{check_outputs, make_workdir, Trees};
 use crate::users;
@@ -25,8 +26,13 @@ use crate::users;
 /// and a copy taken mid-write would be the checkpoint a crash leaves.
 const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
 
+/// The longest wait between two tries of a final outputs push: a store
+/// outage of hours is normal, and the checkpoints wait for it.
+pub const OUTPUTS_RETRY_MAX: Duration = Duration::from_secs(600);
+
 /// Everything labd is told (the binary resolves files, flags and defaults).
-#[derive(Clone, Debug)]
+/// Its `Debug` shows no token and no store credential.
+#[derive(Clone)]
 pub struct DaemonConfig {
     /// This node's name.
     pub node_name: String,
@@ -53,16 +59,36 @@ pub struct DaemonConfig {
     pub kill_grace: Duration,
     /// Default time between pushes of a job's outputs.
     pub outputs_every: Duration,
+    /// First wait before a failed final outputs push is tried again; it
+    /// doubles after each failure, up to [`OUTPUTS_RETRY_MAX`].
+    pub outputs_retry: Duration,
     /// How long a job's working folder stays after it ended.
     pub work_keep: Duration,
     /// Run each job as the Unix user who submitted it (only when labd is root).
     pub run_as_submitter: bool,
     /// (user, token) pairs.
-    pub tokens: Vec<(String, String)>,
+    pub tokens: Vec<(String, Secret)>,
     /// Users who may kill and read every job.
     pub admins: Vec<String>,
     /// How often ended jobs are reaped and queued ones started.
     pub tick: Duration,
+}
+
+impl std::fmt::Debug for DaemonConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DaemonConfig")
+            .field("node_name", &self.node_name)
+            .field("state_dir", &self.state_dir)
+            .field("store", &self.store)
+            .field("store_options", &RedactedOptions(&self.store_options))
+            .field("cache_dir", &self.cache_dir)
+            .field("cache_max", &self.cache_max)
+            .field("trees_max", &self.trees_max)
+            .field("run_as_submitter", &self.run_as_submitter)
+            .field("tokens", &self.tokens)
+            .field("admins", &self.admins)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Who is calling, from the token.
@@ -181,6 +207,22 @@ impl Daemon {
         let repo = Repo::open(remote, None)
             .await
             .map_err(|e| open(&format!("store {}", cfg.store), &e))?;
+        // Outputs already in the store name jobs this node must not repeat.
+        let runs = repo
+            .remote()
+            .list("refs/runs/")
+            .await
+            .map_err(|e| open(&format!("store {}", cfg.store), &e))?;
+        let highest = runs
+            .iter()
+            .filter_map(|o| {
+                let rest = o.key.strip_prefix("refs/runs/")?;
+                crate::node::job_number(rest.split_once('/')?.0)
+            })
+            .max();
+        if let Some(n) = highest {
+            node.ids_above(n);
+        }
         let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
             .map_err(|e| open(&format!("cache {}", cfg.cache_dir.display()), &e))?;
         let trees = Trees::new(&cache).map_err(|e| open("the shared trees", &e))?;
@@ -205,7 +247,7 @@ impl Daemon {
         let tokens = cfg
             .tokens
             .iter()
-            .map(|(u, t)| (blake3::hash(t.as_bytes()), u.clone()))
+            .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
             .collect();
         Ok(Arc::new(Daemon {
             node: Arc::new(node),
@@ -340,7 +382,10 @@ impl Daemon {
             }
         }
         let run_as = if self.cfg.run_as_submitter && users::euid() == 0 {
-            let u = users::user_by_name(&caller.user).ok_or_else(|| {
+            // NSS may ask a directory server: off the runtime.
+            let name = caller.user.clone();
+            let u = off_runtime(move || users::user_by_name(&name)).await;
+            let u = u.ok_or_else(|| {
                 ApiError::Conflict(format!(
                     "no Unix user {:?} on {}: labd runs jobs as the user who submits them",
                     caller.user, self.cfg.node_name
@@ -362,6 +407,7 @@ impl Daemon {
             outputs_saved: None,
             outputs_error: None,
             outputs_pending: req.outputs.is_some(),
+            outputs_failures: 0,
             preparing: Some("materialising code and data".into()),
             run_as,
             trees: req
@@ -479,8 +525,10 @@ impl Daemon {
         loop {
             // Whether it had ended is read before the file, so no last line is missed.
             let rec = self.record(id)?;
+            // A final push that failed is retried by labd for as long as it
+            // takes; the log's reader is told at its first failure.
             let finished = matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. })
-                && !rec.meta.outputs_pending;
+                && (!rec.meta.outputs_pending || rec.meta.outputs_failures > 0);
             let p = path.clone();
             let bytes = off_runtime(move || read_from(&p, offset, 1 << 20))
                 .await
@@ -547,13 +595,12 @@ impl Daemon {
             }
             let ended = matches!(j.state, JobState::Exited { .. } | JobState::Failed { .. });
             let due = match j.state {
-                // A failed final push is tried again after 10 s, then 60 s.
+                // A failed final push is tried again, with backoff, until it succeeds.
                 _ if ended => {
                     j.meta.outputs_pending
                         && match self.pushed_at.lock().expect("labd poisoned").get(&j.id) {
                             Some(&(t, failed)) if failed > 0 => {
-                                t.elapsed()
-                                    >= Duration::from_secs(if failed == 1 { 10 } else { 60 })
+                                t.elapsed() >= self.retry_delay(failed)
                             }
                             _ => true,
                         }
@@ -628,10 +675,17 @@ impl Daemon {
         };
         match &result {
             Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
+            Err(e) if last => tracing::warn!(
+                "job {}: outputs not saved yet ({attempts} tries): {e}; next try in {} s",
+                job.id,
+                self.retry_delay(attempts).as_secs()
+            ),
             Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
         }
-        // A final push is tried three times in all.
-        let settled = last && (result.is_ok() || attempts >= 3 || !dir.is_dir());
+        // Until the final push succeeds the job stays active, so its working
+        // folder (the only copy of its checkpoints) is never swept. Only a
+        // job that left no outputs folder has nothing to wait for.
+        let settled = last && (result.is_ok() || !dir.is_dir());
         let node = self.node.clone();
         let id = job.id.clone();
         let r = off_runtime(move || {
@@ -643,6 +697,7 @@ impl Daemon {
                     }
                     Err(e) => m.outputs_error = Some(e),
                 }
+                m.outputs_failures = if last && !settled { attempts } else { 0 };
                 if settled {
                     m.outputs_pending = false;
                 }
@@ -658,6 +713,12 @@ impl Daemon {
                 .expect("labd poisoned")
                 .remove(&job.id);
         }
+    }
+
+    /// How long to wait after the `failed`-th failure of a final outputs push.
+    fn retry_delay(&self, failed: u32) -> Duration {
+        let doublings = failed.saturating_sub(1).min(20);
+        (self.cfg.outputs_retry * (1u32 << doublings)).min(OUTPUTS_RETRY_MAX)
     }
 
     /// Removes the working folders of jobs that ended (outputs saved) more

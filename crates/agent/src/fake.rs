@@ -58,7 +58,7 @@ fn parse_size(s: &str) -> Option<u64> {
         "T" => 1 << 40,
         _ => return None,
     };
-    Some(n * mult)
+    n.checked_mul(mult)
 }
 
 impl FakeGpus {
@@ -127,10 +127,11 @@ impl GpuInventory for FakeGpus {
                     self.sizes.len()
                 ))
             })?;
-            g.memory_used += f.mib << 20;
+            let bytes = f.mib.saturating_mul(1 << 20);
+            g.memory_used = g.memory_used.saturating_add(bytes);
             g.processes.push(GpuProcess {
                 pid: f.pid,
-                used_bytes: Some(f.mib << 20),
+                used_bytes: Some(bytes),
             });
         }
         Ok(gpus)

@@ -21,7 +21,9 @@ pub struct GpuProcess {
 /// One GPU as read from the inventory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuInfo {
-    /// NVML index (the `CUDA_VISIBLE_DEVICES` number with default ordering).
+    /// NVML index: PCI bus order, which is the `CUDA_VISIBLE_DEVICES`
+    /// number only under `CUDA_DEVICE_ORDER=PCI_BUS_ID` (labd sets it for
+    /// every job; CUDA's default order is fastest first).
     pub index: u32,
     /// Stable id, e.g. `GPU-5b3c…`.
     pub uuid: String,
@@ -94,9 +96,21 @@ impl GpuInventory for Nvml {
             let mem = d
                 .memory_info()
                 .map_err(|e| err(&format!("memory of GPU {index}"), e))?;
-            let procs = d
+            let compute = d
                 .running_compute_processes()
                 .map_err(|e| err(&format!("processes of GPU {index}"), e))?;
+            // An X server, a visualiser or an OpenGL renderer holds memory
+            // as surely as a CUDA process does.
+            let graphics = d
+                .running_graphics_processes()
+                .map_err(|e| err(&format!("graphics processes of GPU {index}"), e))?;
+            let used = |p: &nvml_wrapper::struct_wrappers::device::ProcessInfo| GpuProcess {
+                pid: p.pid,
+                used_bytes: match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+                },
+            };
             out.push(GpuInfo {
                 index,
                 uuid: d.uuid().unwrap_or_default(),
@@ -107,16 +121,10 @@ impl GpuInventory for Nvml {
                 temperature: d
                     .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
                     .ok(),
-                processes: procs
-                    .into_iter()
-                    .map(|p| GpuProcess {
-                        pid: p.pid,
-                        used_bytes: match p.used_gpu_memory {
-                            nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
-                            nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
-                        },
-                    })
-                    .collect(),
+                processes: merge_processes(
+                    compute.iter().map(used).collect(),
+                    graphics.iter().map(used).collect(),
+                ),
             });
         }
         Ok(out)
@@ -129,6 +137,25 @@ impl GpuInventory for Nvml {
             .unwrap_or_else(|_| "?".into());
         format!("nvml (driver {driver})")
     }
+}
+
+/// One entry per pid from NVML's compute and graphics lists: a process in
+/// both (CUDA and OpenGL in one program) is reported with the larger figure
+/// NVML gives for it, not twice.
+fn merge_processes(compute: Vec<GpuProcess>, graphics: Vec<GpuProcess>) -> Vec<GpuProcess> {
+    let mut out: Vec<GpuProcess> = Vec::with_capacity(compute.len() + graphics.len());
+    for p in compute.into_iter().chain(graphics) {
+        match out.iter_mut().find(|q| q.pid == p.pid) {
+            Some(q) => {
+                q.used_bytes = match (q.used_bytes, p.used_bytes) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                }
+            }
+            None => out.push(p),
+        }
+    }
+    out
 }
 
 /// NVML when its library loads, otherwise [`NoGpus`]; says which in the log, once.
@@ -148,6 +175,17 @@ pub fn detect() -> Box<dyn GpuInventory> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 9, point 13: graphics processes hold a GPU as compute ones do.
+    #[test]
+    fn graphics_processes_count_once_each() {
+        let p = |pid, b: Option<u64>| GpuProcess { pid, used_bytes: b };
+        let merged = merge_processes(
+            vec![p(1, Some(100)), p(2, Some(5))],
+            vec![p(3, Some(7)), p(2, Some(9)), p(1, None)],
+        );
+        assert_eq!(merged, vec![p(1, None), p(2, Some(9)), p(3, Some(7))]);
+    }
 
     /// Without the NVML library the node has no GPUs; it never falls back to a fake.
     #[test]

@@ -129,8 +129,12 @@ pub struct JobMeta {
     pub outputs_saved: Option<String>,
     /// Why the last push of the outputs failed.
     pub outputs_error: Option<String>,
-    /// True until the final push after the job's end has been done.
+    /// True until the final push after the job's end has succeeded (or
+    /// found no outputs folder to save).
     pub outputs_pending: bool,
+    /// Failed tries of the final push so far; labd keeps trying.
+    #[serde(default)]
+    pub outputs_failures: u32,
     /// Still materialising code and data: what, in words.
     pub preparing: Option<String>,
     /// Snapshot ids of the shared trees it uses (kept while it is active).
@@ -362,10 +366,12 @@ impl Leases {
         state: JobState,
     ) -> Result<Vec<u32>, LeaseError> {
         if let Some(mut rec) = self.read_in(txn, id)? {
+            // The first ending recorded is the job's: a second one (a kill
+            // racing the reaper) never turns an exit code into a guess.
             if !matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
                 rec.ended_at = Some(unix_now());
+                rec.state = state;
             }
-            rec.state = state;
             rec.gpus.clear();
             rec.meta.preparing = None;
             rec.queued = None;
@@ -554,6 +560,37 @@ mod tests {
         let l = Leases::open(&path).unwrap();
         assert!(ids(&l).is_empty(), "rebuilt the same at open");
         assert_eq!(l.jobs().unwrap().len(), 2, "history is kept");
+    }
+
+    /// Issue 9, point 8: the first ending recorded is kept; a second (a
+    /// kill racing the reaper) still frees the GPUs but changes nothing else.
+    #[test]
+    fn a_second_ending_never_replaces_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Leases::open(&dir.path().join("s.redb")).unwrap();
+        let running = JobState::Running {
+            sid: 1,
+            start: None,
+        };
+        l.put_job(&job("a", running, vec![0])).unwrap();
+        assert_eq!(l.acquire("a", 1, &[0]).unwrap(), Some(vec![0]));
+        let exited = JobState::Exited {
+            code: Some(3),
+            signal: None,
+        };
+        assert_eq!(l.finish("a", exited.clone()).unwrap(), vec![0]);
+        let ended_at = l.job("a").unwrap().unwrap().ended_at;
+        l.finish(
+            "a",
+            JobState::Failed {
+                reason: "killed".into(),
+            },
+        )
+        .unwrap();
+        let rec = l.job("a").unwrap().unwrap();
+        assert_eq!(rec.state, exited);
+        assert_eq!(rec.ended_at, ended_at);
+        assert!(l.all().unwrap().is_empty(), "no lease left");
     }
 
     #[test]

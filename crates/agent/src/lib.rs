@@ -10,8 +10,9 @@
 //! - [`Leases`]: atomic, persistent GPU leases and job records (redb), with
 //!   [`Leases::reconcile`] adopting live jobs and freeing dead ones after a restart.
 //! - [`Node`]: the engine: a FIFO queue over the GPUs, leases, the runner.
-//! - [`spawn`] / [`kill_session`]: a job is a Unix session; killing it leaves
-//!   no process of it alive, whatever it forked or ignored.
+//! - [`spawn`] / [`kill_session`]: a job is a Unix session, and a cgroup of
+//!   its own ([`Cgroups`]) where labd can make one; killing it leaves no
+//!   process of it alive, whatever it forked, ignored or `setsid`ed.
 //! - [`Daemon`]: labd: the engine, the store, shared read-only trees of
 //!   code and data ([`Trees`]), and outputs pushed as `runs/<job-id>`;
 //!   [`serve`]d over HTTP ([`proto`] lists the routes) to a [`Client`].
@@ -22,12 +23,13 @@
 //!
 //! let fake = FakeGpus::new("4x11GiB", None).unwrap();
 //! let dog = Watchdog::new(Arc::new(fake), Duration::from_secs(2));
-//! let status = classify(&dog.poll(), &[], &Default::default(), &|_| false, &|_| None, 256 << 20);
+//! let status = classify(&dog.poll(), &[], &Default::default(), &|_| None, &|_| None, 256 << 20);
 //! assert_eq!(free_gpus(&status, 10 << 30), vec![0, 1, 2, 3]);
 //! ```
 #![deny(missing_docs)]
 
 mod api;
+mod cgroup;
 mod client;
 mod daemon;
 mod error;
@@ -37,12 +39,14 @@ mod leases;
 mod node;
 pub mod proto;
 mod runner;
+mod secret;
 mod status;
 mod trees;
 mod users;
 mod watchdog;
 
 pub use api::{router, serve, Listener};
+pub use cgroup::{Cgroups, Flavor};
 pub use client::{Client, Endpoint, LogPiece};
 pub use daemon::{off_runtime, Caller, Daemon, DaemonConfig, DaemonError, LogRead};
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
@@ -51,6 +55,7 @@ pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{Node, NodeConfig, NodeError, Submit};
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
+pub use secret::{RedactedOptions, Secret};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,
 };

@@ -8,12 +8,67 @@ use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::cgroup::Cgroups;
 use crate::error::LeaseError;
 use crate::gpu::GpuInventory;
 use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 use crate::runner::{self, JobSpec};
 use crate::status::{classify, free_gpus, process_session, process_user, GpuState, GpuStatus};
 use crate::watchdog::{Reading, Watchdog};
+
+/// Why a job of `gpus` GPUs with `min_free` bytes each can never run on a
+/// node whose GPUs are `status`; `None` while it could, or while any GPU is
+/// unknown.
+fn never_fits(status: &[GpuStatus], gpus: u32, min_free: u64) -> Option<String> {
+    if status
+        .iter()
+        .any(|g| matches!(g.state, GpuState::Unknown { .. }))
+    {
+        return None;
+    }
+    let big = status
+        .iter()
+        .filter(|g| g.info.as_ref().is_some_and(|i| i.memory_total >= min_free))
+        .count();
+    (big < gpus as usize).then(|| {
+        format!(
+            "never fits this node: {gpus} GPU(s) with {} MiB free asked for, \
+             it has {big} GPU(s) that large (of {})",
+            min_free >> 20,
+            status.len()
+        )
+    })
+}
+
+/// `n` of a job id `j{n}`.
+pub fn job_number(id: &str) -> Option<u64> {
+    id.strip_prefix('j')?.parse().ok()
+}
+
+/// The cgroups of this labd's jobs, named after its state folder; said once
+/// in the log when there are none.
+fn open_cgroups(state_dir: &std::path::Path) -> Option<Cgroups> {
+    let dir = state_dir
+        .canonicalize()
+        .unwrap_or_else(|_| state_dir.to_path_buf());
+    let name = blake3::hash(dir.as_os_str().as_encoded_bytes()).to_hex();
+    match Cgroups::open(&name[..16]) {
+        Ok(c) => {
+            tracing::info!("each job runs in a cgroup of its own ({:?})", c.flavor());
+            Some(c)
+        }
+        Err(why) => {
+            tracing::warn!(
+                "jobs run without cgroups: {why}. A killed job's processes that left its \
+                 session (setsid, tmux, daemons) survive it; run labd as root to fix this"
+            );
+            None
+        }
+    }
+}
+
+/// Variables labd sets for every job, whatever the submitter's environment says.
+const JOB_VARS: [&str; 3] = ["CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "LABRUN_JOB_ID"];
 
 /// Settings of a node.
 #[derive(Clone, Debug)]
@@ -74,12 +129,17 @@ pub enum NodeError {
 struct Inner {
     queue: VecDeque<(String, Submit)>,
     children: HashMap<String, Child>,
+    /// Jobs whose exit the reaper has collected and is about to record: a
+    /// kill racing it must not record its own guess over the real status.
+    ending: HashSet<String>,
     next: u64,
 }
 
 /// One node's jobs and GPUs.
 pub struct Node {
     cfg: NodeConfig,
+    /// Where jobs get cgroups of their own; `None` where none can be made.
+    cgroups: Option<Cgroups>,
     dog: Watchdog,
     state: Leases,
     inner: Mutex<Inner>,
@@ -94,14 +154,33 @@ impl Node {
             NodeError::Refused(format!("cannot create {}: {e}", cfg.state_dir.display()))
         })?;
         let state = Leases::open(&cfg.state_dir.join("state-v1.redb"))?;
+        let cgroups = open_cgroups(&cfg.state_dir);
         let failed = state.reconcile(runner::alive)?;
         for id in failed {
             tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
+            // What it left running outside its session goes with it.
+            if let Some(cg) = &cgroups {
+                cg.kill(&id, Duration::from_secs(5));
+                cg.remove(&id);
+            }
         }
-        let next = state
-            .jobs()?
-            .iter()
-            .filter_map(|j| j.id.strip_prefix('j')?.parse::<u64>().ok())
+        // Ids are never reused, even when the database is lost: a second
+        // `j1` would find the first one's folder and log, and push its
+        // outputs over `runs/j1`. So the folders count too.
+        let in_db = state.jobs()?.into_iter().map(|j| j.id);
+        let on_disk = ["jobs", "logs"].into_iter().flat_map(|d| {
+            std::fs::read_dir(cfg.state_dir.join(d))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    name.strip_suffix(".log").unwrap_or(&name).to_string()
+                })
+        });
+        let next = in_db
+            .chain(on_disk)
+            .filter_map(|id| job_number(&id))
             .max()
             .unwrap_or(0)
             + 1;
@@ -150,32 +229,36 @@ impl Node {
         }
         Ok(Node {
             cfg,
+            cgroups,
             dog,
             state,
             inner: Mutex::new(Inner {
                 queue,
                 children: HashMap::new(),
+                ending: HashSet::new(),
                 next,
             }),
             last_known: Mutex::new(known),
         })
     }
 
-    fn running_sids(&self) -> Result<HashSet<u32>, NodeError> {
+    /// Session id → job id of every running job.
+    fn running_sessions(&self) -> Result<HashMap<u32, String>, NodeError> {
         Ok(self
             .state
             .active_jobs()?
             .into_iter()
             .filter_map(|j| match j.state {
-                JobState::Running { sid, .. } => Some(sid),
+                JobState::Running { sid, .. } => Some((sid, j.id)),
                 _ => None,
             })
             .collect())
     }
 
-    /// Every GPU: free, leased (to which job), foreign (pid, user, bytes), unknown.
+    /// Every GPU: free, leased (to which job), foreign (pid, user, bytes, or
+    /// the job using it outside its lease), unknown.
     pub fn gpus(&self) -> Result<Vec<GpuStatus>, NodeError> {
-        let sids = self.running_sids()?;
+        let sessions = self.running_sessions()?;
         let leases = self.state.all()?;
         let reading = self.dog.poll();
         let mut known = self.last_known.lock().expect("node poisoned");
@@ -186,7 +269,12 @@ impl Node {
             &reading,
             &known,
             &leases,
-            &|pid| process_session(pid).is_some_and(|s| sids.contains(&s)),
+            &|pid| {
+                self.cgroups
+                    .as_ref()
+                    .and_then(|c| c.job_of(pid))
+                    .or_else(|| process_session(pid).and_then(|s| sessions.get(&s).cloned()))
+            },
             &process_user,
             self.cfg.foreign_limit,
         ))
@@ -226,6 +314,14 @@ impl Node {
             )));
         }
         Ok(())
+    }
+
+    /// Makes every later job id greater than `j{n}` (labd passes the
+    /// highest `runs/j{n}` in the store, so a node whose state folder was
+    /// lost never pushes a second `runs/j1`).
+    pub fn ids_above(&self, n: u64) {
+        let mut inner = self.inner.lock().expect("node poisoned");
+        inner.next = inner.next.max(n.saturating_add(1));
     }
 
     /// Records a new job as queued and returns its id; it runs once
@@ -329,7 +425,15 @@ impl Node {
             let gpus = if s.gpus == 0 {
                 Vec::new()
             } else {
-                let free = free_gpus(&self.gpus()?, s.min_free_bytes);
+                let status = self.gpus()?;
+                // Accepted while the inventory did not answer, it may turn
+                // out never to fit: failed, so it does not block the queue.
+                if let Some(why) = never_fits(&status, s.gpus, s.min_free_bytes) {
+                    inner.queue.pop_front();
+                    self.state.finish(&id, JobState::Failed { reason: why })?;
+                    continue;
+                }
+                let free = free_gpus(&status, s.min_free_bytes);
                 match self.state.acquire(&id, s.gpus as usize, &free)? {
                     Some(g) => g,
                     None => break,
@@ -337,20 +441,36 @@ impl Node {
             };
             inner.queue.pop_front();
             let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
-            let mut env = s.env.clone();
+            // Set after (and instead of) the submitter's own: NVML numbers
+            // GPUs in PCI bus order, CUDA by default fastest first, so
+            // without PCI_BUS_ID a job on a mixed node would use GPUs it
+            // did not lease.
+            let mut env: Vec<(String, String)> = s
+                .env
+                .iter()
+                .filter(|(k, _)| !JOB_VARS.contains(&k.as_str()))
+                .cloned()
+                .collect();
+            env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
             env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
             env.push(("LABRUN_JOB_ID".into(), id.clone()));
+            let cgroup = self.cgroups.as_ref().and_then(|c| {
+                c.create(&id)
+                    .map_err(|e| tracing::warn!("job {id} runs without a cgroup: {e}"))
+                    .ok()
+            });
             let spec = JobSpec {
                 argv: s.argv.clone(),
                 cwd: s.cwd.clone(),
                 env,
                 log: self.log_path(&id),
                 user: s.run_as,
+                cgroup,
             };
             match runner::spawn(&spec) {
-                Ok(st) => {
+                Ok(mut st) => {
                     let sid = st.sid();
-                    self.state.update(&id, |r| {
+                    let recorded = self.state.update(&id, |r| {
                         r.gpus = gpus;
                         r.state = JobState::Running {
                             sid,
@@ -359,7 +479,17 @@ impl Node {
                         r.started_at = Some(unix_now());
                         r.meta.preparing = None;
                         r.queued = None;
-                    })?;
+                    });
+                    if let Err(e) = recorded {
+                        // A job the database does not know runs would hold
+                        // its GPUs unseen: it is stopped, its lease freed,
+                        // and it stays queued to start again.
+                        self.kill_job(&id, sid, Duration::ZERO);
+                        let _ = st.child.wait();
+                        let _ = self.state.release(&id);
+                        inner.queue.push_front((id, s));
+                        return Err(e.into());
+                    }
                     inner.children.insert(id.clone(), st.child);
                     started.push(id);
                 }
@@ -383,7 +513,7 @@ impl Node {
 
     /// Records jobs that ended, frees their GPUs, and starts what now fits.
     pub fn reap(&self) -> Result<Vec<(String, JobState)>, NodeError> {
-        let ended: Vec<(String, JobState)> = {
+        let (ended, sessions) = {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut ended = Vec::new();
             for (id, child) in inner.children.iter_mut() {
@@ -400,15 +530,17 @@ impl Node {
             }
             for (id, _) in &ended {
                 inner.children.remove(id);
+                inner.ending.insert(id.clone());
             }
             // Jobs adopted after a restart are not our children: their exit
             // status is lost, but their end is not.
             for j in self.state.active_jobs()? {
                 if let JobState::Running { sid, start } = j.state {
                     if !inner.children.contains_key(&j.id)
-                        && !ended.iter().any(|(id, _)| *id == j.id)
+                        && !inner.ending.contains(&j.id)
                         && !runner::alive(sid, start)
                     {
+                        inner.ending.insert(j.id.clone());
                         ended.push((
                             j.id,
                             JobState::Failed {
@@ -419,19 +551,53 @@ impl Node {
                     }
                 }
             }
-            ended
-        };
-        for (id, st) in &ended {
-            // Whatever the leader left behind in its session goes too.
-            if let Some(sid) = self.sid_of(id)? {
-                runner::kill_session(sid, Duration::from_secs(2));
+            let mut sessions = Vec::new();
+            for (id, _) in &ended {
+                if let Some(sid) = self.sid_of(id)? {
+                    sessions.push((id.clone(), sid));
+                }
             }
-            self.state.finish(id, st.clone())?;
+            (ended, sessions)
+        };
+        // Whatever the leaders left behind in their sessions and cgroups
+        // goes too, before their GPUs are freed.
+        for (id, sid) in sessions {
+            self.kill_job(&id, sid, Duration::from_secs(2));
+        }
+        {
+            let mut inner = self.inner.lock().expect("node poisoned");
+            let mut result = Ok(());
+            for (id, st) in &ended {
+                inner.ending.remove(id);
+                if result.is_ok() {
+                    result = self.state.finish(id, st.clone()).map(drop);
+                }
+            }
+            result?;
         }
         if !ended.is_empty() {
             self.schedule()?;
         }
         Ok(ended)
+    }
+
+    /// SIGTERM to every process of the job (its session and its cgroup),
+    /// SIGKILL to what is left after `grace`, until none is left.
+    fn kill_job(&self, id: &str, sid: u32, grace: Duration) {
+        let Some(cg) = &self.cgroups else {
+            runner::kill_session(sid, grace);
+            return;
+        };
+        let deadline = std::time::Instant::now() + grace;
+        cg.terminate(id);
+        runner::kill_session(sid, grace);
+        while !cg.members(id).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !cg.kill(id, Duration::from_secs(5)) {
+            tracing::warn!("job {id}: processes of its cgroup would not die");
+        }
+        cg.remove(id);
     }
 
     fn sid_of(&self, id: &str) -> Result<Option<u32>, NodeError> {
@@ -469,38 +635,47 @@ impl Node {
                 None => NodeError::NoJob(id.into()),
             });
         };
-        runner::kill_session(sid, grace);
-        let child = self
-            .inner
-            .lock()
-            .expect("node poisoned")
-            .children
-            .remove(id);
-        let state = match child.map(|mut c| c.wait()) {
-            Some(Ok(status)) => {
+        self.kill_job(id, sid, grace);
+        // The ending is recorded under the queue's lock, as the reaper
+        // records its own: whichever sees the exit first records the real
+        // status, and the other leaves it alone.
+        let mut inner = self.inner.lock().expect("node poisoned");
+        if inner.ending.contains(id) {
+            drop(inner);
+            return Ok(());
+        }
+        let state = match inner.children.get_mut(id).map(|c| c.try_wait()) {
+            Some(Ok(Some(status))) => {
                 use std::os::unix::process::ExitStatusExt;
+                inner.children.remove(id);
                 JobState::Exited {
                     code: status.code(),
                     signal: status.signal(),
                 }
             }
-            Some(Err(_)) => JobState::Failed {
-                reason: "killed".into(),
-            },
-            // The reaper collected it while it was being killed and has
-            // recorded its exit; or it was adopted after a restart and is not
-            // our child, and only its end is known.
+            // Unkillable (stuck in the kernel): the reaper records it when it goes.
+            Some(Ok(None)) => return Ok(()),
+            Some(Err(_)) => {
+                inner.children.remove(id);
+                JobState::Failed {
+                    reason: "killed".into(),
+                }
+            }
+            // Adopted after a restart, not our child: only its end is known.
+            // Or the reaper recorded it already.
             None => match self.state.job(id)?.map(|r| r.state) {
                 Some(JobState::Running { .. }) => JobState::Failed {
                     reason: "killed".into(),
                 },
                 _ => {
+                    drop(inner);
                     self.schedule()?;
                     return Ok(());
                 }
             },
         };
         self.state.finish(id, state)?;
+        drop(inner);
         self.schedule()?;
         Ok(())
     }

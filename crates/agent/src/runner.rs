@@ -14,20 +14,24 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// What to run.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct JobSpec {
     /// Program and arguments.
     pub argv: Vec<String>,
     /// Working directory.
     pub cwd: PathBuf,
-    /// The whole environment (the submitter's, plus `CUDA_VISIBLE_DEVICES`
-    /// and `LABRUN_*`): nothing of labd's own leaks into a job. Without a
+    /// The whole environment (the submitter's, plus `CUDA_VISIBLE_DEVICES`,
+    /// `CUDA_DEVICE_ORDER` and `LABRUN_*`): nothing of labd's own leaks into a job. Without a
     /// `PATH`, the job gets a standard one.
     pub env: Vec<(String, String)>,
     /// File that receives stdout and stderr.
     pub log: PathBuf,
     /// Run as this uid/gid (labd running as root runs a job as its submitter).
     pub user: Option<(u32, u32)>,
+    /// The `cgroup.procs` of the job's cgroup ([`crate::Cgroups::create`]):
+    /// the job's first process moves itself there before it runs anything,
+    /// so everything it starts is inside.
+    pub cgroup: Option<File>,
 }
 
 /// A started job. Its pid is also its session id.
@@ -63,6 +67,10 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin");
     }
     new_session(&mut cmd);
+    if let Some(procs) = &spec.cgroup {
+        // Before the switch to the user: moving a process needs root.
+        join_cgroup(&mut cmd, procs.try_clone()?);
+    }
     if let Some((uid, gid)) = spec.user {
         become_user(&mut cmd, uid, gid);
     }
@@ -78,6 +86,23 @@ fn new_session(cmd: &mut Command) {
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[allow(unsafe_code)]
+fn join_cgroup(cmd: &mut Command, procs: File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // one write(2) to a descriptor opened before the fork ("0" means the
+    // writing process); write is async-signal-safe. `procs` lives in the
+    // closure, so the descriptor stays open until then.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::write(procs.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -147,7 +172,7 @@ fn is_zombie(pid: u32) -> bool {
 }
 
 #[allow(unsafe_code)]
-fn signal(pid: u32, sig: libc::c_int) {
+pub(crate) fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: kill(2) has no memory-safety preconditions; a pid that is gone
     // gives ESRCH, which is what we want to ignore.
     unsafe {
@@ -217,6 +242,7 @@ mod tests {
             env: vec![("LABRUN_JOB_ID".into(), "j1".into())],
             log: dir.join("log"),
             user: None,
+            cgroup: None,
         }
     }
 

@@ -8,11 +8,15 @@ use serde::{Deserialize, Serialize};
 use crate::gpu::GpuInfo;
 use crate::watchdog::Reading;
 
-/// A process on a GPU that labd did not start.
+/// A process on a GPU that is not the GPU's lease holder's: one labd did
+/// not start, or one of another job using a GPU it did not lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForeignProcess {
     /// Its pid.
     pub pid: u32,
+    /// The labd job it belongs to, when it is one (outside that job's lease).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
     /// Its owner, when known.
     pub user: Option<String>,
     /// GPU memory it holds, bytes.
@@ -29,8 +33,12 @@ pub enum GpuState {
     Leased {
         /// The job.
         job: String,
+        /// Processes on it that are not that job's.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        others: Vec<ForeignProcess>,
     },
-    /// Held by processes labd did not start (a zombie, or someone outside labd).
+    /// Held by processes labd did not start (a zombie, or someone outside
+    /// labd), or by a job outside its lease.
     Foreign {
         /// Who.
         processes: Vec<ForeignProcess>,
@@ -53,15 +61,19 @@ pub struct GpuStatus {
     pub state: GpuState,
 }
 
-/// Classifies every GPU. A GPU is free only when the reading is known, it is
-/// not leased, and processes not belonging to labd's jobs (`is_ours`) hold at
-/// most `foreign_limit` bytes on it. Leased GPUs stay leased whatever runs on
-/// them; with an unknown reading, every GPU is unknown, leased or not.
+/// Classifies every GPU. Only the processes of the job that holds GPU g's
+/// lease are exempt on g (`job_of` says which job, if any, a pid belongs
+/// to): a job that resets `CUDA_VISIBLE_DEVICES`, or a `--gpus 0` job, using
+/// a GPU it did not lease keeps that GPU out of placement, whatever memory
+/// it holds, since the next job leased there would run out of memory.
+/// Processes of no job are foreign and keep a GPU out above `foreign_limit`
+/// bytes. A leased GPU stays leased and lists any other process on it; with
+/// an unknown reading, every GPU is unknown, leased or not.
 pub fn classify(
     reading: &Reading,
     known_gpus: &[u32],
     leases: &BTreeMap<u32, String>,
-    is_ours: &dyn Fn(u32) -> bool,
+    job_of: &dyn Fn(u32) -> Option<String>,
     user_of: &dyn Fn(u32) -> Option<String>,
     foreign_limit: u64,
 ) -> Vec<GpuStatus> {
@@ -86,26 +98,35 @@ pub fn classify(
     };
     gpus.iter()
         .map(|g| {
-            let state = if let Some(job) = leases.get(&g.index) {
-                GpuState::Leased { job: job.clone() }
-            } else {
-                let foreign: Vec<ForeignProcess> = g
-                    .processes
-                    .iter()
-                    .filter(|p| !is_ours(p.pid))
-                    .map(|p| ForeignProcess {
+            let holder = leases.get(&g.index);
+            let others: Vec<ForeignProcess> = g
+                .processes
+                .iter()
+                .filter_map(|p| {
+                    let job = job_of(p.pid);
+                    (job.is_none() || job.as_ref() != holder).then(|| ForeignProcess {
                         pid: p.pid,
                         user: user_of(p.pid),
                         used_bytes: p.used_bytes,
+                        job,
                     })
-                    .collect();
+                })
+                .collect();
+            let state = if let Some(job) = holder {
+                GpuState::Leased {
+                    job: job.clone(),
+                    others,
+                }
+            } else {
                 // Unknown per-process memory counts as over the limit: safer to wait.
-                let held: u64 = foreign
+                let held = others
                     .iter()
+                    .filter(|p| p.job.is_none())
                     .map(|p| p.used_bytes.unwrap_or(u64::MAX / 64))
-                    .sum();
-                if !foreign.is_empty() && held > foreign_limit {
-                    GpuState::Foreign { processes: foreign }
+                    .fold(0u64, u64::saturating_add);
+                let a_job_outside_its_lease = others.iter().any(|p| p.job.is_some());
+                if a_job_outside_its_lease || (!others.is_empty() && held > foreign_limit) {
+                    GpuState::Foreign { processes: others }
                 } else {
                     GpuState::Free
                 }
@@ -133,7 +154,9 @@ pub fn free_gpus(status: &[GpuStatus], min_free_bytes: u64) -> Vec<u32> {
         .collect()
 }
 
-/// The owner of a process, from `/proc/<pid>/status` and `/etc/passwd`.
+/// The owner of a process, from `/proc/<pid>/status`, named through NSS
+/// (LDAP and other directory users of a lab show by name, not only those in
+/// `/etc/passwd`). Blocking: called off the async runtime.
 pub fn process_user(pid: u32) -> Option<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let uid: u32 = status
@@ -143,16 +166,7 @@ pub fn process_user(pid: u32) -> Option<String> {
         .next()?
         .parse()
         .ok()?;
-    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
-    Some(
-        passwd
-            .lines()
-            .find_map(|l| {
-                let f: Vec<&str> = l.split(':').collect();
-                (f.len() > 2 && f[2] == uid.to_string()).then(|| f[0].to_string())
-            })
-            .unwrap_or_else(|| format!("uid {uid}")),
-    )
+    Some(crate::users::user_by_uid(uid).map_or_else(|| format!("uid {uid}"), |u| u.name))
 }
 
 /// The session id of a process (`/proc/<pid>/stat` field 6): every process a
@@ -197,12 +211,12 @@ mod tests {
             gpu(2, &[(300, 1 << 20)]),
             gpu(3, &[]),
         ]);
-        let leases = BTreeMap::from([(3, "job-7".to_string())]);
+        let leases = BTreeMap::from([(1, "job-3".to_string()), (3, "job-7".to_string())]);
         let st = classify(
             &reading,
             &[],
             &leases,
-            &|pid| pid == 200,
+            &|pid| (pid == 200).then(|| "job-3".to_string()),
             &|_| Some("bob".into()),
             256 << 20,
         );
@@ -211,22 +225,61 @@ mod tests {
         );
         assert_eq!(
             st[1].state,
-            GpuState::Free,
-            "our own job's process is not foreign"
+            GpuState::Leased {
+                job: "job-3".into(),
+                others: vec![]
+            },
+            "the lease holder's own process is not foreign"
         );
         assert_eq!(st[2].state, GpuState::Free, "1 MiB is under the limit");
         assert_eq!(
             st[3].state,
             GpuState::Leased {
-                job: "job-7".into()
+                job: "job-7".into(),
+                others: vec![]
             }
         );
-        assert_eq!(free_gpus(&st, 0), vec![1, 2]);
+        assert_eq!(free_gpus(&st, 0), vec![2]);
+        assert!(free_gpus(&st, 11 << 30).is_empty(), "GPU 2 has 1 MiB used");
+    }
+
+    /// Issue 9, point 3: a job's process on a GPU it did not lease (it reset
+    /// `CUDA_VISIBLE_DEVICES`, or asked for `--gpus 0`) is shown with its job
+    /// and keeps the GPU out, even under the foreign limit; on another job's
+    /// leased GPU it is listed beside the lease.
+    #[test]
+    fn a_job_outside_its_lease_keeps_the_gpu_out() {
+        let reading = Reading::Known(vec![
+            gpu(0, &[(10, 1 << 20)]),
+            gpu(1, &[(11, 2 << 30), (10, 1 << 30)]),
+        ]);
+        let leases = BTreeMap::from([(1, "j2".to_string())]);
+        let job_of = |pid: u32| match pid {
+            10 => Some("j1".to_string()),
+            11 => Some("j2".to_string()),
+            _ => None,
+        };
+        let st = classify(&reading, &[], &leases, &job_of, &|_| None, 256 << 20);
+        let j1 = |bytes: u64| ForeignProcess {
+            pid: 10,
+            job: Some("j1".into()),
+            user: None,
+            used_bytes: Some(bytes),
+        };
         assert_eq!(
-            free_gpus(&st, 9 << 30),
-            vec![2],
-            "GPU 1 has only 8 GiB free"
+            st[0].state,
+            GpuState::Foreign {
+                processes: vec![j1(1 << 20)]
+            }
         );
+        assert_eq!(
+            st[1].state,
+            GpuState::Leased {
+                job: "j2".into(),
+                others: vec![j1(1 << 30)]
+            }
+        );
+        assert!(free_gpus(&st, 0).is_empty());
     }
 
     #[test]
@@ -237,7 +290,7 @@ mod tests {
             },
             &[0, 1],
             &BTreeMap::new(),
-            &|_| false,
+            &|_| None,
             &|_| None,
             0,
         );

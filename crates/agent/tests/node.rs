@@ -235,3 +235,90 @@ fn restart_adopts_a_live_job_and_fails_a_dead_one() {
     n.kill(&live, Duration::from_millis(100)).unwrap();
     assert!(n.gpus().unwrap().iter().all(|g| g.state == GpuState::Free));
 }
+
+/// Issue 9, point 8: a job accepted while the inventory did not answer, that
+/// turns out never to fit, is failed with a clear message once the inventory
+/// answers, and the job behind it runs instead of waiting forever.
+#[test]
+fn a_job_that_can_never_fit_fails_instead_of_blocking_the_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = dir.path().join("ctl.toml");
+    let n = node(
+        dir.path(),
+        Arc::new(FakeGpus::new("2x11GiB", Some(ctl.clone())).unwrap()),
+    );
+    std::fs::write(&ctl, "hang = true\n").unwrap();
+    let big = n.submit(job("true", 3, dir.path())).unwrap();
+    let small = n.submit(job("exit 4", 1, dir.path())).unwrap();
+    assert_eq!(state_of(&n, &big), JobState::Queued, "unknown: accepted");
+    std::fs::write(&ctl, "").unwrap();
+    wait_until("the small job to run", || {
+        n.schedule().unwrap();
+        n.reap().unwrap();
+        matches!(state_of(&n, &small), JobState::Exited { .. })
+    });
+    assert_eq!(
+        state_of(&n, &small),
+        JobState::Exited {
+            code: Some(4),
+            signal: None
+        }
+    );
+    match state_of(&n, &big) {
+        JobState::Failed { reason } => {
+            assert!(
+                reason.contains("never fits") && reason.contains("3 GPU(s)"),
+                "{reason}"
+            )
+        }
+        s => panic!("{s:?}"),
+    }
+}
+
+/// Issue 9, point 8: a kill racing the reaper never turns the job's exit
+/// code into a guess. The job exits with 3 on SIGTERM; whoever records the
+/// ending, it is `Exited(3)`.
+#[test]
+fn a_kill_racing_the_reaper_keeps_the_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = Arc::new(node(
+        dir.path(),
+        Arc::new(FakeGpus::new("1x11GiB", None).unwrap()),
+    ));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reaper = {
+        let (n, stop) = (n.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                n.reap().unwrap();
+            }
+        })
+    };
+    for _ in 0..20 {
+        let id = n
+            .submit(job(
+                "trap 'exit 3' TERM; while :; do sleep 0.01; done",
+                1,
+                dir.path(),
+            ))
+            .unwrap();
+        let JobState::Running { sid, .. } = state_of(&n, &id) else {
+            panic!("not running")
+        };
+        // The trap is set once bash runs its loop's first sleep.
+        wait_until("the job's loop", || session_members(sid).len() >= 2);
+        n.kill(&id, Duration::from_secs(5)).unwrap();
+        wait_until("the ending to be recorded", || {
+            !matches!(state_of(&n, &id), JobState::Running { .. })
+        });
+        assert_eq!(
+            state_of(&n, &id),
+            JobState::Exited {
+                code: Some(3),
+                signal: None
+            }
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    reaper.join().unwrap();
+}

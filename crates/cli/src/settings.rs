@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use labsync_agent::Secret;
 use labsync_store::Codec;
 use serde::Deserialize;
 
@@ -23,7 +24,7 @@ pub struct FileConfig {
     /// Where `labrun` finds labd: `unix:///run/labsync/labd.sock` or `http://gpu1:7420`.
     pub labd: Option<String>,
     /// `labrun`'s token for that labd.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     /// How pushes compress compressible chunks: `lz4` (default) or `zstd`.
     pub compression: Option<String>,
 }
@@ -47,8 +48,8 @@ pub struct Overrides {
     pub compression: Option<String>,
 }
 
-/// Fully resolved settings.
-#[derive(Debug, Clone)]
+/// Fully resolved settings. `Debug` shows no token or store credential.
+#[derive(Clone)]
 pub struct Settings {
     /// Store URL.
     pub store: String,
@@ -61,9 +62,26 @@ pub struct Settings {
     /// labd's address from the config file.
     pub labd: Option<String>,
     /// labrun's token from the config file.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     /// How pushes compress compressible chunks.
     pub compression: Codec,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("store", &self.store)
+            .field(
+                "store_options",
+                &labsync_agent::RedactedOptions(&self.store_options),
+            )
+            .field("cache_dir", &self.cache_dir)
+            .field("cache_max", &self.cache_max)
+            .field("labd", &self.labd)
+            .field("token", &self.token)
+            .field("compression", &self.compression)
+            .finish()
+    }
 }
 
 const DEFAULT_CACHE_MAX: u64 = 50 << 30;

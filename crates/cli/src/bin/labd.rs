@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use labsync_agent::{
     current_user, detect, euid, serve, Daemon, DaemonConfig, Endpoint, FakeGpus, GpuInventory,
-    Listener,
+    Listener, Secret,
 };
 use labsync_cli::local::{hostname, load_or_create_token, LocalLabd};
 use labsync_cli::{parse_size, Overrides, Settings};
@@ -98,6 +98,8 @@ struct LabdFile {
     inventory_deadline_ms: Option<u64>,
     kill_grace_s: Option<u64>,
     outputs_every_s: Option<u64>,
+    /// First wait before a failed final outputs push is tried again (doubles, up to 10 min).
+    outputs_retry_s: Option<u64>,
     /// Seconds a job's working folder stays after it ended (default: one day).
     work_keep_s: Option<u64>,
     /// `submitter` (default; only when root) or `labd`.
@@ -105,7 +107,7 @@ struct LabdFile {
     #[serde(default)]
     admins: Vec<String>,
     #[serde(default)]
-    tokens: BTreeMap<String, String>,
+    tokens: BTreeMap<String, Secret>,
     tick_ms: Option<u64>,
 }
 
@@ -114,14 +116,10 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .with_context(|| format!("cannot read config file {}", p.display()))?;
-            let others = std::fs::metadata(p).map_or(0, |m| m.permissions().mode() & 0o077);
-            if others != 0 && text.contains("[tokens]") {
-                tracing::warn!(
-                    "{} holds tokens and is readable by others: chmod 600 it",
-                    p.display()
-                );
-            }
-            toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?
+            let file: LabdFile = toml::from_str(&text)
+                .with_context(|| format!("invalid config file {}", p.display()))?;
+            check_private(p, !file.tokens.is_empty())?;
+            file
         }
         None => LabdFile::default(),
     };
@@ -147,11 +145,29 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         None => Endpoint::Unix(local.socket()),
     };
     let me = current_user();
-    if let Some((user, _)) = file.tokens.iter().find(|(_, t)| t.trim().len() < 16) {
+    if let Some((user, _)) = file
+        .tokens
+        .iter()
+        .find(|(_, t)| t.expose().trim().len() < 16)
+    {
         bail!("the token of {user} in the config file is shorter than 16 characters; use a long random one (e.g. openssl rand -hex 32)");
     }
-    let mut tokens: Vec<(String, String)> = file.tokens.into_iter().collect();
-    tokens.push((me.clone(), load_or_create_token(&local.token_file())?));
+    let mut tokens: Vec<(String, Secret)> = file.tokens.into_iter().collect();
+    let own = local.token_file();
+    let own_token = load_or_create_token(&own)?;
+    check_private(&own, true)?;
+    tokens.push((me.clone(), own_token.into()));
+    for (i, (a, ta)) in tokens.iter().enumerate() {
+        if let Some((b, _)) = tokens[i + 1..].iter().find(|(_, tb)| tb == ta) {
+            bail!(
+                "{a} and {b} have the same token: each user needs a token of their own \
+                 (jobs run as the user the token names)"
+            );
+        }
+    }
+    if file.tick_ms == Some(0) {
+        bail!("tick_ms = 0: labd would reap and schedule in a busy loop; use e.g. 100");
+    }
     let mut admins = file.admins;
     admins.push(me);
     let run_as_submitter = match file.run_as.as_deref() {
@@ -188,6 +204,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         inventory_deadline: Duration::from_millis(file.inventory_deadline_ms.unwrap_or(2000)),
         kill_grace: Duration::from_secs(file.kill_grace_s.unwrap_or(10)),
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
+        outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).max(1)),
         work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
         run_as_submitter,
         tokens,
@@ -195,6 +212,31 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         tick: Duration::from_millis(file.tick_ms.unwrap_or(100)),
     };
     Ok((cfg, listen, inventory))
+}
+
+/// Refuses a file others could change (they could give themselves a token,
+/// or make jobs run as root) or, when it holds tokens, read.
+fn check_private(path: &std::path::Path, holds_tokens: bool) -> Result<()> {
+    let mode = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o022 != 0 {
+        bail!(
+            "{} is writable by other users (mode {:o}): anyone could give themselves a token; \
+             chmod go-w it",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    if holds_tokens && mode & 0o044 != 0 {
+        bail!(
+            "{} holds tokens and is readable by other users (mode {:o}): chmod 600 it",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    Ok(())
 }
 
 async fn bind(endpoint: &Endpoint, shared: bool) -> Result<Listener> {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use labsync_agent::proto::{DataRef, Info, JobView, SubmitRequest, TreeRef};
-use labsync_agent::{Client, ClientError, Endpoint, GpuState, JobState};
+use labsync_agent::{Client, ClientError, Endpoint, GpuState, JobState, Secret};
 use labsync_cli::local::{hostname, parse_duration, LocalLabd, SYSTEM_SOCKET};
 use labsync_cli::progress::Bar;
 use labsync_cli::{human_bytes, parse_size, Overrides, Settings};
@@ -169,7 +169,10 @@ fn settings(g: &Global) -> Result<Settings> {
 /// Finds labd, starting the personal one if nothing else is configured
 /// (then also returned, so its store can be checked against the settings).
 async fn connect(g: &Global, s: &Settings) -> Result<(Client, Option<LocalLabd>)> {
-    let token = std::env::var("LABRUN_TOKEN").ok().or(s.token.clone());
+    let token = std::env::var("LABRUN_TOKEN")
+        .ok()
+        .map(Secret::from)
+        .or(s.token.clone());
     if let Some(addr) = g.labd.clone().or(s.labd.clone()) {
         let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
         return Ok((Client::new(ep, token), None));
@@ -190,7 +193,8 @@ async fn connect(g: &Global, s: &Settings) -> Result<(Client, Option<LocalLabd>)
         None => std::fs::read_to_string(local.token_file())
             .with_context(|| format!("cannot read labd's token {}", local.token_file().display()))?
             .trim()
-            .to_string(),
+            .to_string()
+            .into(),
     };
     let client = Client::new(Endpoint::Unix(local.socket()), Some(token));
     Ok((client, Some(local)))
@@ -571,7 +575,14 @@ async fn follow(client: &Client, id: &str, quiet: bool, interactive: bool) -> Re
             eprintln!("labrun: outputs saved as {saved} (labsync pull {saved} DEST)");
         }
         if let Some(e) = &j.meta.outputs_error {
-            eprintln!("labrun: outputs: {e}");
+            if j.meta.outputs_pending {
+                eprintln!(
+                    "labrun: outputs not saved yet: {e}; labd keeps retrying and keeps \
+                     {id}'s folder until they are (`labrun ps` shows it)"
+                );
+            } else {
+                eprintln!("labrun: outputs: {e}");
+            }
         }
         if let JobState::Failed { reason } = &j.state {
             eprintln!("labrun: {id} failed: {reason}");
@@ -582,6 +593,16 @@ async fn follow(client: &Client, id: &str, quiet: bool, interactive: bool) -> Re
 }
 
 fn state_words(j: &JobView) -> String {
+    let mut words = job_state_words(j);
+    if j.ended() && j.meta.outputs_pending {
+        if let Some(e) = &j.meta.outputs_error {
+            words += &format!("; outputs not saved yet: {e}, retrying");
+        }
+    }
+    words
+}
+
+fn job_state_words(j: &JobView) -> String {
     match &j.state {
         JobState::Queued => match &j.why {
             Some(w) => format!("queued ({w})"),
@@ -711,26 +732,36 @@ async fn status(g: &Global, client: &Client) -> Result<ExitCode> {
             ),
             None => format!("{:<22} {:>21}", "?", "?"),
         };
-        let state = match &g.state {
-            GpuState::Free => "free".to_string(),
-            GpuState::Leased { job } => format!(
-                "leased to {job} ({})",
-                owner.get(job.as_str()).copied().unwrap_or("?")
-            ),
-            GpuState::Foreign { processes } => format!(
-                "FOREIGN: {}",
-                processes
-                    .iter()
-                    .map(|p| format!(
-                        "pid {} ({}, {})",
+        let procs = |ps: &[labsync_agent::ForeignProcess]| {
+            ps.iter()
+                .map(|p| {
+                    let who = match &p.job {
+                        Some(j) => format!("{j} outside its lease"),
+                        None => p.user.as_deref().unwrap_or("?").to_string(),
+                    };
+                    format!(
+                        "pid {} ({who}, {})",
                         p.pid,
-                        p.user.as_deref().unwrap_or("?"),
                         p.used_bytes
                             .map_or("? MiB".into(), |b| format!("{} MiB", b >> 20))
-                    ))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            ),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let state = match &g.state {
+            GpuState::Free => "free".to_string(),
+            GpuState::Leased { job, others } => {
+                let mut s = format!(
+                    "leased to {job} ({})",
+                    owner.get(job.as_str()).copied().unwrap_or("?")
+                );
+                if !others.is_empty() {
+                    s += &format!("; ALSO USED BY: {}", procs(others));
+                }
+                s
+            }
+            GpuState::Foreign { processes } => format!("FOREIGN: {}", procs(processes)),
             GpuState::Unknown { reason } => format!("UNKNOWN (never leased): {reason}"),
         };
         println!("  GPU {:<2} {hw}  {state}", g.index);

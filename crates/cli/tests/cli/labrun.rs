@@ -72,6 +72,8 @@ impl Node {
             ),
         )
         .unwrap();
+        // It holds tokens: labd refuses it readable by others.
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
         let mut n = Node {
             dir,
             labd: None,
@@ -376,6 +378,71 @@ fn inventory_hang_makes_gpus_unknown_until_it_answers() {
     assert!(!n.status().contains("UNKNOWN"));
 }
 
+/// Issue 9, point 4: the GPUs a job sees are the ones it leased. NVML
+/// numbers GPUs in PCI order and CUDA by default fastest first, so labd sets
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID` after the submitter's environment, and a
+/// submitter's own `CUDA_VISIBLE_DEVICES` never replaces the lease's.
+#[test]
+fn jobs_see_their_leased_gpus_in_pci_order() {
+    let n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    std::fs::create_dir_all(n.path("code")).unwrap();
+    let o = n
+        .labrun_cmd(
+            Some(ALICE),
+            &[
+                "--gpus",
+                "1",
+                "--",
+                "bash",
+                "-c",
+                "echo $CUDA_DEVICE_ORDER $CUDA_VISIBLE_DEVICES",
+            ],
+        )
+        .env("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+        .env("CUDA_VISIBLE_DEVICES", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "PCI_BUS_ID 0");
+}
+
+/// Issue 9, point 3: a job that uses a GPU it did not lease (here a
+/// `--gpus 0` job, as one that resets `CUDA_VISIBLE_DEVICES` would) makes
+/// that GPU busy: shown with the job's id, never leased to the next job.
+#[test]
+fn a_gpu_used_outside_its_lease_is_not_free() {
+    let n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    let rogue = n.bash(ALICE, 0, "sleep 300");
+    wait_until("the rogue job to run", 20, || {
+        matches!(n.job(&rogue).state, JobState::Running { .. })
+    });
+    let pid = sid(&n.job(&rogue));
+    n.control(&format!("[[processes]]\ngpu = 0\npid = {pid}\nmib = 100\n"));
+    let status = n.status();
+    assert!(
+        status.contains(&format!("pid {pid} ({rogue} outside its lease, 100 MiB)")),
+        "{status}"
+    );
+    let one = n.ok(
+        ALICE,
+        &[
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            "echo gpu=$CUDA_VISIBLE_DEVICES",
+        ],
+    );
+    assert_eq!(one.trim(), "gpu=1", "GPU 0 is in use outside a lease");
+    let two = n.bash(ALICE, 2, "echo gpus=$CUDA_VISIBLE_DEVICES");
+    n.stays_queued(&two, "1 free", "never leased under another job");
+    n.ok(ALICE, &["kill", &rogue]);
+    n.control("");
+    wait_until("the 2-GPU job to end", 20, || n.ended(&two));
+    assert_eq!(n.ok(ALICE, &["logs", &two]).trim(), "gpus=0,1");
+}
+
 /// Test 4 and 6 (killed): `labrun kill` leaves no process of the job alive —
 /// grandchildren that ignore SIGTERM in another process group included — frees
 /// the lease, and the job's outputs are still saved.
@@ -437,6 +504,221 @@ fn kill_leaves_no_process_and_saves_outputs() {
     assert_eq!(
         std::fs::read_to_string(dest.join("model.pt")).unwrap(),
         "epoch-1\n"
+    );
+}
+
+/// Issue 9, point 6: checkpoints are never deleted unsaved. The store is
+/// down when the job ends: the final push is retried (with backoff) past the
+/// three tries labd used to give up after, `labrun ps` says so, the working
+/// folder outlives `work_keep_s`, and once the store is back the outputs
+/// land and only then is the folder swept.
+#[test]
+fn final_outputs_push_retries_through_a_store_outage() {
+    let n = Node::start(
+        None,
+        "run_as = \"labd\"\nwork_keep_s = 0\noutputs_retry_s = 1",
+    );
+    let go = n.path("go");
+    let script = format!(
+        "mkdir -p ckpt; echo epoch-9 > ckpt/model.pt; while [ ! -e {} ]; do sleep 0.05; done",
+        go.display()
+    );
+    let id = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "0",
+            "--outputs",
+            "ckpt",
+            "--",
+            "bash",
+            "-c",
+            &script,
+        ],
+    );
+    wait_until("the job to run", 20, || {
+        matches!(n.job(&id).state, JobState::Running { .. })
+    });
+    // The outage: the store's folder becomes a file, which no write gets
+    // through, root or not.
+    let (store, away) = (n.path("store"), n.path("store.away"));
+    std::fs::rename(&store, &away).unwrap();
+    std::fs::write(&store, "outage").unwrap();
+    std::fs::write(&go, "").unwrap();
+    // Tries at +0, +1, +3, +7 s: the sweeper (every 5 s, work_keep_s = 0) has run meanwhile.
+    wait_until("four failed final pushes", 60, || {
+        n.job(&id).meta.outputs_failures >= 4
+    });
+    let j = n.job(&id);
+    assert!(
+        j.meta.outputs_pending && j.meta.outputs_saved.is_none(),
+        "{j:?}"
+    );
+    let work = j.meta.work.clone().unwrap();
+    assert!(
+        work.join("ckpt/model.pt").exists(),
+        "the only copy of the checkpoint was swept"
+    );
+    let ps = n.ok(ALICE, &["ps"]);
+    assert!(
+        ps.contains("outputs not saved yet") && ps.contains("retrying"),
+        "{ps}"
+    );
+    std::fs::remove_file(&store).unwrap();
+    std::fs::rename(&away, &store).unwrap();
+    wait_until("the outputs to be saved after the outage", 60, || {
+        n.ended(&id)
+    });
+    let j = n.job(&id);
+    assert_eq!(
+        j.meta.outputs_saved.as_deref(),
+        Some(format!("runs/{id}@v1").as_str())
+    );
+    let dest = n.path("recovered");
+    assert!(n
+        .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
+        .status
+        .success());
+    assert_eq!(
+        std::fs::read_to_string(dest.join("model.pt")).unwrap(),
+        "epoch-9\n"
+    );
+    wait_until("the folder to go once its outputs are saved", 30, || {
+        !work.exists()
+    });
+}
+
+/// Issue 9, point 5: a killed job leaves nothing behind, including a
+/// process that left its session (`setsid`, as `Popen(start_new_session=True)`,
+/// tmux and daemonisers do). While the job runs, that process is shown as the
+/// job's own on the job's GPU, not as someone else's.
+#[test]
+fn a_killed_job_leaves_no_process_that_left_its_session() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: labd makes no cgroups and says so in its log");
+        return;
+    }
+    let n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
+    let pid_file = n.path("escaped.pid");
+    let script = format!(
+        "setsid bash -c 'echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 300' & wait",
+        pid_file.display()
+    );
+    let id = n.bash(ALICE, 1, &script);
+    wait_until("the escaped process", 20, || pid_file.exists());
+    let escaped: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let j = n.job(&id);
+    assert_ne!(
+        labsync_agent::process_session(escaped),
+        Some(sid(&j)),
+        "it left the job's session"
+    );
+    n.control(&format!(
+        "[[processes]]\ngpu = {}\npid = {escaped}\nmib = 500\n",
+        j.gpus[0]
+    ));
+    let status = n.status();
+    let line = status
+        .lines()
+        .find(|l| l.contains(&format!("GPU {}", j.gpus[0])))
+        .unwrap();
+    assert!(
+        line.contains(&format!("leased to {id}")) && !line.contains("ALSO USED BY"),
+        "{status}"
+    );
+    n.ok(ALICE, &["kill", &id]);
+    n.control("");
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{escaped}/stat")).map_or(true, |s| {
+            s.rfind(')').is_some_and(|i| s[i + 2..].starts_with('Z'))
+        })
+    };
+    assert!(gone(), "pid {escaped} outlived the kill of {id}");
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(log.contains("cgroup of its own"), "{log}");
+}
+
+/// Issue 9, point 13: labd refuses, with a message naming the problem, a
+/// config that holds tokens and is readable by others, one writable by
+/// others, two users with one token, and `tick_ms = 0`.
+#[test]
+fn labd_refuses_unsafe_configs() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = format!(
+        "listen = \"unix://{0}/labd.sock\"\nstate_dir = \"{0}/state\"\nstore = \"file://{0}/store\"\n\
+         cache_dir = \"{0}/cache\"\nfake_gpus = \"1x11GiB\"\nrun_as = \"labd\"\n",
+        d.display()
+    );
+    let tokens = "[tokens]\nalice = \"tok-alice-0123456789\"\n";
+    let cases = [
+        (0o644, format!("{base}{tokens}"), "readable by other users"),
+        (0o666, base.clone(), "writable by other users"),
+        (
+            0o600,
+            format!("{base}{tokens}bob = \"tok-alice-0123456789\"\n"),
+            "alice and bob have the same token",
+        ),
+        (0o600, format!("tick_ms = 0\n{base}"), "tick_ms = 0"),
+    ];
+    for (mode, text, why) in cases {
+        let config = d.join("labd.toml");
+        std::fs::write(&config, text).unwrap();
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(mode)).unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_labd"))
+            .arg("--config")
+            .arg(&config)
+            .env("HOME", d)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{why}: {err}");
+        assert!(err.contains(why), "{why}: {err}");
+    }
+}
+
+/// Issue 9, point 13: job ids stay unique when labd's database, or its
+/// whole state folder, is lost: a new job never pushes a second `runs/j1`.
+#[test]
+fn job_ids_stay_unique_when_the_state_is_lost() {
+    let mut n = Node::start(None, "run_as = \"labd\"");
+    let run = |n: &Node| {
+        let id = n.detach(
+            ALICE,
+            &[
+                "--gpus",
+                "0",
+                "--outputs",
+                "ckpt",
+                "--",
+                "bash",
+                "-c",
+                "mkdir -p ckpt; echo $LABRUN_JOB_ID > ckpt/who",
+            ],
+        );
+        wait_until("the outputs to be saved", 30, || n.ended(&id));
+        let saved = n.job(&id).meta.outputs_saved;
+        assert_eq!(saved, Some(format!("runs/{id}@v1")), "a name of its own");
+        id
+    };
+    let first = run(&n);
+    n.crash();
+    std::fs::remove_file(n.path("state/state-v1.redb")).unwrap();
+    n.restart();
+    let second = run(&n);
+    assert_ne!(second, first, "the database was lost, the folders were not");
+    n.crash();
+    std::fs::remove_dir_all(n.path("state")).unwrap();
+    n.restart();
+    let third = run(&n);
+    assert!(
+        third != first && third != second,
+        "the state folder was lost, the store was not: {first} {second} {third}"
     );
 }
 
