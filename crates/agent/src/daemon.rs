@@ -28,7 +28,7 @@ const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
 
 /// The longest wait between two tries of a final outputs push: a store
 /// outage of hours is normal, and the checkpoints wait for it.
-pub const OUTPUTS_RETRY_MAX: Duration = Duration::from_secs(600);
+const OUTPUTS_RETRY_MAX: Duration = Duration::from_secs(600);
 
 /// Everything labd is told (the binary resolves files, flags and defaults).
 /// Its `Debug` shows no token and no store credential.
@@ -60,7 +60,7 @@ pub struct DaemonConfig {
     /// Default time between pushes of a job's outputs.
     pub outputs_every: Duration,
     /// First wait before a failed final outputs push is tried again; it
-    /// doubles after each failure, up to [`OUTPUTS_RETRY_MAX`].
+    /// doubles after each failure, up to 10 minutes.
     pub outputs_retry: Duration,
     /// How long a job's working folder stays after it ended.
     pub work_keep: Duration,
