@@ -62,8 +62,10 @@ pub struct DaemonConfig {
     /// First wait before a failed final outputs push is tried again; it
     /// doubles after each failure, up to 10 minutes.
     pub outputs_retry: Duration,
-    /// How long a job's working folder stays after it ended.
+    /// How long a job's working folder (and its log) stays after it ended.
     pub work_keep: Duration,
+    /// Cap on one job's log on disk: its first and last halves are kept.
+    pub log_max: u64,
     /// Run each job as the Unix user who submitted it (only when labd is root).
     pub run_as_submitter: bool,
     /// (user, token) pairs.
@@ -408,6 +410,7 @@ impl Daemon {
             outputs_error: None,
             outputs_pending: req.outputs.is_some(),
             outputs_failures: 0,
+            log_cut: None,
             preparing: Some("materialising code and data".into()),
             run_as,
             trees: req
@@ -530,11 +533,11 @@ impl Daemon {
             let finished = matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. })
                 && (!rec.meta.outputs_pending || rec.meta.outputs_failures > 0);
             let p = path.clone();
-            let bytes = off_runtime(move || read_from(&p, offset, 1 << 20))
+            let cut = rec.meta.log_cut;
+            let (bytes, next) = off_runtime(move || read_log(&p, offset, 1 << 20, cut))
                 .await
                 .map_err(internal)?;
-            let next = offset + bytes.len() as u64;
-            let done = finished && bytes.len() < 1 << 20;
+            let done = finished && next == offset + bytes.len() as u64 && bytes.len() < 1 << 20;
             if !bytes.is_empty() || done || Instant::now() >= deadline {
                 return Ok(LogRead { bytes, next, done });
             }
@@ -544,11 +547,21 @@ impl Daemon {
 
     /// Reaps ended jobs, starts what fits, and pushes outputs that are due.
     pub async fn tick(self: &Arc<Self>) {
-        let node = self.node.clone();
+        let me = self.clone();
         let jobs = off_runtime(move || {
-            node.reap()?;
-            node.schedule()?;
-            node.active_jobs()
+            let ended = me.node.reap()?;
+            me.node.schedule()?;
+            let active = me.node.active_jobs()?;
+            // Every job that may still write, and those that just stopped.
+            let writing = active
+                .iter()
+                .filter(|j| matches!(j.state, JobState::Running { .. }))
+                .map(|j| j.id.as_str())
+                .chain(ended.iter().map(|(id, _)| id.as_str()));
+            for id in writing {
+                me.bound_log(id);
+            }
+            Ok::<_, NodeError>(active)
         })
         .await;
         let jobs = match jobs {
@@ -715,6 +728,49 @@ impl Daemon {
         }
     }
 
+    /// Keeps the job's log under `log_max` on disk: once it grows past the
+    /// cap (plus an eighth, so the database is written once per few MB, not
+    /// per line), everything between its first half and its last half is
+    /// punched out. The job keeps appending to the same file; readers
+    /// skipping the hole are told how much was cut.
+    fn bound_log(&self, id: &str) {
+        let cap = self.cfg.log_max;
+        let path = self.node.log_path(id);
+        let Ok(size) = std::fs::metadata(&path).map(|m| m.len()) else {
+            return;
+        };
+        let Ok(Some(rec)) = self.node.job(id) else {
+            return;
+        };
+        const BLOCK: u64 = 4096;
+        // Bytes [start, done) are cut already; start is fixed at the first cut.
+        let start = rec
+            .meta
+            .log_cut
+            .map_or((cap / 2).div_ceil(BLOCK) * BLOCK, |(s, _)| s);
+        let done = rec.meta.log_cut.map_or(start, |(_, e)| e);
+        let on_disk = start + size.saturating_sub(done);
+        let end = size.saturating_sub(cap / 2) / BLOCK * BLOCK;
+        if on_disk <= cap + cap / 8 || end <= done {
+            return;
+        }
+        match punch_hole(&path, done, end - done) {
+            Ok(()) => {
+                if let Err(e) = self
+                    .node
+                    .update_meta(id, |m| m.log_cut = Some((start, end)))
+                {
+                    tracing::error!("job state: {e}");
+                }
+            }
+            Err(e) => tracing::warn!(
+                "job {id}: cannot cut its log {} to {} bytes: {e}",
+                path.display(),
+                cap
+            ),
+        }
+    }
+
     /// How long to wait after the `failed`-th failure of a final outputs push.
     fn retry_delay(&self, failed: u32) -> Duration {
         let doublings = failed.saturating_sub(1).min(20);
@@ -743,8 +799,14 @@ impl Daemon {
             };
             if old {
                 match std::fs::remove_dir_all(e.path()) {
-                    Ok(()) => tracing::info!("removed the working folder of job {id}"),
+                    Ok(()) => tracing::info!("removed the working folder and log of job {id}"),
                     Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
+                }
+                let log = self.node.log_path(&id);
+                if let Err(err) = std::fs::remove_file(&log) {
+                    if err.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!("cannot remove {}: {err}", log.display());
+                    }
                 }
             }
         }
@@ -779,6 +841,63 @@ fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {
     let mut buf = Vec::new();
     f.take(max as u64).read_to_end(&mut buf)?;
     Ok(buf)
+}
+
+/// Up to `max` bytes of a job's log from `offset`, and the offset to ask
+/// for next. The range `cut` is a hole labd punched: a reader at its start
+/// (or inside it) gets one line saying how much was cut, then the bytes after
+/// it; a read never runs into it.
+fn read_log(
+    path: &Path,
+    offset: u64,
+    max: usize,
+    cut: Option<(u64, u64)>,
+) -> std::io::Result<(Vec<u8>, u64)> {
+    match cut {
+        Some((start, end)) if (start..end).contains(&offset) => {
+            let mut out = format!(
+                "\n[labd: {} bytes of output cut here to keep the log under its cap (log_max)]\n",
+                end - offset
+            )
+            .into_bytes();
+            let rest = read_from(path, end, max)?;
+            let next = end + rest.len() as u64;
+            out.extend(rest);
+            Ok((out, next))
+        }
+        Some((start, _)) if offset < start => {
+            let bytes = read_from(path, offset, max.min((start - offset) as usize))?;
+            let next = offset + bytes.len() as u64;
+            Ok((bytes, next))
+        }
+        _ => {
+            let bytes = read_from(path, offset, max)?;
+            let next = offset + bytes.len() as u64;
+            Ok((bytes, next))
+        }
+    }
+}
+
+/// Frees `len` bytes of `path` from `offset` (the file keeps its size).
+#[allow(unsafe_code)]
+fn punch_hole(path: &Path, offset: u64, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = File::options().write(true).open(path)?;
+    // SAFETY: fallocate(2) on a descriptor we own, with plain integers; it
+    // touches no memory of ours.
+    let rc = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 #[allow(unsafe_code)]

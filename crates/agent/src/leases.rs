@@ -135,6 +135,10 @@ pub struct JobMeta {
     /// Failed tries of the final push so far; labd keeps trying.
     #[serde(default)]
     pub outputs_failures: u32,
+    /// The byte range of the job's log cut out to keep it under `log_max`
+    /// (a hole in the file; readers are told, not given zeros).
+    #[serde(default)]
+    pub log_cut: Option<(u64, u64)>,
     /// Still materialising code and data: what, in words.
     pub preparing: Option<String>,
     /// Snapshot ids of the shared trees it uses (kept while it is active).

@@ -102,6 +102,8 @@ struct LabdFile {
     outputs_retry_s: Option<u64>,
     /// Seconds a job's working folder stays after it ended (default: one day).
     work_keep_s: Option<u64>,
+    /// Cap on one job's log on disk, e.g. `100M` (default); head and tail are kept.
+    log_max: Option<String>,
     /// `submitter` (default; only when root) or `labd`.
     run_as: Option<String>,
     #[serde(default)]
@@ -206,6 +208,10 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
         outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).max(1)),
         work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
+        log_max: match file.log_max {
+            Some(s) => parse_size(&s)?.max(64 << 10),
+            None => 100 << 20,
+        },
         run_as_submitter,
         tokens,
         admins,

@@ -722,6 +722,38 @@ fn job_ids_stay_unique_when_the_state_is_lost() {
     );
 }
 
+/// Issue 9, point 7: a job's log is bounded on disk (here `log_max = 1M`):
+/// its head and tail are kept, readers are told what was cut, and the log
+/// goes with the working folder after `work_keep_s`.
+#[test]
+fn job_logs_keep_head_and_tail_under_their_cap() {
+    use std::os::unix::fs::MetadataExt;
+    let n = Node::start(None, "run_as = \"labd\"\nlog_max = \"1M\"\nwork_keep_s = 3");
+    // 8 MB of output in ~130-byte lines, then a last line.
+    let script = "echo FIRST; for i in $(seq 1 64); do yes \"$i: a chatty training loop prints this line again and again and again and again and again\" | head -c 131072; done; echo LAST";
+    let id = n.bash(ALICE, 0, script);
+    wait_until("the job to end", 60, || n.ended(&id));
+    let log = n.path(&format!("state/logs/{id}.log"));
+    let m = std::fs::metadata(&log).unwrap();
+    assert!(
+        m.len() > 8_000_000,
+        "the file keeps its offsets: {}",
+        m.len()
+    );
+    assert!(
+        m.blocks() * 512 <= (1 << 20) + (1 << 20) / 8 + 65536,
+        "{} bytes on disk",
+        m.blocks() * 512
+    );
+    let out = n.ok(ALICE, &["logs", &id]);
+    assert!(out.starts_with("FIRST\n1: a chatty"), "{}", &out[..100]);
+    assert!(out.trim_end().ends_with("LAST"), "the tail is kept");
+    assert!(out.contains("bytes of output cut here"), "readers are told");
+    assert!(!out.contains('\0'), "the hole is never read as zeros");
+    assert!(out.len() < 2 << 20, "{}", out.len());
+    wait_until("the log to go with the folder", 30, || !log.exists());
+}
+
 /// Test 6 (crashed) and the exit code: a job that fails leaves its outputs in
 /// the store, and labrun exits with the job's code after streaming its output.
 #[test]
