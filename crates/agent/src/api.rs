@@ -64,9 +64,28 @@ async fn gpus(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> 
     Ok(Json(d.gpus().await?))
 }
 
-async fn jobs(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+#[derive(Deserialize)]
+struct JobsQuery {
+    /// Ended jobs numbered below this (`j<N>`), newest first: one page of history.
+    before: Option<u64>,
+    /// With `history`: at most this many (default 100, at most 1000).
+    limit: Option<usize>,
+    /// Ask for history rather than the active and recent jobs.
+    #[serde(default)]
+    history: bool,
+}
+
+async fn jobs(
+    State(d): D,
+    h: HeaderMap,
+    Query(q): Query<JobsQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     caller(&d, &h)?;
-    Ok(Json(d.jobs().await?))
+    if q.history || q.before.is_some() {
+        Ok(Json(d.history(q.before, q.limit.unwrap_or(100)).await?))
+    } else {
+        Ok(Json(d.jobs().await?))
+    }
 }
 
 async fn submit(
@@ -135,28 +154,172 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .with_state(daemon)
 }
 
+/// What one peer, and everyone together, may hold open. A local user
+/// without a token can still connect to a shared labd's socket, so these
+/// hold before any authentication.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    /// Connections open at once, all peers together.
+    pub max: usize,
+    /// Connections open at once from one Unix user (socket) or address (TCP).
+    pub per_peer: usize,
+    /// A connection that has not sent a whole request head this long after
+    /// it opened or after its last answer is closed.
+    pub header_timeout: Duration,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max: 1024,
+            per_peer: 128,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Who is at the other end of a connection, for the per-peer cap.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Peer {
+    Uid(u32),
+    Addr(std::net::IpAddr),
+    Unknown,
+}
+
+/// Counts one connection against the caps while it lives.
+struct Slot {
+    peer: Peer,
+    open: Arc<std::sync::Mutex<std::collections::HashMap<Peer, usize>>>,
+    _all: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().expect("labd poisoned");
+        if let Some(n) = open.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.peer);
+            }
+        }
+    }
+}
+
 /// Serves the API on `listener` and runs the ticker until `shutdown` resolves.
 pub async fn serve(
     daemon: Arc<Daemon>,
     listener: Listener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let limits = daemon.conn_limits();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop_rx.clone()));
     let app = router(daemon);
-    let mut rx = stop_rx;
-    let stopped = async move {
-        let _ = rx.changed().await;
-    };
-    let signal = async move {
+    tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
-    };
-    tokio::spawn(signal);
-    let served = match listener {
-        Listener::Unix(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
-        Listener::Tcp(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
-    };
+    });
+    let all = Arc::new(tokio::sync::Semaphore::new(limits.max));
+    let open = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let mut conns = tokio::task::JoinSet::new();
+    let mut stop = stop_rx.clone();
+    let mut refused_at: Option<std::time::Instant> = None;
+    loop {
+        let accepted = tokio::select! {
+            a = accept(&listener) => a,
+            _ = stop.changed() => break,
+        };
+        let (io, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of file descriptors and the like: wait, do not spin.
+                tracing::warn!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        while conns.try_join_next().is_some() {}
+        let slot = {
+            let mut o = open.lock().expect("labd poisoned");
+            let n = o.entry(peer.clone()).or_insert(0);
+            match all.clone().try_acquire_owned() {
+                Ok(permit) if *n < limits.per_peer => {
+                    *n += 1;
+                    Some(Slot {
+                        peer: peer.clone(),
+                        open: open.clone(),
+                        _all: permit,
+                    })
+                }
+                _ => None,
+            }
+        };
+        let Some(slot) = slot else {
+            // Closed at once. Said at most once a minute: a flood must not fill the log.
+            if refused_at.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                refused_at = Some(std::time::Instant::now());
+                tracing::warn!("refusing connections from {peer:?}: over the connection caps");
+            }
+            continue;
+        };
+        let (app, mut stop) = (app.clone(), stop_rx.clone());
+        conns.spawn(async move {
+            let _slot = slot;
+            let svc = hyper_util::service::TowerToHyperService::new(app);
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
+            let conn = match io {
+                Io::Unix(s) => serve_one(&http, s, svc, &mut stop).await,
+                Io::Tcp(s) => serve_one(&http, s, svc, &mut stop).await,
+            };
+            if let Err(e) = conn {
+                tracing::debug!("connection from {peer:?}: {e}");
+            }
+        });
+    }
+    // Running requests finish (a log follower's wait is at most 30 s).
+    let drain = async { while conns.join_next().await.is_some() {} };
+    let _ = tokio::time::timeout(Duration::from_secs(35), drain).await;
     let _ = ticker.await;
-    served
+    Ok(())
+}
+
+enum Io {
+    Unix(tokio::net::UnixStream),
+    Tcp(tokio::net::TcpStream),
+}
+
+async fn accept(listener: &Listener) -> std::io::Result<(Io, Peer)> {
+    match listener {
+        Listener::Unix(l) => {
+            let (s, _) = l.accept().await?;
+            let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+            Ok((Io::Unix(s), peer))
+        }
+        Listener::Tcp(l) => {
+            let (s, addr) = l.accept().await?;
+            Ok((Io::Tcp(s), Peer::Addr(addr.ip())))
+        }
+    }
+}
+
+async fn serve_one<S>(
+    http: &hyper::server::conn::http1::Builder,
+    io: S,
+    svc: hyper_util::service::TowerToHyperService<Router>,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<(), hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => r,
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    }
 }

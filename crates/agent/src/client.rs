@@ -192,9 +192,23 @@ impl Client {
         self.json(hyper::Method::GET, "/v1/gpus", None).await
     }
 
-    /// Every job.
+    /// Every active job, and those that ended in the last day.
     pub async fn jobs(&self) -> Result<Vec<JobView>, ClientError> {
         self.json(hyper::Method::GET, "/v1/jobs", None).await
+    }
+
+    /// One page of older jobs: ended, numbered below `before` (all without
+    /// it), newest first, at most `limit`.
+    pub async fn history(
+        &self,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<JobView>, ClientError> {
+        let mut path = format!("/v1/jobs?history=true&limit={limit}");
+        if let Some(b) = before {
+            path += &format!("&before={b}");
+        }
+        self.json(hyper::Method::GET, &path, None).await
     }
 
     /// One job.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use labsync_store::{push, NoProgress, NodeCache, PushOptions, Remote, Repo};
 
+use crate::api::ConnLimits;
 use crate::error::{ApiError, PrepareError};
 use crate::gpu::GpuInventory;
 use crate::leases::{JobMeta, JobRecord, JobState};
@@ -25,6 +26,9 @@ use crate::users;
 /// before a periodic push takes it as it is: `torch.save` writes in place,
 /// and a copy taken mid-write would be the checkpoint a crash leaves.
 const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
+
+/// How long an ended job stays in the default listing (`labrun ps`).
+const RECENT: Duration = Duration::from_secs(86_400);
 
 /// The longest wait between two tries of a final outputs push: a store
 /// outage of hours is normal, and the checkpoints wait for it.
@@ -74,6 +78,10 @@ pub struct DaemonConfig {
     pub admins: Vec<String>,
     /// How often ended jobs are reaped and queued ones started.
     pub tick: Duration,
+    /// What connections may hold open (before any token is checked).
+    pub conn_limits: ConnLimits,
+    /// Jobs one user may have queued (waiting or being prepared) at once.
+    pub max_queued_per_user: usize,
 }
 
 impl std::fmt::Debug for DaemonConfig {
@@ -130,6 +138,9 @@ pub struct Daemon {
     pushing: Mutex<HashSet<String>>,
     /// When each running job's outputs were last pushed, and failed final pushes.
     pushed_at: Mutex<std::collections::HashMap<String, (Instant, u32)>>,
+    /// Per job followed: bumped by the ticker when its log grows or the job
+    /// changes state, so log followers sleep until then.
+    log_watch: Mutex<std::collections::HashMap<String, tokio::sync::watch::Sender<u64>>>,
     inventory: String,
     _lock: File,
 }
@@ -261,6 +272,7 @@ impl Daemon {
             tokens,
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(Default::default()),
+            log_watch: Mutex::new(Default::default()),
             inventory: inventory_name,
             _lock: lock,
             cfg,
@@ -283,6 +295,11 @@ impl Daemon {
         })
     }
 
+    /// What connections may hold open.
+    pub fn conn_limits(&self) -> ConnLimits {
+        self.cfg.conn_limits
+    }
+
     /// `labrun`'s first question.
     pub fn info(&self, caller: &Caller) -> Info {
         Info {
@@ -301,36 +318,80 @@ impl Daemon {
         Ok(off_runtime(move || node.gpus()).await?)
     }
 
-    fn view(&self, rec: JobRecord) -> JobView {
-        let why = match rec.state {
-            JobState::Queued => match &rec.meta.preparing {
-                Some(p) => Some(p.clone()),
-                None => self.node.why_waiting(&rec.id).ok().flatten(),
-            },
-            _ => None,
+    /// The view of each record; the GPUs are read once for all of them
+    /// (and only if one waits for GPUs), not once per queued job.
+    fn views(&self, recs: Vec<JobRecord>) -> Result<Vec<JobView>, NodeError> {
+        let waiting = recs
+            .iter()
+            .any(|r| r.state == JobState::Queued && r.meta.preparing.is_none());
+        let gpus = if waiting {
+            Some(self.node.gpus()?)
+        } else {
+            None
         };
-        JobView {
-            id: rec.id,
-            user: rec.user,
-            argv: rec.argv,
-            gpus_wanted: rec.gpus_wanted,
-            gpus: rec.gpus,
-            state: rec.state,
-            why,
-            submitted_at: rec.submitted_at,
-            started_at: rec.started_at,
-            ended_at: rec.ended_at,
-            meta: rec.meta,
-        }
+        Ok(recs
+            .into_iter()
+            .map(|rec| {
+                let why = match (&rec.state, &rec.meta.preparing, &gpus) {
+                    (JobState::Queued, Some(p), _) => Some(p.clone()),
+                    (JobState::Queued, None, Some(g)) => self.node.why_waiting(&rec.id, g),
+                    _ => None,
+                };
+                JobView {
+                    id: rec.id,
+                    user: rec.user,
+                    argv: rec.argv,
+                    gpus_wanted: rec.gpus_wanted,
+                    gpus: rec.gpus,
+                    state: rec.state,
+                    why,
+                    submitted_at: rec.submitted_at,
+                    started_at: rec.started_at,
+                    ended_at: rec.ended_at,
+                    meta: rec.meta,
+                }
+            })
+            .collect())
     }
 
-    /// Every job, oldest first.
+    /// Active jobs and those that ended in the last day, oldest first: what
+    /// `labrun ps` shows. Older ones come from [`Daemon::history`].
     pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
         let me = self.clone();
         off_runtime(move || {
-            let mut jobs = me.node.jobs()?;
-            jobs.sort_by_key(|j| (j.submitted_at, j.id.len(), j.id.clone()));
-            Ok(jobs.into_iter().map(|j| me.view(j)).collect())
+            let day_ago = crate::leases::unix_now().saturating_sub(RECENT.as_secs());
+            let mut jobs: Vec<JobRecord> = me
+                .node
+                .jobs()?
+                .into_iter()
+                .filter(|j| j.active() || j.ended_at.is_none_or(|t| t >= day_ago))
+                .collect();
+            jobs.sort_by_key(|j| (j.submitted_at, crate::node::job_number(&j.id), j.id.clone()));
+            Ok(me.views(jobs)?)
+        })
+        .await
+    }
+
+    /// One page of the jobs that ended, newest first: those numbered below
+    /// `before` (all, without it), at most `limit` (1 to 1000).
+    pub async fn history(
+        self: &Arc<Self>,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<JobView>, ApiError> {
+        let me = self.clone();
+        off_runtime(move || {
+            let mut jobs: Vec<(u64, JobRecord)> = me
+                .node
+                .jobs()?
+                .into_iter()
+                .filter(|j| !j.active())
+                .filter_map(|j| Some((crate::node::job_number(&j.id)?, j)))
+                .filter(|(n, _)| before.is_none_or(|b| *n < b))
+                .collect();
+            jobs.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+            jobs.truncate(limit.clamp(1, 1000));
+            Ok(me.views(jobs.into_iter().map(|(_, j)| j).collect())?)
         })
         .await
     }
@@ -344,7 +405,11 @@ impl Daemon {
     /// One job.
     pub async fn job(self: &Arc<Self>, id: &str) -> Result<JobView, ApiError> {
         let (me, id) = (self.clone(), id.to_string());
-        off_runtime(move || Ok(me.view(me.record(&id)?))).await
+        off_runtime(move || {
+            let rec = me.record(&id)?;
+            Ok(me.views(vec![rec])?.remove(0))
+        })
+        .await
     }
 
     fn own(&self, caller: &Caller, rec: &JobRecord, what: &str) -> Result<(), ApiError> {
@@ -367,6 +432,22 @@ impl Daemon {
     ) -> Result<JobView, ApiError> {
         if req.argv.is_empty() {
             return Err(ApiError::BadRequest("no command to run".into()));
+        }
+        let (node, user) = (self.node.clone(), caller.user.clone());
+        let queued = off_runtime(move || {
+            node.active_jobs().map(|jobs| {
+                jobs.iter()
+                    .filter(|j| j.user == user && j.state == JobState::Queued)
+                    .count()
+            })
+        })
+        .await?;
+        if queued >= self.cfg.max_queued_per_user {
+            return Err(ApiError::TooMany(format!(
+                "{} has {queued} jobs queued on {}, the most one user may (max_queued_per_user); \
+                 wait for some to start or kill some",
+                caller.user, self.cfg.node_name
+            )));
         }
         if let Some(o) = &req.outputs {
             check_outputs(o).map_err(ApiError::BadRequest)?;
@@ -440,7 +521,8 @@ impl Daemon {
         let job = id.clone();
         tokio::spawn(async move {
             let outcome = me.prepare(&job, &req, &mut submit).await;
-            let node = me.node.clone();
+            let (node, job) = (me.node.clone(), job.clone());
+            let this = job.clone();
             // Either may find the job killed meanwhile; it then stays ended.
             let result = off_runtime(move || match outcome {
                 Ok(()) => node.enqueue(&job, submit).map(drop),
@@ -452,6 +534,7 @@ impl Daemon {
             if let Err(e) = result {
                 tracing::error!("job state: {e}");
             }
+            me.wake_followers(&this, None);
         });
         self.job(&id).await
     }
@@ -525,6 +608,14 @@ impl Daemon {
         self.own(caller, &rec, "read the log of")?;
         let path = self.node.log_path(id);
         let deadline = Instant::now() + wait.min(Duration::from_secs(30));
+        // Subscribed before the first read: a change after it wakes us.
+        let mut changed = self
+            .log_watch
+            .lock()
+            .expect("labd poisoned")
+            .entry(id.to_string())
+            .or_insert_with(|| tokio::sync::watch::channel(0).0)
+            .subscribe();
         loop {
             // Whether it had ended is read before the file, so no last line is missed.
             let rec = self.record(id)?;
@@ -541,7 +632,9 @@ impl Daemon {
             if !bytes.is_empty() || done || Instant::now() >= deadline {
                 return Ok(LogRead { bytes, next, done });
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            changed.mark_unchanged();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = tokio::time::timeout(left, changed.changed()).await;
         }
     }
 
@@ -561,6 +654,13 @@ impl Daemon {
             for id in writing {
                 me.bound_log(id);
             }
+            for (id, _) in &ended {
+                me.wake_followers(id, None);
+            }
+            me.log_watch
+                .lock()
+                .expect("labd poisoned")
+                .retain(|_, tx| tx.receiver_count() > 0);
             Ok::<_, NodeError>(active)
         })
         .await;
@@ -720,11 +820,28 @@ impl Daemon {
         if let Err(e) = r {
             tracing::error!("job state: {e}");
         }
+        self.wake_followers(&job.id, None);
         if settled {
             self.pushed_at
                 .lock()
                 .expect("labd poisoned")
                 .remove(&job.id);
+        }
+    }
+
+    /// Wakes the followers of `id`'s log: when `size` is new, or always
+    /// (`None`: the job's state changed).
+    fn wake_followers(&self, id: &str, size: Option<u64>) {
+        let watch = self.log_watch.lock().expect("labd poisoned");
+        if let Some(tx) = watch.get(id) {
+            tx.send_if_modified(|v| match size {
+                Some(s) if *v == s => false,
+                Some(s) => {
+                    *v = s;
+                    true
+                }
+                None => true,
+            });
         }
     }
 
@@ -739,6 +856,7 @@ impl Daemon {
         let Ok(size) = std::fs::metadata(&path).map(|m| m.len()) else {
             return;
         };
+        self.wake_followers(id, Some(size));
         let Ok(Some(rec)) = self.node.job(id) else {
             return;
         };

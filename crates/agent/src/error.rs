@@ -51,6 +51,9 @@ pub enum ApiError {
     /// The request cannot be done in this state (409).
     #[error("{0}")]
     Conflict(String),
+    /// The caller is over a cap, e.g. queued jobs per user (429).
+    #[error("{0}")]
+    TooMany(String),
     /// labd itself failed (500).
     #[error("{0}")]
     Internal(String),
@@ -65,6 +68,7 @@ impl ApiError {
             ApiError::NotFound(_) => 404,
             ApiError::BadRequest(_) => 400,
             ApiError::Conflict(_) => 409,
+            ApiError::TooMany(_) => 429,
             ApiError::Internal(_) => 500,
         }
     }

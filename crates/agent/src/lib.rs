@@ -45,7 +45,7 @@ mod trees;
 mod users;
 mod watchdog;
 
-pub use api::{router, serve, Listener};
+pub use api::{router, serve, ConnLimits, Listener};
 pub use cgroup::{Cgroups, Flavor};
 pub use client::{Client, Endpoint, LogPiece};
 pub use daemon::{off_runtime, Caller, Daemon, DaemonConfig, DaemonError, LogRead};

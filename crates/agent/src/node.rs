@@ -685,16 +685,14 @@ impl Node {
         Ok(self.state.jobs()?)
     }
 
-    /// Why a queued job waits, in words (`labrun ps`).
-    pub fn why_waiting(&self, id: &str) -> Result<Option<String>, NodeError> {
+    /// Why a queued job waits, in words (`labrun ps`), given a reading of
+    /// the GPUs (one reading serves a whole listing).
+    pub fn why_waiting(&self, id: &str, gpus: &[GpuStatus]) -> Option<String> {
         let inner = self.inner.lock().expect("node poisoned");
-        let Some(pos) = inner.queue.iter().position(|(q, _)| q == id) else {
-            return Ok(None);
-        };
+        let pos = inner.queue.iter().position(|(q, _)| q == id)?;
         let (want, min_free) = (inner.queue[pos].1.gpus, inner.queue[pos].1.min_free_bytes);
         drop(inner);
-        let gpus = self.gpus()?;
-        let free = free_gpus(&gpus, min_free).len();
+        let free = free_gpus(gpus, min_free).len();
         let unknown = gpus
             .iter()
             .filter(|g| matches!(g.state, GpuState::Unknown { .. }))
@@ -706,6 +704,6 @@ impl Node {
         if pos > 0 {
             why += &format!(", {pos} job(s) ahead in the queue");
         }
-        Ok(Some(why))
+        Some(why)
     }
 }

@@ -9,7 +9,8 @@
 //! | GET | `/v1/info` | → [`Info`] |
 //! | GET | `/v1/gpus` | → `[GpuStatus]` |
 //! | POST | `/v1/jobs` | [`SubmitRequest`] → [`JobView`] |
-//! | GET | `/v1/jobs` | → `[JobView]` (everyone's) |
+//! | GET | `/v1/jobs` | → `[JobView]`: everyone's active jobs and those that ended in the last day |
+//! | GET | `/v1/jobs?history=true&before=N&limit=M` | → `[JobView]`: ended jobs numbered below `jN`, newest first, `M` ≤ 1000 (default 100) |
 //! | GET | `/v1/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
 //! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |

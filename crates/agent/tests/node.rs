@@ -113,7 +113,10 @@ fn foreign_process_keeps_its_gpu_out_and_is_shown() {
     );
     let id = n.submit(job("true", 2, dir.path())).unwrap();
     assert_eq!(state_of(&n, &id), JobState::Queued);
-    assert!(n.why_waiting(&id).unwrap().unwrap().contains("1 free"));
+    assert!(n
+        .why_waiting(&id, &n.gpus().unwrap())
+        .unwrap()
+        .contains("1 free"));
     std::fs::write(&ctl, "").unwrap();
     assert_eq!(n.schedule().unwrap(), vec![id.clone()]);
     wait_until("job end", || !n.reap().unwrap().is_empty());
@@ -139,7 +142,10 @@ fn hung_inventory_leases_nothing_and_recovers() {
         .unwrap()
         .iter()
         .all(|g| matches!(g.state, GpuState::Unknown { .. })));
-    assert!(n.why_waiting(&id).unwrap().unwrap().contains("unknown"));
+    assert!(n
+        .why_waiting(&id, &n.gpus().unwrap())
+        .unwrap()
+        .contains("unknown"));
     std::fs::write(&ctl, "hang = false\n").unwrap();
     wait_until("recovery", || !n.schedule().unwrap().is_empty());
     wait_until("job end", || !n.reap().unwrap().is_empty());

@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use labsync_agent::{
-    current_user, detect, euid, serve, Daemon, DaemonConfig, Endpoint, FakeGpus, GpuInventory,
-    Listener, Secret,
+    current_user, detect, euid, serve, ConnLimits, Daemon, DaemonConfig, Endpoint, FakeGpus,
+    GpuInventory, Listener, Secret,
 };
 use labsync_cli::local::{hostname, load_or_create_token, LocalLabd};
 use labsync_cli::{parse_size, Overrides, Settings};
@@ -111,6 +111,14 @@ struct LabdFile {
     #[serde(default)]
     tokens: BTreeMap<String, Secret>,
     tick_ms: Option<u64>,
+    /// Connections open at once, everyone together (default 1024).
+    max_connections: Option<usize>,
+    /// Connections open at once from one Unix user or address (default 128).
+    max_connections_per_user: Option<usize>,
+    /// A connection that sends no whole request head for this long is closed (default 10000).
+    header_timeout_ms: Option<u64>,
+    /// Jobs one user may have queued at once (default 1000).
+    max_queued_per_user: Option<usize>,
 }
 
 fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
@@ -216,6 +224,17 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         tokens,
         admins,
         tick: Duration::from_millis(file.tick_ms.unwrap_or(100)),
+        conn_limits: {
+            let d = ConnLimits::default();
+            ConnLimits {
+                max: file.max_connections.unwrap_or(d.max).max(1),
+                per_peer: file.max_connections_per_user.unwrap_or(d.per_peer).max(1),
+                header_timeout: file
+                    .header_timeout_ms
+                    .map_or(d.header_timeout, Duration::from_millis),
+            }
+        },
+        max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
     };
     Ok((cfg, listen, inventory))
 }

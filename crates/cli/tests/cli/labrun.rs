@@ -754,6 +754,83 @@ fn job_logs_keep_head_and_tail_under_their_cap() {
     wait_until("the log to go with the folder", 30, || !log.exists());
 }
 
+/// Issue 9, point 12: a local user without a token can connect to a shared
+/// labd's socket. Holding connections open without sending anything must not
+/// lock others out: beyond `max_connections_per_user` they are closed at
+/// once, and the rest after `header_timeout_ms`; meanwhile other users are
+/// served.
+#[test]
+fn idle_connections_of_a_user_without_a_token_cannot_lock_labd() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: cannot play another local user");
+        return;
+    }
+    let n = Node::start(
+        Some("1x11GiB"),
+        "run_as = \"labd\"\nmax_connections_per_user = 16\nheader_timeout_ms = 1500",
+    );
+    let sock = n.addr.strip_prefix("unix://").unwrap().to_string();
+    let script = r#"
+import socket, sys, time
+socks = []
+for i in range(200):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        break
+    socks.append(s)
+def closed(s):
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+time.sleep(0.5)
+print("opened", len(socks), "closed", sum(closed(s) for s in socks), flush=True)
+sys.stdin.readline()
+time.sleep(2.5)
+print("closed", sum(closed(s) for s in socks), flush=True)
+"#;
+    let mut attacker = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script, &sock])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(attacker.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let f: Vec<usize> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(f.len(), 2, "{line}");
+    let (opened, closed_at_once) = (f[0], f[1]);
+    assert!(opened >= 100, "{line}");
+    assert_eq!(
+        closed_at_once,
+        opened - 16,
+        "all but 16 closed at once: {line}"
+    );
+    // While nobody holds its 16 connections, alice is served.
+    assert!(n.status().contains("free"));
+    use std::io::Write;
+    writeln!(attacker.stdin.as_mut().unwrap()).unwrap();
+    line.clear();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(
+        line.trim(),
+        format!("closed {opened}"),
+        "idle connections closed after the header timeout"
+    );
+    attacker.wait().unwrap();
+}
+
 /// Test 6 (crashed) and the exit code: a job that fails leaves its outputs in
 /// the store, and labrun exits with the job's code after streaming its output.
 #[test]

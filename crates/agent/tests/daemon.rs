@@ -1,0 +1,157 @@
+//! labd's operations (the layer under the HTTP API) with a local store and
+//! fake GPUs: listings, their cost, and the per-user queue cap.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use labsync_agent::proto::SubmitRequest;
+use labsync_agent::{
+    ApiError, Caller, ConnLimits, Daemon, DaemonConfig, FakeGpus, GpuInfo, GpuInventory,
+    InventoryError, JobState, Secret,
+};
+
+/// Fake GPUs that count how often they are read.
+struct Counting {
+    inner: FakeGpus,
+    reads: AtomicUsize,
+}
+
+impl GpuInventory for Counting {
+    fn read(&self) -> Result<Vec<GpuInfo>, InventoryError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.read()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+fn config(dir: &Path) -> DaemonConfig {
+    DaemonConfig {
+        node_name: "n1".into(),
+        state_dir: dir.join("state"),
+        store: format!("file://{}", dir.join("store").display()),
+        store_options: vec![],
+        cache_dir: dir.join("cache"),
+        cache_max: 1 << 30,
+        compression: Default::default(),
+        trees_max: 1 << 30,
+        foreign_limit: 256 << 20,
+        inventory_deadline: Duration::from_secs(2),
+        kill_grace: Duration::from_millis(200),
+        outputs_every: Duration::from_secs(300),
+        outputs_retry: Duration::from_secs(10),
+        work_keep: Duration::from_secs(86_400),
+        log_max: 100 << 20,
+        run_as_submitter: false,
+        tokens: vec![("alice".into(), Secret::new("tok-alice-0123456789"))],
+        admins: vec![],
+        tick: Duration::from_millis(50),
+        conn_limits: ConnLimits::default(),
+        max_queued_per_user: 5,
+    }
+}
+
+fn alice() -> Caller {
+    Caller {
+        user: "alice".into(),
+        admin: false,
+    }
+}
+
+fn bash(script: &str, gpus: u32) -> SubmitRequest {
+    SubmitRequest {
+        argv: vec!["bash".into(), "-c".into(), script.into()],
+        gpus,
+        ..Default::default()
+    }
+}
+
+/// Issue 9, point 12: a listing reads the GPUs once, however many jobs
+/// wait for them (it used to read them once per queued job); a user's
+/// queued jobs are capped; older jobs come a page at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_read_the_gpus_once_and_the_queue_is_capped_per_user() {
+    let dir = tempfile::tempdir().unwrap();
+    let inv = Arc::new(Counting {
+        inner: FakeGpus::new("1x11GiB", None).unwrap(),
+        reads: AtomicUsize::new(0),
+    });
+    let d = Daemon::open(config(dir.path()), inv.clone()).await.unwrap();
+    let me = alice();
+    // Three that end at once, for the history.
+    let mut ended = Vec::new();
+    for _ in 0..3 {
+        ended.push(d.submit(&me, bash("true", 0)).await.unwrap().id);
+    }
+    let runner = d.submit(&me, bash("sleep 300", 1)).await.unwrap().id;
+    let waiting = async {
+        loop {
+            d.tick().await;
+            let jobs = d.jobs().await.unwrap();
+            let done = ended
+                .iter()
+                .all(|id| jobs.iter().any(|j| &j.id == id && j.ended()));
+            let running = jobs
+                .iter()
+                .any(|j| j.id == runner && matches!(j.state, JobState::Running { .. }));
+            if done && running {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("jobs to start and end");
+    let mut queued = Vec::new();
+    for _ in 0..5 {
+        queued.push(d.submit(&me, bash("true", 1)).await.unwrap().id);
+    }
+    let over = d.submit(&me, bash("true", 1)).await.unwrap_err();
+    assert!(
+        matches!(&over, ApiError::TooMany(m) if m.contains("max_queued_per_user")),
+        "{over}"
+    );
+    // Wait until all five are queued behind the running job (prepared).
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while d
+            .jobs()
+            .await
+            .unwrap()
+            .iter()
+            .filter(|j| j.why.as_deref().is_some_and(|w| w.starts_with("waits for")))
+            .count()
+            < 5
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the five to queue");
+
+    let before = inv.reads.load(Ordering::SeqCst);
+    let jobs = d.jobs().await.unwrap();
+    assert_eq!(
+        inv.reads.load(Ordering::SeqCst) - before,
+        1,
+        "one GPU reading for a listing of {} jobs",
+        jobs.len()
+    );
+    assert!(jobs.iter().filter(|j| j.why.is_some()).count() >= 5);
+
+    let page = d.history(None, 2).await.unwrap();
+    let ids: Vec<&str> = page.iter().map(|j| j.id.as_str()).collect();
+    assert_eq!(ids, [ended[2].as_str(), ended[1].as_str()], "newest first");
+    let n: u64 = ended[1][1..].parse().unwrap();
+    let next = d.history(Some(n), 2).await.unwrap();
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].id, ended[0]);
+
+    d.kill(&me, &runner).await.unwrap();
+    for id in &queued {
+        let _ = d.kill(&me, id).await;
+    }
+}
