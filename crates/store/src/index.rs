@@ -62,8 +62,29 @@ pub fn decode(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
             format!("format version {}; this labsync reads {VERSION}", bytes[4]),
         ));
     }
-    postcard::from_bytes(&bytes[5..])
-        .map_err(|e| Error::corrupt(format!("index {key}"), e.to_string()))
+    let packs: Vec<IndexPack> = postcard::from_bytes(&bytes[5..])
+        .map_err(|e| Error::corrupt(format!("index {key}"), e.to_string()))?;
+    // Every entry is checked against its pack's size and the chunk limits:
+    // a lying length would otherwise size a buffer (4 GiB for a u32) or
+    // overflow an offset on every pull that reads it.
+    for p in &packs {
+        for &(id, offset, stored_len, raw_len, flags) in &p.chunks {
+            let e = PackEntry {
+                id,
+                offset,
+                stored_len,
+                raw_len,
+                flags,
+            };
+            if let Some(why) = e.problem(p.size) {
+                return Err(Error::corrupt(
+                    format!("index {key}"),
+                    format!("chunk {} of pack {}: {why}", id.short(), p.pack),
+                ));
+            }
+        }
+    }
+    Ok(packs)
 }
 
 /// Where a chunk lives.
@@ -186,5 +207,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("version 9"));
+    }
+
+    /// Issue 9, point 11: an index object any lab member wrote, whose
+    /// entries lie about lengths or offsets, is refused when it is read, not
+    /// when a 4 GiB buffer has been allocated or an offset has overflowed.
+    #[test]
+    fn lying_entries_are_refused_at_decode() {
+        let entry = |offset: u64, stored: u32, raw: u32, flags: u8| IndexPack {
+            pack: PackId::of(b"p"),
+            size: 1 << 20,
+            chunks: vec![(ChunkId::of(b"a"), offset, stored, raw, flags)],
+        };
+        for (rec, why) in [
+            (entry(0, u32::MAX, u32::MAX, 0), "more than any chunk"),
+            (entry(0, 100, 5 << 20 << 5, 1), "more than any chunk"),
+            (entry(u64::MAX - 2, 10, 10, 0), "past the chunk data"),
+            (entry(1 << 20, 1, 1, 0), "past the chunk data"),
+            (entry(0, 900_000, 1000, 1), "no codec expands"),
+            (entry(0, 10, 20, 0), "stored plain"),
+            (entry(0, 10, 20, 0x40), "unknown flags"),
+        ] {
+            let err = decode(&encode(&[rec]), "k").unwrap_err().to_string();
+            assert!(err.contains(why), "{err} should say {why}");
+            assert!(err.contains("index k"), "{err}");
+        }
+        // A tree segment may be larger than a file chunk, and its zstd frame
+        // a little larger than a tiny segment.
+        decode(&encode(&[entry(0, 300, 200, 2 | 1)]), "k").unwrap();
     }
 }

@@ -38,6 +38,8 @@ mod cache;
 mod chunker;
 mod error;
 mod fsutil;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gc;
 mod id;
 mod index;
@@ -57,7 +59,10 @@ pub use fsutil::blocking;
 pub use gc::{condemned_packs, gc, GcOutcome};
 pub use id::{ChunkId, PackId, SnapshotId};
 pub use index::{Index, IndexPack};
-pub use pack::{Codec, PackBuilder, PackEntry, SealedPack, FLAG_LZ4, FLAG_TREE, FLAG_ZSTD};
+pub use pack::{
+    Codec, PackBuilder, PackEntry, SealedPack, FLAG_LZ4, FLAG_TREE, FLAG_ZSTD, MAX_FILE_CHUNK,
+    MAX_TREE_CHUNK,
+};
 pub use progress::{NoProgress, Progress};
 pub use pull::{pull, warm, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};

@@ -31,6 +31,14 @@ pub const FLAG_TREE: u8 = 2;
 pub const FLAG_LZ4: u8 = 4;
 const KNOWN_FLAGS: u8 = FLAG_ZSTD | FLAG_TREE | FLAG_LZ4;
 
+/// The largest file chunk any store holds: `ChunkerParams::validate` caps
+/// the chunker's maximum at 16 MiB. An entry claiming more is refused before
+/// anything is allocated for it.
+pub const MAX_FILE_CHUNK: u32 = 16 << 20;
+/// The largest tree segment labsync reads: at most 512 entries, so only a
+/// segment of files with millions of chunks each comes near it.
+pub const MAX_TREE_CHUNK: u32 = 256 << 20;
+
 /// How `push` compresses the file chunks that look compressible. Either way a
 /// chunk's id is the BLAKE3 of its plain bytes, so the codec never affects
 /// dedup, and every labsync reads both.
@@ -85,6 +93,47 @@ pub struct PackEntry {
 }
 
 impl PackEntry {
+    /// Why this entry cannot describe a chunk of a pack whose chunk data
+    /// ends at `data_end`; `None` when it can. Every entry read from a
+    /// footer or an index passes here, so a hostile one is refused before
+    /// a buffer is sized by its lengths or an offset is added.
+    pub fn problem(&self, data_end: u64) -> Option<String> {
+        if self.flags & !KNOWN_FLAGS != 0
+            || self.flags & (FLAG_ZSTD | FLAG_LZ4) == FLAG_ZSTD | FLAG_LZ4
+        {
+            return Some(format!(
+                "unknown flags {:#04x} (written by a newer labsync?)",
+                self.flags
+            ));
+        }
+        let max = if self.flags & FLAG_TREE != 0 {
+            MAX_TREE_CHUNK
+        } else {
+            MAX_FILE_CHUNK
+        };
+        if self.raw_len > max {
+            return Some(format!(
+                "claims {} bytes, more than any chunk holds ({max})",
+                self.raw_len
+            ));
+        }
+        let (stored, raw) = (u64::from(self.stored_len), u64::from(self.raw_len));
+        if self.flags & (FLAG_ZSTD | FLAG_LZ4) == 0 && stored != raw {
+            return Some(format!("stored plain in {stored} bytes but {raw} long"));
+        }
+        // Compressed data is stored only when smaller, but a tiny tree
+        // segment's zstd frame may exceed it by its headers.
+        if stored > raw + raw / 64 + 1024 {
+            return Some(format!(
+                "{stored} stored bytes for {raw} bytes: no codec expands that much"
+            ));
+        }
+        match self.offset.checked_add(stored) {
+            Some(end) if end <= data_end => None,
+            _ => Some("points past the chunk data".into()),
+        }
+    }
+
     /// Turns stored bytes back into the chunk and checks them against the id.
     /// Plain chunks are returned borrowed, without a copy.
     pub fn decode<'a>(
@@ -105,13 +154,9 @@ impl PackEntry {
                 stored.len()
             )));
         }
-        if self.flags & !KNOWN_FLAGS != 0
-            || self.flags & (FLAG_ZSTD | FLAG_LZ4) == FLAG_ZSTD | FLAG_LZ4
-        {
-            return Err(corrupt(format!(
-                "unknown flags {:#04x} (written by a newer labsync?)",
-                self.flags
-            )));
+        // The lengths are checked before the output buffer is sized by them.
+        if let Some(why) = self.problem(u64::MAX) {
+            return Err(corrupt(why));
         }
         let plain = if self.flags & FLAG_LZ4 != 0 {
             // A fresh output buffer: lz4_flex's safe decoder into new memory
@@ -306,13 +351,10 @@ pub fn parse_footer(
                 raw_len: u32::from_le_bytes(b[44..48].try_into().expect("4 bytes")),
                 flags: b[48],
             };
-            if e.offset + e.stored_len as u64 > data_end {
-                return Err(corrupt(format!(
-                    "entry {} points past the chunk data",
-                    e.id.short()
-                )));
+            match e.problem(data_end) {
+                Some(why) => Err(corrupt(format!("entry {}: {why}", e.id.short()))),
+                None => Ok(e),
             }
-            Ok(e)
         })
         .collect()
 }
@@ -613,6 +655,23 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("magic"));
+    }
+
+    /// Issue 9, point 11: a footer whose checksum and id are right (any lab
+    /// member can write one) but whose entry's offset plus length overflows
+    /// is refused; it used to overflow the addition.
+    #[test]
+    fn a_footer_offset_that_overflows_is_refused() {
+        let mut pack = build(&[b"one", b"two"]);
+        let n = pack.bytes.len();
+        let footer = n - TRAILER_LEN - 2 * ENTRY_LEN;
+        pack.bytes[footer + 32..footer + 40].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
+        let sum = blake3::hash(&pack.bytes[footer..n - TRAILER_LEN]);
+        pack.bytes[n - TRAILER_LEN + 8..n - TRAILER_LEN + 16].copy_from_slice(&sum.as_bytes()[..8]);
+        let id = PackId::from_bytes(*blake3::hash(&pack.bytes[footer..]).as_bytes());
+        let err = read_entries(&pack.bytes, &id).unwrap_err().to_string();
+        assert!(err.contains("past the chunk data"), "{err}");
+        crate::fuzzing::pack(&pack.bytes);
     }
 
     #[test]

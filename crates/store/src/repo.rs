@@ -399,15 +399,36 @@ impl Repo {
         id: &SnapshotId,
     ) -> Result<(SnapshotObject, Vec<Entry>)> {
         let snap = self.load_snapshot(id).await?;
+        // Paths are strictly sorted across segments, so a segment listed
+        // twice is never a real tree; refused before it multiplies memory.
+        let mut seen = std::collections::HashSet::with_capacity(snap.segments.len());
+        if let Some(s) = snap.segments.iter().find(|s| !seen.insert(s.id)) {
+            return Err(Error::corrupt(
+                format!("snapshot {id}"),
+                format!("tree segment {} listed twice", s.id.short()),
+            ));
+        }
         let ids: Vec<ChunkId> = snap.segments.iter().map(|s| s.id).collect();
         let segs = self.read_chunks(index, &ids).await?;
-        let mut entries =
-            Vec::with_capacity(snap.segments.iter().map(|s| s.entries as usize).sum());
+        // Sized by what is decoded, never by the counts the object claims.
+        let mut entries = Vec::new();
         for s in &snap.segments {
             let bytes = segs
                 .get(&s.id)
                 .expect("read_chunks returns every id or fails");
-            entries.extend(snapshot::decode_segment(bytes, &s.id)?);
+            let seg = snapshot::decode_segment(bytes, &s.id)?;
+            if seg.len() != s.entries as usize {
+                return Err(Error::corrupt(
+                    format!("snapshot {id}"),
+                    format!(
+                        "tree segment {} holds {} entries, the snapshot says {}",
+                        s.id.short(),
+                        seg.len(),
+                        s.entries
+                    ),
+                ));
+            }
+            entries.extend(seg);
         }
         Ok((snap, entries))
     }

@@ -1094,3 +1094,75 @@ async fn racily_clean_files_are_read_again_on_coarse_timestamps() {
         "never wrote twice within one second in 20 rounds"
     );
 }
+
+/// Issue 9, point 11: the fuzzers' corpora (fuzz/corpus/<target>/, real
+/// objects of a store plus what the fuzzers found) run through the same
+/// decoders on every test run: none may panic.
+#[test]
+fn fuzz_corpora_decode_without_panicking() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    type Decoder = fn(&[u8]);
+    let targets: [(&str, Decoder); 5] = [
+        ("snapshot_object", labsync_store::fuzzing::snapshot_object),
+        ("tree_segment", labsync_store::fuzzing::tree_segment),
+        ("index_object", labsync_store::fuzzing::index_object),
+        ("pack", labsync_store::fuzzing::pack),
+        ("version_ref", labsync_store::fuzzing::version_ref),
+    ];
+    for (name, decode) in targets {
+        let dir = root.join(name);
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let p = e.unwrap().path();
+            decode(&std::fs::read(&p).unwrap());
+            n += 1;
+        }
+        assert!(n > 0, "no corpus for {name}");
+    }
+}
+
+/// Issue 9, point 11: a snapshot that lists one tree segment twice, or
+/// claims more entries than a segment holds, is refused before its tree is
+/// built (a repeated segment multiplied memory by the repeat count).
+#[tokio::test]
+async fn snapshots_with_repeated_or_miscounted_segments_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let file = Entry {
+        path: b"x".to_vec(),
+        kind: Kind::File,
+        mode: 0o644,
+        mtime_ns: 0,
+        size: 4,
+        chunks: vec![ChunkId::of(b"pwnd")],
+        target: vec![],
+    };
+    let good = plant_snapshot(&env.repo, "good", std::slice::from_ref(&file)).await;
+    let (index, _) = env.repo.load_index().await.unwrap();
+    let obj = env.repo.load_snapshot(&good.snapshot).await.unwrap();
+    let seg = obj.segments[0];
+    for (name, segments, why) in [
+        ("twice", vec![seg; 100_000], "listed twice"),
+        (
+            "miscounted",
+            vec![labsync_store::SegmentRef {
+                id: seg.id,
+                entries: u32::MAX,
+            }],
+            "the snapshot says 4294967295",
+        ),
+    ] {
+        let (sid, bytes) = SnapshotObject {
+            segments,
+            ..obj.clone()
+        }
+        .encode();
+        env.repo
+            .remote()
+            .put(&format!("snapshots/{sid}"), bytes.into())
+            .await
+            .unwrap();
+        let err = env.repo.load_tree(&index, &sid).await.unwrap_err();
+        assert!(err.to_string().contains(why), "{name}: {err}");
+    }
+}
