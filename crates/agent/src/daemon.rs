@@ -527,7 +527,7 @@ impl Daemon {
             let result = off_runtime(move || match outcome {
                 Ok(()) => node.enqueue(&job, submit).map(drop),
                 Err(e) => node
-                    .cancel_reserved(&job, format!("cannot prepare the job: {e}"))
+                    .cancel_reserved(&job, format!("cannot prepare the job: {}", chain(&e)))
                     .map(drop),
             })
             .await;
@@ -774,7 +774,7 @@ impl Daemon {
             push(&self.repo, &dir, &opts, Arc::new(NoProgress))
                 .await
                 .map(|o| o.record.label())
-                .map_err(|e| e.to_string())
+                .map_err(|e| chain(&e))
         } else {
             Err(format!("the job left no {out} folder to save"))
         };
@@ -947,6 +947,23 @@ impl Daemon {
     pub fn trees_dir(&self) -> PathBuf {
         self.trees.path("")
     }
+}
+
+/// An error and its causes, as one line for a job's record: the store's
+/// errors name the path and leave the OS's reason ("No space left on
+/// device") to their source, which a user reading `labrun ps` needs too.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out += ": ";
+            out += &s_text;
+        }
+        next = s.source();
+    }
+    out
 }
 
 fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {

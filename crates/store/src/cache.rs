@@ -178,6 +178,16 @@ impl NodeCache {
             .copied()
             .collect();
         let total: u64 = missing.iter().map(|(_, n)| n).sum();
+        let needed = self.space_for_packs(repo, total);
+        if let Some(available) = crate::fsutil::free_space(&self.root) {
+            if available < needed {
+                return Err(Error::NoSpace {
+                    path: self.root.clone(),
+                    needed,
+                    available,
+                });
+            }
+        }
         progress.phase("fetch", Some(total), Some(missing.len() as u64));
         // Futures collected before streaming them: a closure inside the
         // stream made the whole future non-`Send` for tokio::spawn
@@ -197,6 +207,20 @@ impl NodeCache {
         Ok((missing.len() as u64, total))
     }
 
+    /// Bytes fetching `total` bytes of packs takes in the cache: none when
+    /// the store is a local folder on the cache's file system (hard links).
+    pub(crate) fn space_for_packs(&self, repo: &Repo, total: u64) -> u64 {
+        let linked = repo.remote().local_path("packs").is_some_and(|p| {
+            let dev = crate::fsutil::device_of(&p);
+            dev.is_some() && dev == crate::fsutil::device_of(&self.root)
+        });
+        if linked {
+            0
+        } else {
+            total
+        }
+    }
+
     /// Fetches one pack, replacing any cached copy.
     pub async fn fetch_pack(&self, repo: &Repo, id: &PackId) -> Result<()> {
         let dest = self.pack_path(id);
@@ -208,10 +232,14 @@ impl NodeCache {
             let tmp = tmp_name(&dest);
             return blocking(move || {
                 if std::fs::hard_link(&src, &tmp).is_err() {
-                    std::fs::copy(&src, &tmp).map_err(|e| match e.kind() {
-                        std::io::ErrorKind::NotFound => Error::not_found(format!("pack {key}")),
-                        _ => Error::io("copy", &src)(e),
-                    })?;
+                    if let Err(e) = std::fs::copy(&src, &tmp) {
+                        // A full disk must not also keep the half-made copy.
+                        let _ = std::fs::remove_file(&tmp);
+                        return Err(match e.kind() {
+                            std::io::ErrorKind::NotFound => Error::not_found(format!("pack {key}")),
+                            _ => Error::io("copy", &src)(e),
+                        });
+                    }
                 }
                 std::fs::rename(&tmp, &dest).map_err(Error::io("rename into place", &dest))
             })

@@ -21,6 +21,21 @@ pub enum Error {
         /// What the user can do about it (may be empty; starts with "; ").
         hint: String,
     },
+    /// The file system of `path` has less room than the work needs; checked
+    /// before anything is written, so nothing is half done.
+    #[error(
+        "not enough space on the file system of {}: {} needed, {} free; free some space \
+         (`labsync cache evict` frees the node cache) and run it again",
+        path.display(), mib(*needed), mib(*available)
+    )]
+    NoSpace {
+        /// Where it would have been written.
+        path: PathBuf,
+        /// Bytes the work needs there.
+        needed: u64,
+        /// Bytes free there.
+        available: u64,
+    },
     /// Stored data does not match its id or format. Never materialised.
     #[error("corrupt {what}: {detail}")]
     Corrupt {
@@ -113,4 +128,8 @@ impl Error {
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::NotFound { .. })
     }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }

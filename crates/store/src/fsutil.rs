@@ -12,10 +12,38 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
     }
     let tmp = tmp_name(path);
-    let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
-    f.write_all(data).map_err(Error::io("write", &tmp))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        f.write_all(data).map_err(Error::io("write", &tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
+    })();
+    if written.is_err() {
+        // A full disk must not also keep the half-written copy.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Bytes an unprivileged writer may still use on the file system of `path`
+/// (the nearest existing folder above it); `None` if it cannot be asked.
+#[allow(unsafe_code)]
+pub(crate) fn free_space(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statvfs is a valid value; statvfs(3) fills it from
+    // a NUL-terminated path that outlives the call.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then_some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// The device holding `path` (or the nearest existing folder above it).
+pub(crate) fn device_of(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    std::fs::metadata(existing).ok().map(|m| m.dev())
 }
 
 /// `dir/.name.<pid>.<n>.tmp`: hidden, unique per process and call.

@@ -153,6 +153,31 @@ pub async fn pull(
         .iter()
         .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
         .collect();
+    // Room for the files, checked before anything is fetched or written, so
+    // a full disk fails at once with the numbers instead of half way. The
+    // packs to fetch count here too when the cache shares the file system.
+    let total: u64 = files.iter().map(|&i| entries[i].size).sum();
+    if let Some(available) = crate::fsutil::free_space(&dest) {
+        let missing: u64 = packs
+            .iter()
+            .filter(|(p, _)| !cache.pack_path(p).exists())
+            .map(|(_, n)| n)
+            .sum();
+        let shared = crate::fsutil::device_of(&dest) == crate::fsutil::device_of(cache.root());
+        let needed = total
+            + if shared {
+                cache.space_for_packs(&repo, missing)
+            } else {
+                0
+            };
+        if available < needed {
+            return Err(Error::NoSpace {
+                path: dest.clone(),
+                needed,
+                available,
+            });
+        }
+    }
     // Recorded before fetching, so packs of an interrupted pull stay owned.
     cache.touch(
         record.snapshot,
@@ -162,7 +187,6 @@ pub async fn pull(
     )?;
     let (packs_fetched, bytes_fetched) = cache.fetch_packs(&repo, &packs, &progress).await?;
 
-    let total: u64 = files.iter().map(|&i| entries[i].size).sum();
     progress.phase("write", Some(total), Some(files.len() as u64));
     let entries = Arc::new(entries);
     let index = Arc::new(index);

@@ -1166,3 +1166,88 @@ async fn snapshots_with_repeated_or_miscounted_segments_are_refused() {
         assert!(err.to_string().contains(why), "{name}: {err}");
     }
 }
+
+/// Issue 9, point 10: a pull onto a full disk (here a small tmpfs, with a
+/// filler file) fails at once with a clear error naming the folder and the
+/// space needed, leaves the node cache consistent (`verify` clean), and the
+/// same pull succeeds once space is freed. Then the same with the node cache
+/// itself on the full disk, the store elsewhere.
+#[tokio::test]
+async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
+    let fs = support::Mounted::tmpfs(8 << 10);
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..4u64 {
+        std::fs::write(
+            src.join(format!("{i}.png")),
+            support::random_bytes(1_500_000, i),
+        )
+        .unwrap();
+    }
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let filler = fs.path.join("filler");
+    std::fs::write(&filler, vec![7u8; 4 << 20]).unwrap();
+
+    // The destination is full.
+    let dest = fs.path.join("ds");
+    let err = pull(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &dest,
+        2,
+        np(),
+    )
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, Error::NoSpace { needed, .. } if needed >= 6_000_000),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&dest.display().to_string()) && msg.contains("needed"),
+        "{msg}"
+    );
+    let report = verify(&env.repo, &env.cache, None, false, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    std::fs::remove_file(&filler).unwrap();
+    pull(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &dest,
+        2,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &dest);
+    std::fs::remove_dir_all(&dest).unwrap();
+
+    // The node cache is on the full disk and the store elsewhere: the packs
+    // cannot be fetched, and nothing half-fetched stays in the cache.
+    std::fs::write(&filler, vec![7u8; 4 << 20]).unwrap();
+    let cache = NodeCache::open(&fs.path.join("cache"), 1 << 30).unwrap();
+    let out = env.root.join("out");
+    let err = pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::NoSpace { path, .. } if path.starts_with(&fs.path)),
+        "{err}"
+    );
+    let report = verify(&env.repo, &cache, None, false, np()).await.unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    std::fs::remove_file(&filler).unwrap();
+    pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_same_tree(&src, &out);
+}

@@ -20,6 +20,8 @@ struct Node {
     config: PathBuf,
     /// Where labd listens: `unix://…` or `http://127.0.0.1:PORT`.
     addr: String,
+    /// The store's URL.
+    store: String,
 }
 
 fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
@@ -41,6 +43,17 @@ impl Node {
 
     /// As [`Node::start`], listening on `tcp` (`127.0.0.1:PORT`) instead of a Unix socket.
     fn start_on(tcp: Option<&str>, gpus: Option<&str>, extra: &str) -> Node {
+        Node::start_at(tcp, gpus, extra, None, None)
+    }
+
+    /// As [`Node::start_on`], with the node cache and the store where given.
+    fn start_at(
+        tcp: Option<&str>,
+        gpus: Option<&str>,
+        extra: &str,
+        cache: Option<&Path>,
+        store: Option<&Path>,
+    ) -> Node {
         let dir = tempfile::tempdir().unwrap();
         // Jobs run as other users (when the tests run as root) must reach their folders.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -67,18 +80,23 @@ impl Node {
                  {fake}{extra}\nadmins = [\"admin\"]\n[tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\n\
                  admin = \"{ADMIN}\"\nnobody = \"tok-nobody-0123456789\"\n",
                 state = d.join("state").display(),
-                store = d.join("store").display(),
-                cache = d.join("cache").display(),
+                store = store.map_or(d.join("store"), Path::to_path_buf).display(),
+                cache = cache.map_or(d.join("cache"), Path::to_path_buf).display(),
             ),
         )
         .unwrap();
         // It holds tokens: labd refuses it readable by others.
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let store = format!(
+            "file://{}",
+            store.map_or(d.join("store"), Path::to_path_buf).display()
+        );
         let mut n = Node {
             dir,
             labd: None,
             config,
             addr,
+            store,
         };
         n.restart();
         n
@@ -206,10 +224,7 @@ impl Node {
         Command::new(env!("CARGO_BIN_EXE_labsync"))
             .args(args)
             .env("HOME", self.path("home"))
-            .env(
-                "LABSYNC_STORE",
-                format!("file://{}", self.path("store").display()),
-            )
+            .env("LABSYNC_STORE", &self.store)
             .env("LABSYNC_CACHE", self.path("client-cache"))
             .output()
             .unwrap()
@@ -829,6 +844,104 @@ print("closed", sum(closed(s) for s in socks), flush=True)
         "idle connections closed after the header timeout"
     );
     attacker.wait().unwrap();
+}
+
+/// Issue 9, point 10: labd on a full disk. Materialising a job's data into
+/// a node cache on a full file system fails the job with a clear error and
+/// leaves no tree behind; the same job runs once space is freed. A final
+/// outputs save into a store on a full disk fails, is retried, and lands
+/// once space is freed, leaving the store verifiable throughout.
+#[test]
+fn labd_on_a_full_disk_says_so_and_recovers_once_space_is_freed() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: cannot mount a small file system");
+        return;
+    }
+    let cache_fs = crate::support::Mounted::tmpfs(16 << 10);
+    let store_fs = crate::support::Mounted::tmpfs(16 << 10);
+    let n = Node::start_at(
+        None,
+        None,
+        "run_as = \"labd\"\noutputs_retry_s = 1",
+        Some(&cache_fs.path.join("cache")),
+        Some(&store_fs.path.join("store")),
+    );
+    let data = n.path("ds");
+    std::fs::create_dir_all(&data).unwrap();
+    for i in 0..4u64 {
+        std::fs::write(
+            data.join(format!("{i}.png")),
+            crate::support::random_bytes(1_000_000, i),
+        )
+        .unwrap();
+    }
+    let o = n.labsync(&["push", data.to_str().unwrap(), "--name", "ds"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::create_dir_all(n.path("code")).unwrap();
+
+    // The node cache's disk is full: the data cannot be materialised.
+    let filler = cache_fs.path.join("filler");
+    std::fs::write(&filler, vec![1u8; 12 << 20]).unwrap();
+    let count = "ls $LABRUN_DATA | wc -l";
+    let id = n.detach(
+        ALICE,
+        &["--gpus", "0", "--data", "ds", "--", "bash", "-c", count],
+    );
+    wait_until("the job to fail", 30, || n.ended(&id));
+    match n.job(&id).state {
+        JobState::Failed { reason } => assert!(
+            reason.contains("not enough space") && reason.contains("needed"),
+            "{reason}"
+        ),
+        s => panic!("{s:?}"),
+    }
+    // The code's tree is there; no tree (or leftover) holds any of the data.
+    let half: Vec<_> = std::fs::read_dir(cache_fs.path.join("cache/trees-v2"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|t| t.join("0.png").exists() || t.join("3.png").exists())
+        .collect();
+    assert!(half.is_empty(), "no half tree is kept: {half:?}");
+    std::fs::remove_file(&filler).unwrap();
+    let id = n.detach(
+        ALICE,
+        &["--gpus", "0", "--data", "ds", "--", "bash", "-c", count],
+    );
+    wait_until("the job to run", 30, || n.ended(&id));
+    assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "4");
+
+    // The store's disk is full when the job's outputs are saved.
+    // About 1 MiB is left: the code push fits, a 3 MB checkpoint does not.
+    let filler = store_fs.path.join("filler");
+    std::fs::write(&filler, vec![1u8; 11 << 20]).unwrap();
+    let script = "mkdir -p ckpt; head -c 3000000 /dev/urandom > ckpt/model.pt";
+    let id = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "0",
+            "--outputs",
+            "ckpt",
+            "--",
+            "bash",
+            "-c",
+            script,
+        ],
+    );
+    wait_until("a failed save", 30, || n.job(&id).meta.outputs_failures > 0);
+    let j = n.job(&id);
+    assert!(
+        j.meta
+            .outputs_error
+            .as_deref()
+            .is_some_and(|e| e.contains("No space left")),
+        "{j:?}"
+    );
+    let v = n.labsync(&["verify"]);
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    std::fs::remove_file(&filler).unwrap();
+    wait_until("the outputs to be saved", 60, || n.ended(&id));
+    assert_eq!(n.job(&id).meta.outputs_saved, Some(format!("runs/{id}@v1")));
 }
 
 /// Test 6 (crashed) and the exit code: a job that fails leaves its outputs in
