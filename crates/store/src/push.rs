@@ -463,6 +463,15 @@ fn upload_stopped() -> Error {
     }
 }
 
+/// Why the uploader stopped: its own error (a full disk, the store gone),
+/// which is what the user needs, not that a pack could not be handed over.
+async fn uploader_error<T>(uploader: tokio::task::JoinHandle<Result<T>>) -> Error {
+    match uploader.await {
+        Ok(Err(e)) => e,
+        _ => upload_stopped(),
+    }
+}
+
 /// Uploads packs as they come, two at a time, making them durable and
 /// indexing them every 32 packs so an interrupted push resumes from there.
 async fn upload(
@@ -815,11 +824,15 @@ pub async fn push(
         }
         if tree.len() >= pack_size {
             let full = std::mem::take(&mut tree);
-            tx.send(full.seal()).await.map_err(|_| upload_stopped())?;
+            if tx.send(full.seal()).await.is_err() {
+                drop(tx);
+                return Err(uploader_error(uploader).await);
+            }
         }
     }
-    if !tree.is_empty() {
-        tx.send(tree.seal()).await.map_err(|_| upload_stopped())?;
+    if !tree.is_empty() && tx.send(tree.seal()).await.is_err() {
+        drop(tx);
+        return Err(uploader_error(uploader).await);
     }
     drop(tx);
     tracing::debug!(segments = segments.len(), "push: tree built");
