@@ -433,15 +433,7 @@ impl Daemon {
         if req.argv.is_empty() {
             return Err(ApiError::BadRequest("no command to run".into()));
         }
-        let (node, user) = (self.node.clone(), caller.user.clone());
-        let queued = off_runtime(move || {
-            node.active_jobs().map(|jobs| {
-                jobs.iter()
-                    .filter(|j| j.user == user && j.state == JobState::Queued)
-                    .count()
-            })
-        })
-        .await?;
+        let queued = self.node.queued_of(&caller.user);
         if queued >= self.cfg.max_queued_per_user {
             return Err(ApiError::TooMany(format!(
                 "{} has {queued} jobs queued on {}, the most one user may (max_queued_per_user); \
@@ -644,7 +636,8 @@ impl Daemon {
         let jobs = off_runtime(move || {
             let ended = me.node.reap()?;
             me.node.schedule()?;
-            let active = me.node.active_jobs()?;
+            // Queued jobs have neither a log nor outputs yet.
+            let active = me.node.active_where(|j| j.state != JobState::Queued);
             // Every job that may still write, and those that just stopped.
             let writing = active
                 .iter()
@@ -690,9 +683,9 @@ impl Daemon {
                 let node = me.node.clone();
                 let in_use = move |snap: &str| {
                     // An error reading the state keeps every tree.
-                    node.active_jobs().map_or(true, |jobs| {
-                        jobs.iter().any(|j| j.meta.trees.iter().any(|t| t == snap))
-                    })
+                    !node
+                        .active_where(|j| j.meta.trees.iter().any(|t| t == snap))
+                        .is_empty()
                 };
                 for snap in me.trees.evict(me.cfg.trees_max, &in_use) {
                     tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");

@@ -160,6 +160,12 @@ pub fn unix_now() -> u64 {
 pub struct Leases {
     db: Database,
     path: PathBuf,
+    /// The active records as last committed, so the reads made every tick
+    /// and every submission decode no JSON (with a thousand queued jobs,
+    /// each carrying its submitter's environment, that was most of labd's
+    /// CPU under load). Locked across each write transaction that changes
+    /// records, so it changes in commit order.
+    active: std::sync::Mutex<BTreeMap<String, JobRecord>>,
 }
 
 impl Leases {
@@ -172,7 +178,9 @@ impl Leases {
         let leases = Leases {
             db,
             path: path.to_path_buf(),
+            active: Default::default(),
         };
+        let mut active = BTreeMap::new();
         // Create the table up front so readers never see "no such table".
         let txn = leases.db.begin_write().map_err(|e| leases.err(e))?;
         txn.open_table(LEASES).map_err(|e| leases.err(e))?;
@@ -180,19 +188,23 @@ impl Leases {
         {
             // Rebuilt at every start: cheap once, and right after any change of format.
             let jobs = txn.open_table(JOBS).map_err(|e| leases.err(e))?;
-            let mut active = txn.open_table(ACTIVE).map_err(|e| leases.err(e))?;
+            let mut active_ids = txn.open_table(ACTIVE).map_err(|e| leases.err(e))?;
             for r in jobs.iter().map_err(|e| leases.err(e))? {
                 let (id, v) = r.map_err(|e| leases.err(e))?;
                 let rec: JobRecord =
                     serde_json::from_slice(v.value()).map_err(|e| leases.err(e))?;
                 if rec.active() {
-                    active.insert(id.value(), ()).map_err(|e| leases.err(e))?;
+                    active_ids
+                        .insert(id.value(), ())
+                        .map_err(|e| leases.err(e))?;
+                    active.insert(rec.id.clone(), rec);
                 } else {
-                    active.remove(id.value()).map_err(|e| leases.err(e))?;
+                    active_ids.remove(id.value()).map_err(|e| leases.err(e))?;
                 }
             }
         }
         txn.commit().map_err(|e| leases.err(e))?;
+        *leases.active.lock().expect("leases poisoned") = active;
         Ok(leases)
     }
 
@@ -268,14 +280,39 @@ impl Leases {
         Ok(mine)
     }
 
-    /// Stores (creates or replaces) a job record.
-    pub fn put_job(&self, job: &JobRecord) -> Result<(), LeaseError> {
+    /// Runs `f` in one write transaction that may change job records
+    /// (`f` lists them in its second argument); once committed, the
+    /// in-memory mirror of the active ones follows.
+    fn write<T>(
+        &self,
+        f: impl FnOnce(&redb::WriteTransaction, &mut Vec<JobRecord>) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
+        let mut active = self.active.lock().expect("leases poisoned");
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        self.write_in(&txn, job)?;
-        txn.commit().map_err(|e| self.err(e))
+        let mut written = Vec::new();
+        let out = f(&txn, &mut written)?;
+        txn.commit().map_err(|e| self.err(e))?;
+        for rec in written {
+            if rec.active() {
+                active.insert(rec.id.clone(), rec);
+            } else {
+                active.remove(&rec.id);
+            }
+        }
+        Ok(out)
     }
 
-    fn write_in(&self, txn: &redb::WriteTransaction, job: &JobRecord) -> Result<(), LeaseError> {
+    /// Stores (creates or replaces) a job record.
+    pub fn put_job(&self, job: &JobRecord) -> Result<(), LeaseError> {
+        self.write(|txn, w| self.write_in(txn, job, w))
+    }
+
+    fn write_in(
+        &self,
+        txn: &redb::WriteTransaction,
+        job: &JobRecord,
+        written: &mut Vec<JobRecord>,
+    ) -> Result<(), LeaseError> {
         let mut t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
         let json = serde_json::to_vec(job).expect("record serialises");
         t.insert(job.id.as_str(), json.as_slice())
@@ -286,22 +323,41 @@ impl Leases {
         } else {
             a.remove(job.id.as_str()).map_err(|e| self.err(e))?;
         }
+        written.push(job.clone());
         Ok(())
     }
 
-    /// The records of the jobs that are not yet settled (see [`JobRecord::active`]).
+    /// The records of the jobs that are not yet settled (see
+    /// [`JobRecord::active`]), by id.
     pub fn active_jobs(&self) -> Result<Vec<JobRecord>, LeaseError> {
-        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let a = txn.open_table(ACTIVE).map_err(|e| self.err(e))?;
-        let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
-        let mut out = Vec::new();
-        for r in a.iter().map_err(|e| self.err(e))? {
-            let (id, _) = r.map_err(|e| self.err(e))?;
-            if let Some(v) = t.get(id.value()).map_err(|e| self.err(e))? {
-                out.push(serde_json::from_slice(v.value()).map_err(|e| self.err(e))?);
-            }
-        }
-        Ok(out)
+        Ok(self.active_where(|_| true))
+    }
+
+    /// The active records for which `keep` holds, by id (from memory).
+    pub fn active_where(&self, keep: impl Fn(&JobRecord) -> bool) -> Vec<JobRecord> {
+        let active = self.active.lock().expect("leases poisoned");
+        active.values().filter(|j| keep(j)).cloned().collect()
+    }
+
+    /// (job, session, leader start) of every running job (from memory).
+    pub fn running(&self) -> Vec<(String, u32, Option<u64>)> {
+        let active = self.active.lock().expect("leases poisoned");
+        active
+            .values()
+            .filter_map(|j| match j.state {
+                JobState::Running { sid, start } => Some((j.id.clone(), sid, start)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// How many jobs `user` has queued (from memory).
+    pub fn queued_of(&self, user: &str) -> usize {
+        let active = self.active.lock().expect("leases poisoned");
+        active
+            .values()
+            .filter(|j| j.user == user && j.state == JobState::Queued)
+            .count()
     }
 
     /// Changes one job record in one transaction; `None` when there is no such job.
@@ -310,17 +366,16 @@ impl Leases {
         id: &str,
         f: impl FnOnce(&mut JobRecord) -> T,
     ) -> Result<Option<T>, LeaseError> {
-        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        let out = match self.read_in(&txn, id)? {
-            None => None,
-            Some(mut rec) => {
-                let out = f(&mut rec);
-                self.write_in(&txn, &rec)?;
-                Some(out)
-            }
-        };
-        txn.commit().map_err(|e| self.err(e))?;
-        Ok(out)
+        self.write(|txn, w| {
+            Ok(match self.read_in(txn, id)? {
+                None => None,
+                Some(mut rec) => {
+                    let out = f(&mut rec);
+                    self.write_in(txn, &rec, w)?;
+                    Some(out)
+                }
+            })
+        })
     }
 
     fn read_in(
@@ -357,10 +412,7 @@ impl Leases {
 
     /// Ends a job and frees its GPUs in one transaction, however it ended.
     pub fn finish(&self, id: &str, state: JobState) -> Result<Vec<u32>, LeaseError> {
-        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        let freed = self.finish_in(&txn, id, state)?;
-        txn.commit().map_err(|e| self.err(e))?;
-        Ok(freed)
+        self.write(|txn, w| self.finish_in(txn, id, state, w))
     }
 
     fn finish_in(
@@ -368,6 +420,7 @@ impl Leases {
         txn: &redb::WriteTransaction,
         id: &str,
         state: JobState,
+        written: &mut Vec<JobRecord>,
     ) -> Result<Vec<u32>, LeaseError> {
         if let Some(mut rec) = self.read_in(txn, id)? {
             // The first ending recorded is the job's: a second one (a kill
@@ -379,7 +432,7 @@ impl Leases {
             rec.gpus.clear();
             rec.meta.preparing = None;
             rec.queued = None;
-            self.write_in(txn, &rec)?;
+            self.write_in(txn, &rec, written)?;
         }
         self.release_in(txn, id)
     }
@@ -393,13 +446,22 @@ impl Leases {
         alive: impl Fn(u32, Option<u64>) -> bool,
     ) -> Result<Vec<String>, LeaseError> {
         let jobs = self.active_jobs()?;
-        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        self.write(|txn, w| self.reconcile_in(txn, &jobs, &alive, w))
+    }
+
+    fn reconcile_in(
+        &self,
+        txn: &redb::WriteTransaction,
+        jobs: &[JobRecord],
+        alive: &dyn Fn(u32, Option<u64>) -> bool,
+        written: &mut Vec<JobRecord>,
+    ) -> Result<Vec<String>, LeaseError> {
         let mut failed = Vec::new();
-        for j in &jobs {
+        for j in jobs {
             if let JobState::Running { sid, start } = j.state {
                 if !alive(sid, start) {
                     let reason = "the job was gone when labd restarted".to_string();
-                    self.finish_in(&txn, &j.id, JobState::Failed { reason })?;
+                    self.finish_in(txn, &j.id, JobState::Failed { reason }, written)?;
                     failed.push(j.id.clone());
                 }
             }
@@ -422,7 +484,6 @@ impl Leases {
                 leases.remove(g).map_err(|e| self.err(e))?;
             }
         }
-        txn.commit().map_err(|e| self.err(e))?;
         Ok(failed)
     }
 

@@ -246,12 +246,9 @@ impl Node {
     fn running_sessions(&self) -> Result<HashMap<u32, String>, NodeError> {
         Ok(self
             .state
-            .active_jobs()?
+            .running()
             .into_iter()
-            .filter_map(|j| match j.state {
-                JobState::Running { sid, .. } => Some((sid, j.id)),
-                _ => None,
-            })
+            .map(|(id, sid, _)| (sid, id))
             .collect())
     }
 
@@ -534,21 +531,18 @@ impl Node {
             }
             // Jobs adopted after a restart are not our children: their exit
             // status is lost, but their end is not.
-            for j in self.state.active_jobs()? {
-                if let JobState::Running { sid, start } = j.state {
-                    if !inner.children.contains_key(&j.id)
-                        && !inner.ending.contains(&j.id)
-                        && !runner::alive(sid, start)
-                    {
-                        inner.ending.insert(j.id.clone());
-                        ended.push((
-                            j.id,
-                            JobState::Failed {
-                                reason: "ended while labd was restarting; exit status unknown"
-                                    .into(),
-                            },
-                        ));
-                    }
+            for (id, sid, start) in self.state.running() {
+                if !inner.children.contains_key(&id)
+                    && !inner.ending.contains(&id)
+                    && !runner::alive(sid, start)
+                {
+                    inner.ending.insert(id.clone());
+                    ended.push((
+                        id,
+                        JobState::Failed {
+                            reason: "ended while labd was restarting; exit status unknown".into(),
+                        },
+                    ));
                 }
             }
             let mut sessions = Vec::new();
@@ -610,6 +604,17 @@ impl Node {
     /// Jobs labd still has work with (queued, running, outputs to save).
     pub fn active_jobs(&self) -> Result<Vec<JobRecord>, NodeError> {
         Ok(self.state.active_jobs()?)
+    }
+
+    /// The active jobs for which `keep` holds (copied from memory, so the
+    /// ticker does not copy a thousand queued jobs to find four running).
+    pub fn active_where(&self, keep: impl Fn(&JobRecord) -> bool) -> Vec<JobRecord> {
+        self.state.active_where(keep)
+    }
+
+    /// How many jobs `user` has queued.
+    pub fn queued_of(&self, user: &str) -> usize {
+        self.state.queued_of(user)
     }
 
     /// Kills a job's whole session (SIGTERM, SIGKILL after `grace`) or drops
