@@ -166,6 +166,9 @@ pub struct Leases {
     /// CPU under load). Locked across each write transaction that changes
     /// records, so it changes in commit order.
     active: std::sync::Mutex<BTreeMap<String, JobRecord>>,
+    /// Unit tests make record writes fail here, as a full or broken disk would.
+    #[cfg(test)]
+    pub(crate) fail_writes: std::sync::atomic::AtomicBool,
 }
 
 impl Leases {
@@ -179,6 +182,8 @@ impl Leases {
             db,
             path: path.to_path_buf(),
             active: Default::default(),
+            #[cfg(test)]
+            fail_writes: Default::default(),
         };
         let mut active = BTreeMap::new();
         // Create the table up front so readers never see "no such table".
@@ -288,6 +293,10 @@ impl Leases {
         f: impl FnOnce(&redb::WriteTransaction, &mut Vec<JobRecord>) -> Result<T, LeaseError>,
     ) -> Result<T, LeaseError> {
         let mut active = self.active.lock().expect("leases poisoned");
+        #[cfg(test)]
+        if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(self.err("injected write failure"));
+        }
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         let mut written = Vec::new();
         let out = f(&txn, &mut written)?;

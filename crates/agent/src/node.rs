@@ -712,3 +712,78 @@ impl Node {
         Some(why)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeGpus;
+    use std::sync::atomic::Ordering;
+
+    /// Processes whose command line holds `marker`.
+    fn processes_with(marker: &str) -> Vec<u32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker))
+                    && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .is_ok_and(|s| s.rfind(')').is_some_and(|i| s[i + 2..].starts_with('Z')))
+            })
+            .collect()
+    }
+
+    /// Issue 9, point 8: when the record of a started job cannot be written,
+    /// the job is killed and its lease freed (a job the database does not
+    /// know would hold its GPU unseen), and it stays queued to start again.
+    #[test]
+    fn a_start_that_cannot_be_recorded_is_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = dir.path().join("ctl.toml");
+        std::fs::write(&ctl, "foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]\n").unwrap();
+        let inv = Arc::new(FakeGpus::new("1x11GiB", Some(ctl.clone())).unwrap());
+        let cfg = NodeConfig {
+            state_dir: dir.path().join("state"),
+            foreign_limit: 256 << 20,
+            inventory_deadline: Duration::from_secs(2),
+        };
+        let n = Node::open(cfg, inv).unwrap();
+        let marker = format!("301.{}", std::process::id());
+        let id = n
+            .submit(Submit {
+                user: "alice".into(),
+                argv: vec!["bash".into(), "-c".into(), format!("exec sleep {marker}")],
+                cwd: dir.path().to_path_buf(),
+                env: vec![],
+                gpus: 1,
+                min_free_bytes: 0,
+                run_as: None,
+                meta: Default::default(),
+            })
+            .unwrap();
+        assert_eq!(n.job(&id).unwrap().unwrap().state, JobState::Queued);
+        // The GPU frees up, and the database stops taking writes.
+        std::fs::write(&ctl, "").unwrap();
+        n.state.fail_writes.store(true, Ordering::SeqCst);
+        assert!(n.schedule().is_err());
+        assert!(
+            processes_with(&marker).is_empty(),
+            "the started job was left running: {:?}",
+            processes_with(&marker)
+        );
+        assert!(n.state.all().unwrap().is_empty(), "its lease is freed");
+        n.state.fail_writes.store(false, Ordering::SeqCst);
+        assert_eq!(
+            n.schedule().unwrap(),
+            vec![id.clone()],
+            "still queued, it starts"
+        );
+        assert!(matches!(
+            n.job(&id).unwrap().unwrap().state,
+            JobState::Running { .. }
+        ));
+        n.kill(&id, Duration::from_millis(100)).unwrap();
+        assert!(processes_with(&marker).is_empty());
+    }
+}
