@@ -48,6 +48,15 @@ impl Cgroups {
         let mut tried = Vec::new();
         for (flavor, root) in hierarchies(&mounts) {
             let base = root.join("labsync").join(labd);
+            // Folders of labds that are gone and left no job behind (a
+            // non-empty one refuses to go): tests start hundreds of labds.
+            if let Ok(rd) = std::fs::read_dir(root.join("labsync")) {
+                for e in rd.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        let _ = std::fs::remove_dir(e.path());
+                    }
+                }
+            }
             match std::fs::create_dir_all(&base) {
                 Ok(()) => {
                     return Ok(Cgroups {
@@ -79,7 +88,8 @@ impl Cgroups {
     /// first process to write itself into before it runs anything.
     pub fn create(&self, job: &str) -> std::io::Result<File> {
         let p = self.path(job);
-        match std::fs::create_dir(&p) {
+        // _all: another labd may have pruned this labd's empty folder.
+        match std::fs::create_dir_all(&p) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
@@ -236,7 +246,8 @@ mod tests {
     }
 
     /// A process that left the job's session is still in its cgroup, and
-    /// the cgroup's kill reaches it (needs root, as labd has).
+    /// the cgroup's kill reaches it (needs root, as labd has): on the
+    /// hierarchy labd picks, and on the v1 freezer where one is mounted.
     #[test]
     fn a_process_that_left_the_session_is_killed_with_the_cgroup() {
         if crate::users::euid() != 0 {
@@ -244,7 +255,24 @@ mod tests {
             return;
         }
         let ns = format!("test-{}", std::process::id());
-        let cg = Cgroups::open(&ns).expect("root can make a cgroup here");
+        let best = Cgroups::open(&ns).expect("root can make a cgroup here");
+        escaped_child_dies_with(&best);
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        if let Some((_, root)) = hierarchies(&mounts)
+            .into_iter()
+            .find(|(f, _)| *f == Flavor::V1Freezer)
+        {
+            let base = root.join("labsync").join(format!("{ns}-v1"));
+            std::fs::create_dir_all(&base).unwrap();
+            escaped_child_dies_with(&Cgroups {
+                base,
+                prefix: format!("/labsync/{ns}-v1/"),
+                flavor: Flavor::V1Freezer,
+            });
+        }
+    }
+
+    fn escaped_child_dies_with(cg: &Cgroups) {
         let dir = tempfile::tempdir().unwrap();
         let spec = crate::runner::JobSpec {
             argv: vec![
@@ -261,15 +289,18 @@ mod tests {
         let mut job = crate::runner::spawn(&spec).unwrap();
         let pid_file = dir.path().join("pid");
         let t = Instant::now();
-        while cg.members("j1").len() < 2 || !pid_file.exists() {
-            assert!(t.elapsed() < Duration::from_secs(10), "job did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let escaped: u32 = std::fs::read_to_string(&pid_file)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let escaped: u32 = loop {
+            let pid = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|s| s.trim().parse().ok());
+            match pid {
+                Some(p) if cg.members("j1").len() >= 2 => break p,
+                _ => {
+                    assert!(t.elapsed() < Duration::from_secs(10), "job did not start");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        };
         while crate::process_session(escaped) == Some(job.sid()) {
             assert!(t.elapsed() < Duration::from_secs(10), "setsid did not run");
             std::thread::sleep(Duration::from_millis(10));
