@@ -141,6 +141,20 @@ async fn log(
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
+/// The longest a request may take, body included: a log follower's wait is
+/// at most 30 s; a client that trickles a body (read before its token is
+/// checked) is cut off here.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+async fn time_limit(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<Response, ApiError> {
+    tokio::time::timeout(REQUEST_TIMEOUT, next.run(req))
+        .await
+        .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))
+}
+
 /// The API's routes over `daemon`.
 pub fn router(daemon: Arc<Daemon>) -> Router {
     Router::new()
@@ -151,6 +165,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/log", get(log))
         .route("/v1/jobs/{id}/kill", post(kill))
+        .layer(axum::middleware::from_fn(time_limit))
         .with_state(daemon)
 }
 
@@ -182,8 +197,28 @@ impl Default for ConnLimits {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Peer {
     Uid(u32),
-    Addr(std::net::IpAddr),
+    /// A network: any local user can pick a source address among
+    /// 127.0.0.0/8 or an IPv6 /64, so those count as one peer.
+    Net(std::net::IpAddr),
     Unknown,
+}
+
+impl Peer {
+    fn of(addr: std::net::IpAddr) -> Peer {
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        let net = match addr {
+            IpAddr::V4(a) if a.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V4(a) => IpAddr::V4(a),
+            IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                Some(v4) => return Peer::of(IpAddr::V4(v4)),
+                None => {
+                    let s = a.segments();
+                    IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+                }
+            },
+        };
+        Peer::Net(net)
+    }
 }
 
 /// Counts one connection against the caps while it lives.
@@ -241,10 +276,11 @@ pub async fn serve(
         while conns.try_join_next().is_some() {}
         let slot = {
             let mut o = open.lock().expect("labd poisoned");
-            let n = o.entry(peer.clone()).or_insert(0);
+            // Counted only once granted: refused peers leave no entry behind.
+            let held = o.get(&peer).copied().unwrap_or(0);
             match all.clone().try_acquire_owned() {
-                Ok(permit) if *n < limits.per_peer => {
-                    *n += 1;
+                Ok(permit) if held < limits.per_peer => {
+                    o.insert(peer.clone(), held + 1);
                     Some(Slot {
                         peer: peer.clone(),
                         open: open.clone(),
@@ -299,7 +335,7 @@ async fn accept(listener: &Listener) -> std::io::Result<(Io, Peer)> {
         }
         Listener::Tcp(l) => {
             let (s, addr) = l.accept().await?;
-            Ok((Io::Tcp(s), Peer::Addr(addr.ip())))
+            Ok((Io::Tcp(s), Peer::of(addr.ip())))
         }
     }
 }

@@ -179,9 +179,9 @@ fn job_in(text: &str, flavor: Flavor, prefix: &str) -> Option<String> {
         if !ours {
             return None;
         }
-        // Under a cgroup namespace the path may start further down.
-        let at = path.find(prefix)?;
-        let job = &path[at + prefix.len()..];
+        // The whole path from the hierarchy's root: the same names deeper
+        // down (in a cgroup a user was delegated) are not this labd's.
+        let job = path.strip_prefix(prefix)?;
         (!job.is_empty() && !job.contains('/')).then(|| job.to_string())
     })
 }
@@ -243,6 +243,9 @@ mod tests {
         assert_eq!(job_in("0::/user.slice\n", Flavor::V2, pre), None);
         assert_eq!(job_in("0::/labsync/other/j1\n", Flavor::V2, pre), None);
         assert_eq!(job_in("0::/labsync/ab12/j1/x\n", Flavor::V2, pre), None);
+        // A user's delegated cgroup with the same names is not the job's.
+        let spoof = "0::/user.slice/user-1000.slice/user@1000.service/labsync/ab12/j1\n";
+        assert_eq!(job_in(spoof, Flavor::V2, pre), None);
     }
 
     /// A process that left the job's session is still in its cgroup, and

@@ -27,6 +27,9 @@ use crate::users;
 /// and a copy taken mid-write would be the checkpoint a crash leaves.
 const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
 
+/// Tries of a final outputs push that fails reading the outputs themselves.
+const UNREADABLE_TRIES: u32 = 3;
+
 /// How long an ended job stays in the default listing (`labrun ps`).
 const RECENT: Duration = Duration::from_secs(86_400);
 
@@ -141,6 +144,10 @@ pub struct Daemon {
     /// Per job followed: bumped by the ticker when its log grows or the job
     /// changes state, so log followers sleep until then.
     log_watch: Mutex<std::collections::HashMap<String, tokio::sync::watch::Sender<u64>>>,
+    /// Held while a log is bounded.
+    log_bounding: Mutex<()>,
+    /// Jobs whose log could not be cut (said once each).
+    log_warned: Mutex<HashSet<String>>,
     inventory: String,
     _lock: File,
 }
@@ -273,6 +280,8 @@ impl Daemon {
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(Default::default()),
             log_watch: Mutex::new(Default::default()),
+            log_bounding: Mutex::new(()),
+            log_warned: Mutex::new(HashSet::new()),
             inventory: inventory_name,
             _lock: lock,
             cfg,
@@ -620,6 +629,10 @@ impl Daemon {
             let (bytes, next) = off_runtime(move || read_log(&p, offset, 1 << 20, cut))
                 .await
                 .map_err(internal)?;
+            // Cut meanwhile: what was read may hold the new hole; read again.
+            if self.record(id)?.meta.log_cut != cut {
+                continue;
+            }
             let done = finished && next == offset + bytes.len() as u64 && bytes.len() < 1 << 20;
             if !bytes.is_empty() || done || Instant::now() >= deadline {
                 return Ok(LogRead { bytes, next, done });
@@ -750,6 +763,10 @@ impl Daemon {
             return;
         };
         let dir = work.join(out);
+        // An error reading the outputs themselves (a file the job's user made
+        // unreadable, a symlink out of the folder) will not heal by waiting,
+        // unlike a store that is down or full.
+        let mut unreadable = false;
         let result = if dir.is_dir() {
             let opts = PushOptions {
                 name: format!("runs/{}", job.id),
@@ -767,7 +784,13 @@ impl Daemon {
             push(&self.repo, &dir, &opts, Arc::new(NoProgress))
                 .await
                 .map(|o| o.record.label())
-                .map_err(|e| chain(&e))
+                .map_err(|e| {
+                    let canon = dir.canonicalize().ok();
+                    unreadable = matches!(&e, labsync_store::Error::Io { path, .. }
+                        if path.starts_with(&dir)
+                            || canon.as_ref().is_some_and(|c| path.starts_with(c)));
+                    chain(&e)
+                })
         } else {
             Err(format!("the job left no {out} folder to save"))
         };
@@ -789,9 +812,18 @@ impl Daemon {
             Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
         }
         // Until the final push succeeds the job stays active, so its working
-        // folder (the only copy of its checkpoints) is never swept. Only a
-        // job that left no outputs folder has nothing to wait for.
-        let settled = last && (result.is_ok() || !dir.is_dir());
+        // folder (the only copy of its checkpoints) is never swept. A job
+        // that left no outputs folder has nothing to wait for; one whose
+        // outputs cannot be read as its user gets UNREADABLE_TRIES tries, not
+        // an eternity of them holding its folder and trees.
+        let gave_up = unreadable && attempts >= UNREADABLE_TRIES;
+        let settled = last && (result.is_ok() || !dir.is_dir() || gave_up);
+        let result = match result {
+            Err(e) if gave_up => Err(format!(
+                "{e} (gave up after {attempts} tries: the job's user cannot read its outputs)"
+            )),
+            r => r,
+        };
         let node = self.node.clone();
         let id = job.id.clone();
         let r = off_runtime(move || {
@@ -844,6 +876,9 @@ impl Daemon {
     /// punched out. The job keeps appending to the same file; readers
     /// skipping the hole are told how much was cut.
     fn bound_log(&self, id: &str) {
+        // One at a time: a kill's tick may run beside the ticker's, and a
+        // cut must only ever grow.
+        let _one = self.log_bounding.lock().expect("labd poisoned");
         let cap = self.cfg.log_max;
         let path = self.node.log_path(id);
         let Ok(size) = std::fs::metadata(&path).map(|m| m.len()) else {
@@ -865,27 +900,39 @@ impl Daemon {
         if on_disk <= cap + cap / 8 || end <= done {
             return;
         }
-        match punch_hole(&path, done, end - done) {
-            Ok(()) => {
-                if let Err(e) = self
-                    .node
-                    .update_meta(id, |m| m.log_cut = Some((start, end)))
-                {
-                    tracing::error!("job state: {e}");
-                }
+        // Recorded before the bytes go, so a reader never reads the hole
+        // as zeros: it either sees the cut or reads bytes still there.
+        if let Err(e) = self
+            .node
+            .update_meta(id, |m| m.log_cut = Some((start, end)))
+        {
+            tracing::error!("job state: {e}");
+            return;
+        }
+        if let Err(e) = punch_hole(&path, done, end - done) {
+            // Once per job: a file system without hole punching (NFS) would
+            // say it ten times a second.
+            if self
+                .log_warned
+                .lock()
+                .expect("labd poisoned")
+                .insert(id.to_string())
+            {
+                tracing::warn!(
+                    "job {id}: cannot free the cut part of its log {} ({e}); it stays on disk",
+                    path.display()
+                );
             }
-            Err(e) => tracing::warn!(
-                "job {id}: cannot cut its log {} to {} bytes: {e}",
-                path.display(),
-                cap
-            ),
         }
     }
 
     /// How long to wait after the `failed`-th failure of a final outputs push.
     fn retry_delay(&self, failed: u32) -> Duration {
         let doublings = failed.saturating_sub(1).min(20);
-        (self.cfg.outputs_retry * (1u32 << doublings)).min(OUTPUTS_RETRY_MAX)
+        self.cfg
+            .outputs_retry
+            .checked_mul(1u32 << doublings)
+            .map_or(OUTPUTS_RETRY_MAX, |d| d.min(OUTPUTS_RETRY_MAX))
     }
 
     /// Removes the working folders of jobs that ended (outputs saved) more

@@ -237,7 +237,10 @@ impl Leases {
                 if chosen.len() == want {
                     break;
                 }
-                if t.get(g).map_err(|e| self.err(e))?.is_none() {
+                // Free, or already this job's (a start that was undone
+                // and whose lease could not be freed).
+                let holder = t.get(g).map_err(|e| self.err(e))?;
+                if holder.is_none_or(|h| h.value() == job) {
                     chosen.push(g);
                 }
             }

@@ -40,9 +40,13 @@ fn never_fits(status: &[GpuStatus], gpus: u32, min_free: u64) -> Option<String> 
     })
 }
 
-/// `n` of a job id `j{n}`.
+/// `n` of a job id `j{n}`; numbers past 10^12 (no node runs that many
+/// jobs, but a store ref anyone can write may say so) are not ids.
 pub fn job_number(id: &str) -> Option<u64> {
-    id.strip_prefix('j')?.parse().ok()
+    id.strip_prefix('j')?
+        .parse()
+        .ok()
+        .filter(|&n| n < 1_000_000_000_000)
 }
 
 /// The cgroups of this labd's jobs, named after its state folder; said once
@@ -132,6 +136,8 @@ struct Inner {
     /// Jobs whose exit the reaper has collected and is about to record: a
     /// kill racing it must not record its own guess over the real status.
     ending: HashSet<String>,
+    /// Endings collected whose record failed to be written; retried first.
+    unrecorded: Vec<(String, JobState)>,
     next: u64,
 }
 
@@ -236,6 +242,7 @@ impl Node {
                 queue,
                 children: HashMap::new(),
                 ending: HashSet::new(),
+                unrecorded: Vec::new(),
                 next,
             }),
             last_known: Mutex::new(known),
@@ -326,8 +333,18 @@ impl Node {
     pub fn reserve(&self, s: &Submit) -> Result<String, NodeError> {
         self.admissible(s.gpus, s.min_free_bytes)?;
         let mut inner = self.inner.lock().expect("node poisoned");
-        let id = format!("j{}", inner.next);
-        inner.next += 1;
+        // Never a record that exists (a lost database, a hand-made ref):
+        // its job would vanish from labd's view while holding its GPUs.
+        let id = loop {
+            let n = inner.next;
+            inner.next = n
+                .checked_add(1)
+                .ok_or_else(|| NodeError::Refused("job ids exhausted".into()))?;
+            let id = format!("j{n}");
+            if self.state.job(&id)?.is_none() {
+                break id;
+            }
+        };
         self.state.put_job(&JobRecord {
             id: id.clone(),
             user: s.user.clone(),
@@ -482,7 +499,11 @@ impl Node {
                         // its GPUs unseen: it is stopped, its lease freed,
                         // and it stays queued to start again.
                         self.kill_job(&id, sid, Duration::ZERO);
-                        let _ = st.child.wait();
+                        // Never a blocking wait under the queue's lock (a
+                        // leader stuck in the kernel would hang labd).
+                        let _ = st.child.try_wait();
+                        // If this fails too, the lease is the job's own and
+                        // acquire gives it back to it when it starts again.
                         let _ = self.state.release(&id);
                         inner.queue.push_front((id, s));
                         return Err(e.into());
@@ -491,6 +512,9 @@ impl Node {
                     started.push(id);
                 }
                 Err(source) => {
+                    if let Some(cg) = &self.cgroups {
+                        cg.remove(&id);
+                    }
                     let reason = format!(
                         "cannot start {} in {}: {source}",
                         s.argv.first().map_or("", String::as_str),
@@ -512,7 +536,7 @@ impl Node {
     pub fn reap(&self) -> Result<Vec<(String, JobState)>, NodeError> {
         let (ended, sessions) = {
             let mut inner = self.inner.lock().expect("node poisoned");
-            let mut ended = Vec::new();
+            let mut ended = std::mem::take(&mut inner.unrecorded);
             for (id, child) in inner.children.iter_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     use std::os::unix::process::ExitStatusExt;
@@ -545,12 +569,17 @@ impl Node {
                     ));
                 }
             }
-            let mut sessions = Vec::new();
-            for (id, _) in &ended {
-                if let Some(sid) = self.sid_of(id)? {
-                    sessions.push((id.clone(), sid));
-                }
-            }
+            // From memory: nothing between collecting and recording can fail.
+            let running: HashMap<String, u32> = self
+                .state
+                .running()
+                .into_iter()
+                .map(|(id, sid, _)| (id, sid))
+                .collect();
+            let sessions: Vec<(String, u32)> = ended
+                .iter()
+                .filter_map(|(id, _)| Some((id.clone(), *running.get(id)?)))
+                .collect();
             (ended, sessions)
         };
         // Whatever the leaders left behind in their sessions and cgroups
@@ -562,9 +591,16 @@ impl Node {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut result = Ok(());
             for (id, st) in &ended {
-                inner.ending.remove(id);
                 if result.is_ok() {
                     result = self.state.finish(id, st.clone()).map(drop);
+                }
+                if result.is_ok() {
+                    inner.ending.remove(id);
+                } else {
+                    // Kept (and still marked ending) for the next reap: the
+                    // exit status is known and must not be lost to a write
+                    // that failed once.
+                    inner.unrecorded.push((id.clone(), st.clone()));
                 }
             }
             result?;

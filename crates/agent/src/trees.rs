@@ -49,10 +49,13 @@ impl Trees {
     /// Trees under `cache`'s folder.
     pub fn new(cache: &NodeCache) -> Result<Trees, PrepareError> {
         // v1 trees were made before modes were masked and may hold setuid
-        // bits from the store: none of them is ever handed to a job again.
+        // bits from the store. None is handed to a new job again, but jobs
+        // that outlived the upgrade may still run on them (and their
+        // working folders hard-link their files): the bits are stripped in
+        // place, and the folder stays for the admin to remove.
         let old = cache.root().join("trees-v1");
-        if old.exists() {
-            remove_tree(&old).map_err(PrepareError::io("remove", &old))?;
+        if old.is_dir() {
+            strip_setid_bits(&old).map_err(PrepareError::io("strip setuid bits in", &old))?;
         }
         let root = cache.root().join("trees-v2");
         std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
@@ -229,6 +232,28 @@ fn read_only_below(root: &Path) -> std::io::Result<()> {
             set_mode(&p, |m| m & 0o1777 & !0o222 | 0o555)?;
         } else if ft.is_file() {
             set_mode(&p, |m| m & 0o777 & !0o222 | 0o444)?;
+        }
+    }
+    Ok(())
+}
+
+/// Clears setuid and setgid on every file and folder under `root` (which
+/// only root can write: nothing below is a symlink swapped in meanwhile).
+fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let p = entry?.path();
+            let m = std::fs::symlink_metadata(&p)?;
+            if m.file_type().is_symlink() {
+                continue;
+            }
+            if m.permissions().mode() & 0o6000 != 0 {
+                set_mode(&p, |m| m & !0o6000)?;
+            }
+            if m.is_dir() {
+                stack.push(p);
+            }
         }
     }
     Ok(())
@@ -428,6 +453,27 @@ mod tests {
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
         remove_tree(&code).unwrap();
         assert!(!code.exists());
+    }
+
+    /// Trees made by a labd before modes were masked (trees-v1) lose their
+    /// setuid and setgid bits at start, in place, hard links included, and
+    /// stay for jobs that outlived the upgrade.
+    #[test]
+    fn old_trees_lose_setid_bits_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+        let old = cache.root().join("trees-v1/snap");
+        std::fs::create_dir_all(old.join("d")).unwrap();
+        std::fs::write(old.join("d/su"), "x").unwrap();
+        std::fs::set_permissions(old.join("d/su"), std::fs::Permissions::from_mode(0o4755))
+            .unwrap();
+        std::fs::set_permissions(old.join("d"), std::fs::Permissions::from_mode(0o2755)).unwrap();
+        std::fs::hard_link(old.join("d/su"), dir.path().join("linked")).unwrap();
+        Trees::new(&cache).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&old.join("d/su")), 0o755);
+        assert_eq!(mode(&old.join("d")), 0o755);
+        assert_eq!(mode(&dir.path().join("linked")), 0o755, "the same inode");
     }
 
     /// Issue 9, point 2: labd (root) hands the job's folders to its user.

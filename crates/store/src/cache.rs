@@ -177,7 +177,7 @@ impl NodeCache {
             .filter(|(p, _)| !self.pack_path(p).exists())
             .copied()
             .collect();
-        let total: u64 = missing.iter().map(|(_, n)| n).sum();
+        let total: u64 = missing.iter().map(|(_, n)| *n).fold(0, u64::saturating_add);
         let needed = self.space_for_packs(repo, total);
         if let Some(available) = crate::fsutil::free_space(&self.root) {
             if available < needed {

@@ -227,6 +227,10 @@ mod tests {
             (entry(0, 900_000, 1000, 1), "no codec expands"),
             (entry(0, 10, 20, 0), "stored plain"),
             (entry(0, 10, 20, 0x40), "unknown flags"),
+            (
+                entry(0, 1000, 200 << 20, 2 | 1),
+                "more than a tree segment compresses",
+            ),
         ] {
             let err = decode(&encode(&[rec]), "k").unwrap_err().to_string();
             assert!(err.contains(why), "{err} should say {why}");

@@ -67,7 +67,7 @@ pub use progress::{NoProgress, Progress};
 pub use pull::{pull, warm, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
-pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT};
+pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_TREE_BYTES};
 pub use snapshot::{
     allowed_mode, decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind,
     SegmentRef, SnapshotObject,

@@ -121,6 +121,16 @@ impl PackEntry {
         if self.flags & (FLAG_ZSTD | FLAG_LZ4) == 0 && stored != raw {
             return Some(format!("stored plain in {stored} bytes but {raw} long"));
         }
+        // A tree segment decodes into memory that labd (root) holds whole:
+        // no honest segment compresses 128-fold, a zstd bomb does.
+        if self.flags & FLAG_TREE != 0
+            && self.flags & (FLAG_ZSTD | FLAG_LZ4) != 0
+            && raw > stored * 128 + (1 << 20)
+        {
+            return Some(format!(
+                "{raw} bytes from {stored} stored: more than a tree segment compresses"
+            ));
+        }
         // Compressed data is stored only when smaller, but a tiny tree
         // segment's zstd frame may exceed it by its headers.
         if stored > raw + raw / 64 + 1024 {

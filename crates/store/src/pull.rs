@@ -156,20 +156,24 @@ pub async fn pull(
     // Room for the files, checked before anything is fetched or written, so
     // a full disk fails at once with the numbers instead of half way. The
     // packs to fetch count here too when the cache shares the file system.
-    let total: u64 = files.iter().map(|&i| entries[i].size).sum();
+    // Saturating: sizes come from the snapshot, which anyone may have written.
+    let total: u64 = files
+        .iter()
+        .map(|&i| entries[i].size)
+        .fold(0, u64::saturating_add);
     if let Some(available) = crate::fsutil::free_space(&dest) {
         let missing: u64 = packs
             .iter()
             .filter(|(p, _)| !cache.pack_path(p).exists())
-            .map(|(_, n)| n)
-            .sum();
+            .map(|(_, n)| *n)
+            .fold(0, u64::saturating_add);
         let shared = crate::fsutil::device_of(&dest) == crate::fsutil::device_of(cache.root());
-        let needed = total
-            + if shared {
-                cache.space_for_packs(&repo, missing)
-            } else {
-                0
-            };
+        let for_packs = if shared {
+            cache.space_for_packs(&repo, missing)
+        } else {
+            0
+        };
+        let needed = total.saturating_add(for_packs);
         if available < needed {
             return Err(Error::NoSpace {
                 path: dest.clone(),

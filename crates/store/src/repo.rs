@@ -228,6 +228,9 @@ pub struct Repo {
     index_cache: Option<PathBuf>,
 }
 
+/// The most a snapshot's tree may decode to: about ten million files.
+pub const MAX_TREE_BYTES: u64 = 2 << 30;
+
 impl Repo {
     /// Opens the store at `remote`, creating it with `params` when it is empty.
     /// `params` given explicitly must match an existing store's: a mismatch is
@@ -392,7 +395,8 @@ impl Repo {
         SnapshotObject::decode(&bytes, id)
     }
 
-    /// Reads a snapshot and its whole tree, in path order.
+    /// Reads a snapshot and its whole tree, in path order. A tree whose
+    /// segments decode to more than [`MAX_TREE_BYTES`] is refused.
     pub async fn load_tree(
         &self,
         index: &Index,
@@ -406,6 +410,20 @@ impl Repo {
             return Err(Error::corrupt(
                 format!("snapshot {id}"),
                 format!("tree segment {} listed twice", s.id.short()),
+            ));
+        }
+        // All segments are held at once while the tree is built: bounded by
+        // what the index says they decode to, before any is fetched.
+        let claimed = snap
+            .segments
+            .iter()
+            .filter_map(|s| index.get(&s.id))
+            .map(|(_, e)| u64::from(e.raw_len))
+            .fold(0u64, u64::saturating_add);
+        if claimed > MAX_TREE_BYTES {
+            return Err(Error::corrupt(
+                format!("snapshot {id}"),
+                format!("its tree segments claim {claimed} bytes, more than {MAX_TREE_BYTES}"),
             ));
         }
         let ids: Vec<ChunkId> = snap.segments.iter().map(|s| s.id).collect();

@@ -214,7 +214,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
         inventory_deadline: Duration::from_millis(file.inventory_deadline_ms.unwrap_or(2000)),
         kill_grace: Duration::from_secs(file.kill_grace_s.unwrap_or(10)),
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
-        outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).max(1)),
+        outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).clamp(1, 600)),
         work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
         log_max: match file.log_max {
             Some(s) => parse_size(&s)?.max(64 << 10),
@@ -231,7 +231,7 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
                 per_peer: file.max_connections_per_user.unwrap_or(d.per_peer).max(1),
                 header_timeout: file
                     .header_timeout_ms
-                    .map_or(d.header_timeout, Duration::from_millis),
+                    .map_or(d.header_timeout, |ms| Duration::from_millis(ms.max(100))),
             }
         },
         max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
@@ -242,10 +242,18 @@ fn load(cli: &Cli) -> Result<(DaemonConfig, Endpoint, Arc<dyn GpuInventory>)> {
 /// Refuses a file others could change (they could give themselves a token,
 /// or make jobs run as root) or, when it holds tokens, read.
 fn check_private(path: &std::path::Path, holds_tokens: bool) -> Result<()> {
-    let mode = std::fs::metadata(path)
-        .with_context(|| format!("cannot read {}", path.display()))?
-        .permissions()
-        .mode();
+    use std::os::unix::fs::MetadataExt;
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if meta.uid() != euid() && meta.uid() != 0 {
+        bail!(
+            "{} belongs to uid {}, not to labd's user or root: its owner could give themselves \
+             a token or make jobs run as labd; chown it",
+            path.display(),
+            meta.uid()
+        );
+    }
+    let mode = meta.permissions().mode();
     if mode & 0o022 != 0 {
         bail!(
             "{} is writable by other users (mode {:o}): anyone could give themselves a token; \

@@ -735,6 +735,23 @@ fn job_ids_stay_unique_when_the_state_is_lost() {
         third != first && third != second,
         "the state folder was lost, the store was not: {first} {second} {third}"
     );
+    // A ref anyone can write names a job near u64::MAX: ignored, not wrapped.
+    std::fs::create_dir_all(n.path("evil")).unwrap();
+    let o = n.labsync(&[
+        "push",
+        n.path("evil").to_str().unwrap(),
+        "--name",
+        "runs/j18446744073709551614",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    n.crash();
+    n.restart();
+    let fourth = run(&n);
+    let num = |id: &str| id[1..].parse::<u64>().unwrap();
+    assert!(
+        num(&fourth) > num(&third) && num(&fourth) < 1000,
+        "{third} then {fourth}"
+    );
 }
 
 /// Issue 9, point 7: a job's log is bounded on disk (here `log_max = 1M`):
@@ -1234,7 +1251,7 @@ fn outputs_are_read_as_the_jobs_user() {
         eprintln!("not root: jobs run as labd's own user; nothing to escalate");
         return;
     }
-    let n = Node::start(None, "");
+    let n = Node::start(None, "outputs_retry_s = 1");
     let secret = n.path("root-only");
     std::fs::create_dir_all(&secret).unwrap();
     std::fs::write(secret.join("key"), "root's").unwrap();
@@ -1258,6 +1275,11 @@ fn outputs_are_read_as_the_jobs_user() {
     );
     let ls = n.labsync(&["ls"]);
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&format!("runs/{id}")));
+    // Unreadable outputs do not heal by waiting: labd gives up after three
+    // tries instead of keeping the job (and its folder) active for ever.
+    wait_until("labd to give up", 30, || !n.job(&id).meta.outputs_pending);
+    let err = n.job(&id).meta.outputs_error.unwrap();
+    assert!(err.contains("gave up after 3 tries"), "{err}");
 }
 
 /// A cluster node listens on TCP: the same API, the same tokens.
