@@ -799,7 +799,7 @@ fn idle_connections_of_a_user_without_a_token_cannot_lock_labd() {
     }
     let n = Node::start(
         Some("1x11GiB"),
-        "run_as = \"labd\"\nmax_connections_per_user = 16\nheader_timeout_ms = 1500",
+        "run_as = \"labd\"\nmax_connections_per_user = 16\nheader_timeout_ms = 3000",
     );
     let sock = n.addr.strip_prefix("unix://").unwrap().to_string();
     let script = r#"
@@ -821,10 +821,14 @@ def closed(s):
         return False
     except OSError:
         return True
-time.sleep(0.5)
+# labd closes what is over the cap as it accepts it: wait for that (busy CI
+# machines accept slowly), then report.
+deadline = time.time() + 10
+while sum(closed(s) for s in socks) < len(socks) - 16 and time.time() < deadline:
+    time.sleep(0.05)
 print("opened", len(socks), "closed", sum(closed(s) for s in socks), flush=True)
 sys.stdin.readline()
-time.sleep(2.5)
+time.sleep(4)
 print("closed", sum(closed(s) for s in socks), flush=True)
 "#;
     let mut attacker = Command::new("setpriv")
