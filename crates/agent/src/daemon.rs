@@ -169,6 +169,7 @@ impl From<NodeError> for ApiError {
         match e {
             NodeError::Refused(m) => ApiError::Conflict(m),
             NodeError::NoJob(id) => ApiError::NotFound(format!("no job {id}")),
+            NodeError::TooMany(m) => ApiError::TooMany(m),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -218,6 +219,7 @@ impl Daemon {
             state_dir: cfg.state_dir.clone(),
             foreign_limit: cfg.foreign_limit,
             inventory_deadline: cfg.inventory_deadline,
+            max_queued_per_user: cfg.max_queued_per_user,
         };
         let node = off_runtime(move || Node::open(node_cfg, inventory))
             .await
@@ -441,14 +443,6 @@ impl Daemon {
     ) -> Result<JobView, ApiError> {
         if req.argv.is_empty() {
             return Err(ApiError::BadRequest("no command to run".into()));
-        }
-        let queued = self.node.queued_of(&caller.user);
-        if queued >= self.cfg.max_queued_per_user {
-            return Err(ApiError::TooMany(format!(
-                "{} has {queued} jobs queued on {}, the most one user may (max_queued_per_user); \
-                 wait for some to start or kill some",
-                caller.user, self.cfg.node_name
-            )));
         }
         if let Some(o) = &req.outputs {
             check_outputs(o).map_err(ApiError::BadRequest)?;

@@ -83,6 +83,8 @@ pub struct NodeConfig {
     pub foreign_limit: u64,
     /// Deadline of one inventory read.
     pub inventory_deadline: Duration,
+    /// Jobs one user may have queued at once (checked as each is reserved).
+    pub max_queued_per_user: usize,
 }
 
 /// A job as submitted.
@@ -128,6 +130,9 @@ pub enum NodeError {
     /// No such job.
     #[error("no job {0}")]
     NoJob(String),
+    /// The submitter is over a cap (jobs queued at once).
+    #[error("{0}")]
+    TooMany(String),
 }
 
 struct Inner {
@@ -333,6 +338,15 @@ impl Node {
     pub fn reserve(&self, s: &Submit) -> Result<String, NodeError> {
         self.admissible(s.gpus, s.min_free_bytes)?;
         let mut inner = self.inner.lock().expect("node poisoned");
+        // Under the queue's lock: concurrent submissions cannot all slip in.
+        let queued = self.state.queued_of(&s.user);
+        if queued >= self.cfg.max_queued_per_user {
+            return Err(NodeError::TooMany(format!(
+                "{} has {queued} jobs queued, the most one user may (max_queued_per_user); \
+                 wait for some to start or kill some",
+                s.user
+            )));
+        }
         // Never a record that exists (a lost database, a hand-made ref):
         // its job would vanish from labd's view while holding its GPUs.
         let id = loop {
@@ -783,6 +797,7 @@ mod tests {
             state_dir: dir.path().join("state"),
             foreign_limit: 256 << 20,
             inventory_deadline: Duration::from_secs(2),
+            max_queued_per_user: 1000,
         };
         let n = Node::open(cfg, inv).unwrap();
         let marker = format!("301.{}", std::process::id());

@@ -14,6 +14,7 @@ fn node(dir: &Path, inv: Arc<dyn GpuInventory>) -> Node {
         state_dir: dir.join("state"),
         foreign_limit: 256 << 20,
         inventory_deadline: Duration::from_millis(300),
+        max_queued_per_user: 1000,
     };
     Node::open(cfg, inv).unwrap()
 }
