@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use labsync_store::{
     gc, pull, push, verify, ChunkId, Codec, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
-    PackBuilder, PushOptions, Remote, Repo, SnapshotObject, VersionRecord, FLAG_LZ4, FLAG_ZSTD,
+    PackBuilder, PullOutcome, PushOptions, Remote, Repo, SnapshotObject, VersionRecord, FLAG_LZ4,
+    FLAG_ZSTD,
 };
 use support::{assert_same_tree, write_tree, S3Server};
 
@@ -78,6 +79,19 @@ impl Env {
         .await
         .unwrap();
         assert_same_tree(src, &out);
+    }
+
+    /// Pulls `spec` into `out` with the shared cache.
+    async fn pull_into(&self, spec: &str, out: &Path) -> labsync_store::Result<PullOutcome> {
+        pull(
+            &self.repo,
+            &self.cache,
+            &spec.parse().unwrap(),
+            out,
+            2,
+            np(),
+        )
+        .await
     }
 
     fn fresh_cache(&self, name: &str) -> NodeCache {
@@ -963,9 +977,7 @@ async fn setuid_and_setgid_bits_never_pass_through_the_store() {
         .await
         .unwrap();
     let out = env.root.join("out");
-    pull(&env.repo, &env.cache, &"su".parse().unwrap(), &out, 2, np())
-        .await
-        .unwrap();
+    env.pull_into("su", &out).await.unwrap();
     assert_eq!(mode(&out.join("x")), 0o755, "setuid dropped at push");
     assert_eq!(
         mode(&out.join("shared")),
@@ -1016,16 +1028,7 @@ async fn setuid_and_setgid_bits_never_pass_through_the_store() {
     std::fs::set_permissions(out.join("d/su"), std::fs::Permissions::from_mode(0o4755)).unwrap();
     let t = filetime::FileTime::from_unix_time(0, 0);
     filetime::set_file_mtime(out.join("d/su"), t).unwrap();
-    pull(
-        &env.repo,
-        &env.cache,
-        &"evil-su".parse().unwrap(),
-        &out,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
+    env.pull_into("evil-su", &out).await.unwrap();
     assert_eq!(mode(&out.join("d/su")), 0o755);
 }
 
@@ -1070,16 +1073,7 @@ async fn racily_clean_files_are_read_again_on_coarse_timestamps() {
             .unwrap();
         assert_eq!(r.files_read, 1, "the racily clean file is read again");
         let out = env.root.join(format!("again{round}"));
-        pull(
-            &env.repo,
-            &env.cache,
-            &"code".parse().unwrap(),
-            &out,
-            2,
-            np(),
-        )
-        .await
-        .unwrap();
+        env.pull_into("code", &out).await.unwrap();
         assert_eq!(
             std::fs::read_to_string(out.join("config.py")).unwrap(),
             format!("lr = 9.{round:02}\n"),
@@ -1199,16 +1193,7 @@ async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
 
     // The destination is full.
     let dest = fs.path.join("ds");
-    let err = pull(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &dest,
-        2,
-        np(),
-    )
-    .await
-    .unwrap_err();
+    let err = env.pull_into("ds", &dest).await.unwrap_err();
     let msg = err.to_string();
     assert!(
         matches!(err, Error::NoSpace { needed, .. } if needed >= 6_000_000),
@@ -1223,16 +1208,7 @@ async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
         .unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     std::fs::remove_file(&filler).unwrap();
-    pull(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &dest,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
+    env.pull_into("ds", &dest).await.unwrap();
     assert_same_tree(&src, &dest);
     std::fs::remove_dir_all(&dest).unwrap();
 

@@ -216,6 +216,21 @@ impl Node {
         j.ended() && !j.meta.outputs_pending
     }
 
+    /// The job's outputs, saved as `runs/<id>@v1`, pulled back: `file`'s content.
+    fn saved_outputs(&self, j: &JobView, file: &str) -> String {
+        let id = &j.id;
+        assert_eq!(
+            j.meta.outputs_saved.as_deref(),
+            Some(format!("runs/{id}@v1").as_str())
+        );
+        let dest = self.path(&format!("recovered-{id}"));
+        assert!(self
+            .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
+            .status
+            .success());
+        std::fs::read_to_string(dest.join(file)).unwrap()
+    }
+
     fn status(&self) -> String {
         self.ok(ALICE, &["status"])
     }
@@ -507,19 +522,7 @@ fn kill_leaves_no_process_and_saves_outputs() {
         j.gpus.is_empty() && n.status().contains("free"),
         "lease freed"
     );
-    assert_eq!(
-        j.meta.outputs_saved.as_deref(),
-        Some(format!("runs/{id}@v1").as_str())
-    );
-    let dest = n.path("recovered");
-    assert!(n
-        .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
-        .status
-        .success());
-    assert_eq!(
-        std::fs::read_to_string(dest.join("model.pt")).unwrap(),
-        "epoch-1\n"
-    );
+    assert_eq!(n.saved_outputs(&j, "model.pt"), "epoch-1\n");
 }
 
 /// Issue 9, point 6: checkpoints are never deleted unsaved. The store is
@@ -585,19 +588,7 @@ fn final_outputs_push_retries_through_a_store_outage() {
         n.ended(&id)
     });
     let j = n.job(&id);
-    assert_eq!(
-        j.meta.outputs_saved.as_deref(),
-        Some(format!("runs/{id}@v1").as_str())
-    );
-    let dest = n.path("recovered");
-    assert!(n
-        .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
-        .status
-        .success());
-    assert_eq!(
-        std::fs::read_to_string(dest.join("model.pt")).unwrap(),
-        "epoch-9\n"
-    );
+    assert_eq!(n.saved_outputs(&j, "model.pt"), "epoch-9\n");
     wait_until("the folder to go once its outputs are saved", 30, || {
         !work.exists()
     });
