@@ -84,22 +84,78 @@ pub async fn gc(
     grace_secs: Option<u64>,
     progress: &dyn Progress,
 ) -> Result<GcOutcome> {
-    let now = now_secs();
-    let grace = grace_secs.unwrap_or(repo.config().gc_grace_secs) as i64;
+    let run = Run {
+        repo,
+        now: now_secs(),
+        grace: grace_secs.unwrap_or(repo.config().gc_grace_secs) as i64,
+        dry_run,
+    };
     progress.phase("gc: list", None, None);
-    let packs = repo.remote().list("packs/").await?;
+    let packs = list_packs(repo).await?;
     let (index, index_keys) = repo.load_index().await?;
     let versions = repo.all_versions().await?;
 
+    let marked = mark(repo, &index, &versions, progress).await?;
+    let mut out = GcOutcome {
+        versions: versions.len() as u64,
+        packs: packs.len() as u64,
+        referenced_packs: packs.keys().filter(|p| marked.packs.contains(p)).count() as u64,
+        dry_run,
+        ..Default::default()
+    };
+    let records = run.condemn(&packs, &marked, &mut out).await?;
+
+    progress.phase("gc: sweep", None, None);
+    let deleted = run.sweep_packs(&records, &packs, &marked, &mut out).await?;
+    run.sweep_snapshots(&marked, &mut out).await?;
+    run.sweep_staging(&mut out).await?;
+    run.rewrite_index(&index, &index_keys, &packs, &deleted)
+        .await?;
+    Ok(out)
+}
+
+/// Every pack in the store, with its size and age (seconds since the epoch).
+async fn list_packs(repo: &Repo) -> Result<HashMap<PackId, (u64, i64)>> {
+    Ok(repo
+        .remote()
+        .list("packs/")
+        .await?
+        .iter()
+        .filter_map(|o| {
+            o.key
+                .rsplit('/')
+                .next()?
+                .parse()
+                .ok()
+                .map(|id| (id, (o.size, o.modified)))
+        })
+        .collect())
+}
+
+/// What the versions reference.
+struct Marked {
+    packs: HashSet<PackId>,
+    snapshots: HashSet<SnapshotId>,
+}
+
+/// Mark: every version is a root; its tree and file chunks mark their packs.
+/// A chunk the index lacks stops gc (nothing is deleted while a version is
+/// incomplete).
+async fn mark(
+    repo: &Repo,
+    index: &crate::index::Index,
+    versions: &[crate::repo::VersionRecord],
+    progress: &dyn Progress,
+) -> Result<Marked> {
     progress.phase("gc: mark", None, Some(versions.len() as u64));
     let mut referenced: HashSet<PackId> = HashSet::new();
     let mut live_snapshots: HashSet<SnapshotId> = HashSet::new();
-    for v in &versions {
+    for v in versions {
         if !live_snapshots.insert(v.snapshot) {
             continue;
         }
         let snap = repo.load_snapshot(&v.snapshot).await?;
-        let (_, entries) = repo.load_tree(&index, &v.snapshot).await?;
+        let (_, entries) = repo.load_tree(index, &v.snapshot).await?;
         let ids = snap
             .segments
             .iter()
@@ -114,131 +170,163 @@ pub async fn gc(
         }
         progress.advance(0, 1);
     }
+    Ok(Marked {
+        packs: referenced,
+        snapshots: live_snapshots,
+    })
+}
 
-    let sizes: HashMap<PackId, (u64, i64)> = packs
-        .iter()
-        .filter_map(|o| {
-            o.key
+/// One gc run: the store, its clock and its grace period.
+struct Run<'a> {
+    repo: &'a Repo,
+    now: i64,
+    grace: i64,
+    dry_run: bool,
+}
+
+impl Run<'_> {
+    /// Condemn: unreferenced packs older than the grace period, not yet
+    /// condemned, go into a new `gc/condemned-*` record. Returns every
+    /// record, the new one included.
+    async fn condemn(
+        &self,
+        packs: &HashMap<PackId, (u64, i64)>,
+        marked: &Marked,
+        out: &mut GcOutcome,
+    ) -> Result<Vec<(String, Condemned)>> {
+        let (repo, now) = (self.repo, self.now);
+        let mut records = Vec::new();
+        for o in repo.remote().list("gc/").await? {
+            if let Some(c) = read_condemned(repo, &o.key).await? {
+                records.push((o.key, c));
+            }
+        }
+        let already: HashSet<PackId> = records
+            .iter()
+            .flat_map(|(_, c)| c.packs.iter().copied())
+            .collect();
+        let mut fresh = Vec::new();
+        for (p, (_, modified)) in packs {
+            if marked.packs.contains(p) || already.contains(p) {
+                continue;
+            }
+            if now - modified >= self.grace {
+                fresh.push(*p);
+            } else {
+                out.young_packs += 1;
+            }
+        }
+        fresh.sort();
+        if !fresh.is_empty() {
+            let rec = Condemned {
+                time: now,
+                packs: fresh.clone(),
+            };
+            let key = format!(
+                "gc/condemned-{now:012}-{}",
+                PackId::of(&serde_json::to_vec(&rec.packs).unwrap_or_default()).short()
+            );
+            if !self.dry_run {
+                repo.remote()
+                    .put(&key, serde_json::to_vec(&rec).expect("serialises").into())
+                    .await?;
+                repo.remote().sync().await?;
+            }
+            records.push((key, rec));
+        }
+        out.condemned = fresh;
+        Ok(records)
+    }
+
+    /// Sweep: packs of condemnations older than the grace period that are
+    /// still unreferenced are deleted, then the condemnation itself.
+    async fn sweep_packs(
+        &self,
+        records: &[(String, Condemned)],
+        packs: &HashMap<PackId, (u64, i64)>,
+        marked: &Marked,
+        out: &mut GcOutcome,
+    ) -> Result<HashSet<PackId>> {
+        let mut deleted: HashSet<PackId> = HashSet::new();
+        for (key, rec) in records {
+            if self.now - rec.time < self.grace {
+                continue;
+            }
+            for p in &rec.packs {
+                if marked.packs.contains(p) {
+                    continue; // a version took it back meanwhile
+                }
+                if let Some((size, _)) = packs.get(p) {
+                    out.deleted_bytes += size;
+                }
+                if !self.dry_run {
+                    self.repo.remote().delete(&pack_key(p)).await?;
+                }
+                deleted.insert(*p);
+            }
+            if !self.dry_run {
+                self.repo.remote().delete(key).await?;
+            }
+        }
+        out.deleted = deleted.iter().copied().collect();
+        out.deleted.sort();
+        Ok(deleted)
+    }
+
+    /// Snapshot objects no version names, older than the grace period.
+    async fn sweep_snapshots(&self, marked: &Marked, out: &mut GcOutcome) -> Result<()> {
+        for o in self.repo.remote().list("snapshots/").await? {
+            let Some(id) = o
+                .key
                 .rsplit('/')
-                .next()?
-                .parse()
-                .ok()
-                .map(|id| (id, (o.size, o.modified)))
-        })
-        .collect();
-    let mut out = GcOutcome {
-        versions: versions.len() as u64,
-        packs: sizes.len() as u64,
-        dry_run,
-        ..Default::default()
-    };
-    out.referenced_packs = sizes.keys().filter(|p| referenced.contains(p)).count() as u64;
-
-    // Existing condemnations.
-    let mut records = Vec::new();
-    for o in repo.remote().list("gc/").await? {
-        if let Some(c) = read_condemned(repo, &o.key).await? {
-            records.push((o.key, c));
-        }
-    }
-    let already: HashSet<PackId> = records
-        .iter()
-        .flat_map(|(_, c)| c.packs.iter().copied())
-        .collect();
-    let mut fresh = Vec::new();
-    for (p, (_, modified)) in &sizes {
-        if referenced.contains(p) || already.contains(p) {
-            continue;
-        }
-        if now - modified >= grace {
-            fresh.push(*p);
-        } else {
-            out.young_packs += 1;
-        }
-    }
-    fresh.sort();
-    if !fresh.is_empty() {
-        let rec = Condemned {
-            time: now,
-            packs: fresh.clone(),
-        };
-        let key = format!(
-            "gc/condemned-{now:012}-{}",
-            PackId::of(&serde_json::to_vec(&rec.packs).unwrap_or_default()).short()
-        );
-        if !dry_run {
-            repo.remote()
-                .put(&key, serde_json::to_vec(&rec).expect("serialises").into())
-                .await?;
-            repo.remote().sync().await?;
-        }
-        records.push((key, rec));
-    }
-    out.condemned = fresh;
-
-    progress.phase("gc: sweep", None, None);
-    let mut deleted: HashSet<PackId> = HashSet::new();
-    for (key, rec) in &records {
-        if now - rec.time < grace {
-            continue;
-        }
-        for p in &rec.packs {
-            if referenced.contains(p) {
-                continue; // a version took it back meanwhile
+                .next()
+                .and_then(|h| h.parse::<SnapshotId>().ok())
+            else {
+                continue;
+            };
+            if !marked.snapshots.contains(&id) && self.now - o.modified >= self.grace {
+                if !self.dry_run {
+                    self.repo.remote().delete(&snapshot_key(&id)).await?;
+                }
+                out.deleted_snapshots += 1;
             }
-            if let Some((size, _)) = sizes.get(p) {
-                out.deleted_bytes += size;
-            }
-            if !dry_run {
-                repo.remote().delete(&pack_key(p)).await?;
-            }
-            deleted.insert(*p);
         }
-        if !dry_run {
-            repo.remote().delete(key).await?;
-        }
-    }
-    out.deleted = deleted.iter().copied().collect();
-    out.deleted.sort();
-
-    for o in repo.remote().list("snapshots/").await? {
-        let Some(id) = o
-            .key
-            .rsplit('/')
-            .next()
-            .and_then(|h| h.parse::<SnapshotId>().ok())
-        else {
-            continue;
-        };
-        if !live_snapshots.contains(&id) && now - o.modified >= grace {
-            if !dry_run {
-                repo.remote().delete(&snapshot_key(&id)).await?;
-            }
-            out.deleted_snapshots += 1;
-        }
+        Ok(())
     }
 
-    // Half-written objects of pushes that were killed: never referenced by
-    // anything, and older than any write still in progress.
-    for o in repo.remote().stale_staging(grace).await? {
-        if !dry_run {
-            repo.remote().remove_staging(&o.key).await?;
+    /// Half-written objects of pushes that were killed: never referenced by
+    /// anything, and older than any write still in progress.
+    async fn sweep_staging(&self, out: &mut GcOutcome) -> Result<()> {
+        for o in self.repo.remote().stale_staging(self.grace).await? {
+            if !self.dry_run {
+                self.repo.remote().remove_staging(&o.key).await?;
+            }
+            out.deleted_staging += 1;
+            out.deleted_staging_bytes += o.size;
         }
-        out.deleted_staging += 1;
-        out.deleted_staging_bytes += o.size;
+        Ok(())
     }
 
-    // One index for what is left. Index objects written after our listing
-    // (a concurrent push) are not touched.
-    if !dry_run && (!deleted.is_empty() || index_keys.len() > 1) {
-        let recs = index.to_records(|p| sizes.contains_key(p) && !deleted.contains(p));
-        let new_key = repo.write_index(&recs).await?;
-        repo.remote().sync().await?;
-        for k in &index_keys {
+    /// One index for what is left. Index objects written after our listing
+    /// (a concurrent push) are not touched.
+    async fn rewrite_index(
+        &self,
+        index: &crate::index::Index,
+        index_keys: &[String],
+        packs: &HashMap<PackId, (u64, i64)>,
+        deleted: &HashSet<PackId>,
+    ) -> Result<()> {
+        if self.dry_run || (deleted.is_empty() && index_keys.len() <= 1) {
+            return Ok(());
+        }
+        let recs = index.to_records(|p| packs.contains_key(p) && !deleted.contains(p));
+        let new_key = self.repo.write_index(&recs).await?;
+        self.repo.remote().sync().await?;
+        for k in index_keys {
             if Some(k) != new_key.as_ref() {
-                repo.remote().delete(k).await?;
+                self.repo.remote().delete(k).await?;
             }
         }
+        Ok(())
     }
-    Ok(out)
 }

@@ -21,7 +21,7 @@ use serde::Serialize;
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_name};
-use crate::id::PackId;
+use crate::id::{ChunkId, PackId};
 use crate::index::Index;
 use crate::progress::Progress;
 use crate::repo::{RefSpec, Repo, VersionRecord};
@@ -68,7 +68,7 @@ fn complete(path: &Path, e: &Entry) -> bool {
     })
 }
 
-/// Pulls `spec` into `dest`.
+/// Pulls `spec` into `dest`: plan, fetch packs, write verified files, finish.
 pub async fn pull(
     repo: &Repo,
     cache: &NodeCache,
@@ -82,6 +82,49 @@ pub async fn pull(
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
+    let (index, entries) = load_tree(&repo, &record, progress.as_ref()).await?;
+    let (dest, empty) = prepare_destination(dest)?;
+    make_directories(&dest, &entries, &record)?;
+
+    let plan = plan(&entries, &index, &dest, empty)?;
+    check_room(&repo, cache, &dest, &plan)?;
+    // Recorded before fetching, so packs of an interrupted pull stay owned.
+    let (id, label, store) = (record.snapshot, record.label(), &repo.config().id);
+    cache.touch(id, &label, store, plan.packs.clone())?;
+    let (packs_fetched, bytes_fetched) = cache.fetch_packs(&repo, &plan.packs, &progress).await?;
+
+    progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
+    let entries = Arc::new(entries);
+    let written = write_verified(
+        &repo, cache, &entries, index, &plan, &dest, threads, &progress,
+    );
+    let written = written.await?;
+    finish(&dest, &entries)?;
+
+    cache.touch(id, &label, store, plan.packs)?;
+    for label in cache.enforce_cap(Some(record.snapshot))? {
+        progress.warn(&format!(
+            "evicted {label} from the node cache (over its size cap)"
+        ));
+    }
+    Ok(PullOutcome {
+        record,
+        files_written: plan.files.len() as u64,
+        files_skipped: plan.skipped,
+        bytes_written: written,
+        packs_fetched,
+        bytes_fetched,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The store's index and the version's validated tree. Special mode bits
+/// are masked (and said so), unsafe paths refused.
+async fn load_tree(
+    repo: &Repo,
+    record: &VersionRecord,
+    progress: &dyn Progress,
+) -> Result<(Index, Vec<Entry>)> {
     let (index, _) = repo.load_index().await?;
     let (_, mut entries) = repo.load_tree(&index, &record.snapshot).await?;
     let masked = validate_entries(&mut entries, &record.snapshot.to_string())?;
@@ -93,7 +136,11 @@ pub async fn pull(
             record.label()
         ));
     }
+    Ok((index, entries))
+}
 
+/// Creates `dest` if needed; returns it resolved, and whether it was empty.
+fn prepare_destination(dest: &Path) -> Result<(PathBuf, bool)> {
     match std::fs::symlink_metadata(dest) {
         Ok(m) if !m.is_dir() => {
             return Err(Error::invalid(
@@ -112,10 +159,13 @@ pub async fn pull(
     let dest = dest
         .canonicalize()
         .map_err(Error::io("resolve destination", dest))?;
+    Ok((dest, empty))
+}
 
-    // Directories first (writable until the end), refusing symlinks planted in the destination.
+/// Directories first (writable until the end), refusing symlinks planted in the destination.
+fn make_directories(dest: &Path, entries: &[Entry], record: &VersionRecord) -> Result<()> {
     for e in entries.iter().filter(|e| e.kind == Kind::Dir) {
-        let p = dest_path(&dest, e);
+        let p = dest_path(dest, e);
         match std::fs::symlink_metadata(&p) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => {
@@ -128,81 +178,127 @@ pub async fn pull(
             Err(_) => std::fs::create_dir(&p).map_err(Error::io("create directory", &p))?,
         }
     }
+    Ok(())
+}
 
+/// What a pull has to do.
+struct Plan {
+    /// Entries (indexes) of the files to write.
+    files: Vec<usize>,
+    /// Files already complete in the destination.
+    skipped: u64,
+    /// The packs those files need, with their sizes.
+    packs: Vec<(PackId, u64)>,
+    /// Bytes of the files to write.
+    bytes: u64,
+}
+
+/// The files not yet complete in `dest` and the packs they need.
+fn plan(entries: &[Entry], index: &Index, dest: &Path, empty: bool) -> Result<Plan> {
     let files: Vec<usize> = entries
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(&dest_path(&dest, e), e)))
+        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(&dest_path(dest, e), e)))
         .map(|(i, _)| i)
         .collect();
     let skipped =
         entries.iter().filter(|e| e.kind == Kind::File).count() as u64 - files.len() as u64;
-
-    // Which packs the remaining files need.
-    let mut needed = BTreeSet::new();
-    for &i in &files {
-        for c in &entries[i].chunks {
-            let (p, _) = index.get(c).ok_or_else(|| Error::NotFound {
-                what: format!("chunk {c} of {}", entries[i].path_lossy()),
-                hint: "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost".into(),
-            })?;
-            needed.insert(p);
+    let packs = needed_packs(index, files.iter().map(|&i| &entries[i]), |c, e| {
+        Error::NotFound {
+            what: format!("chunk {c} of {}", e.path_lossy()),
+            hint:
+                "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost"
+                    .into(),
         }
-    }
-    let packs: Vec<(PackId, u64)> = needed
-        .iter()
-        .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
-        .collect();
-    // Room for the files, checked before anything is fetched or written, so
-    // a full disk fails at once with the numbers instead of half way. The
-    // packs to fetch count here too when the cache shares the file system.
+    })?;
     // Saturating: sizes come from the snapshot, which anyone may have written.
-    let total: u64 = files
+    let bytes = files
         .iter()
         .map(|&i| entries[i].size)
         .fold(0, u64::saturating_add);
-    if let Some(available) = crate::fsutil::free_space(&dest) {
-        let missing: u64 = packs
-            .iter()
-            .filter(|(p, _)| !cache.pack_path(p).exists())
-            .map(|(_, n)| *n)
-            .fold(0, u64::saturating_add);
-        let shared = crate::fsutil::device_of(&dest) == crate::fsutil::device_of(cache.root());
-        let for_packs = if shared {
-            cache.space_for_packs(&repo, missing)
-        } else {
-            0
-        };
-        let needed = total.saturating_add(for_packs);
-        if available < needed {
-            return Err(Error::NoSpace {
-                path: dest.clone(),
-                needed,
-                available,
-            });
+    Ok(Plan {
+        files,
+        skipped,
+        packs,
+        bytes,
+    })
+}
+
+/// The packs holding the chunks of `entries`, in id order, with their sizes.
+fn needed_packs<'a>(
+    index: &Index,
+    entries: impl Iterator<Item = &'a Entry>,
+    missing: impl Fn(&ChunkId, &Entry) -> Error,
+) -> Result<Vec<(PackId, u64)>> {
+    let mut needed = BTreeSet::new();
+    for e in entries {
+        for c in &e.chunks {
+            let (p, _) = index.get(c).ok_or_else(|| missing(c, e))?;
+            needed.insert(p);
         }
     }
-    // Recorded before fetching, so packs of an interrupted pull stay owned.
-    cache.touch(
-        record.snapshot,
-        &record.label(),
-        &repo.config().id,
-        packs.clone(),
-    )?;
-    let (packs_fetched, bytes_fetched) = cache.fetch_packs(&repo, &packs, &progress).await?;
+    Ok(needed
+        .iter()
+        .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
+        .collect())
+}
 
-    progress.phase("write", Some(total), Some(files.len() as u64));
-    let entries = Arc::new(entries);
+/// Room for the files, checked before anything is fetched or written, so
+/// a full disk fails at once with the numbers instead of half way. The
+/// packs to fetch count here too when the cache shares the file system.
+fn check_room(repo: &Repo, cache: &NodeCache, dest: &Path, plan: &Plan) -> Result<()> {
+    let Some(available) = crate::fsutil::free_space(dest) else {
+        return Ok(());
+    };
+    let missing: u64 = plan
+        .packs
+        .iter()
+        .filter(|(p, _)| !cache.pack_path(p).exists())
+        .map(|(_, n)| *n)
+        .fold(0, u64::saturating_add);
+    let shared = crate::fsutil::device_of(dest) == crate::fsutil::device_of(cache.root());
+    let for_packs = if shared {
+        cache.space_for_packs(repo, missing)
+    } else {
+        0
+    };
+    let needed = plan.bytes.saturating_add(for_packs);
+    if available < needed {
+        return Err(Error::NoSpace {
+            path: dest.to_path_buf(),
+            needed,
+            available,
+        });
+    }
+    Ok(())
+}
+
+/// Writes the planned files off the runtime, every chunk verified before a
+/// byte of it reaches a file (verifying and writing are one pass: a second
+/// pass would read every pack twice). A pack that fails verification is
+/// fetched once more and the files not yet complete are written again; a
+/// second failure is corruption in the store.
+#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
+async fn write_verified(
+    repo: &Repo,
+    cache: &NodeCache,
+    entries: &Arc<Vec<Entry>>,
+    index: Index,
+    plan: &Plan,
+    dest: &Path,
+    threads: usize,
+    progress: &Arc<dyn Progress>,
+) -> Result<u64> {
     let index = Arc::new(index);
     let mut refetched = HashSet::new();
-    let written = loop {
+    loop {
         let (e2, i2, c2, d2, p2, f2) = (
             entries.clone(),
             index.clone(),
             cache.clone(),
-            dest.clone(),
+            dest.to_path_buf(),
             progress.clone(),
-            files.clone(),
+            plan.files.clone(),
         );
         let retry = !refetched.is_empty();
         let res = blocking(move || {
@@ -218,8 +314,7 @@ pub async fn pull(
         })
         .await;
         match res {
-            Ok(n) => break n,
-            // One re-fetch of a pack that failed verification; a second failure is corruption in the store.
+            Ok(n) => return Ok(n),
             Err(Error::Corrupt { what, detail }) => {
                 let pack = what
                     .rsplit(' ')
@@ -231,19 +326,21 @@ pub async fn pull(
                             "pack {p} failed verification ({detail}); fetching it again"
                         ));
                         cache.forget_pack(&p);
-                        cache.fetch_pack(&repo, &p).await?;
+                        cache.fetch_pack(repo, &p).await?;
                     }
                     _ => return Err(Error::Corrupt { what, detail }),
                 }
             }
             Err(e) => return Err(e),
         }
-    };
+    }
+}
 
-    // Symlinks, then directory modes and times deepest first (a read-only
-    // directory set earlier would block writing into it).
+/// Symlinks, then directory modes and times deepest first (a read-only
+/// directory set earlier would block writing into it).
+fn finish(dest: &Path, entries: &[Entry]) -> Result<()> {
     for e in entries.iter().filter(|e| e.kind == Kind::Symlink) {
-        let p = dest_path(&dest, e);
+        let p = dest_path(dest, e);
         if let Ok(m) = std::fs::symlink_metadata(&p) {
             if m.is_dir() {
                 return Err(Error::invalid(
@@ -259,28 +356,13 @@ pub async fn pull(
         filetime::set_symlink_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
     }
     for e in entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
-        let p = dest_path(&dest, e);
+        let p = dest_path(dest, e);
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(e.mode))
             .map_err(Error::io("set mode of", &p))?;
         let t = filetime::FileTime::from_system_time(time_of(e.mtime_ns));
         filetime::set_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
     }
-
-    cache.touch(record.snapshot, &record.label(), &repo.config().id, packs)?;
-    for label in cache.enforce_cap(Some(record.snapshot))? {
-        progress.warn(&format!(
-            "evicted {label} from the node cache (over its size cap)"
-        ));
-    }
-    Ok(PullOutcome {
-        record,
-        files_written: files.len() as u64,
-        files_skipped: skipped,
-        bytes_written: written,
-        packs_fetched,
-        bytes_fetched,
-        seconds: started.elapsed().as_secs_f64(),
-    })
+    Ok(())
 }
 
 fn write_files(
@@ -420,17 +502,9 @@ pub async fn warm(
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     let (index, _) = repo.load_index().await?;
     let (_, entries) = repo.load_tree(&index, &record.snapshot).await?;
-    let mut needed = BTreeSet::new();
-    for c in entries.iter().flat_map(|e| e.chunks.iter()) {
-        let (p, _) = index
-            .get(c)
-            .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
-        needed.insert(p);
-    }
-    let packs: Vec<(PackId, u64)> = needed
-        .iter()
-        .map(|p| (*p, index.pack_size(p).unwrap_or(0)))
-        .collect();
+    let packs = needed_packs(&index, entries.iter(), |c, _| {
+        Error::not_found(format!("chunk {c}"))
+    })?;
     cache.touch(
         record.snapshot,
         &record.label(),

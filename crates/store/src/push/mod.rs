@@ -1,0 +1,188 @@
+//! `push`: scan a tree, chunk and hash what changed, pack what is new, and
+//! commit it in the order packs → index → snapshot → ref.
+//!
+//! The stages, one module each, in the order [`push`] runs them:
+//! [`scan`] → [`files_cache`] (plan what to read) → [`read`] (read, chunk,
+//! pack) → [`upload`] → [`tree`] (assemble and write the tree) → [`commit`]
+//! (index, snapshot, version).
+//!
+//! Files are read by a few threads (the chunker and BLAKE3 are CPU-bound);
+//! new chunks go into one shared pack builder; full packs travel through a
+//! channel of capacity one to the uploader, which keeps two uploads in flight.
+//! That bounds memory to about four packs whatever the dataset size.
+
+mod commit;
+mod files_cache;
+mod read;
+mod scan;
+mod tree;
+mod upload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::fsutil::blocking;
+use crate::index::Index;
+use crate::pack::Codec;
+use crate::progress::Progress;
+use crate::repo::{validate_name, Repo, VersionRecord};
+use files_cache::FilesCacheFile;
+use read::ReadSettings;
+use upload::Uploads;
+
+/// What to push and how.
+#[derive(Clone, Debug)]
+pub struct PushOptions {
+    /// The name to create a version of.
+    pub name: String,
+    /// Folder of the files cache (`None`: read every file).
+    pub files_cache: Option<PathBuf>,
+    /// Reader threads.
+    pub threads: usize,
+    /// Recorded in the version.
+    pub user: String,
+    /// Recorded in the version.
+    pub host: String,
+    /// Read the source as this uid/gid (Linux file-system ids, per thread):
+    /// a root labd pushing a job's outputs reads only what the job's user may.
+    pub read_as: Option<(u32, u32)>,
+    /// Files modified less than this long ago may be half written (a
+    /// checkpoint being saved while a running job's outputs are pushed):
+    /// the version keeps the content the files cache last recorded for
+    /// them, or leaves them out when it has none. `None` takes every file
+    /// as it is (a push after the writer stopped).
+    pub settle: Option<std::time::Duration>,
+    /// How compressible file chunks are compressed (trees always use zstd).
+    pub compression: Codec,
+}
+
+/// What a push did.
+#[derive(Clone, Debug, Serialize)]
+pub struct PushOutcome {
+    /// The version (new, or the latest when nothing changed).
+    pub record: VersionRecord,
+    /// False when the tree equals the latest version and nothing was written.
+    pub created: bool,
+    /// Files whose content was read (not found unchanged in the files cache).
+    pub files_read: u64,
+    /// Bytes read from those files.
+    pub bytes_read: u64,
+    /// Chunks that were new to the store.
+    pub new_chunks: u64,
+    /// Objects written (packs, index, snapshot, ref).
+    pub objects_written: u64,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+/// Pushes `src` as a new version of `opts.name`.
+pub async fn push(
+    repo: &Repo,
+    src: &Path,
+    opts: &PushOptions,
+    progress: Arc<dyn Progress>,
+) -> Result<PushOutcome> {
+    let started = Instant::now();
+    tracing::debug!(src = %src.display(), "push: start");
+    validate_name(&opts.name)?;
+    let root = source_root(src, opts.read_as).await?;
+    let threads = opts.threads.max(1);
+    let config = repo.config();
+
+    let mut scan = scan::scan_source(&root, threads, opts.read_as, &progress).await?;
+    let index = Arc::new(live_index(repo).await?);
+    let cache_file = (opts.files_cache.as_deref())
+        .map(|dir| FilesCacheFile::new(dir, &config.id, config.params, &root));
+    let cache = cache_file.as_ref().map(|f| f.load()).unwrap_or_default();
+    let mut plan = files_cache::plan_reads(
+        &mut scan.entries,
+        &cache,
+        &index,
+        opts.settle,
+        progress.as_ref(),
+    );
+
+    let mut uploads = Uploads::start(repo);
+    let scanned = Arc::new(scan.entries);
+    let settings = ReadSettings {
+        threads,
+        read_as: opts.read_as,
+        params: config.params,
+        pack_size: config.pack_size as usize,
+        codec: opts.compression,
+    };
+    let to_read = std::mem::take(&mut plan.to_read);
+    let reads = read::read_and_chunk(
+        &root, &scanned, to_read, &index, settings, &uploads, &progress,
+    );
+    let reads = match reads.await {
+        Ok(reads) => reads,
+        Err(e) => return Err(uploads.fail(e).await),
+    };
+    tracing::debug!("push: files read");
+    let tree = tree::assemble(&scanned, plan, reads);
+    let pack_size = config.pack_size as usize;
+    let segments = tree::write_tree(
+        &tree.entries,
+        &index,
+        threads,
+        pack_size,
+        &root,
+        &mut uploads,
+    )
+    .await?;
+    let uploaded = uploads.finish(&root).await?;
+
+    let mut written = commit::write_index(repo, &uploaded.packs, uploaded.bytes).await?;
+    let snapshot =
+        commit::write_snapshot(repo, &opts.name, &tree.entries, segments, &mut written).await?;
+    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
+        commit::check_still_present(repo, &index, &tree.entries).await?;
+    }
+    let stats = commit::tree_stats(repo, &index, &uploaded.packs, &tree.entries, &snapshot).await?;
+    let (record, created) =
+        commit::commit_version(repo, opts, &snapshot, &stats, &mut written).await?;
+
+    if let Some(f) = &cache_file {
+        f.save(scan.started_ns, tree.cached, progress.as_ref());
+    }
+    tracing::debug!("push: files cache saved");
+    Ok(PushOutcome {
+        record,
+        created,
+        files_read: tree.files_read,
+        bytes_read: tree.bytes_read,
+        new_chunks: stats.new_chunks,
+        objects_written: written.objects,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The source as an absolute path with no symlinks, resolved as `read_as`.
+async fn source_root(src: &Path, read_as: Option<(u32, u32)>) -> Result<PathBuf> {
+    let src = src.to_path_buf();
+    blocking(move || {
+        let _as = crate::fsutil::ReadAs::enter(read_as);
+        src.canonicalize().map_err(Error::io("open source", &src))
+    })
+    .await
+}
+
+/// The store's index without the packs gc has condemned: a push never
+/// deduplicates against data scheduled for deletion.
+async fn live_index(repo: &Repo) -> Result<Index> {
+    let (index, _) = repo.load_index().await?;
+    let condemned = crate::gc::condemned_packs(repo).await?;
+    if condemned.is_empty() {
+        return Ok(index);
+    }
+    let mut live = Index::default();
+    for r in index.to_records(|p| !condemned.contains(p)) {
+        live.add(&r);
+    }
+    Ok(live)
+}

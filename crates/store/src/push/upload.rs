@@ -1,0 +1,165 @@
+//! Stage 4, upload: sealed packs travel through a channel of capacity one to
+//! one task that keeps two uploads in flight and indexes every 32 packs.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::read::BufferPool;
+use crate::error::{Error, Result};
+use crate::index::IndexPack;
+use crate::pack::SealedPack;
+use crate::repo::{pack_key, Repo};
+
+/// The packs a push uploaded, and their bytes.
+pub(super) struct Uploaded {
+    pub packs: Vec<IndexPack>,
+    pub bytes: u64,
+}
+
+/// The running uploader: where packs go and the buffers they come back to.
+pub(super) struct Uploads {
+    tx: mpsc::Sender<SealedPack>,
+    task: Option<JoinHandle<Result<Uploaded>>>,
+    pool: Arc<BufferPool>,
+}
+
+impl Uploads {
+    /// Starts the uploader. Three pack buffers for a local store (one
+    /// filling, two writing), four for a remote one, where uploads take
+    /// longer: well under 200 MB.
+    pub fn start(repo: &Repo) -> Uploads {
+        let (tx, rx) = mpsc::channel::<SealedPack>(1);
+        let pool = BufferPool::new(if repo.remote().local_path("").is_some() {
+            3
+        } else {
+            4
+        });
+        let task = tokio::spawn(upload(repo.clone(), rx, pool.clone()));
+        Uploads {
+            tx,
+            task: Some(task),
+            pool,
+        }
+    }
+
+    /// Where the readers send full packs from their threads.
+    pub fn sender(&self) -> mpsc::Sender<SealedPack> {
+        self.tx.clone()
+    }
+
+    /// The buffers packs are built in.
+    pub fn pool(&self) -> Arc<BufferPool> {
+        self.pool.clone()
+    }
+
+    /// Hands one pack over; when the uploader has stopped, its own error.
+    pub async fn send(&mut self, pack: SealedPack) -> Result<()> {
+        if self.tx.send(pack).await.is_ok() {
+            return Ok(());
+        }
+        Err(match self.task.take() {
+            Some(task) => uploader_error(task).await,
+            None => upload_stopped(),
+        })
+    }
+
+    /// After `cause` stopped the push: the uploader's own error if it failed
+    /// (a full disk, the store gone: the root cause), else `cause`.
+    pub async fn fail(mut self, cause: Error) -> Error {
+        drop(self.tx);
+        match self.task.take() {
+            Some(task) => match task.await {
+                Ok(Err(up)) => up,
+                _ => cause,
+            },
+            None => cause,
+        }
+    }
+
+    /// Waits for every pack handed over to be uploaded and indexed.
+    pub async fn finish(mut self, root: &Path) -> Result<Uploaded> {
+        drop(self.tx);
+        let Some(task) = self.task.take() else {
+            return Err(upload_stopped());
+        };
+        task.await.map_err(|e| Error::Io {
+            op: "upload",
+            path: root.to_path_buf(),
+            source: std::io::Error::other(e),
+        })?
+    }
+}
+
+pub(super) fn upload_stopped() -> Error {
+    Error::Io {
+        op: "hand a pack to the uploader (it stopped)",
+        path: PathBuf::new(),
+        source: std::io::Error::other("upload failed"),
+    }
+}
+
+/// Uploads packs as they come, two at a time, making them durable and
+/// indexing them every 32 packs so an interrupted push resumes from there.
+async fn upload(
+    repo: Repo,
+    rx: mpsc::Receiver<SealedPack>,
+    pool: Arc<BufferPool>,
+) -> Result<Uploaded> {
+    let result = upload_packs(repo, rx, pool.clone()).await;
+    // Readers waiting for a buffer must learn that no more will come.
+    pool.close();
+    result
+}
+
+async fn upload_packs(
+    repo: Repo,
+    mut rx: mpsc::Receiver<SealedPack>,
+    pool: Arc<BufferPool>,
+) -> Result<Uploaded> {
+    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let mut puts = stream
+        .map(|p: SealedPack| {
+            let (repo, pool) = (repo.clone(), pool.clone());
+            async move {
+                let size = p.bytes.len() as u64;
+                let rec = IndexPack::new(p.id, size, &p.entries);
+                let key = pack_key(&p.id);
+                let bytes = Bytes::from(p.bytes);
+                repo.remote().put(&key, bytes.clone()).await?;
+                repo.remote().start_writeback(&key).await?;
+                // Hand the buffer back (a fresh one if the backend still holds it).
+                pool.give(bytes.try_into_mut().map(Vec::from).unwrap_or_default());
+                Ok::<_, Error>(rec)
+            }
+        })
+        .buffer_unordered(2);
+    let mut all = Vec::new();
+    let mut unindexed = Vec::new();
+    let mut bytes = 0;
+    while let Some(rec) = puts.next().await {
+        let rec = rec?;
+        bytes += rec.size;
+        unindexed.push(rec);
+        if unindexed.len() >= 32 {
+            repo.remote().sync().await?;
+            repo.write_index(&unindexed).await?;
+            all.append(&mut unindexed);
+        }
+    }
+    all.extend(unindexed);
+    Ok(Uploaded { packs: all, bytes })
+}
+
+/// Why the uploader stopped: its own error (a full disk, the store gone),
+/// which is what the user needs, not that a pack could not be handed over.
+async fn uploader_error<T>(uploader: JoinHandle<Result<T>>) -> Error {
+    match uploader.await {
+        Ok(Err(e)) => e,
+        _ => upload_stopped(),
+    }
+}
