@@ -1,6 +1,9 @@
 //! The labsync command-line tools: clap arguments become [`Settings`], then
-//! one library call. Progress bars (indicatif) and printing live only here.
+//! one call into [`commands`], one module per subcommand. Progress bars
+//! (indicatif) and printing live only here.
 
+pub mod commands;
+pub mod labd_config;
 pub mod local;
 pub mod progress;
 pub mod settings;

@@ -1,10 +1,16 @@
 //! The per-user labd that `labrun` starts when no other is configured (as
-//! sccache starts its server), and the files it shares with `labrun`.
+//! sccache starts its server), the files it shares with `labrun`, and how
+//! `labrun` finds the labd to talk to.
 
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use labsync_agent::{Client, Endpoint, Secret};
+
+use crate::Settings;
 
 /// The system labd's socket; used when it exists and nothing else is configured.
 pub const SYSTEM_SOCKET: &str = "/run/labsync/labd.sock";
@@ -113,6 +119,117 @@ pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "localhost".into())
+}
+
+/// Finds labd, starting the personal one if nothing else is configured
+/// (then also returned, so its store can be checked against the settings).
+///
+/// labd is `labd` (a flag or LABRUN_LABD), else the config's, else the
+/// system socket, else the personal one; the token is LABRUN_TOKEN, else
+/// the config's, else the personal labd's own.
+pub async fn connect(
+    labd: Option<String>,
+    s: &Settings,
+    quiet: bool,
+) -> Result<(Client, Option<LocalLabd>)> {
+    let token = std::env::var("LABRUN_TOKEN")
+        .ok()
+        .map(Secret::from)
+        .or(s.token.clone());
+    if let Some(addr) = labd.or(s.labd.clone()) {
+        let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
+        return Ok((Client::new(ep, token), None));
+    }
+    if Path::new(SYSTEM_SOCKET).exists() {
+        return Ok((
+            Client::new(Endpoint::Unix(SYSTEM_SOCKET.into()), token),
+            None,
+        ));
+    }
+    let local = LocalLabd::for_user()?;
+    let probe = Client::new(Endpoint::Unix(local.socket()), None);
+    if !probe.healthy().await {
+        start_local(&local, s, quiet).await?;
+    }
+    let token = match token {
+        Some(t) => t,
+        None => std::fs::read_to_string(local.token_file())
+            .with_context(|| format!("cannot read labd's token {}", local.token_file().display()))?
+            .trim()
+            .to_string()
+            .into(),
+    };
+    let client = Client::new(Endpoint::Unix(local.socket()), Some(token));
+    Ok((client, Some(local)))
+}
+
+/// Starts the personal labd in the background and waits until it answers.
+async fn start_local(local: &LocalLabd, s: &Settings, quiet: bool) -> Result<()> {
+    let exe = std::env::current_exe()
+        .ok()
+        .map(|e| e.with_file_name("labd"))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("labd"));
+    std::fs::create_dir_all(&local.state_dir)
+        .with_context(|| format!("cannot create {}", local.state_dir.display()))?;
+    let log = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(local.log_file())
+        .with_context(|| format!("cannot open {}", local.log_file().display()))?;
+    if !quiet {
+        eprintln!(
+            "labrun: starting labd in the background (log: {})",
+            local.log_file().display()
+        );
+    }
+    let mut child = std::process::Command::new(&exe)
+        .arg("--state-dir")
+        .arg(&local.state_dir)
+        .arg("--store")
+        .arg(&s.store)
+        .arg("--cache-dir")
+        .arg(&s.cache_dir)
+        .arg("--cache-max")
+        .arg(s.cache_max.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // Its own process group: a Ctrl-C at labrun's terminal must not reach it.
+        .process_group(0)
+        .spawn()
+        .with_context(|| {
+            format!(
+                "cannot start {} (is labd installed next to labrun?)",
+                exe.display()
+            )
+        })?;
+    let probe = Client::new(Endpoint::Unix(local.socket()), None);
+    let t = Instant::now();
+    loop {
+        if probe.healthy().await {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            // Another labrun may have started one at the same moment.
+            if probe.healthy().await {
+                return Ok(());
+            }
+            let tail = std::fs::read_to_string(local.log_file()).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+            bail!(
+                "labd exited ({status}) at start:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "labd did not answer within 30 s; see {}",
+                local.log_file().display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[cfg(test)]

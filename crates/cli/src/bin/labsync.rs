@@ -2,13 +2,11 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
-use labsync_cli::progress::Bar;
-use labsync_cli::{human_bytes, human_time, parse_size, Overrides, Settings};
-use labsync_store::{self as store, NodeCache, Progress, PushOptions, RefSpec, Remote, Repo};
+use labsync_cli::commands::{self, Printer, StoreContext};
+use labsync_cli::{Overrides, Settings};
 use serde_json::json;
 
 const ABOUT: &str = "Content-addressed sync of datasets and code between a lab's machines.";
@@ -191,78 +189,8 @@ enum CacheCmd {
     },
 }
 
-struct Ctx {
-    settings: Settings,
-    json: bool,
-    quiet: bool,
-    bar: Arc<Bar>,
-}
-
-impl Ctx {
-    async fn repo(&self) -> Result<Repo> {
-        let remote = Remote::open(&self.settings.store, &self.settings.store_options)?;
-        Repo::open(remote, None)
-            .await
-            .with_context(|| format!("cannot open store {}", self.settings.store))
-    }
-
-    fn cache(&self) -> Result<NodeCache> {
-        Ok(NodeCache::open(
-            &self.settings.cache_dir,
-            self.settings.cache_max,
-        )?)
-    }
-
-    fn progress(&self) -> Arc<dyn Progress> {
-        self.bar.clone()
-    }
-
-    /// Prints the human text, or the JSON document.
-    fn out(&self, human: impl FnOnce() -> String, doc: serde_json::Value) {
-        self.bar.finish();
-        if self.json {
-            println!("{}", serde_json::to_string_pretty(&doc).expect("json"));
-        } else if !self.quiet {
-            let text = human();
-            if !text.is_empty() {
-                println!("{text}");
-            }
-        }
-    }
-}
-
-fn threads(n: Option<usize>) -> usize {
-    n.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
-        .max(1)
-}
-
-fn parse_duration(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (n, unit) = t.split_at(split);
-    let n: u64 = n
-        .parse()
-        .with_context(|| format!("invalid duration {s:?}: write e.g. 6h, 30m, 90s or 0"))?;
-    Ok(n * match unit {
-        "" | "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => bail!("invalid duration {s:?}: unit must be s, m, h or d"),
-    })
-}
-
-fn whoami() -> (String, String) {
-    let user = std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into());
-    (user, host)
-}
-
-async fn run(cli: Cli) -> Result<bool> {
+/// Resolves the settings, then runs the one command.
+async fn run(cli: Cli) -> Result<ExitCode> {
     let env: Vec<(String, String)> = std::env::vars().collect();
     let o = Overrides {
         store: cli.store,
@@ -276,337 +204,35 @@ async fn run(cli: Cli) -> Result<bool> {
             _ => None,
         },
     };
-    let settings = Settings::resolve(&o, &env)?;
-    let ctx = Ctx {
-        settings,
-        json: cli.json,
-        quiet: cli.quiet,
-        bar: Arc::new(Bar::new(cli.quiet || cli.json)),
+    let ctx = StoreContext {
+        settings: Settings::resolve(&o, &env)?,
+        printer: Printer::new(cli.json, cli.quiet),
     };
     match cli.cmd {
         Cmd::Push {
-            src,
-            name,
-            threads: t,
-            compression: _,
-        } => {
-            let name = match name {
-                Some(n) => n,
-                None => src
-                    .canonicalize()
-                    .with_context(|| format!("cannot open {}", src.display()))?
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .map(str::to_string)
-                    .context("cannot derive a name from the path; pass --name")?,
-            };
-            let repo = ctx.repo().await?;
-            let cache = ctx.cache()?;
-            let (user, host) = whoami();
-            let opts = PushOptions {
-                name,
-                files_cache: Some(cache.files_cache_dir()),
-                threads: threads(t),
-                user,
-                host,
-                read_as: None,
-                settle: None,
-                compression: ctx.settings.compression,
-            };
-            let r = store::push(&repo, &src, &opts, ctx.progress()).await?;
-            ctx.out(
-                || {
-                    format!(
-                        "{}  {}  {}, {} new, {:.1} s{}",
-                        r.record.label(),
-                        r.record.snapshot.short(),
-                        human_bytes(r.record.bytes),
-                        human_bytes(if r.created { r.record.new_bytes } else { 0 }),
-                        r.seconds,
-                        if r.created {
-                            ""
-                        } else {
-                            "  (unchanged: no new version)"
-                        }
-                    )
-                },
-                json!({"command": "push", "result": r}),
-            );
-        }
+            src, name, threads, ..
+        } => commands::push::push(&ctx, &src, name, threads).await,
         Cmd::Pull {
             spec,
             dest,
-            threads: t,
-        } => {
-            let spec: RefSpec = spec.parse()?;
-            let dest = dest.unwrap_or_else(|| {
-                PathBuf::from(spec.name.rsplit('/').next().unwrap_or(&spec.name))
-            });
-            let repo = ctx.repo().await?;
-            let cache = ctx.cache()?;
-            let r = store::pull(
-                &repo,
-                &cache,
-                &spec,
-                &dest,
-                threads(t).max(if t.is_some() { 1 } else { 4 }),
-                ctx.progress(),
-            )
-            .await?;
-            ctx.out(
-                || {
-                    format!(
-                        "{} -> {}: {} files written ({}), {} already there, {} fetched, {:.1} s",
-                        r.record.label(),
-                        dest.display(),
-                        r.files_written,
-                        human_bytes(r.bytes_written),
-                        r.files_skipped,
-                        human_bytes(r.bytes_fetched),
-                        r.seconds
-                    )
-                },
-                json!({"command": "pull", "dest": dest, "result": r}),
-            );
-        }
-        Cmd::Ls => {
-            let repo = ctx.repo().await?;
-            let mut rows = Vec::new();
-            for n in repo.names().await? {
-                if let Some(l) = repo.latest(&n).await? {
-                    rows.push(l);
-                }
-            }
-            ctx.out(
-                || {
-                    if rows.is_empty() {
-                        return format!(
-                            "nothing stored yet in {} (try `labsync push DIR`)",
-                            repo.remote().url()
-                        );
-                    }
-                    let mut s = format!(
-                        "{:<24} {:>7} {:>11} {:>11}  {}\n",
-                        "NAME", "LATEST", "SIZE", "STORED", "PUSHED (UTC)"
-                    );
-                    for r in &rows {
-                        s += &format!(
-                            "{:<24} {:>7} {:>11} {:>11}  {} by {}@{}\n",
-                            r.name,
-                            format!("v{}", r.version),
-                            human_bytes(r.bytes),
-                            human_bytes(r.stored_bytes),
-                            human_time(r.time),
-                            r.user,
-                            r.host
-                        );
-                    }
-                    s.trim_end().to_string()
-                },
-                json!({"command": "ls", "names": rows}),
-            );
-        }
-        Cmd::Log { name } => {
-            let repo = ctx.repo().await?;
-            let spec: RefSpec = name.parse()?;
-            let versions = repo.versions(&spec.name).await?;
-            if versions.is_empty() {
-                repo.resolve(&spec).await?;
-            }
-            ctx.out(
-                || {
-                    let mut s = String::new();
-                    for r in versions.iter().rev() {
-                        s += &format!(
-                            "v{:<4} {}  {}  {}@{}  {} files, {}, {} new  +{} ~{} -{}\n",
-                            r.version,
-                            r.snapshot.short(),
-                            human_time(r.time),
-                            r.user,
-                            r.host,
-                            r.files,
-                            human_bytes(r.bytes),
-                            human_bytes(r.new_bytes),
-                            r.added,
-                            r.modified,
-                            r.removed
-                        );
-                    }
-                    s.trim_end().to_string()
-                },
-                json!({"command": "log", "versions": versions}),
-            );
-        }
-        Cmd::Diff { a, b } => {
-            let repo = ctx.repo().await?;
-            let (ra, rb) = (
-                repo.resolve(&a.parse()?).await?,
-                repo.resolve(&b.parse()?).await?,
-            );
-            let (index, _) = repo.load_index().await?;
-            let (_, ea) = repo.load_tree(&index, &ra.snapshot).await?;
-            let (_, eb) = repo.load_tree(&index, &rb.snapshot).await?;
-            let d = store::diff(&ea, &eb);
-            ctx.out(
-                || {
-                    let mut s = String::new();
-                    for p in &d.added {
-                        s += &format!("A {p}\n");
-                    }
-                    for p in &d.removed {
-                        s += &format!("D {p}\n");
-                    }
-                    for p in &d.modified {
-                        s += &format!("M {p}\n");
-                    }
-                    s + &format!(
-                        "{} -> {}: {} added, {} removed, {} modified",
-                        ra.label(),
-                        rb.label(),
-                        d.added.len(),
-                        d.removed.len(),
-                        d.modified.len()
-                    )
-                },
-                json!({"command": "diff", "a": ra.label(), "b": rb.label(), "changes": d}),
-            );
-        }
+            threads,
+        } => commands::pull::pull(&ctx, &spec, dest, threads).await,
+        Cmd::Ls => commands::ls::ls(&ctx).await,
+        Cmd::Log { name } => commands::log::log(&ctx, &name).await,
+        Cmd::Diff { a, b } => commands::diff::diff(&ctx, &a, &b).await,
         Cmd::Verify { name, remote } => {
-            let repo = ctx.repo().await?;
-            let cache = ctx.cache()?;
-            let spec = name.map(|n| n.parse::<RefSpec>()).transpose()?;
-            let r = store::verify(&repo, &cache, spec.as_ref(), remote, ctx.progress()).await?;
-            let ok = r.problems.is_empty();
-            ctx.out(
-                || {
-                    let mut s = String::new();
-                    for p in &r.problems {
-                        s += &format!("PROBLEM {p}\n");
-                    }
-                    s + &format!(
-                        "{}: {} versions, {} chunks referenced; {} packs and {} chunks re-hashed ({}); {} problems",
-                        if ok { "ok" } else { "FAILED" },
-                        r.versions,
-                        r.chunks,
-                        r.packs_checked,
-                        r.chunks_checked,
-                        if remote { "from the store" } else { "node cache" },
-                        r.problems.len()
-                    )
-                },
-                json!({"command": "verify", "ok": ok, "report": r}),
-            );
-            return Ok(ok);
+            commands::verify::verify(&ctx, name.as_deref(), remote).await
         }
-        Cmd::Gc { dry_run, grace } => {
-            let repo = ctx.repo().await?;
-            let grace = grace.map(|g| parse_duration(&g)).transpose()?;
-            let r = store::gc(&repo, dry_run, grace, ctx.bar.as_ref()).await?;
-            ctx.out(
-                || {
-                    format!(
-                        "{}{} versions, {} packs ({} referenced, {} young kept); {} condemned now; {} deleted ({}); {} snapshot objects and {} unfinished writes ({}) deleted",
-                        if dry_run { "dry run: " } else { "" },
-                        r.versions,
-                        r.packs,
-                        r.referenced_packs,
-                        r.young_packs,
-                        r.condemned.len(),
-                        r.deleted.len(),
-                        human_bytes(r.deleted_bytes),
-                        r.deleted_snapshots,
-                        r.deleted_staging,
-                        human_bytes(r.deleted_staging_bytes)
-                    )
-                },
-                json!({"command": "gc", "result": r}),
-            );
-        }
-        Cmd::Forget { specs } => {
-            let repo = ctx.repo().await?;
-            let specs: Vec<RefSpec> = specs.iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
-            let mut done = Vec::new();
-            for spec in &specs {
-                done.push(repo.forget(spec).await?.label());
-            }
-            ctx.out(
-                || {
-                    format!(
-                        "forgot {} (run `labsync gc` to free their data)",
-                        done.join(", ")
-                    )
-                },
-                json!({"command": "forget", "forgotten": done}),
-            );
-        }
-        Cmd::RebuildIndex => {
-            let repo = ctx.repo().await?;
-            let (packs, chunks) = repo.rebuild_index().await?;
-            ctx.out(
-                || format!("index rebuilt from {packs} pack footers: {chunks} chunks"),
-                json!({"command": "rebuild-index", "packs": packs, "chunks": chunks}),
-            );
-        }
-        Cmd::Cache { cmd } => {
-            let cache = ctx.cache()?;
-            match cmd {
-                CacheCmd::Status => {
-                    let s = cache.status()?;
-                    ctx.out(
-                        || {
-                            let mut t = format!(
-                                "{}: {} of {} used\n",
-                                s.root.display(),
-                                human_bytes(s.used_bytes),
-                                human_bytes(s.max_bytes)
-                            );
-                            for (id, c, bytes) in &s.snapshots {
-                                t += &format!(
-                                    "  {:<24} {}  {:>10}  last used {}{}\n",
-                                    c.label,
-                                    id.short(),
-                                    human_bytes(*bytes),
-                                    human_time(c.last_used),
-                                    if c.pinned { "  pinned" } else { "" }
-                                );
-                            }
-                            t.trim_end().to_string()
-                        },
-                        json!({"command": "cache status", "status": s}),
-                    );
-                }
-                CacheCmd::Pin { name } => {
-                    let repo = ctx.repo().await?;
-                    let (rec, n, bytes) =
-                        store::warm(&repo, &cache, &name.parse()?, ctx.progress()).await?;
-                    cache.set_pinned(rec.snapshot, true)?;
-                    ctx.out(
-                        || format!("pinned {} ({} packs fetched, {})", rec.label(), n, human_bytes(bytes)),
-                        json!({"command": "cache pin", "version": rec.label(), "packs_fetched": n, "bytes_fetched": bytes}),
-                    );
-                }
-                CacheCmd::Unpin { name } => {
-                    let repo = ctx.repo().await?;
-                    let rec = repo.resolve(&name.parse()?).await?;
-                    cache.set_pinned(rec.snapshot, false)?;
-                    ctx.out(
-                        || format!("unpinned {}", rec.label()),
-                        json!({"command": "cache unpin", "version": rec.label()}),
-                    );
-                }
-                CacheCmd::Evict { to } => {
-                    let target = to.map(|t| parse_size(&t)).transpose()?.unwrap_or(0);
-                    let evicted = cache.evict_to(target, None)?;
-                    let s = cache.status()?;
-                    ctx.out(
-                        || format!("evicted {} versions; {} used", evicted.len(), human_bytes(s.used_bytes)),
-                        json!({"command": "cache evict", "evicted": evicted, "used_bytes": s.used_bytes}),
-                    );
-                }
-            }
-        }
+        Cmd::Gc { dry_run, grace } => commands::gc::gc(&ctx, dry_run, grace.as_deref()).await,
+        Cmd::Forget { specs } => commands::forget::forget(&ctx, &specs).await,
+        Cmd::RebuildIndex => commands::rebuild_index::rebuild_index(&ctx).await,
+        Cmd::Cache { cmd } => match cmd {
+            CacheCmd::Status => commands::cache::status(&ctx).await,
+            CacheCmd::Pin { name } => commands::cache::pin(&ctx, &name).await,
+            CacheCmd::Unpin { name } => commands::cache::unpin(&ctx, &name).await,
+            CacheCmd::Evict { to } => commands::cache::evict(&ctx, to.as_deref()).await,
+        },
     }
-    Ok(true)
 }
 
 fn main() -> ExitCode {
@@ -616,8 +242,7 @@ fn main() -> ExitCode {
         return ExitCode::from(1);
     };
     match rt.block_on(run(cli)) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(code) => code,
         Err(e) => {
             if json {
                 println!("{}", json!({"error": format!("{e:#}")}));

@@ -1,0 +1,87 @@
+//! `labsync cache status|pin|unpin|evict`: this node's cache.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use labsync_store::{self as store, CacheStatus};
+use serde_json::json;
+
+use super::StoreContext;
+use crate::{human_bytes, human_time, parse_size};
+
+/// Size, cap and the cached versions.
+pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
+    let s = ctx.cache()?.status()?;
+    ctx.printer.out(
+        || status_text(&s),
+        json!({"command": "cache status", "status": s}),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status_text(s: &CacheStatus) -> String {
+    let mut t = format!(
+        "{}: {} of {} used\n",
+        s.root.display(),
+        human_bytes(s.used_bytes),
+        human_bytes(s.max_bytes)
+    );
+    for (id, c, bytes) in &s.snapshots {
+        t += &format!(
+            "  {:<24} {}  {:>10}  last used {}{}\n",
+            c.label,
+            id.short(),
+            human_bytes(*bytes),
+            human_time(c.last_used),
+            if c.pinned { "  pinned" } else { "" }
+        );
+    }
+    t.trim_end().to_string()
+}
+
+/// Fetches `name` into the cache and never evicts it.
+pub async fn pin(ctx: &StoreContext, name: &str) -> Result<ExitCode> {
+    let cache = ctx.cache()?;
+    let repo = ctx.repo().await?;
+    let (rec, n, bytes) =
+        store::warm(&repo, &cache, &name.parse()?, ctx.printer.progress()).await?;
+    cache.set_pinned(rec.snapshot, true)?;
+    ctx.printer.out(
+        || format!("pinned {} ({} packs fetched, {})", rec.label(), n, human_bytes(bytes)),
+        json!({"command": "cache pin", "version": rec.label(), "packs_fetched": n, "bytes_fetched": bytes}),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Lets a pinned version be evicted again.
+pub async fn unpin(ctx: &StoreContext, name: &str) -> Result<ExitCode> {
+    let cache = ctx.cache()?;
+    let repo = ctx.repo().await?;
+    let rec = repo.resolve(&name.parse()?).await?;
+    cache.set_pinned(rec.snapshot, false)?;
+    ctx.printer.out(
+        || format!("unpinned {}", rec.label()),
+        json!({"command": "cache unpin", "version": rec.label()}),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Evicts least recently used unpinned versions until at most `to` (`10G`,
+/// default 0) is used.
+pub async fn evict(ctx: &StoreContext, to: Option<&str>) -> Result<ExitCode> {
+    let cache = ctx.cache()?;
+    let target = to.map(parse_size).transpose()?.unwrap_or(0);
+    let evicted = cache.evict_to(target, None)?;
+    let s = cache.status()?;
+    ctx.printer.out(
+        || {
+            format!(
+                "evicted {} versions; {} used",
+                evicted.len(),
+                human_bytes(s.used_bytes)
+            )
+        },
+        json!({"command": "cache evict", "evicted": evicted, "used_bytes": s.used_bytes}),
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,50 @@
+//! How `labrun` says what a job is doing (ps, kill, the Ctrl-C message).
+
+use labsync_agent::proto::JobView;
+use labsync_agent::JobState;
+
+/// A job's state in words, with outputs still to be saved.
+pub(super) fn state_words(j: &JobView) -> String {
+    let mut words = job_state_words(j);
+    if j.ended() && j.meta.outputs_pending {
+        if let Some(e) = &j.meta.outputs_error {
+            words += &format!("; outputs not saved yet: {e}, retrying");
+        }
+    }
+    words
+}
+
+/// `queued (why)`, `running on GPUs 0,1`, `exited (3)`, ...
+fn job_state_words(j: &JobView) -> String {
+    match &j.state {
+        JobState::Queued => match &j.why {
+            Some(w) => format!("queued ({w})"),
+            None => "queued".into(),
+        },
+        JobState::Running { .. } => format!(
+            "running on GPU{} {}",
+            if j.gpus.len() == 1 { "" } else { "s" },
+            j.gpus
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        JobState::Exited { code: Some(c), .. } => format!("exited ({c})"),
+        JobState::Exited {
+            signal: Some(s), ..
+        } => format!("killed (signal {s})"),
+        JobState::Exited { .. } => "exited".into(),
+        JobState::Failed { reason } => format!("failed: {reason}"),
+    }
+}
+
+/// `h:mm:ss` since the job started (until it ended), `-` before.
+pub(super) fn runtime(j: &JobView) -> String {
+    let Some(start) = j.started_at else {
+        return "-".into();
+    };
+    let end = j.ended_at.unwrap_or_else(labsync_agent::unix_now);
+    let s = end.saturating_sub(start);
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}

@@ -1,0 +1,90 @@
+//! `labd`: serve this node's GPUs and jobs.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use labsync_agent::{euid, serve, Daemon, Endpoint, Listener};
+
+use crate::labd_config::LabdSettings;
+
+/// Listens on `endpoint`: a Unix socket (stale ones replaced, mode 0666 for a
+/// `shared` root labd, else 0600) or TCP (with a warning off loopback).
+async fn bind(endpoint: &Endpoint, shared: bool) -> Result<Listener> {
+    match endpoint {
+        Endpoint::Unix(path) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+            }
+            if path.exists() {
+                if tokio::net::UnixStream::connect(path).await.is_ok() {
+                    bail!("another labd answers on {}", path.display());
+                }
+                // Left by a labd that died; nobody listens on it.
+                std::fs::remove_file(path)
+                    .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+            }
+            let l = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("cannot listen on {}", path.display()))?;
+            // A root labd serves every user (each with a token); a personal one only its owner.
+            let mode = if shared { 0o666 } else { 0o600 };
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+            Ok(Listener::Unix(l))
+        }
+        Endpoint::Tcp(addr) => {
+            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+            if !matches!(host, "127.0.0.1" | "localhost" | "[::1]") {
+                tracing::warn!(
+                    "listening on {addr} without TLS: tokens and job environments cross the \
+                     network in clear; keep it on a trusted lab network or tunnel it (ssh -L)"
+                );
+            }
+            Ok(Listener::Tcp(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?,
+            ))
+        }
+    }
+}
+
+/// Opens the daemon and serves its API on `s.listen` until SIGTERM or SIGINT;
+/// running jobs keep running and the next start adopts them.
+pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
+    let LabdSettings {
+        config: cfg,
+        listen,
+        inventory,
+    } = s;
+    tracing::info!(
+        "labd {} on {}: store {}, cache {}, GPUs: {}",
+        env!("CARGO_PKG_VERSION"),
+        cfg.node_name,
+        cfg.store,
+        cfg.cache_dir.display(),
+        inventory.describe()
+    );
+    let daemon = Daemon::open(cfg, inventory).await?;
+    let listener = bind(&listen, euid() == 0).await?;
+    tracing::info!("listening on {listen}");
+    let shutdown = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!("stopping; running jobs keep running and are adopted at the next start");
+    };
+    serve(daemon, listener, shutdown).await?;
+    if let Endpoint::Unix(p) = &listen {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,57 @@
+//! `labrun ps [--all]`: jobs, their GPUs and state, why they wait.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use labsync_agent::proto::JobView;
+use labsync_agent::Client;
+
+use super::explain;
+use super::job_words::{runtime, state_words};
+
+/// Lists your jobs (`all`: everyone's): live ones, and those that ended in the last day.
+pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
+    let me = client.info().await.map_err(explain)?.user;
+    let jobs: Vec<JobView> = client
+        .jobs()
+        .await
+        .map_err(explain)?
+        .into_iter()
+        .filter(|j| all || j.user == me)
+        // Live jobs, and those that ended in the last day.
+        .filter(|j| {
+            !j.ended()
+                || j.ended_at
+                    .is_some_and(|t| labsync_agent::unix_now() < t + 86_400)
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&jobs)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<6} {:<10} {:<6} {:<9} {:<30} COMMAND",
+        "ID", "USER", "GPUS", "RUNTIME", "STATE"
+    );
+    for j in &jobs {
+        let gpus = if j.gpus.is_empty() {
+            j.gpus_wanted.to_string()
+        } else {
+            j.gpus
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        println!(
+            "{:<6} {:<10} {:<6} {:<9} {:<30} {}",
+            j.id,
+            j.user,
+            gpus,
+            runtime(j),
+            state_words(j),
+            j.argv.join(" ")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,342 @@
+//! `labrun [--data D]... SCRIPT | -- CMD`: push the code (and local data),
+//! submit the job to labd, then stream its output until it ends.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use labsync_agent::proto::{DataRef, Info, SubmitRequest, TreeRef};
+use labsync_agent::Client;
+use labsync_store::{push, NodeCache, PushOptions, RefSpec, Remote, Repo};
+
+use super::explain;
+use super::logs::follow;
+use crate::local::{hostname, parse_duration, LocalLabd};
+use crate::progress::Bar;
+use crate::{human_bytes, parse_size, Settings};
+
+/// What `labrun` was asked to run.
+#[derive(Clone, Debug, Default)]
+pub struct RunRequest {
+    /// Stored names or local folders.
+    pub data: Vec<String>,
+    /// GPUs to lease (default: 1 on a node with GPUs, else 0).
+    pub gpus: Option<u32>,
+    /// Free memory each GPU must have (`10G`).
+    pub gpu_mem: Option<String>,
+    /// Folder, relative to the code, saved as `runs/JOB-ID`.
+    pub outputs: Option<String>,
+    /// How often outputs are saved while the job runs (`10m`).
+    pub outputs_every: Option<String>,
+    /// Code folder (default: the current one).
+    pub code: Option<PathBuf>,
+    /// Name the code is stored under (default: `code/USER/FOLDER`).
+    pub name: Option<String>,
+    /// Submit and print the job id, without streaming.
+    pub detach: bool,
+    /// The script and its arguments, or the command.
+    pub command: Vec<String>,
+    /// The command came after `--`: run as given, with no interpreter picked.
+    pub as_given: bool,
+}
+
+/// The labd a command talks to: its client, and the personal labd when
+/// labrun found (or started) that one.
+#[derive(Clone, Copy)]
+pub struct Labd<'a> {
+    /// Connected client.
+    pub client: &'a Client,
+    /// Set when it is the user's personal labd.
+    pub personal: Option<&'a LocalLabd>,
+}
+
+/// Pushes the code and local data, submits the job and (unless detached)
+/// follows it; returns the job's exit code. `store_given`: the user named a
+/// store, which labd must then be using.
+pub async fn run(
+    s: &Settings,
+    labd: Labd<'_>,
+    store_given: bool,
+    quiet: bool,
+    a: RunRequest,
+) -> Result<ExitCode> {
+    let client = labd.client;
+    let info = client.info().await.map_err(explain)?;
+    check_store(s, labd, store_given, &info)?;
+    let code = a.code.clone().unwrap_or_else(|| PathBuf::from("."));
+    let code = code
+        .canonicalize()
+        .with_context(|| format!("cannot open code folder {}", code.display()))?;
+    let argv = if a.as_given {
+        a.command.clone()
+    } else {
+        interpret(&a.command, &code)?
+    };
+    let gpus = match a.gpus {
+        Some(n) => n,
+        None => u32::from(!client.gpus().await.map_err(explain)?.is_empty()),
+    };
+    let repo = open_repo(&info, s).await?;
+    let code_name = a.name.clone().unwrap_or_else(|| {
+        format!(
+            "code/{}/{}",
+            name_part(Path::new(&info.user)),
+            name_part(&code)
+        )
+    });
+    let code_ref = push_tree(&repo, s, &code, code_name, &info.user, quiet).await?;
+    let data = data_refs(&repo, s, &info, &a.data, quiet).await?;
+    let req = SubmitRequest {
+        argv,
+        // Variables that are not UTF-8 cannot travel as JSON strings; they stay behind.
+        env: std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .filter(|(k, _)| k != "LABRUN_TOKEN")
+            .collect(),
+        code: Some(code_ref.clone()),
+        data,
+        gpus,
+        gpu_mem: a
+            .gpu_mem
+            .as_deref()
+            .map(parse_size)
+            .transpose()?
+            .unwrap_or(0),
+        outputs: a.outputs.clone(),
+        outputs_every_s: a.outputs_every.as_deref().map(parse_duration).transpose()?,
+    };
+    let job = client.submit(&req).await.map_err(explain)?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !quiet {
+        eprintln!(
+            "labrun: job {} on {} ({}, {} GPU{})",
+            job.id,
+            info.node,
+            code_ref.label,
+            gpus,
+            if gpus == 1 { "" } else { "s" }
+        );
+    }
+    follow(client, &job.id, quiet, true).await
+}
+
+/// The store labrun pushes code to is labd's; a mismatch with what the
+/// user asked for (or, for the personal labd, configured since it
+/// started) is said, not silently followed.
+fn check_store(s: &Settings, labd: Labd<'_>, store_given: bool, info: &Info) -> Result<()> {
+    if !(store_given || labd.personal.is_some()) || s.store == info.store {
+        return Ok(());
+    }
+    let hint = match labd.personal {
+        Some(local) => format!(
+            "stop it (kill $(cat {})) and labrun starts one with your settings",
+            local.state_dir.join("labd.pid").display()
+        ),
+        None => "run with its store or use another labd".into(),
+    };
+    bail!(
+        "labd at {} uses store {}, not {}: {hint}",
+        labd.client.endpoint(),
+        info.store,
+        s.store
+    );
+}
+
+/// Each `--data`: a local folder is pushed (as `data/USER/FOLDER`), a
+/// stored name resolved; the job sees each at `$LABRUN_DATA_<NAME>`.
+async fn data_refs(
+    repo: &Repo,
+    s: &Settings,
+    info: &Info,
+    data: &[String],
+    quiet: bool,
+) -> Result<Vec<DataRef>> {
+    let mut out = Vec::new();
+    for d in data {
+        let p = Path::new(d);
+        let tree = if p.is_dir() {
+            // Under the user's own prefix, so a folder called `data` never
+            // becomes a new version of someone else's dataset `data`.
+            let p = p.canonicalize()?;
+            let name = format!(
+                "data/{}/{}",
+                name_part(Path::new(&info.user)),
+                name_part(&p)
+            );
+            push_tree(repo, s, &p, name, &info.user, quiet).await?
+        } else {
+            let spec: RefSpec = d.parse().with_context(|| {
+                format!("--data {d}: neither a folder nor a stored name (see labsync ls)")
+            })?;
+            let rec = repo
+                .resolve(&spec)
+                .await
+                .with_context(|| format!("--data {d}: not in {} (see labsync ls)", info.store))?;
+            TreeRef {
+                label: rec.label(),
+                snapshot: rec.snapshot.to_string(),
+            }
+        };
+        let name = tree.label.split('@').next().unwrap_or_default().to_string();
+        out.push(DataRef {
+            env: data_var(&name),
+            tree,
+        });
+    }
+    Ok(out)
+}
+
+async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
+    let remote = Remote::open(&info.store, &s.store_options)
+        .with_context(|| format!("cannot open labd's store {}", info.store))?;
+    Repo::open(remote, None)
+        .await
+        .with_context(|| format!("cannot open labd's store {}", info.store))
+}
+
+/// A name from a folder name: letters, digits, `._-` kept, the rest `_`.
+fn name_part(p: &Path) -> String {
+    let raw = p
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "root".into());
+    let s: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    match s.trim_matches('.') {
+        "" => "root".into(),
+        t => t.to_string(),
+    }
+}
+
+/// `LABRUN_DATA_DIV2K` for `div2k`, `LABRUN_DATA_SET14_X4` for `sr/set14-x4`.
+fn data_var(name: &str) -> String {
+    let last = name.rsplit('/').next().unwrap_or(name);
+    let up: String = last
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("LABRUN_DATA_{up}")
+}
+
+/// `train.py` → `python3 train.py`; a command after `--` as given.
+fn interpret(command: &[String], code: &Path) -> Result<Vec<String>> {
+    let Some(first) = command.first() else {
+        bail!("nothing to run: give a script (labrun train.py) or a command (labrun -- python train.py)")
+    };
+    let path = code.join(first);
+    let Ok(meta) = std::fs::metadata(&path) else {
+        return Ok(command.to_vec());
+    };
+    if !meta.is_file() {
+        bail!("{first} is not a file");
+    }
+    if !path.starts_with(code) || first.starts_with('/') || first.split('/').any(|p| p == "..") {
+        bail!(
+            "{first} is outside the code folder {}; run it with -- CMD",
+            code.display()
+        );
+    }
+    let mut argv = match Path::new(first).extension().and_then(|e| e.to_str()) {
+        Some("py") => vec!["python3".to_string(), first.clone()],
+        Some("sh") => vec!["bash".to_string(), first.clone()],
+        _ if meta.permissions().mode() & 0o111 != 0 => {
+            vec![if first.contains('/') {
+                first.clone()
+            } else {
+                format!("./{first}")
+            }]
+        }
+        _ => bail!("don't know how to run {first}: make it executable, or run it with -- CMD ARGS"),
+    };
+    argv.extend(command[1..].iter().cloned());
+    Ok(argv)
+}
+
+async fn push_tree(
+    repo: &Repo,
+    s: &Settings,
+    src: &Path,
+    name: String,
+    user: &str,
+    quiet: bool,
+) -> Result<TreeRef> {
+    let cache = NodeCache::open(&s.cache_dir, s.cache_max)
+        .with_context(|| format!("cannot open cache {}", s.cache_dir.display()))?;
+    let bar = Arc::new(Bar::new(quiet));
+    let opts = PushOptions {
+        name,
+        files_cache: Some(cache.files_cache_dir()),
+        threads: 2,
+        user: user.to_string(),
+        host: hostname(),
+        read_as: None,
+        settle: None,
+        compression: s.compression,
+    };
+    let out = push(repo, src, &opts, bar.clone())
+        .await
+        .with_context(|| format!("cannot push {}", src.display()))?;
+    bar.finish();
+    if out.created && !quiet {
+        eprintln!(
+            "labrun: pushed {} as {} ({} new)",
+            src.display(),
+            out.record.label(),
+            human_bytes(out.bytes_read)
+        );
+    }
+    Ok(TreeRef {
+        label: out.record.label(),
+        snapshot: out.record.snapshot.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_variables() {
+        assert_eq!(name_part(Path::new("/home/a/My Project")), "My_Project");
+        assert_eq!(data_var("div2k"), "LABRUN_DATA_DIV2K");
+        assert_eq!(data_var("sr/set14-x4"), "LABRUN_DATA_SET14_X4");
+    }
+
+    #[test]
+    fn scripts_get_their_interpreter() {
+        let dir = tempfile::tempdir().unwrap();
+        let code = dir.path().canonicalize().unwrap();
+        std::fs::write(code.join("train.py"), "").unwrap();
+        std::fs::write(code.join("notes.txt"), "").unwrap();
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            interpret(&v(&["train.py", "--lr", "1"]), &code).unwrap(),
+            v(&["python3", "train.py", "--lr", "1"])
+        );
+        assert_eq!(
+            interpret(&v(&["python", "-c", "1"]), &code).unwrap(),
+            v(&["python", "-c", "1"])
+        );
+        assert!(interpret(&v(&["notes.txt"]), &code).is_err());
+        assert!(interpret(&[], &code).is_err());
+    }
+}

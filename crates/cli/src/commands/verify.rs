@@ -1,0 +1,50 @@
+//! `labsync verify [NAME] [--remote]`: every reachable chunk against its id.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use labsync_store::{self as store, RefSpec, VerifyReport};
+use serde_json::json;
+
+use super::StoreContext;
+
+/// Verifies `name`'s versions (all when `None`), re-hashing the node cache's
+/// copies, or the store's with `remote`. Exits 1 when anything is wrong.
+pub async fn verify(ctx: &StoreContext, name: Option<&str>, remote: bool) -> Result<ExitCode> {
+    let repo = ctx.repo().await?;
+    let cache = ctx.cache()?;
+    let spec = name.map(|n| n.parse::<RefSpec>()).transpose()?;
+    let progress = ctx.printer.progress();
+    let r = store::verify(&repo, &cache, spec.as_ref(), remote, progress).await?;
+    let ok = r.problems.is_empty();
+    ctx.printer.out(
+        || text(&r, remote),
+        json!({"command": "verify", "ok": ok, "report": r}),
+    );
+    Ok(super::exit(ok))
+}
+
+fn text(r: &VerifyReport, remote: bool) -> String {
+    let mut s = String::new();
+    for p in &r.problems {
+        s += &format!("PROBLEM {p}\n");
+    }
+    s + &format!(
+        "{}: {} versions, {} chunks referenced; {} packs and {} chunks re-hashed ({}); {} problems",
+        if r.problems.is_empty() {
+            "ok"
+        } else {
+            "FAILED"
+        },
+        r.versions,
+        r.chunks,
+        r.packs_checked,
+        r.chunks_checked,
+        if remote {
+            "from the store"
+        } else {
+            "node cache"
+        },
+        r.problems.len()
+    )
+}

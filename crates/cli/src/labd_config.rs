@@ -1,0 +1,265 @@
+//! labd's settings: its config file (TOML) and flags, resolved into what the
+//! daemon runs with, where it listens and which GPUs it sees.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use labsync_agent::{
+    current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
+};
+use serde::Deserialize;
+
+use crate::local::{hostname, load_or_create_token, LocalLabd};
+use crate::{parse_size, Overrides, Settings};
+
+/// labd's command line; each flag wins over the config file.
+#[derive(Clone, Debug, Default)]
+pub struct LabdFlags {
+    /// Config file.
+    pub config: Option<PathBuf>,
+    /// Where to listen.
+    pub listen: Option<String>,
+    /// State folder.
+    pub state_dir: Option<PathBuf>,
+    /// Store URL.
+    pub store: Option<String>,
+    /// Node cache folder.
+    pub cache_dir: Option<PathBuf>,
+    /// Node cache cap (`500G`).
+    pub cache_max: Option<String>,
+    /// Fake GPUs (`4x11GiB`), for tests and demos.
+    pub fake_gpus: Option<String>,
+    /// Their control file.
+    pub fake_gpus_control: Option<PathBuf>,
+}
+
+/// What labd runs with.
+pub struct LabdSettings {
+    /// The daemon's configuration.
+    pub config: DaemonConfig,
+    /// Where it listens.
+    pub listen: Endpoint,
+    /// Its GPUs.
+    pub inventory: Arc<dyn GpuInventory>,
+}
+
+/// labd's config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LabdFile {
+    listen: Option<String>,
+    state_dir: Option<PathBuf>,
+    node_name: Option<String>,
+    store: Option<String>,
+    cache_dir: Option<PathBuf>,
+    cache_max: Option<String>,
+    /// Cap on materialised trees of code and data (default: cache_max).
+    trees_max: Option<String>,
+    s3_endpoint: Option<String>,
+    s3_region: Option<String>,
+    /// How outputs pushes compress compressible chunks: `lz4` or `zstd`.
+    compression: Option<String>,
+    fake_gpus: Option<String>,
+    fake_gpus_control: Option<PathBuf>,
+    /// A GPU with more than this held by foreign processes is not free (default 256M).
+    foreign_limit: Option<String>,
+    inventory_deadline_ms: Option<u64>,
+    kill_grace_s: Option<u64>,
+    outputs_every_s: Option<u64>,
+    /// First wait before a failed final outputs push is tried again (doubles, up to 10 min).
+    outputs_retry_s: Option<u64>,
+    /// Seconds a job's working folder stays after it ended (default: one day).
+    work_keep_s: Option<u64>,
+    /// Cap on one job's log on disk, e.g. `100M` (default); head and tail are kept.
+    log_max: Option<String>,
+    /// `submitter` (default; only when root) or `labd`.
+    run_as: Option<String>,
+    #[serde(default)]
+    admins: Vec<String>,
+    #[serde(default)]
+    tokens: BTreeMap<String, Secret>,
+    tick_ms: Option<u64>,
+    /// Connections open at once, everyone together (default 1024).
+    max_connections: Option<usize>,
+    /// Connections open at once from one Unix user or address (default 128).
+    max_connections_per_user: Option<usize>,
+    /// A connection that sends no whole request head for this long is closed (default 10000).
+    header_timeout_ms: Option<u64>,
+    /// Jobs one user may have queued at once (default 1000).
+    max_queued_per_user: Option<usize>,
+}
+
+/// Reads the config file (if any) and resolves everything with the flags.
+pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
+    let file = match &flags.config {
+        Some(p) => read_file(p)?,
+        None => LabdFile::default(),
+    };
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let settings = Settings::resolve(
+        &Overrides {
+            store: flags.store.clone().or(file.store.clone()),
+            cache_dir: flags.cache_dir.clone().or(file.cache_dir.clone()),
+            cache_max: flags.cache_max.clone().or(file.cache_max.clone()),
+            s3_endpoint: file.s3_endpoint.clone(),
+            s3_region: file.s3_region.clone(),
+            compression: file.compression.clone(),
+            ..Default::default()
+        },
+        &env,
+    )?;
+    let local = match flags.state_dir.clone().or(file.state_dir.clone()) {
+        Some(d) => LocalLabd::at(&d),
+        None => LocalLabd::for_user()?,
+    };
+    let listen = match flags.listen.clone().or(file.listen.clone()) {
+        Some(l) => l.parse::<Endpoint>().map_err(anyhow::Error::msg)?,
+        None => Endpoint::Unix(local.socket()),
+    };
+    let fake_gpus = flags.fake_gpus.clone().or(file.fake_gpus.clone());
+    let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
+    let config = daemon_config(file, settings, &local)?;
+    let inventory: Arc<dyn GpuInventory> = match fake_gpus {
+        Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
+        None => Arc::from(detect()),
+    };
+    Ok(LabdSettings {
+        config,
+        listen,
+        inventory,
+    })
+}
+
+/// Parses the config file, refusing one others could change (or read, when
+/// it holds tokens).
+fn read_file(p: &Path) -> Result<LabdFile> {
+    let text = std::fs::read_to_string(p)
+        .with_context(|| format!("cannot read config file {}", p.display()))?;
+    let file: LabdFile =
+        toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?;
+    check_private(p, !file.tokens.is_empty())?;
+    Ok(file)
+}
+
+/// The file's tokens and labd's own user's (created on first start). Each
+/// must be long and belong to one user only: jobs run as the user a token
+/// names.
+fn tokens(
+    file: BTreeMap<String, Secret>,
+    me: &str,
+    local: &LocalLabd,
+) -> Result<Vec<(String, Secret)>> {
+    if let Some((user, _)) = file.iter().find(|(_, t)| t.expose().trim().len() < 16) {
+        bail!("the token of {user} in the config file is shorter than 16 characters; use a long random one (e.g. openssl rand -hex 32)");
+    }
+    let mut tokens: Vec<(String, Secret)> = file.into_iter().collect();
+    let own = local.token_file();
+    let own_token = load_or_create_token(&own)?;
+    check_private(&own, true)?;
+    tokens.push((me.to_string(), own_token.into()));
+    for (i, (a, ta)) in tokens.iter().enumerate() {
+        if let Some((b, _)) = tokens[i + 1..].iter().find(|(_, tb)| tb == ta) {
+            bail!(
+                "{a} and {b} have the same token: each user needs a token of their own \
+                 (jobs run as the user the token names)"
+            );
+        }
+    }
+    Ok(tokens)
+}
+
+/// The daemon's configuration from the file, the resolved store settings and
+/// the state folder; defaults for what the file leaves out.
+fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Result<DaemonConfig> {
+    let me = current_user();
+    let tokens = tokens(file.tokens, &me, local)?;
+    if file.tick_ms == Some(0) {
+        bail!("tick_ms = 0: labd would reap and schedule in a busy loop; use e.g. 100");
+    }
+    let mut admins = file.admins;
+    admins.push(me);
+    let run_as_submitter = match file.run_as.as_deref() {
+        None | Some("submitter") => true,
+        Some("labd") => false,
+        Some(o) => bail!("run_as = {o:?}: write \"submitter\" or \"labd\""),
+    };
+    if !run_as_submitter && euid() == 0 && tokens.len() > 1 {
+        tracing::warn!("run_as = \"labd\" as root: every token holder's jobs run as root");
+    }
+    let d = ConnLimits::default();
+    Ok(DaemonConfig {
+        node_name: file.node_name.unwrap_or_else(hostname),
+        state_dir: local.state_dir.clone(),
+        store: settings.store,
+        store_options: settings.store_options,
+        cache_dir: settings.cache_dir,
+        cache_max: settings.cache_max,
+        compression: settings.compression,
+        trees_max: match file.trees_max {
+            Some(s) => parse_size(&s)?,
+            None => settings.cache_max,
+        },
+        foreign_limit: match file.foreign_limit {
+            Some(s) => parse_size(&s)?,
+            None => 256 << 20,
+        },
+        inventory_deadline: Duration::from_millis(file.inventory_deadline_ms.unwrap_or(2000)),
+        kill_grace: Duration::from_secs(file.kill_grace_s.unwrap_or(10)),
+        outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
+        outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).clamp(1, 600)),
+        work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
+        log_max: match file.log_max {
+            Some(s) => parse_size(&s)?.max(64 << 10),
+            None => 100 << 20,
+        },
+        run_as_submitter,
+        tokens,
+        admins,
+        tick: Duration::from_millis(file.tick_ms.unwrap_or(100)),
+        conn_limits: ConnLimits {
+            max: file.max_connections.unwrap_or(d.max).max(1),
+            per_peer: file.max_connections_per_user.unwrap_or(d.per_peer).max(1),
+            header_timeout: file
+                .header_timeout_ms
+                .map_or(d.header_timeout, |ms| Duration::from_millis(ms.max(100))),
+        },
+        max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
+    })
+}
+
+/// Refuses a file others could change (they could give themselves a token,
+/// or make jobs run as root) or, when it holds tokens, read.
+fn check_private(path: &Path, holds_tokens: bool) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if meta.uid() != euid() && meta.uid() != 0 {
+        bail!(
+            "{} belongs to uid {}, not to labd's user or root: its owner could give themselves \
+             a token or make jobs run as labd; chown it",
+            path.display(),
+            meta.uid()
+        );
+    }
+    let mode = meta.permissions().mode();
+    if mode & 0o022 != 0 {
+        bail!(
+            "{} is writable by other users (mode {:o}): anyone could give themselves a token; \
+             chmod go-w it",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    if holds_tokens && mode & 0o044 != 0 {
+        bail!(
+            "{} holds tokens and is readable by other users (mode {:o}): chmod 600 it",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    Ok(())
+}
