@@ -13,8 +13,9 @@
 //! - [`spawn`] / [`kill_session`]: a job is a Unix session, and a cgroup of
 //!   its own ([`Cgroups`]) where labd can make one; killing it leaves no
 //!   process of it alive, whatever it forked, ignored or `setsid`ed.
-//! - [`Daemon`]: labd: the engine, the store, shared read-only trees of
-//!   code and data ([`Trees`]), and outputs pushed as `runs/<job-id>`;
+//! - [`Daemon`]: labd, split by role: the engine, shared read-only trees of
+//!   code and data ([`Trees`]) with their housekeeping, the outputs saver
+//!   (`runs/<job-id>`) and the job logs, behind the API's operations;
 //!   [`serve`]d over HTTP ([`proto`] lists the routes) to a [`Client`].
 //!
 //! ```
@@ -29,6 +30,7 @@
 #![deny(missing_docs)]
 
 mod api;
+mod blocking;
 mod cgroup;
 mod client;
 mod daemon;
@@ -46,9 +48,10 @@ mod users;
 mod watchdog;
 
 pub use api::{router, serve, ConnLimits, Listener};
+pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor};
 pub use client::{Client, Endpoint, LogPiece};
-pub use daemon::{off_runtime, Caller, Daemon, DaemonConfig, DaemonError, LogRead};
+pub use daemon::{Caller, Daemon, DaemonConfig, DaemonError, LogRead};
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};

@@ -24,7 +24,7 @@ use labsync_store::{pull, NoProgress, NodeCache, RefSpec, Repo, SnapshotId};
 
 use serde::{Deserialize, Serialize};
 
-use crate::daemon::off_runtime;
+use crate::blocking::off_runtime;
 use crate::error::PrepareError;
 use crate::leases::unix_now;
 use crate::proto::TreeRef;

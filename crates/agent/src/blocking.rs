@@ -1,0 +1,28 @@
+//! Small helpers every role of labd uses: blocking work off the runtime,
+//! and errors as one line.
+
+/// Runs blocking work (the engine forks, waits and scans `/proc`; trees are
+/// written and removed file by file) off the runtime.
+pub async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// An error and its causes, as one line for a job's record: the store's
+/// errors name the path and leave the OS's reason ("No space left on
+/// device") to their source, which a user reading `labrun ps` needs too.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out += ": ";
+            out += &s_text;
+        }
+        next = s.source();
+    }
+    out
+}

@@ -1,0 +1,198 @@
+//! Job logs: followers woken when a log grows, logs kept under their cap by
+//! punching out their middle, and reads that skip the hole.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use crate::node::Node;
+
+/// The logs of a node's jobs (the files are the engine's; this keeps them
+/// bounded and tells followers when they change).
+pub(crate) struct JobLogs {
+    node: Arc<Node>,
+    /// Cap on one log on disk.
+    log_max: u64,
+    /// Per job followed: bumped when its log grows or the job changes state,
+    /// so log followers sleep until then.
+    watch: Mutex<HashMap<String, watch::Sender<u64>>>,
+    /// Held while a log is bounded.
+    bounding: Mutex<()>,
+    /// Jobs whose log could not be cut (said once each).
+    warned: Mutex<HashSet<String>>,
+}
+
+impl JobLogs {
+    pub fn new(node: Arc<Node>, log_max: u64) -> JobLogs {
+        JobLogs {
+            node,
+            log_max,
+            watch: Mutex::new(HashMap::new()),
+            bounding: Mutex::new(()),
+            warned: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// A receiver that changes when `id`'s log grows or the job changes state.
+    pub fn subscribe(&self, id: &str) -> watch::Receiver<u64> {
+        self.watch
+            .lock()
+            .expect("labd poisoned")
+            .entry(id.to_string())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
+    }
+
+    /// Wakes the followers of `id`'s log: when `size` is new, or always
+    /// (`None`: the job's state changed).
+    pub fn wake(&self, id: &str, size: Option<u64>) {
+        let watch = self.watch.lock().expect("labd poisoned");
+        if let Some(tx) = watch.get(id) {
+            tx.send_if_modified(|v| match size {
+                Some(s) if *v == s => false,
+                Some(s) => {
+                    *v = s;
+                    true
+                }
+                None => true,
+            });
+        }
+    }
+
+    /// Drops the channels of logs nobody follows any more.
+    pub fn forget_unfollowed(&self) {
+        self.watch
+            .lock()
+            .expect("labd poisoned")
+            .retain(|_, tx| tx.receiver_count() > 0);
+    }
+
+    /// Keeps the job's log under `log_max` on disk: once it grows past the
+    /// cap (plus an eighth, so the database is written once per few MB, not
+    /// per line), everything between its first half and its last half is
+    /// punched out. The job keeps appending to the same file; readers
+    /// skipping the hole are told how much was cut.
+    pub fn bound(&self, id: &str) {
+        // One at a time: a kill's tick may run beside the ticker's, and a
+        // cut must only ever grow.
+        let _one = self.bounding.lock().expect("labd poisoned");
+        let cap = self.log_max;
+        let path = self.node.log_path(id);
+        let Ok(size) = std::fs::metadata(&path).map(|m| m.len()) else {
+            return;
+        };
+        self.wake(id, Some(size));
+        let Ok(Some(rec)) = self.node.job(id) else {
+            return;
+        };
+        const BLOCK: u64 = 4096;
+        // Bytes [start, done) are cut already; start is fixed at the first cut.
+        let start = rec
+            .meta
+            .log_cut
+            .map_or((cap / 2).div_ceil(BLOCK) * BLOCK, |(s, _)| s);
+        let done = rec.meta.log_cut.map_or(start, |(_, e)| e);
+        let on_disk = start + size.saturating_sub(done);
+        let end = size.saturating_sub(cap / 2) / BLOCK * BLOCK;
+        if on_disk <= cap + cap / 8 || end <= done {
+            return;
+        }
+        // Recorded before the bytes go, so a reader never reads the hole
+        // as zeros: it either sees the cut or reads bytes still there.
+        if let Err(e) = self
+            .node
+            .update_meta(id, |m| m.log_cut = Some((start, end)))
+        {
+            tracing::error!("job state: {e}");
+            return;
+        }
+        if let Err(e) = punch_hole(&path, done, end - done) {
+            // Once per job: a file system without hole punching (NFS) would
+            // say it ten times a second.
+            if self
+                .warned
+                .lock()
+                .expect("labd poisoned")
+                .insert(id.to_string())
+            {
+                tracing::warn!(
+                    "job {id}: cannot free the cut part of its log {} ({e}); it stays on disk",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    f.seek(SeekFrom::Start(offset))?;
+    let mut buf = Vec::new();
+    f.take(max as u64).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// Up to `max` bytes of a job's log from `offset`, and the offset to ask
+/// for next. The range `cut` is a hole labd punched: a reader at its start
+/// (or inside it) gets one line saying how much was cut, then the bytes after
+/// it; a read never runs into it.
+pub(crate) fn read_log(
+    path: &Path,
+    offset: u64,
+    max: usize,
+    cut: Option<(u64, u64)>,
+) -> std::io::Result<(Vec<u8>, u64)> {
+    match cut {
+        Some((start, end)) if (start..end).contains(&offset) => {
+            let mut out = format!(
+                "\n[labd: {} bytes of output cut here to keep the log under its cap (log_max)]\n",
+                end - offset
+            )
+            .into_bytes();
+            let rest = read_from(path, end, max)?;
+            let next = end + rest.len() as u64;
+            out.extend(rest);
+            Ok((out, next))
+        }
+        Some((start, _)) if offset < start => {
+            let bytes = read_from(path, offset, max.min((start - offset) as usize))?;
+            let next = offset + bytes.len() as u64;
+            Ok((bytes, next))
+        }
+        _ => {
+            let bytes = read_from(path, offset, max)?;
+            let next = offset + bytes.len() as u64;
+            Ok((bytes, next))
+        }
+    }
+}
+
+/// Frees `len` bytes of `path` from `offset` (the file keeps its size).
+#[allow(unsafe_code)]
+fn punch_hole(path: &Path, offset: u64, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = File::options().write(true).open(path)?;
+    // SAFETY: fallocate(2) on a descriptor we own, with plain integers; it
+    // touches no memory of ours.
+    let rc = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}

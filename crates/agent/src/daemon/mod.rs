@@ -1,0 +1,322 @@
+//! labd, split by role so a coordinator can sit beside it: the node engine
+//! ([`Node`]: queue, leases, runner), the shared trees ([`Trees`]:
+//! materialise, evict, with [`housekeeping`]), the [`outputs`] saver and the
+//! job [`logs`], each a type with a narrow interface. [`Daemon`] owns one of
+//! each, runs the ticker that drives them, and offers the API's operations
+//! ([`ops`]); the HTTP layer ([`crate::serve`]) only authenticates and
+//! translates.
+
+mod housekeeping;
+mod logs;
+mod ops;
+mod outputs;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use labsync_store::{NodeCache, Remote, Repo};
+
+use crate::api::ConnLimits;
+use crate::blocking::off_runtime;
+use crate::gpu::GpuInventory;
+use crate::leases::JobState;
+use crate::node::{Node, NodeConfig, NodeError};
+use crate::secret::{RedactedOptions, Secret};
+use crate::trees::Trees;
+use crate::users;
+use housekeeping::Housekeeping;
+use logs::JobLogs;
+pub use ops::{Caller, LogRead};
+use outputs::{OutputsConfig, OutputsSaver};
+
+/// Everything labd is told (the binary resolves files, flags and defaults).
+/// Its `Debug` shows no token and no store credential.
+#[derive(Clone)]
+pub struct DaemonConfig {
+    /// This node's name.
+    pub node_name: String,
+    /// State database, logs and job folders.
+    pub state_dir: PathBuf,
+    /// Store URL.
+    pub store: String,
+    /// Backend options of the store.
+    pub store_options: Vec<(String, String)>,
+    /// Node cache folder (packs and shared trees).
+    pub cache_dir: PathBuf,
+    /// Node cache cap, bytes.
+    pub cache_max: u64,
+    /// How outputs pushes compress compressible chunks.
+    pub compression: labsync_store::Codec,
+    /// Cap on the shared read-only trees, bytes; trees no active job uses
+    /// are removed, least recently used first, above it.
+    pub trees_max: u64,
+    /// A GPU with more foreign memory than this is not free.
+    pub foreign_limit: u64,
+    /// Deadline of one inventory read.
+    pub inventory_deadline: Duration,
+    /// SIGTERM → SIGKILL grace of `labrun kill`.
+    pub kill_grace: Duration,
+    /// Default time between pushes of a job's outputs.
+    pub outputs_every: Duration,
+    /// First wait before a failed final outputs push is tried again; it
+    /// doubles after each failure, up to 10 minutes.
+    pub outputs_retry: Duration,
+    /// How long a job's working folder (and its log) stays after it ended.
+    pub work_keep: Duration,
+    /// Cap on one job's log on disk: its first and last halves are kept.
+    pub log_max: u64,
+    /// Run each job as the Unix user who submitted it (only when labd is root).
+    pub run_as_submitter: bool,
+    /// (user, token) pairs.
+    pub tokens: Vec<(String, Secret)>,
+    /// Users who may kill and read every job.
+    pub admins: Vec<String>,
+    /// How often ended jobs are reaped and queued ones started.
+    pub tick: Duration,
+    /// What connections may hold open (before any token is checked).
+    pub conn_limits: ConnLimits,
+    /// Jobs one user may have queued (waiting or being prepared) at once.
+    pub max_queued_per_user: usize,
+}
+
+impl std::fmt::Debug for DaemonConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DaemonConfig")
+            .field("node_name", &self.node_name)
+            .field("state_dir", &self.state_dir)
+            .field("store", &self.store)
+            .field("store_options", &RedactedOptions(&self.store_options))
+            .field("cache_dir", &self.cache_dir)
+            .field("cache_max", &self.cache_max)
+            .field("trees_max", &self.trees_max)
+            .field("run_as_submitter", &self.run_as_submitter)
+            .field("tokens", &self.tokens)
+            .field("admins", &self.admins)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why labd could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DaemonError {
+    /// Another labd holds the state folder.
+    #[error(
+        "another labd is running on {0} (see its labd.pid); stop it or use another --state-dir"
+    )]
+    Running(PathBuf),
+    /// The state folder, cache or store could not be opened.
+    #[error("{0}")]
+    Open(String),
+}
+
+/// A running labd.
+pub struct Daemon {
+    cfg: DaemonConfig,
+    node: Arc<Node>,
+    repo: Repo,
+    cache: Arc<NodeCache>,
+    trees: Arc<Trees>,
+    logs: Arc<JobLogs>,
+    outputs: Arc<OutputsSaver>,
+    housekeeping: Arc<Housekeeping>,
+    /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
+    tokens: Vec<(blake3::Hash, String)>,
+    inventory: String,
+    _lock: File,
+}
+
+impl Daemon {
+    /// Opens the state (adopting jobs that outlived a previous labd), the store and the cache.
+    pub async fn open(
+        cfg: DaemonConfig,
+        inventory: Arc<dyn GpuInventory>,
+    ) -> Result<Arc<Daemon>, DaemonError> {
+        let lock = lock_state_dir(&cfg.state_dir)?;
+        let inventory_name = inventory.describe();
+        let node_cfg = NodeConfig {
+            state_dir: cfg.state_dir.clone(),
+            foreign_limit: cfg.foreign_limit,
+            inventory_deadline: cfg.inventory_deadline,
+            max_queued_per_user: cfg.max_queued_per_user,
+        };
+        let node = off_runtime(move || Node::open(node_cfg, inventory))
+            .await
+            .map_err(|e| open_error("the job state", &e))?;
+        let repo = open_store(&cfg, &node).await?;
+        let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
+            .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
+        let trees = Trees::new(&cache).map_err(|e| open_error("the shared trees", &e))?;
+        let jobs_dir = cfg.state_dir.join("jobs");
+        std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
+        set_modes(&cfg.state_dir, &jobs_dir)?;
+        let tokens = cfg
+            .tokens
+            .iter()
+            .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
+            .collect();
+        let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
+        let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
+        let outputs = OutputsSaver::new(
+            node.clone(),
+            repo.clone(),
+            cache.clone(),
+            logs.clone(),
+            OutputsConfig {
+                node_name: cfg.node_name.clone(),
+                compression: cfg.compression,
+                retry: cfg.outputs_retry,
+            },
+        );
+        let housekeeping = Housekeeping::new(
+            node.clone(),
+            trees.clone(),
+            cfg.trees_max,
+            jobs_dir,
+            cfg.work_keep,
+        );
+        Ok(Arc::new(Daemon {
+            node,
+            repo,
+            cache,
+            trees,
+            logs,
+            outputs: Arc::new(outputs),
+            housekeeping: Arc::new(housekeeping),
+            tokens,
+            inventory: inventory_name,
+            _lock: lock,
+            cfg,
+        }))
+    }
+
+    /// Reaps ended jobs, starts what fits, keeps logs bounded, and starts
+    /// housekeeping and the outputs pushes that are due.
+    pub async fn tick(self: &Arc<Self>) {
+        let (node, logs) = (self.node.clone(), self.logs.clone());
+        let jobs = off_runtime(move || {
+            let ended = node.reap()?;
+            node.schedule()?;
+            // Queued jobs have neither a log nor outputs yet.
+            let active = node.active_where(|j| j.state != JobState::Queued);
+            // Every job that may still write, and those that just stopped.
+            let writing = active
+                .iter()
+                .filter(|j| matches!(j.state, JobState::Running { .. }))
+                .map(|j| j.id.as_str())
+                .chain(ended.iter().map(|(id, _)| id.as_str()));
+            for id in writing {
+                logs.bound(id);
+            }
+            for (id, _) in &ended {
+                logs.wake(id, None);
+            }
+            logs.forget_unfollowed();
+            Ok::<_, NodeError>(active)
+        })
+        .await;
+        let jobs = match jobs {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!("job state: {e}");
+                return;
+            }
+        };
+        self.housekeeping.start_if_due();
+        self.outputs.start_due(jobs);
+    }
+
+    /// The ticker: every `tick`, until `shutdown`.
+    pub async fn run_ticker(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
+        let mut shutdown = shutdown;
+        let mut every = tokio::time::interval(self.cfg.tick);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => self.tick().await,
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    /// Where shared trees live (tests look at them).
+    pub fn trees_dir(&self) -> PathBuf {
+        self.trees.path("")
+    }
+}
+
+fn open_error(what: &str, e: &dyn std::fmt::Display) -> DaemonError {
+    DaemonError::Open(format!("cannot open {what}: {e}"))
+}
+
+/// Creates the state folder and takes its lock (one labd per folder), and
+/// writes `labd.pid` for admins.
+fn lock_state_dir(state_dir: &Path) -> Result<File, DaemonError> {
+    std::fs::create_dir_all(state_dir)
+        .map_err(|e| open_error(&state_dir.display().to_string(), &e))?;
+    let lock_path = state_dir.join("labd.lock");
+    let lock = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| open_error(&lock_path.display().to_string(), &e))?;
+    if !try_lock(&lock) {
+        return Err(DaemonError::Running(state_dir.to_path_buf()));
+    }
+    let _ = std::fs::write(state_dir.join("labd.pid"), std::process::id().to_string());
+    Ok(lock)
+}
+
+/// Opens the store; outputs already in it name jobs this node must not
+/// repeat, so the engine numbers new jobs above them.
+async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError> {
+    let store_error = |e: &dyn std::fmt::Display| open_error(&format!("store {}", cfg.store), e);
+    let remote = Remote::open(&cfg.store, &cfg.store_options).map_err(|e| store_error(&e))?;
+    let repo = Repo::open(remote, None)
+        .await
+        .map_err(|e| store_error(&e))?;
+    let runs = repo
+        .remote()
+        .list("refs/runs/")
+        .await
+        .map_err(|e| store_error(&e))?;
+    let highest = runs
+        .iter()
+        .filter_map(|o| {
+            let rest = o.key.strip_prefix("refs/runs/")?;
+            crate::node::job_number(rest.split_once('/')?.0)
+        })
+        .max();
+    if let Some(n) = highest {
+        node.ids_above(n);
+    }
+    Ok(repo)
+}
+
+/// The database holds queued jobs' environments and the logs their output:
+/// labd's alone. Jobs run as their submitters must still reach their working
+/// folders through the state folder.
+fn set_modes(state_dir: &Path, jobs_dir: &Path) -> Result<(), DaemonError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path, m: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m))
+            .map_err(|e| open_error(&p.display().to_string(), &e))
+    };
+    mode(&state_dir.join("state-v1.redb"), 0o600)?;
+    mode(&state_dir.join("logs"), 0o700)?;
+    if users::euid() == 0 {
+        mode(state_dir, 0o755)?;
+        mode(jobs_dir, 0o755)?;
+    }
+    Ok(())
+}
+
+#[allow(unsafe_code)]
+fn try_lock(f: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor we own; no memory is shared.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}

@@ -1,0 +1,422 @@
+//! The API's operations: what a caller may ask of labd, checked (who owns
+//! a job, what a request may contain) and run on the engine, the trees and
+//! the logs. The HTTP layer maps each route to one of these.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::logs::read_log;
+use super::Daemon;
+use crate::api::ConnLimits;
+use crate::blocking::{chain, off_runtime};
+use crate::error::{ApiError, PrepareError};
+use crate::leases::{JobMeta, JobRecord, JobState};
+use crate::node::{NodeError, Submit};
+use crate::proto::{Info, JobView, SubmitRequest};
+use crate::status::GpuStatus;
+use crate::trees::{check_outputs, make_workdir};
+use crate::users;
+
+/// How long an ended job stays in the default listing (`labrun ps`).
+const RECENT: Duration = Duration::from_secs(86_400);
+
+/// Who is calling, from the token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The user.
+    pub user: String,
+    /// May kill and read every job.
+    pub admin: bool,
+}
+
+/// A log read.
+#[derive(Debug)]
+pub struct LogRead {
+    /// The bytes from the offset asked for.
+    pub bytes: Vec<u8>,
+    /// Offset to ask for next.
+    pub next: u64,
+    /// The job ended, its outputs are saved, and this is the end of its log.
+    pub done: bool,
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+impl From<NodeError> for ApiError {
+    fn from(e: NodeError) -> Self {
+        match e {
+            NodeError::Refused(m) => ApiError::Conflict(m),
+            NodeError::NoJob(id) => ApiError::NotFound(format!("no job {id}")),
+            NodeError::TooMany(m) => ApiError::TooMany(m),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// A request labd refuses before reserving anything: no command, an
+/// outputs folder outside the code, a data variable that is not one.
+fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
+    if req.argv.is_empty() {
+        return Err(ApiError::BadRequest("no command to run".into()));
+    }
+    if let Some(o) = &req.outputs {
+        check_outputs(o).map_err(ApiError::BadRequest)?;
+    }
+    for d in &req.data {
+        let ok = d.env.starts_with("LABRUN_DATA_")
+            && d.env
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+        if !ok {
+            return Err(ApiError::BadRequest(format!(
+                "data variable {:?} must be LABRUN_DATA_ and capitals, digits or _",
+                d.env
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Daemon {
+    /// The caller a bearer token belongs to.
+    pub fn authenticate(&self, token: &str) -> Option<Caller> {
+        let h = blake3::hash(token.as_bytes());
+        // Every entry is compared (blake3::Hash's `==` is constant-time).
+        let mut found = None;
+        for (t, user) in &self.tokens {
+            if *t == h {
+                found = Some(user.clone());
+            }
+        }
+        found.map(|user| Caller {
+            admin: self.cfg.admins.contains(&user),
+            user,
+        })
+    }
+
+    /// What connections may hold open.
+    pub fn conn_limits(&self) -> ConnLimits {
+        self.cfg.conn_limits
+    }
+
+    /// `labrun`'s first question.
+    pub fn info(&self, caller: &Caller) -> Info {
+        Info {
+            version: env!("CARGO_PKG_VERSION").into(),
+            node: self.cfg.node_name.clone(),
+            store: self.cfg.store.clone(),
+            user: caller.user.clone(),
+            admin: caller.admin,
+            inventory: self.inventory.clone(),
+        }
+    }
+
+    /// Every GPU and what it is.
+    pub async fn gpus(self: &Arc<Self>) -> Result<Vec<GpuStatus>, ApiError> {
+        let node = self.node.clone();
+        Ok(off_runtime(move || node.gpus()).await?)
+    }
+
+    /// The view of each record; the GPUs are read once for all of them
+    /// (and only if one waits for GPUs), not once per queued job.
+    fn views(&self, recs: Vec<JobRecord>) -> Result<Vec<JobView>, NodeError> {
+        let waiting = recs
+            .iter()
+            .any(|r| r.state == JobState::Queued && r.meta.preparing.is_none());
+        let gpus = if waiting {
+            Some(self.node.gpus()?)
+        } else {
+            None
+        };
+        Ok(recs
+            .into_iter()
+            .map(|rec| {
+                let why = match (&rec.state, &rec.meta.preparing, &gpus) {
+                    (JobState::Queued, Some(p), _) => Some(p.clone()),
+                    (JobState::Queued, None, Some(g)) => self.node.why_waiting(&rec.id, g),
+                    _ => None,
+                };
+                JobView {
+                    id: rec.id,
+                    user: rec.user,
+                    argv: rec.argv,
+                    gpus_wanted: rec.gpus_wanted,
+                    gpus: rec.gpus,
+                    state: rec.state,
+                    why,
+                    submitted_at: rec.submitted_at,
+                    started_at: rec.started_at,
+                    ended_at: rec.ended_at,
+                    meta: rec.meta,
+                }
+            })
+            .collect())
+    }
+
+    /// Active jobs and those that ended in the last day, oldest first: what
+    /// `labrun ps` shows. Older ones come from [`Daemon::history`].
+    pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
+        let me = self.clone();
+        off_runtime(move || {
+            let day_ago = crate::leases::unix_now().saturating_sub(RECENT.as_secs());
+            let mut jobs: Vec<JobRecord> = me
+                .node
+                .jobs()?
+                .into_iter()
+                .filter(|j| j.active() || j.ended_at.is_none_or(|t| t >= day_ago))
+                .collect();
+            jobs.sort_by_key(|j| (j.submitted_at, crate::node::job_number(&j.id), j.id.clone()));
+            Ok(me.views(jobs)?)
+        })
+        .await
+    }
+
+    /// One page of the jobs that ended, newest first: those numbered below
+    /// `before` (all, without it), at most `limit` (1 to 1000).
+    pub async fn history(
+        self: &Arc<Self>,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<JobView>, ApiError> {
+        let me = self.clone();
+        off_runtime(move || {
+            let mut jobs: Vec<(u64, JobRecord)> = me
+                .node
+                .jobs()?
+                .into_iter()
+                .filter(|j| !j.active())
+                .filter_map(|j| Some((crate::node::job_number(&j.id)?, j)))
+                .filter(|(n, _)| before.is_none_or(|b| *n < b))
+                .collect();
+            jobs.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+            jobs.truncate(limit.clamp(1, 1000));
+            Ok(me.views(jobs.into_iter().map(|(_, j)| j).collect())?)
+        })
+        .await
+    }
+
+    fn record(&self, id: &str) -> Result<JobRecord, ApiError> {
+        self.node
+            .job(id)?
+            .ok_or_else(|| ApiError::NotFound(format!("no job {id} on {}", self.cfg.node_name)))
+    }
+
+    /// One job.
+    pub async fn job(self: &Arc<Self>, id: &str) -> Result<JobView, ApiError> {
+        let (me, id) = (self.clone(), id.to_string());
+        off_runtime(move || {
+            let rec = me.record(&id)?;
+            Ok(me.views(vec![rec])?.remove(0))
+        })
+        .await
+    }
+
+    fn own(&self, caller: &Caller, rec: &JobRecord, what: &str) -> Result<(), ApiError> {
+        if caller.admin || caller.user == rec.user {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(format!(
+                "job {} is {}'s; only they or an admin may {what} it",
+                rec.id, rec.user
+            )))
+        }
+    }
+
+    /// Takes a job: records it, materialises its code and data in the
+    /// background, then queues it.
+    pub async fn submit(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: SubmitRequest,
+    ) -> Result<JobView, ApiError> {
+        check_request(&req)?;
+        let run_as = self.run_as(caller).await?;
+        let mut submit = Submit {
+            user: caller.user.clone(),
+            argv: req.argv.clone(),
+            cwd: PathBuf::new(),
+            env: Vec::new(),
+            gpus: req.gpus,
+            min_free_bytes: req.gpu_mem,
+            run_as,
+            meta: self.job_meta(&req, run_as),
+        };
+        let node = self.node.clone();
+        let s = submit.clone();
+        let id = off_runtime(move || node.reserve(&s)).await?;
+        let work = self.cfg.state_dir.join("jobs").join(&id).join("work");
+        submit.cwd = work.clone();
+        submit.meta.work = Some(work);
+        self.prepare_in_background(id.clone(), req, submit);
+        self.job(&id).await
+    }
+
+    /// The Unix user (uid, gid) a caller's jobs run as: themselves when labd
+    /// is root and runs jobs as their submitters, else labd's own (`None`).
+    async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, ApiError> {
+        if !(self.cfg.run_as_submitter && users::euid() == 0) {
+            return Ok(None);
+        }
+        // NSS may ask a directory server: off the runtime.
+        let name = caller.user.clone();
+        let u = off_runtime(move || users::user_by_name(&name)).await;
+        let u = u.ok_or_else(|| {
+            ApiError::Conflict(format!(
+                "no Unix user {:?} on {}: labd runs jobs as the user who submits them",
+                caller.user, self.cfg.node_name
+            ))
+        })?;
+        Ok(Some((u.uid, u.gid)))
+    }
+
+    /// What the job's record keeps beside the engine's fields.
+    fn job_meta(&self, req: &SubmitRequest, run_as: Option<(u32, u32)>) -> JobMeta {
+        JobMeta {
+            code: req.code.as_ref().map(|t| t.label.clone()),
+            data: req.data.iter().map(|d| d.tree.label.clone()).collect(),
+            work: None,
+            outputs: req.outputs.clone(),
+            outputs_every_s: req
+                .outputs_every_s
+                .unwrap_or(self.cfg.outputs_every.as_secs())
+                .max(1),
+            outputs_saved: None,
+            outputs_error: None,
+            outputs_pending: req.outputs.is_some(),
+            outputs_failures: 0,
+            log_cut: None,
+            preparing: Some("materialising code and data".into()),
+            run_as,
+            trees: req
+                .code
+                .iter()
+                .chain(req.data.iter().map(|d| &d.tree))
+                .map(|t| t.snapshot.clone())
+                .collect(),
+        }
+    }
+
+    /// Materialises the reserved job `id`'s trees and working folder in a
+    /// task of its own, then queues it (or ends it, saying why).
+    fn prepare_in_background(self: &Arc<Self>, id: String, req: SubmitRequest, mut submit: Submit) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let outcome = me.prepare(&id, &req, &mut submit).await;
+            let (node, job) = (me.node.clone(), id.clone());
+            // Either may find the job killed meanwhile; it then stays ended.
+            let result = off_runtime(move || match outcome {
+                Ok(()) => node.enqueue(&job, submit).map(drop),
+                Err(e) => node
+                    .cancel_reserved(&job, format!("cannot prepare the job: {}", chain(&e)))
+                    .map(drop),
+            })
+            .await;
+            if let Err(e) = result {
+                tracing::error!("job state: {e}");
+            }
+            me.logs.wake(&id, None);
+        });
+    }
+
+    /// Materialises the job's code and data trees, its environment and its
+    /// working folder (owned by its user).
+    async fn prepare(
+        &self,
+        id: &str,
+        req: &SubmitRequest,
+        submit: &mut Submit,
+    ) -> Result<(), PrepareError> {
+        let code = match &req.code {
+            Some(t) => Some(self.trees.get(&self.repo, &self.cache, t).await?),
+            None => None,
+        };
+        let mut env: Vec<(String, String)> = req
+            .env
+            .iter()
+            .filter(|(k, _)| k != "LABRUN_TOKEN" && !k.starts_with("LABRUN_DATA"))
+            .cloned()
+            .collect();
+        for (i, d) in req.data.iter().enumerate() {
+            let path = self.trees.get(&self.repo, &self.cache, &d.tree).await?;
+            let path = path.display().to_string();
+            if i == 0 {
+                env.push(("LABRUN_DATA".into(), path.clone()));
+            }
+            env.push((d.env.clone(), path));
+        }
+        env.push(("LABRUN_NODE".into(), self.cfg.node_name.clone()));
+        submit.env = env;
+        let (work, outputs, owner) = (submit.cwd.clone(), req.outputs.clone(), submit.run_as);
+        off_runtime(move || make_workdir(code.as_deref(), &work, outputs.as_deref(), owner))
+            .await?;
+        tracing::info!("job {id} ready in {}", submit.cwd.display());
+        Ok(())
+    }
+
+    /// Kills a job (or drops it from the queue); its GPUs are freed and its
+    /// outputs pushed.
+    pub async fn kill(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
+        let (me, job) = (self.clone(), id.to_string());
+        let rec = off_runtime(move || me.record(&job)).await?;
+        self.own(caller, &rec, "kill")?;
+        if matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
+            return Err(ApiError::Conflict(format!("job {id} has already ended")));
+        }
+        let (node, job, grace) = (self.node.clone(), id.to_string(), self.cfg.kill_grace);
+        off_runtime(move || {
+            // A job still being prepared is ended before it is queued; one
+            // queued meanwhile is killed like any other.
+            if !node.cancel_reserved(&job, "killed while being prepared".into())? {
+                node.kill(&job, grace)?;
+            }
+            Ok::<_, NodeError>(())
+        })
+        .await?;
+        tracing::info!("job {id} killed by {}", caller.user);
+        self.tick().await;
+        self.job(id).await
+    }
+
+    /// The job's log from `offset`, waiting up to `wait` for new bytes.
+    pub async fn log(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogRead, ApiError> {
+        let rec = self.record(id)?;
+        self.own(caller, &rec, "read the log of")?;
+        let path = self.node.log_path(id);
+        let deadline = Instant::now() + wait.min(Duration::from_secs(30));
+        // Subscribed before the first read: a change after it wakes us.
+        let mut changed = self.logs.subscribe(id);
+        loop {
+            // Whether it had ended is read before the file, so no last line is missed.
+            let rec = self.record(id)?;
+            // A final push that failed is retried by labd for as long as it
+            // takes; the log's reader is told at its first failure.
+            let finished = matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. })
+                && (!rec.meta.outputs_pending || rec.meta.outputs_failures > 0);
+            let p = path.clone();
+            let cut = rec.meta.log_cut;
+            let (bytes, next) = off_runtime(move || read_log(&p, offset, 1 << 20, cut))
+                .await
+                .map_err(internal)?;
+            // Cut meanwhile: what was read may hold the new hole; read again.
+            if self.record(id)?.meta.log_cut != cut {
+                continue;
+            }
+            let done = finished && next == offset + bytes.len() as u64 && bytes.len() < 1 << 20;
+            if !bytes.is_empty() || done || Instant::now() >= deadline {
+                return Ok(LogRead { bytes, next, done });
+            }
+            changed.mark_unchanged();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = tokio::time::timeout(left, changed.changed()).await;
+        }
+    }
+}

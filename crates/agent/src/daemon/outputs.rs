@@ -1,0 +1,243 @@
+//! The outputs saver: a job's `--outputs` folder pushed to the store as
+//! `runs/<job-id>` every few minutes while it runs, and once more when it
+//! ends, retried with backoff until that last push succeeds.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use labsync_store::{push, Codec, NoProgress, NodeCache, PushOptions, Repo};
+
+use super::logs::JobLogs;
+use crate::blocking::{chain, off_runtime};
+use crate::leases::{JobRecord, JobState};
+use crate::node::Node;
+
+/// How long a file in a running job's outputs must have been left alone
+/// before a periodic push takes it as it is: `torch.save` writes in place,
+/// and a copy taken mid-write would be the checkpoint a crash leaves.
+const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
+
+/// Tries of a final outputs push that fails reading the outputs themselves.
+const UNREADABLE_TRIES: u32 = 3;
+
+/// The longest wait between two tries of a final outputs push: a store
+/// outage of hours is normal, and the checkpoints wait for it.
+const OUTPUTS_RETRY_MAX: Duration = Duration::from_secs(600);
+
+/// Pushes jobs' outputs when they are due.
+pub(crate) struct OutputsSaver {
+    node: Arc<Node>,
+    repo: Repo,
+    cache: Arc<NodeCache>,
+    logs: Arc<JobLogs>,
+    /// Recorded as the versions' host.
+    node_name: String,
+    compression: Codec,
+    /// First wait before a failed final push is tried again.
+    retry: Duration,
+    /// Jobs whose outputs are being pushed right now.
+    pushing: Mutex<HashSet<String>>,
+    /// When each running job's outputs were last pushed, and failed final pushes.
+    pushed_at: Mutex<HashMap<String, (Instant, u32)>>,
+}
+
+/// What the saver needs besides the engine and the store.
+pub(crate) struct OutputsConfig {
+    pub node_name: String,
+    pub compression: Codec,
+    pub retry: Duration,
+}
+
+impl OutputsSaver {
+    pub fn new(
+        node: Arc<Node>,
+        repo: Repo,
+        cache: Arc<NodeCache>,
+        logs: Arc<JobLogs>,
+        cfg: OutputsConfig,
+    ) -> OutputsSaver {
+        OutputsSaver {
+            node,
+            repo,
+            cache,
+            logs,
+            node_name: cfg.node_name,
+            compression: cfg.compression,
+            retry: cfg.retry,
+            pushing: Mutex::new(HashSet::new()),
+            pushed_at: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Starts, each in its own task, the pushes of `jobs` (the active ones)
+    /// that are due and not already running.
+    pub fn start_due(self: &Arc<Self>, jobs: Vec<JobRecord>) {
+        for j in jobs {
+            if j.meta.outputs.is_none() {
+                continue;
+            }
+            let ended = matches!(j.state, JobState::Exited { .. } | JobState::Failed { .. });
+            if self.due(&j, ended)
+                && self
+                    .pushing
+                    .lock()
+                    .expect("labd poisoned")
+                    .insert(j.id.clone())
+            {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let id = j.id.clone();
+                    me.push(j, ended).await;
+                    me.pushing.lock().expect("labd poisoned").remove(&id);
+                });
+            }
+        }
+    }
+
+    /// A running job's periodic push after `outputs_every_s`; an ended job's
+    /// final push at once, and after a failure once its backoff has passed.
+    fn due(&self, j: &JobRecord, ended: bool) -> bool {
+        match j.state {
+            _ if ended => {
+                j.meta.outputs_pending
+                    && match self.pushed_at.lock().expect("labd poisoned").get(&j.id) {
+                        Some(&(t, failed)) if failed > 0 => t.elapsed() >= self.retry_delay(failed),
+                        _ => true,
+                    }
+            }
+            JobState::Running { .. } => {
+                let every = Duration::from_secs(j.meta.outputs_every_s);
+                let at = self
+                    .pushed_at
+                    .lock()
+                    .expect("labd poisoned")
+                    .get(&j.id)
+                    .copied();
+                match at {
+                    Some((t, _)) => t.elapsed() >= every,
+                    None => j.started_at.is_some_and(|s| {
+                        crate::leases::unix_now().saturating_sub(s) >= every.as_secs()
+                    }),
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// Pushes `job`'s outputs (`last`: the push after it ended) and records
+    /// the outcome in the job.
+    async fn push(&self, job: JobRecord, last: bool) {
+        let (Some(work), Some(out)) = (&job.meta.work, &job.meta.outputs) else {
+            return;
+        };
+        let dir = work.join(out);
+        let (result, unreadable) = self.push_folder(&job, &dir, out, last).await;
+        // Failed final pushes are counted (periodic ones are not: a store
+        // that was down during the run must not cost the last checkpoint).
+        let attempts = {
+            let mut at = self.pushed_at.lock().expect("labd poisoned");
+            let e = at.entry(job.id.clone()).or_insert((Instant::now(), 0));
+            *e = (Instant::now(), e.1 + u32::from(last && result.is_err()));
+            e.1
+        };
+        match &result {
+            Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
+            Err(e) if last => tracing::warn!(
+                "job {}: outputs not saved yet ({attempts} tries): {e}; next try in {} s",
+                job.id,
+                self.retry_delay(attempts).as_secs()
+            ),
+            Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
+        }
+        // Until the final push succeeds the job stays active, so its working
+        // folder (the only copy of its checkpoints) is never swept. A job
+        // that left no outputs folder has nothing to wait for; one whose
+        // outputs cannot be read as its user gets UNREADABLE_TRIES tries, not
+        // an eternity of them holding its folder and trees.
+        let gave_up = unreadable && attempts >= UNREADABLE_TRIES;
+        let settled = last && (result.is_ok() || !dir.is_dir() || gave_up);
+        let result = match result {
+            Err(e) if gave_up => Err(format!(
+                "{e} (gave up after {attempts} tries: the job's user cannot read its outputs)"
+            )),
+            r => r,
+        };
+        let node = self.node.clone();
+        let id = job.id.clone();
+        let r = off_runtime(move || {
+            node.update_meta(&id, |m| {
+                match result {
+                    Ok(label) => {
+                        m.outputs_saved = Some(label);
+                        m.outputs_error = None;
+                    }
+                    Err(e) => m.outputs_error = Some(e),
+                }
+                m.outputs_failures = if last && !settled { attempts } else { 0 };
+                if settled {
+                    m.outputs_pending = false;
+                }
+            })
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!("job state: {e}");
+        }
+        self.logs.wake(&job.id, None);
+        if settled {
+            self.pushed_at
+                .lock()
+                .expect("labd poisoned")
+                .remove(&job.id);
+        }
+    }
+
+    /// Pushes `dir` as `runs/<job>`, read as the job's user: the version's
+    /// label, or the error and whether it was the outputs themselves that
+    /// could not be read (a file the job's user made unreadable, a symlink
+    /// out of the folder: that will not heal by waiting, unlike a store that
+    /// is down or full).
+    async fn push_folder(
+        &self,
+        job: &JobRecord,
+        dir: &std::path::Path,
+        out: &str,
+        last: bool,
+    ) -> (Result<String, String>, bool) {
+        if !dir.is_dir() {
+            return (Err(format!("the job left no {out} folder to save")), false);
+        }
+        let opts = PushOptions {
+            name: format!("runs/{}", job.id),
+            files_cache: Some(self.cache.files_cache_dir()),
+            threads: 2,
+            user: job.user.clone(),
+            host: self.node_name.clone(),
+            read_as: job.meta.run_as,
+            // While the job runs, a checkpoint may be half saved: keep
+            // its previous copy until it has been still for a while.
+            // The push after the job ended takes everything as it is.
+            settle: (!last).then_some(OUTPUTS_SETTLE),
+            compression: self.compression,
+        };
+        match push(&self.repo, dir, &opts, Arc::new(NoProgress)).await {
+            Ok(o) => (Ok(o.record.label()), false),
+            Err(e) => {
+                let canon = dir.canonicalize().ok();
+                let unreadable = matches!(&e, labsync_store::Error::Io { path, .. }
+                    if path.starts_with(dir)
+                        || canon.as_ref().is_some_and(|c| path.starts_with(c)));
+                (Err(chain(&e)), unreadable)
+            }
+        }
+    }
+
+    /// How long to wait after the `failed`-th failure of a final outputs push.
+    fn retry_delay(&self, failed: u32) -> Duration {
+        let doublings = failed.saturating_sub(1).min(20);
+        self.retry
+            .checked_mul(1u32 << doublings)
+            .map_or(OUTPUTS_RETRY_MAX, |d| d.min(OUTPUTS_RETRY_MAX))
+    }
+}
