@@ -7,6 +7,9 @@ mod support;
 #[path = "cli/labrun.rs"]
 mod labrun;
 
+#[path = "cli/lying.rs"]
+mod lying;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_name, write_atomic};
 use crate::id::{PackId, SnapshotId};
+use crate::index::IndexPack;
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, Repo};
 
@@ -195,16 +196,17 @@ impl NodeCache {
         let fetches: Vec<_> = missing
             .iter()
             .map(|(p, n)| async move {
-                self.fetch_pack(repo, p).await?;
+                let size = self.fetch_pack(repo, p).await?;
                 progress.advance(*n, 1);
-                Ok::<_, Error>(())
+                Ok::<_, Error>(size)
             })
             .collect();
-        futures::stream::iter(fetches)
+        // What was read, not what the index claims (anyone may write an index).
+        let fetched: Vec<u64> = futures::stream::iter(fetches)
             .buffer_unordered(4)
-            .try_collect::<Vec<_>>()
+            .try_collect()
             .await?;
-        Ok((missing.len() as u64, total))
+        Ok((missing.len() as u64, fetched.iter().sum()))
     }
 
     /// Bytes fetching `total` bytes of packs takes in the cache: none when
@@ -221,8 +223,8 @@ impl NodeCache {
         }
     }
 
-    /// Fetches one pack, replacing any cached copy.
-    pub async fn fetch_pack(&self, repo: &Repo, id: &PackId) -> Result<()> {
+    /// Fetches one pack, replacing any cached copy; returns its size.
+    pub async fn fetch_pack(&self, repo: &Repo, id: &PackId) -> Result<u64> {
         let dest = self.pack_path(id);
         if let Some(dir) = dest.parent() {
             std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
@@ -241,12 +243,33 @@ impl NodeCache {
                         });
                     }
                 }
-                std::fs::rename(&tmp, &dest).map_err(Error::io("rename into place", &dest))
+                let size = std::fs::metadata(&tmp).map_or(0, |m| m.len());
+                std::fs::rename(&tmp, &dest).map_err(Error::io("rename into place", &dest))?;
+                Ok(size)
             })
             .await;
         }
         let bytes = repo.remote().get(&key).await?;
-        blocking(move || write_atomic(&dest, &bytes)).await
+        let size = bytes.len() as u64;
+        blocking(move || write_atomic(&dest, &bytes)).await?;
+        Ok(size)
+    }
+
+    /// The index record of a cached pack, from its own footer; `None` when
+    /// the pack is not cached or its footer is damaged.
+    pub fn footer_record(&self, id: &PackId) -> Option<IndexPack> {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(self.pack_path(id)).ok()?;
+        let size = f.metadata().ok()?.len();
+        let tl = crate::pack::trailer_len() as u64;
+        let mut trailer = vec![0; tl as usize];
+        f.read_exact_at(&mut trailer, size.checked_sub(tl)?).ok()?;
+        let flen = crate::pack::parse_trailer(&trailer, id).ok()? as u64;
+        let start = (size - tl).checked_sub(flen)?;
+        let mut footer = vec![0; flen as usize];
+        f.read_exact_at(&mut footer, start).ok()?;
+        let entries = crate::pack::parse_footer(&footer, &trailer, size, id).ok()?;
+        Some(IndexPack::new(*id, size, &entries))
     }
 
     /// Drops a cached pack (after corruption was found in it).

@@ -93,6 +93,13 @@ pub async fn gc(
     progress.phase("gc: list", None, None);
     let packs = list_packs(repo).await?;
     let (index, index_keys) = repo.load_index().await?;
+    if let Some((key, why)) = index.refused().first() {
+        // Its chunks look unreferenced; the consolidated index would drop them.
+        return Err(Error::corrupt(
+            format!("index {key}"),
+            format!("{why}; gc deletes nothing while an index object is refused: run `labsync rebuild-index` first"),
+        ));
+    }
     let versions = repo.all_versions().await?;
 
     let marked = mark(repo, &index, &versions, progress).await?;

@@ -102,6 +102,8 @@ pub struct Index {
     packs: Vec<(PackId, u64)>,
     pack_pos: HashMap<PackId, u32>,
     chunks: HashMap<ChunkId, Location>,
+    /// Index objects left out, and why.
+    refused: Vec<(String, String)>,
 }
 
 impl Index {
@@ -123,6 +125,41 @@ impl Index {
                 },
             });
         }
+    }
+
+    /// Replaces the entries of `rec`'s pack with the pack's own (from its
+    /// footer), for chunks this index places in that pack: the footer is
+    /// what the pack holds, the index only a copy of it.
+    pub fn correct_from_footer(&mut self, rec: &IndexPack) {
+        let Some(&pos) = self.pack_pos.get(&rec.pack) else {
+            return;
+        };
+        self.packs[pos as usize].1 = rec.size;
+        for &(id, offset, stored_len, raw_len, flags) in &rec.chunks {
+            if let Some(l) = self.chunks.get_mut(&id) {
+                if l.pack == pos {
+                    l.entry = PackEntry {
+                        id,
+                        offset,
+                        stored_len,
+                        raw_len,
+                        flags,
+                    };
+                }
+            }
+        }
+    }
+
+    /// Records an index object that was left out, and why.
+    pub(crate) fn refuse(&mut self, key: String, why: String) {
+        self.refused.push((key, why));
+    }
+
+    /// Index objects that were left out (not matching their name, or not
+    /// decoding), with why: the chunks only they described are missing, and
+    /// `labsync rebuild-index` restores them from the packs.
+    pub fn refused(&self) -> &[(String, String)] {
+        &self.refused
     }
 
     /// Looks a chunk up.

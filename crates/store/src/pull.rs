@@ -22,7 +22,7 @@ use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_name};
 use crate::id::{ChunkId, PackId};
-use crate::index::Index;
+use crate::index::{Index, IndexPack};
 use crate::progress::Progress;
 use crate::repo::{RefSpec, Repo, VersionRecord};
 use crate::snapshot::{validate_entries, Entry, Kind};
@@ -203,12 +203,17 @@ fn plan(entries: &[Entry], index: &Index, dest: &Path, empty: bool) -> Result<Pl
         .collect();
     let skipped =
         entries.iter().filter(|e| e.kind == Kind::File).count() as u64 - files.len() as u64;
+    let hint = match index.refused().first() {
+        Some((key, why)) => {
+            format!("; index object {key} is not used ({why}): run `labsync rebuild-index`")
+        }
+        None => "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost"
+            .into(),
+    };
     let packs = needed_packs(index, files.iter().map(|&i| &entries[i]), |c, e| {
         Error::NotFound {
             what: format!("chunk {c} of {}", e.path_lossy()),
-            hint:
-                "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost"
-                    .into(),
+            hint: hint.clone(),
         }
     })?;
     // Saturating: sizes come from the snapshot, which anyone may have written.
@@ -275,9 +280,12 @@ fn check_room(repo: &Repo, cache: &NodeCache, dest: &Path, plan: &Plan) -> Resul
 
 /// Writes the planned files off the runtime, every chunk verified before a
 /// byte of it reaches a file (verifying and writing are one pass: a second
-/// pass would read every pack twice). A pack that fails verification is
-/// fetched once more and the files not yet complete are written again; a
-/// second failure is corruption in the store.
+/// pass would read every pack twice). When a chunk of a pack fails, the
+/// pack's own footer is read first: if the index disagrees with it, the
+/// index is what is wrong, and the footer's entries are used (said once,
+/// with the repair). Otherwise the pack is fetched once more. Either way
+/// the files not yet complete are written again; a pack failing after both
+/// is corrupt in the store.
 #[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 async fn write_verified(
     repo: &Repo,
@@ -289,8 +297,10 @@ async fn write_verified(
     threads: usize,
     progress: &Arc<dyn Progress>,
 ) -> Result<u64> {
-    let index = Arc::new(index);
+    let mut index = Arc::new(index);
+    let mut corrected = HashSet::new();
     let mut refetched = HashSet::new();
+    let mut attempt = 0;
     loop {
         let (e2, i2, c2, d2, p2, f2) = (
             entries.clone(),
@@ -300,9 +310,10 @@ async fn write_verified(
             progress.clone(),
             plan.files.clone(),
         );
-        let retry = !refetched.is_empty();
+        let retry = attempt > 0;
+        attempt += 1;
         let res = blocking(move || {
-            // After a re-fetch, what the first attempt wrote is done already.
+            // After a repair, what the first attempt wrote is done already.
             let f2: Vec<usize> = if retry {
                 f2.into_iter()
                     .filter(|&i| !complete(&dest_path(&d2, &e2[i]), &e2[i]))
@@ -313,27 +324,56 @@ async fn write_verified(
             write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref())
         })
         .await;
-        match res {
+        let (what, detail) = match res {
             Ok(n) => return Ok(n),
-            Err(Error::Corrupt { what, detail }) => {
-                let pack = what
-                    .rsplit(' ')
-                    .next()
-                    .and_then(|h| h.parse::<PackId>().ok());
-                match pack {
-                    Some(p) if refetched.insert(p) => {
-                        progress.warn(&format!(
-                            "pack {p} failed verification ({detail}); fetching it again"
-                        ));
-                        cache.forget_pack(&p);
-                        cache.fetch_pack(repo, &p).await?;
-                    }
-                    _ => return Err(Error::Corrupt { what, detail }),
+            Err(Error::Corrupt { what, detail }) => (what, detail),
+            Err(e) => return Err(e),
+        };
+        let Some(p) = what
+            .rsplit(' ')
+            .next()
+            .and_then(|h| h.parse::<PackId>().ok())
+        else {
+            return Err(Error::Corrupt { what, detail });
+        };
+        if !corrected.contains(&p) {
+            if let Some(own) = cache.footer_record(&p) {
+                if index_disagrees(&index, &own) {
+                    progress.warn(&format!(
+                        "the index disagrees with pack {p}'s own footer; using the footer \
+                         (run `labsync rebuild-index` to repair the index)"
+                    ));
+                    Arc::make_mut(&mut index).correct_from_footer(&own);
+                    corrected.insert(p);
+                    continue;
                 }
             }
-            Err(e) => return Err(e),
         }
+        if !refetched.insert(p) {
+            return Err(Error::Corrupt { what, detail });
+        }
+        progress.warn(&format!(
+            "pack {p} failed verification ({detail}); fetching it again"
+        ));
+        cache.forget_pack(&p);
+        cache.fetch_pack(repo, &p).await?;
     }
+}
+
+/// True when `index` places a chunk of `own` (a pack's footer) elsewhere in
+/// that pack, or gives the pack another size.
+fn index_disagrees(index: &Index, own: &IndexPack) -> bool {
+    index.pack_size(&own.pack).is_some_and(|s| s != own.size)
+        || own
+            .chunks
+            .iter()
+            .any(|&(id, offset, stored_len, raw_len, flags)| {
+                index.get(&id).is_some_and(|(p, e)| {
+                    p == own.pack
+                        && (e.offset, e.stored_len, e.raw_len, e.flags)
+                            != (offset, stored_len, raw_len, flags)
+                })
+            })
 }
 
 /// Symlinks, then directory modes and times deepest first (a read-only

@@ -4,7 +4,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
@@ -293,25 +292,34 @@ impl Repo {
         &self.config
     }
 
-    async fn get_index_object(&self, key: &str) -> Result<Bytes> {
+    /// Reads the index object `key` (from the local copy when there is one)
+    /// and checks it against its name, the BLAKE3 of its bytes. A copy that
+    /// fails the check is read again from the store.
+    async fn get_index_object(&self, key: &str) -> Result<Vec<IndexPack>> {
         let cached = match (&self.index_cache, self.remote.local_path(key)) {
             (Some(dir), None) => Some(dir.join(key.trim_start_matches("index/"))),
             _ => None,
         };
         if let Some(path) = &cached {
             if let Ok(b) = std::fs::read(path) {
-                return Ok(b.into());
+                if let Ok(recs) = check_index_object(&b, key) {
+                    return Ok(recs);
+                }
             }
         }
         let bytes = self.remote.get(key).await?;
+        let recs = check_index_object(&bytes, key)?;
         if let Some(path) = cached {
             // Best effort: the copy is only an optimisation, the store has the original.
             let _ = crate::fsutil::write_atomic(&path, &bytes);
         }
-        Ok(bytes)
+        Ok(recs)
     }
 
-    /// Loads every index object. Returns the index and the keys it was read from.
+    /// Loads every index object. Returns the index and the keys it was read
+    /// from. An object that does not match its name or does not decode is
+    /// never used: it is listed in [`Index::refused`] (verify reports it,
+    /// gc refuses to run) and the chunks only it described are missing.
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
         let objects = self.remote.list("index/").await?;
         let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
@@ -319,17 +327,27 @@ impl Repo {
         let reads: Vec<_> = keys
             .iter()
             .map(|k| async move {
-                let bytes = self.get_index_object(k).await?;
-                index::decode(&bytes, k)
+                match self.get_index_object(k).await {
+                    Ok(recs) => Ok(Ok(recs)),
+                    Err(Error::Corrupt { detail, .. }) => Ok(Err((k.clone(), detail))),
+                    Err(e) => Err(e),
+                }
             })
             .collect();
-        let recs: Vec<Vec<IndexPack>> = futures::stream::iter(reads)
-            .buffer_unordered(8)
-            .try_collect()
-            .await?;
+        let loaded: Vec<std::result::Result<Vec<IndexPack>, (String, String)>> =
+            futures::stream::iter(reads)
+                .buffer_unordered(8)
+                .try_collect()
+                .await?;
         let mut idx = Index::default();
-        for r in recs.iter().flatten() {
-            idx.add(r);
+        for r in loaded {
+            match r {
+                Ok(recs) => recs.iter().for_each(|r| idx.add(r)),
+                Err((key, why)) => {
+                    tracing::warn!("index object {key} is not used: {why}");
+                    idx.refuse(key, why);
+                }
+            }
         }
         Ok((idx, keys))
     }
@@ -467,10 +485,22 @@ impl Repo {
         Ok(keys)
     }
 
+    /// Reads a version record; one that names another name or version than
+    /// its key does is refused (it would restore another version's tree).
     async fn read_record(&self, key: &str) -> Result<VersionRecord> {
         let bytes = self.remote.get(key).await?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| Error::corrupt(format!("ref {key}"), e.to_string()))
+        let rec: VersionRecord = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::corrupt(format!("ref {key}"), e.to_string()))?;
+        if validate_name(&rec.name).is_err() || version_key(&rec.name, rec.version) != key {
+            return Err(Error::corrupt(
+                format!("ref {key}"),
+                format!(
+                    "it says it is {}@v{}, which is stored under another key",
+                    rec.name, rec.version
+                ),
+            ));
+        }
+        Ok(rec)
     }
 
     /// Every live (not forgotten) version of `name`, oldest first.
@@ -658,6 +688,20 @@ impl Repo {
         let footer = self.remote.get_range(&key, fstart..size - tl).await?;
         pack::parse_footer(&footer, &trailer, size, id)
     }
+}
+
+/// Decodes an index object after checking it against its name
+/// (`index/<BLAKE3 of the bytes>`): a flipped bit anywhere, or an object
+/// written under another's name, is refused before any entry is used.
+fn check_index_object(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
+    let named = key.strip_prefix("index/").unwrap_or(key);
+    if blake3::hash(bytes).to_hex().as_str() != named {
+        return Err(Error::corrupt(
+            format!("index {key}"),
+            "content does not match its name (BLAKE3)",
+        ));
+    }
+    index::decode(bytes, key)
 }
 
 #[cfg(test)]

@@ -1,6 +1,13 @@
-//! `verify`: every chunk it can reach, checked against its BLAKE3 id.
+//! `verify`: every version restorable, as far as reading can tell.
+//!
+//! Always: every ref, snapshot and tree segment readable and matching its
+//! name; every index object matching its name; every chunk the versions use
+//! indexed; and every index entry equal to its pack's own footer (two ranged
+//! reads of a few KB per pack), the pack present at the size the index says.
+//! Then every chunk is re-hashed: the node cache's copies by default, the
+//! store's own packs with `remote` (which downloads them all).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -10,6 +17,7 @@ use crate::cache::{verify_pack_bytes, NodeCache};
 use crate::error::Result;
 use crate::id::{ChunkId, PackId};
 use crate::index::Index;
+use crate::pack::PackEntry;
 use crate::progress::Progress;
 use crate::repo::{pack_key, RefSpec, Repo, VersionRecord};
 
@@ -28,6 +36,10 @@ pub struct VerifyReport {
     pub problems: Vec<String>,
     /// Corrupt packs removed from the node cache (fetched again on next use).
     pub repaired_cache_packs: u64,
+    /// Pack footers read and compared with the index.
+    pub footers_checked: u64,
+    /// What repairs what was found, when one command does.
+    pub repair: Option<String>,
 }
 
 /// Verifies the versions of `name` (all names when `None`): trees readable,
@@ -43,8 +55,14 @@ pub async fn verify(
     let mut report = VerifyReport::default();
     let versions = versions_of(repo, name).await?;
     let (index, _) = repo.load_index().await?;
+    for (key, why) in index.refused() {
+        report
+            .problems
+            .push(format!("index {key}: {why}; it is not used"));
+    }
     let chunks = check_trees(repo, &index, &versions, &mut report, progress.as_ref()).await;
     report.chunks = chunks.len() as u64;
+    let index_sound = check_index_against_packs(repo, &index, &chunks, &mut report).await?;
     let packs: HashSet<PackId> = chunks
         .iter()
         .filter_map(|c| index.get(c).map(|(p, _)| p))
@@ -53,6 +71,13 @@ pub async fn verify(
         check_store_packs(repo, &index, &packs, &mut report, progress.as_ref()).await;
     } else {
         check_cache_packs(cache, packs, &mut report, progress).await?;
+    }
+    if !index_sound || !index.refused().is_empty() {
+        report.repair = Some(
+            "the packs hold what the index lacks or misstates: run `labsync rebuild-index`, \
+             then `labsync verify` again"
+                .into(),
+        );
     }
     Ok(report)
 }
@@ -113,6 +138,122 @@ async fn check_trees(
     chunks
 }
 
+/// Every pack holding a chunk in `chunks` against the index: present in the
+/// store at the size the index says, with a sound footer (two ranged reads),
+/// and every index entry of those chunks equal to the footer's. Returns
+/// false when the index disagrees with packs whose footers are sound (the
+/// index is what is wrong: `rebuild-index` repairs it).
+async fn check_index_against_packs(
+    repo: &Repo,
+    index: &Index,
+    chunks: &HashSet<ChunkId>,
+    report: &mut VerifyReport,
+) -> Result<bool> {
+    let mut by_pack: BTreeMap<PackId, Vec<PackEntry>> = BTreeMap::new();
+    for c in chunks {
+        if let Some((p, e)) = index.get(c) {
+            by_pack.entry(p).or_default().push(e);
+        }
+    }
+    let listed: HashMap<PackId, u64> = repo
+        .remote()
+        .list("packs/")
+        .await?
+        .into_iter()
+        .filter_map(|o| Some((o.key.rsplit('/').next()?.parse().ok()?, o.size)))
+        .collect();
+    let checks: Vec<_> = by_pack
+        .into_iter()
+        .map(|(pack, entries)| {
+            let real = listed.get(&pack).copied();
+            async move {
+                (
+                    pack,
+                    check_pack_footer(repo, index, pack, real, &entries).await,
+                )
+            }
+        })
+        .collect();
+    let results: Vec<(PackId, FooterCheck)> = futures::stream::iter(checks)
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut sound = true;
+    for (pack, r) in results {
+        match r {
+            FooterCheck::Agrees => report.footers_checked += 1,
+            FooterCheck::Missing => report.problems.push(format!(
+                "pack {pack}: named by the index, missing from the store"
+            )),
+            FooterCheck::Damaged(why) => report.problems.push(format!("pack {pack}: {why}")),
+            FooterCheck::IndexWrong(why) => {
+                report.footers_checked += 1;
+                sound = false;
+                report
+                    .problems
+                    .push(format!("index: pack {pack}: {why} (the pack is sound)"));
+            }
+        }
+    }
+    Ok(sound)
+}
+
+/// What one pack's footer says of the index.
+enum FooterCheck {
+    Agrees,
+    Missing,
+    Damaged(String),
+    IndexWrong(String),
+}
+
+async fn check_pack_footer(
+    repo: &Repo,
+    index: &Index,
+    pack: PackId,
+    real: Option<u64>,
+    entries: &[PackEntry],
+) -> FooterCheck {
+    let Some(real) = real else {
+        return FooterCheck::Missing;
+    };
+    let footer = match repo.read_pack_footer(&pack, real).await {
+        Ok(f) => f,
+        Err(e) if e.is_not_found() => return FooterCheck::Missing,
+        Err(e) => return FooterCheck::Damaged(e.to_string()),
+    };
+    let claimed = index.pack_size(&pack).unwrap_or(0);
+    if claimed != real {
+        return FooterCheck::IndexWrong(format!(
+            "the index says {claimed} bytes, the store holds {real}"
+        ));
+    }
+    let own: HashMap<ChunkId, PackEntry> = footer.into_iter().map(|e| (e.id, e)).collect();
+    let wrong: Vec<&PackEntry> = entries
+        .iter()
+        .filter(|e| own.get(&e.id) != Some(*e))
+        .collect();
+    match wrong.first() {
+        None => FooterCheck::Agrees,
+        Some(e) => FooterCheck::IndexWrong(format!(
+            "{} index entries differ from the pack's footer (first: chunk {}: the index \
+             says offset {} stored {} raw {} flags {:#04x}, {})",
+            wrong.len(),
+            e.id.short(),
+            e.offset,
+            e.stored_len,
+            e.raw_len,
+            e.flags,
+            match own.get(&e.id) {
+                Some(f) => format!(
+                    "the footer offset {} stored {} raw {} flags {:#04x}",
+                    f.offset, f.stored_len, f.raw_len, f.flags
+                ),
+                None => "the footer does not list it".into(),
+            }
+        )),
+    }
+}
+
 /// Re-hashes `packs` as the store holds them, two at a time.
 async fn check_store_packs(
     repo: &Repo,
@@ -123,7 +264,12 @@ async fn check_store_packs(
 ) {
     progress.phase(
         "verify store",
-        Some(packs.iter().map(|p| index.pack_size(p).unwrap_or(0)).sum()),
+        Some(
+            packs
+                .iter()
+                .map(|p| index.pack_size(p).unwrap_or(0))
+                .fold(0, u64::saturating_add),
+        ),
         Some(packs.len() as u64),
     );
     let results: Vec<(PackId, Result<u64>)> = futures::stream::iter(packs.iter().copied())

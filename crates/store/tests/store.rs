@@ -4,6 +4,9 @@
 
 mod support;
 
+#[path = "store/faults.rs"]
+mod faults;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -1231,4 +1234,98 @@ async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
         .await
         .unwrap();
     assert_same_tree(&src, &out);
+}
+
+/// Issue 18, points 1 and 2: an index object that lies about where a chunk
+/// sits, written under its correct BLAKE3 name, is found by a plain
+/// `verify` (the footers are compared with the index), which names the
+/// repair; `pull` falls back to the pack's own footer and restores the tree;
+/// `rebuild-index` repairs it. An index object that does not match its name
+/// is never used, and verify says which.
+#[tokio::test]
+async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    write_tree(&src, 4);
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let (index, keys) = env.repo.load_index().await.unwrap();
+    let mut recs = index.to_records(|_| true);
+    let rec = recs
+        .iter_mut()
+        .find(|r| r.chunks.iter().any(|c| c.4 & labsync_store::FLAG_TREE == 0))
+        .unwrap();
+    // The first chunk one byte later: still inside the pack, so only the
+    // footer can tell.
+    rec.chunks.sort_by_key(|c| c.1);
+    rec.chunks[0].1 += 1;
+    let lying = env.repo.write_index(&recs).await.unwrap().unwrap();
+    for k in &keys {
+        env.repo.remote().delete(k).await.unwrap();
+    }
+
+    let report = verify(&env.repo, &env.cache, None, false, np())
+        .await
+        .unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.contains("differ from the pack's footer")),
+        "{:?}",
+        report.problems
+    );
+    assert!(report.repair.as_deref().unwrap().contains("rebuild-index"));
+
+    let warnings = Arc::new(Warnings::default());
+    let out = env.root.join("out");
+    pull(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &out,
+        2,
+        warnings.clone(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &out);
+    let said = warnings.0.lock().unwrap().join("\n");
+    assert!(
+        said.contains("disagrees with pack") && said.contains("rebuild-index"),
+        "{said}"
+    );
+
+    env.repo.rebuild_index().await.unwrap();
+    let report = verify(&env.repo, &env.cache, None, true, np())
+        .await
+        .unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert!(report.repair.is_none());
+
+    // A flipped bit in an index object: refused by name, reported, not used.
+    let key = env.repo.remote().list("index/").await.unwrap()[0]
+        .key
+        .clone();
+    let path = env.repo.remote().local_path(&key).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let (index, _) = env.repo.load_index().await.unwrap();
+    assert_eq!(index.refused().len(), 1);
+    assert!(index.is_empty());
+    let report = verify(&env.repo, &env.cache, None, false, np())
+        .await
+        .unwrap();
+    assert!(
+        report.problems[0].contains(&key) && report.problems[0].contains("does not match its name"),
+        "{:?}",
+        report.problems
+    );
+    let err = gc(&env.repo, true, None, &NoProgress).await.unwrap_err();
+    assert!(err.to_string().contains("rebuild-index"), "{err}");
+    assert!(lying.starts_with("index/"));
 }

@@ -120,12 +120,17 @@ enum Cmd {
         /// New version, e.g. div2k@v2
         b: String,
     },
-    /// Check every reachable chunk against its BLAKE3 id
-    #[command(long_about = "Check every reachable chunk against its BLAKE3 id.\n\n\
-        Without --remote: reads every version's tree, checks that each chunk is indexed, and\n\
-        re-hashes the copies in this node's cache (corrupt ones are dropped and fetched again\n\
-        on next use). With --remote: downloads and re-hashes every pack in the store.\n\
-        Exits 1 when anything is wrong.")]
+    /// Check that every version can be restored: names, index, packs, chunks
+    #[command(long_about = "Check that every version can be restored.\n\n\
+        Always: every ref, snapshot and tree segment is read and checked against its name; every\n\
+        index object against its BLAKE3 name; every chunk a version uses must be indexed; and\n\
+        every index entry is compared with its pack's own footer (two ranged reads of a few KB\n\
+        per pack), the pack present at the size the index says. Then every chunk is re-hashed:\n\
+        this node's cached copies (corrupt ones are dropped and fetched again on next use), or\n\
+        with --remote the store's own packs, which downloads all of them.\n\n\
+        When the packs are sound and the index is not, it says so and names the repair\n\
+        (labsync rebuild-index). Exits 1 when anything is wrong. A clean --remote run means\n\
+        every version restores byte for byte.")]
     Verify {
         /// Only this name (or NAME@vN)
         name: Option<String>,

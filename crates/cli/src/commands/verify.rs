@@ -29,22 +29,27 @@ fn text(r: &VerifyReport, remote: bool) -> String {
     for p in &r.problems {
         s += &format!("PROBLEM {p}\n");
     }
+    if let Some(repair) = &r.repair {
+        s += &format!("REPAIR {repair}\n");
+    }
+    let verdict = if r.problems.is_empty() {
+        "ok"
+    } else {
+        "FAILED"
+    };
+    let rehashed = if remote {
+        "from the store"
+    } else {
+        "node cache"
+    };
     s + &format!(
-        "{}: {} versions, {} chunks referenced; {} packs and {} chunks re-hashed ({}); {} problems",
-        if r.problems.is_empty() {
-            "ok"
-        } else {
-            "FAILED"
-        },
+        "{verdict}: {} versions, {} chunks referenced; {} pack footers checked against the \
+         index; {} packs and {} chunks re-hashed ({rehashed}); {} problems",
         r.versions,
         r.chunks,
+        r.footers_checked,
         r.packs_checked,
         r.chunks_checked,
-        if remote {
-            "from the store"
-        } else {
-            "node cache"
-        },
         r.problems.len()
     )
 }
