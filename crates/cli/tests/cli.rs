@@ -390,3 +390,29 @@ fn s3_end_to_end() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("cannot open store s3://labsync/cli-test"));
 }
+
+/// Issue 19, point 4: the summary says what the destination holds beyond the
+/// version, and `--delete` removes it.
+#[test]
+fn pull_says_what_is_extra_and_delete_removes_it() {
+    let lab = Lab::new();
+    let src = lab.path("ds");
+    write_tree(&src, 8);
+    lab.ok(&["push", s(&src), "--name", "ds"]);
+    let dest = lab.path("work");
+    std::fs::create_dir_all(dest.join("old")).unwrap();
+    std::fs::write(dest.join("old/ckpt.pt"), b"x").unwrap();
+    std::fs::write(dest.join("notes.txt"), b"y").unwrap();
+    let out = lab.ok(&["pull", "ds", s(&dest)]);
+    assert!(
+        out.contains("3 entries in") && out.contains("not in the version (--delete removes them)"),
+        "{out}"
+    );
+    assert!(dest.join("notes.txt").exists());
+    let out = lab.ok(&["pull", "ds", s(&dest), "--delete"]);
+    assert!(
+        out.contains("3 entries not in the version removed"),
+        "{out}"
+    );
+    assert_same_tree(&src, &dest);
+}

@@ -46,7 +46,11 @@ pub(crate) fn device_of(path: &Path) -> Option<u64> {
     std::fs::metadata(existing).ok().map(|m| m.dev())
 }
 
-/// `dir/.name.<pid>.<n>.tmp`: hidden, unique per process and call.
+/// `dir/.labsync-tmp.<pid>.<n>`: hidden, unique per process and call, and
+/// short whatever the final name. It used to embed the final name, so a
+/// file named with 255 bytes (the Linux limit, which push accepts) got a
+/// temporary name too long to create, and its whole version could never be
+/// pulled.
 pub(crate) fn tmp_name(path: &Path) -> PathBuf {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
@@ -54,11 +58,7 @@ pub(crate) fn tmp_name(path: &Path) -> PathBuf {
     static PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     let pid = *PID.get_or_init(std::process::id);
     let n = N.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.{pid}.{n}.labsync-tmp"))
+    path.with_file_name(format!(".labsync-tmp.{pid}.{n}"))
 }
 
 /// Runs blocking work (file I/O, hashing a tree) off the async runtime.

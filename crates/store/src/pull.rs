@@ -42,8 +42,24 @@ pub struct PullOutcome {
     pub packs_fetched: u64,
     /// Bytes fetched into the node cache.
     pub bytes_fetched: u64,
+    /// Entries (files, links, folders) the destination held that the version
+    /// does not: left in place, or removed with [`PullOptions::delete`].
+    pub extra: u64,
+    /// Of those, how many were removed.
+    pub deleted: u64,
     /// Wall time in seconds.
     pub seconds: f64,
+}
+
+/// How to pull.
+#[derive(Clone, Copy, Debug)]
+pub struct PullOptions {
+    /// Writer threads.
+    pub threads: usize,
+    /// Make the destination equal the version: remove what it holds that
+    /// the version does not (as `rsync --delete` and `restic restore
+    /// --delete` do).
+    pub delete: bool,
 }
 
 fn time_of(ns: i64) -> std::time::SystemTime {
@@ -68,7 +84,8 @@ fn complete(path: &Path, e: &Entry) -> bool {
     })
 }
 
-/// Pulls `spec` into `dest`: plan, fetch packs, write verified files, finish.
+/// Pulls `spec` into `dest` with `threads` writers; what the destination
+/// holds beyond the version stays (and is counted).
 pub async fn pull(
     repo: &Repo,
     cache: &NodeCache,
@@ -77,7 +94,24 @@ pub async fn pull(
     threads: usize,
     progress: Arc<dyn Progress>,
 ) -> Result<PullOutcome> {
-    let started = Instant::now();
+    let opts = PullOptions {
+        threads,
+        delete: false,
+    };
+    pull_with(repo, cache, spec, dest, opts, progress).await
+}
+
+/// Pulls `spec` into `dest`: plan, fetch packs, write verified files, sweep
+/// what the version does not hold, finish.
+pub async fn pull_with(
+    repo: &Repo,
+    cache: &NodeCache,
+    spec: &RefSpec,
+    dest: &Path,
+    opts: PullOptions,
+    progress: Arc<dyn Progress>,
+) -> Result<PullOutcome> {
+    let (threads, started) = (opts.threads, Instant::now());
     let record = repo.resolve(spec).await?;
     let repo = repo
         .clone()
@@ -99,6 +133,12 @@ pub async fn pull(
         &repo, cache, &entries, index, &plan, &dest, threads, &progress,
     );
     let written = written.await?;
+    // Into an empty folder nothing extra can be there: no walk.
+    let (extra, deleted) = if empty {
+        (0, 0)
+    } else {
+        sweep_extras(&dest, &entries, opts.delete)?
+    };
     finish(&dest, &entries)?;
 
     cache.touch(id, &label, store, plan.packs)?;
@@ -114,6 +154,8 @@ pub async fn pull(
         bytes_written: written,
         packs_fetched,
         bytes_fetched,
+        extra,
+        deleted,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
@@ -374,6 +416,62 @@ fn index_disagrees(index: &Index, own: &IndexPack) -> bool {
                             != (offset, stored_len, raw_len, flags)
                 })
             })
+}
+
+/// Walks `dest` for entries the version does not hold (symlinks are never
+/// followed); returns how many there are and how many were removed. With
+/// `delete` each goes: a file or link unlinked, a folder with all it holds.
+/// Runs before directory modes are set, so a read-only folder of the
+/// version cannot block it.
+fn sweep_extras(dest: &Path, entries: &[Entry], delete: bool) -> Result<(u64, u64)> {
+    let known: HashSet<&[u8]> = entries.iter().map(|e| e.path.as_slice()).collect();
+    let (mut extra, mut deleted) = (0u64, 0u64);
+    let mut to_list: Vec<Vec<u8>> = vec![Vec::new()];
+    while let Some(rel) = to_list.pop() {
+        let dir = dest.join(std::ffi::OsStr::from_bytes(&rel));
+        for ent in std::fs::read_dir(&dir).map_err(Error::io("list", &dir))? {
+            let ent = ent.map_err(Error::io("list", &dir))?;
+            let mut path = rel.clone();
+            if !path.is_empty() {
+                path.push(b'/');
+            }
+            path.extend_from_slice(ent.file_name().as_bytes());
+            let is_dir = ent.file_type().is_ok_and(|t| t.is_dir());
+            if known.contains(path.as_slice()) {
+                if is_dir {
+                    to_list.push(path);
+                }
+                continue;
+            }
+            let p = ent.path();
+            let n = if is_dir { count_under(&p) + 1 } else { 1 };
+            extra += n;
+            if delete {
+                if is_dir {
+                    std::fs::remove_dir_all(&p).map_err(Error::io("remove", &p))?;
+                } else {
+                    std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
+                }
+                deleted += n;
+            }
+        }
+    }
+    Ok((extra, deleted))
+}
+
+/// Entries under folder `dir`, at any depth (symlinks not followed).
+fn count_under(dir: &Path) -> u64 {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            n += 1;
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+    }
+    n
 }
 
 /// Symlinks, then directory modes and times deepest first (a read-only

@@ -16,7 +16,7 @@ use labsync_store::{
     PackBuilder, PullOutcome, PushOptions, Remote, Repo, SnapshotObject, VersionRecord, FLAG_LZ4,
     FLAG_ZSTD,
 };
-use support::{assert_same_tree, write_tree, S3Server};
+use support::{assert_same_tree, random_bytes, write_tree, S3Server};
 
 fn opts(name: &str, cache: &NodeCache) -> PushOptions {
     PushOptions {
@@ -1328,4 +1328,111 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
     let err = gc(&env.repo, true, None, &NoProgress).await.unwrap_err();
     assert!(err.to_string().contains("rebuild-index"), "{err}");
     assert!(lying.starts_with("index/"));
+}
+
+/// Issue 19, point 1: a file whose name is 255 bytes (the Linux limit) is
+/// pushed, and its version pulls back: the temporary name a file is written
+/// under no longer grows with the final name ("File name too long").
+#[tokio::test]
+async fn a_name_of_255_bytes_pulls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    // Three-byte characters up to 255 bytes, as Korean captions make them.
+    let long = format!("{}xyz", "가".repeat(84));
+    assert_eq!(long.len(), 255);
+    std::fs::write(src.join(&long), b"a caption").unwrap();
+    std::fs::write(src.join("sub").join(&long), random_bytes(300_000, 9)).unwrap();
+    push(&env.repo, &src, &opts("long", &env.cache), np())
+        .await
+        .unwrap();
+    env.pull_matches("long", &src, "out").await;
+}
+
+/// Issue 19, point 4: what the destination holds beyond the version is
+/// counted (and left) by a plain pull, and removed by `delete`, leaving the
+/// folder equal to the version. A symlink in the way is removed, never
+/// followed.
+#[tokio::test]
+async fn pull_counts_extras_and_delete_removes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    write_tree(&src, 6);
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let out = env.root.join("out");
+    let outside = env.root.join("outside");
+    std::fs::create_dir_all(out.join("a/old/deeper")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("keep"), b"not ours").unwrap();
+    std::fs::write(out.join("stale.txt"), b"x").unwrap();
+    std::fs::write(out.join("a/old/deeper/f"), b"y").unwrap();
+    std::os::unix::fs::symlink(&outside, out.join("a/escape")).unwrap();
+
+    let first = env.pull_into("ds", &out).await.unwrap();
+    // stale.txt, a/escape, and a/old with deeper/ and f.
+    assert_eq!((first.extra, first.deleted), (5, 0));
+    assert!(out.join("stale.txt").exists());
+
+    let deleted = labsync_store::pull_with(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &out,
+        labsync_store::PullOptions {
+            threads: 2,
+            delete: true,
+        },
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_eq!((deleted.extra, deleted.deleted), (5, 5));
+    assert_same_tree(&src, &out);
+    assert_eq!(std::fs::read(outside.join("keep")).unwrap(), b"not ours");
+
+    // Into an empty folder there is nothing to count.
+    let fresh = env.pull_into("ds", &env.root.join("fresh")).await.unwrap();
+    assert_eq!((fresh.extra, fresh.deleted), (0, 0));
+}
+
+/// Issue 19, point 5: FIFOs (like sockets and devices) are not kept, and a
+/// push says so once, with a count and the first few paths, not once each.
+#[tokio::test]
+async fn special_files_are_skipped_with_one_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(src.join("pipes")).unwrap();
+    std::fs::write(src.join("data.txt"), b"kept").unwrap();
+    for i in 0..5 {
+        let p = src.join(format!("pipes/fifo{i}"));
+        let ok = std::process::Command::new("mkfifo")
+            .arg(&p)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mkfifo {}", p.display());
+    }
+    let warnings = Arc::new(Warnings::default());
+    let out = push(
+        &env.repo,
+        &src,
+        &opts("pipes", &env.cache),
+        warnings.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.record.files, 1);
+    let said = warnings.0.lock().unwrap().clone();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains("skipped 5 entries")
+            && said[0].contains("pipes/fifo0")
+            && said[0].ends_with(", ..."),
+        "{said:?}"
+    );
 }

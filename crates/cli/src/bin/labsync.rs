@@ -105,6 +105,10 @@ enum Cmd {
         /// it busy]
         #[arg(long)]
         threads: Option<usize>,
+        /// Make DEST equal the version: remove files, links and folders it
+        /// holds that the version does not (without it they stay, counted)
+        #[arg(long)]
+        delete: bool,
     },
     /// List stored names: latest version, logical size, stored size, when
     Ls,
@@ -221,7 +225,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             spec,
             dest,
             threads,
-        } => commands::pull::pull(&ctx, &spec, dest, threads).await,
+            delete,
+        } => commands::pull::pull(&ctx, &spec, dest, threads, delete).await,
         Cmd::Ls => commands::ls::ls(&ctx).await,
         Cmd::Log { name } => commands::log::log(&ctx, &name).await,
         Cmd::Diff { a, b } => commands::diff::diff(&ctx, &a, &b).await,

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Result;
-use labsync_store::{self as store, PullOutcome, RefSpec};
+use labsync_store::{self as store, PullOptions, PullOutcome, RefSpec};
 use serde_json::json;
 
 use super::StoreContext;
@@ -18,15 +18,19 @@ pub async fn pull(
     spec: &str,
     dest: Option<PathBuf>,
     threads: Option<usize>,
+    delete: bool,
 ) -> Result<ExitCode> {
     let spec: RefSpec = spec.parse()?;
     let dest =
         dest.unwrap_or_else(|| PathBuf::from(spec.name.rsplit('/').next().unwrap_or(&spec.name)));
     let repo = ctx.repo().await?;
     let cache = ctx.cache()?;
-    let writers = super::threads(threads).max(if threads.is_some() { 1 } else { 4 });
+    let opts = PullOptions {
+        threads: super::threads(threads).max(if threads.is_some() { 1 } else { 4 }),
+        delete,
+    };
     let progress = ctx.printer.progress();
-    let r = store::pull(&repo, &cache, &spec, &dest, writers, progress).await?;
+    let r = store::pull_with(&repo, &cache, &spec, &dest, opts, progress).await?;
     ctx.printer.out(
         || text(&r, &dest),
         json!({"command": "pull", "dest": dest, "result": r}),
@@ -35,8 +39,18 @@ pub async fn pull(
 }
 
 fn text(r: &PullOutcome, dest: &Path) -> String {
+    let entries = |n: u64| format!("{n} {}", if n == 1 { "entry" } else { "entries" });
+    let extra = match (r.extra, r.deleted) {
+        (0, _) => String::new(),
+        (n, 0) => format!(
+            "; {} in {} not in the version (--delete removes them)",
+            entries(n),
+            dest.display()
+        ),
+        (_, d) => format!("; {} not in the version removed", entries(d)),
+    };
     format!(
-        "{} -> {}: {} files written ({}), {} already there, {} fetched, {:.1} s",
+        "{} -> {}: {} files written ({}), {} already there, {} fetched, {:.1} s{extra}",
         r.record.label(),
         dest.display(),
         r.files_written,

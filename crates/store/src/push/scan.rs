@@ -68,9 +68,11 @@ fn scan(
             Error::invalid(format!("source {}", root.display()), "has no file name")
         })?;
         let parent = root.parent().unwrap_or(Path::new("."));
-        if let Some(s) = scanned(parent, name.as_bytes().to_vec(), &meta, progress)? {
+        let skipped = Skipped::default();
+        if let Some(s) = scanned(parent, name.as_bytes().to_vec(), &meta, &skipped)? {
             out.push(s);
         }
+        skipped.warn(progress);
         return Ok(out);
     }
     struct Shared {
@@ -78,6 +80,7 @@ fn scan(
         listing: usize,
         failed: Option<Error>,
     }
+    let skipped = Skipped::default();
     let shared = Mutex::new(Shared {
         to_list: vec![Vec::new()],
         listing: 0,
@@ -107,7 +110,7 @@ fn scan(
                                 st = changed.wait(st).expect("scan poisoned");
                             }
                         };
-                        let listed = list_dir(root, &rel, progress, &mut found);
+                        let listed = list_dir(root, &rel, &skipped, &mut found);
                         let mut st = shared.lock().expect("scan poisoned");
                         st.listing -= 1;
                         match listed {
@@ -128,15 +131,53 @@ fn scan(
     if let Some(e) = shared.into_inner().expect("scan poisoned").failed {
         return Err(e);
     }
+    skipped.warn(progress);
     out.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
+}
+
+/// FIFOs, sockets and devices found by the scan: a store keeps none of
+/// them, which is said once per push (a count and the first few paths), not
+/// once per entry.
+#[derive(Default)]
+struct Skipped(Mutex<(u64, Vec<Vec<u8>>)>);
+
+impl Skipped {
+    const SHOWN: usize = 3;
+
+    fn add(&self, path: Vec<u8>) {
+        let mut s = self.0.lock().expect("scan poisoned");
+        s.0 += 1;
+        // The first in path order, whichever lister found them.
+        s.1.push(path);
+        s.1.sort();
+        s.1.truncate(Self::SHOWN);
+    }
+
+    fn warn(&self, progress: &dyn Progress) {
+        let (n, first) = std::mem::take(&mut *self.0.lock().expect("scan poisoned"));
+        if n == 0 {
+            return;
+        }
+        let names: Vec<_> = first.iter().map(|p| String::from_utf8_lossy(p)).collect();
+        progress.warn(&format!(
+            "skipped {n} entries that are not files, folders or symlinks (FIFOs, sockets, \
+             devices: a store keeps none of them): {}{}",
+            names.join(", "),
+            if n as usize > names.len() {
+                ", ..."
+            } else {
+                ""
+            }
+        ));
+    }
 }
 
 /// Lists one folder (`rel` under `root`) into `found`; returns its subfolders.
 fn list_dir(
     root: &Path,
     rel: &[u8],
-    progress: &dyn Progress,
+    skipped: &Skipped,
     found: &mut Vec<Scanned>,
 ) -> Result<Vec<Vec<u8>>> {
     let dir = if rel.is_empty() {
@@ -159,7 +200,7 @@ fn list_dir(
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(Error::io("stat", ent.path())(e)),
         };
-        if let Some(s) = scanned(&dir, path, &m, progress)? {
+        if let Some(s) = scanned(&dir, path, &m, skipped)? {
             if s.kind == Kind::Dir {
                 dirs.push(s.path.clone());
             }
@@ -173,7 +214,7 @@ fn scanned(
     dir: &Path,
     path: Vec<u8>,
     m: &std::fs::Metadata,
-    progress: &dyn Progress,
+    skipped: &Skipped,
 ) -> Result<Option<Scanned>> {
     let ft = m.file_type();
     let (kind, target) = if ft.is_file() {
@@ -186,10 +227,7 @@ fn scanned(
         let t = std::fs::read_link(&full).map_err(Error::io("read link", &full))?;
         (Kind::Symlink, t.as_os_str().as_bytes().to_vec())
     } else {
-        progress.warn(&format!(
-            "skipping {}: not a file, directory or symlink",
-            String::from_utf8_lossy(&path)
-        ));
+        skipped.add(path);
         return Ok(None);
     };
     Ok(Some(Scanned {
