@@ -21,6 +21,22 @@ use crate::users;
 /// How long an ended job stays in the default listing (`labrun ps`).
 const RECENT: Duration = Duration::from_secs(86_400);
 
+/// How often a follower of a fresh job looks at its log besides being woken
+/// by the ticker.
+const FRESH_POLL: Duration = Duration::from_millis(20);
+
+/// A job submitted or started in the last seconds: its first lines are what
+/// its user is waiting for. The ticker wakes log followers once a tick (100
+/// ms), which alone doubled `labrun`'s time to a job's first line (0.16 s
+/// to 0.29-0.34 s with 5,000 code files); a job running for a while is
+/// followed on the ticker's wakes only, which keeps a thousand followers
+/// cheap.
+fn fresh(rec: &JobRecord) -> bool {
+    let now = crate::leases::unix_now();
+    now.saturating_sub(rec.submitted_at) < 5
+        || rec.started_at.is_some_and(|s| now.saturating_sub(s) < 5)
+}
+
 /// Who is calling, from the token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
@@ -416,7 +432,8 @@ impl Daemon {
             }
             changed.mark_unchanged();
             let left = deadline.saturating_duration_since(Instant::now());
-            let _ = tokio::time::timeout(left, changed.changed()).await;
+            let nap = if fresh(&rec) { left.min(FRESH_POLL) } else { left };
+            let _ = tokio::time::timeout(nap, changed.changed()).await;
         }
     }
 }
