@@ -432,7 +432,11 @@ impl Daemon {
             }
             changed.mark_unchanged();
             let left = deadline.saturating_duration_since(Instant::now());
-            let nap = if fresh(&rec) { left.min(FRESH_POLL) } else { left };
+            let nap = if fresh(&rec) {
+                left.min(FRESH_POLL)
+            } else {
+                left
+            };
             let _ = tokio::time::timeout(nap, changed.changed()).await;
         }
     }
