@@ -8,7 +8,6 @@
 //! it), so a re-run after an interruption skips it.
 
 use std::collections::{BTreeSet, HashSet};
-use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -573,6 +572,46 @@ fn spread_over_folders(entries: &[Entry], files: &[usize]) -> Vec<usize> {
     order
 }
 
+/// Block size of holes: a block of zeros aligned to it in the file is not
+/// written, so a sparse file (a preallocated checkpoint, a disk image) stays
+/// sparse. Smaller runs of zeros are written.
+const HOLE_BLOCK: usize = 4096;
+
+/// Writes `data` at `offset` of `f`, leaving out the aligned blocks that are
+/// all zeros (the file was created empty, so they read back as zeros). A
+/// block's first and last words are looked at before the rest: random or
+/// text data fails there at once, so only blocks of zeros cost a scan.
+fn write_data(f: &std::fs::File, data: &[u8], offset: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let zero = |b: &[u8]| {
+        let (head, tail) = (b.first().copied(), b.last().copied());
+        head == Some(0)
+            && tail == Some(0)
+            && b.chunks_exact(8)
+                .all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == 0)
+    };
+    // Blocks aligned to the file, so a hole covers whole file-system blocks.
+    let mut at = 0usize;
+    let mut pending: Option<usize> = None; // start of bytes still to write
+    while at < data.len() {
+        let block_end = ((offset as usize + at) / HOLE_BLOCK + 1) * HOLE_BLOCK - offset as usize;
+        let end = block_end.min(data.len());
+        let whole = end - at == HOLE_BLOCK;
+        if whole && zero(&data[at..end]) {
+            if let Some(start) = pending.take() {
+                f.write_all_at(&data[start..at], offset + start as u64)?;
+            }
+        } else if pending.is_none() {
+            pending = Some(at);
+        }
+        at = end;
+    }
+    if let Some(start) = pending {
+        f.write_all_at(&data[start..], offset + start as u64)?;
+    }
+    Ok(())
+}
+
 fn write_one(
     e: &Entry,
     path: &Path,
@@ -582,8 +621,9 @@ fn write_one(
 ) -> Result<()> {
     let tmp = tmp_name(path);
     let result = (|| {
-        // Chunks are whole files or up to 4 MiB: written directly, no buffer copy.
-        let mut w = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        // Chunks are whole files or up to 4 MiB: written directly, no buffer
+        // copy, at their offset (blocks of zeros are left as holes).
+        let w = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
         let mut n = 0u64;
         for c in &e.chunks {
             let (pack, entry) = index
@@ -592,7 +632,7 @@ fn write_one(
             let stored = reader.read(&pack, entry.offset, entry.stored_len, buf)?;
             // Verified before a single byte reaches the file.
             let plain = entry.decode(stored, &pack)?;
-            w.write_all(&plain).map_err(Error::io("write", &tmp))?;
+            write_data(&w, &plain, n).map_err(Error::io("write", &tmp))?;
             n += plain.len() as u64;
         }
         if n != e.size {
@@ -601,6 +641,8 @@ fn write_one(
                 format!("chunks give {n} bytes, the snapshot says {}", e.size),
             ));
         }
+        // A file ending in a hole: the size its last write did not reach.
+        w.set_len(n).map_err(Error::io("write", &tmp))?;
         let f = w;
         f.set_permissions(std::fs::Permissions::from_mode(e.mode))
             .map_err(Error::io("set mode of", &tmp))?;

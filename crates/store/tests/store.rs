@@ -1436,3 +1436,35 @@ async fn special_files_are_skipped_with_one_warning() {
         "{said:?}"
     );
 }
+
+/// Issue 19, point 3: a sparse file (50 MB holding 8 KB of data, with a
+/// hole at its end) comes back sparse: blocks of zeros are not written.
+#[tokio::test]
+async fn sparse_files_stay_sparse() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let f = std::fs::File::create(src.join("ckpt.pt")).unwrap();
+    f.set_len(50 << 20).unwrap();
+    f.write_all_at(&random_bytes(4096, 1), 10 << 20).unwrap();
+    f.write_all_at(&random_bytes(4096, 2), 30 << 20).unwrap();
+    drop(f);
+    let allocated = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+    assert!(
+        allocated(&src.join("ckpt.pt")) < 1 << 20,
+        "the source is not sparse here"
+    );
+    push(&env.repo, &src, &opts("sparse", &env.cache), np())
+        .await
+        .unwrap();
+    env.pull_matches("sparse", &src, "out").await;
+    let out = env.root.join("out/ckpt.pt");
+    assert_eq!(std::fs::metadata(&out).unwrap().len(), 50 << 20);
+    assert!(
+        allocated(&out) < 1 << 20,
+        "{} bytes allocated",
+        allocated(&out)
+    );
+}
