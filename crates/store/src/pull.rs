@@ -132,6 +132,7 @@ pub async fn pull_with(
         &repo, cache, &entries, index, &plan, &dest, threads, &progress,
     );
     let written = written.await?;
+    make_links(&dest, &entries)?;
     // Into an empty folder nothing extra can be there: no walk.
     let (extra, deleted) = if empty {
         (0, 0)
@@ -415,6 +416,42 @@ fn index_disagrees(index: &Index, own: &IndexPack) -> bool {
                             != (offset, stored_len, raw_len, flags)
                 })
             })
+}
+
+/// Gives each hard link's file its other names: `link(2)` to a temporary
+/// name, renamed into place. The snapshot was validated: every target is a
+/// file of this version, written above. A name that already is that file
+/// is left alone.
+fn make_links(dest: &Path, entries: &[Entry]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    for e in entries.iter().filter(|e| e.kind == Kind::HardLink) {
+        let src = dest.join(std::ffi::OsStr::from_bytes(&e.target));
+        let dst = dest_path(dest, e);
+        let of_src = std::fs::symlink_metadata(&src).map_err(Error::io("read", &src))?;
+        if !of_src.is_file() {
+            return Err(Error::invalid(
+                format!("destination {}", src.display()),
+                "is not the file a hard link of the snapshot names",
+            ));
+        }
+        match std::fs::symlink_metadata(&dst) {
+            Ok(m) if m.dev() == of_src.dev() && m.ino() == of_src.ino() => continue,
+            Ok(m) if m.is_dir() => {
+                return Err(Error::invalid(
+                    format!("destination {}", dst.display()),
+                    "is a directory where the snapshot has a hard link",
+                ))
+            }
+            _ => {}
+        }
+        let tmp = tmp_name(&dst);
+        std::fs::hard_link(&src, &tmp).map_err(Error::io("link", &dst))?;
+        if let Err(err) = std::fs::rename(&tmp, &dst) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::io("rename into place", &dst)(err));
+        }
+    }
+    Ok(())
 }
 
 /// Walks `dest` for entries the version does not hold (symlinks are never

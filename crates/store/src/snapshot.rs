@@ -17,7 +17,10 @@ use crate::id::{ChunkId, SnapshotId};
 
 const MAGIC: &[u8; 4] = b"LSSN";
 const VERSION: u8 = 1;
-const SEGMENT_VERSION: u8 = 1;
+/// 2: a segment holding a hard link (older labsync refuses it by this
+/// number instead of misreading it); a segment without one is still
+/// written as 1, so its id, and dedup against older pushes, do not change.
+const SEGMENT_VERSION: u8 = 2;
 /// On average one boundary per 16 entries; at most 512 entries per segment.
 const BOUNDARY_MASK: u8 = 0x0f;
 const MAX_SEGMENT_ENTRIES: usize = 512;
@@ -31,6 +34,10 @@ pub enum Kind {
     Dir,
     /// A symbolic link.
     Symlink,
+    /// Another name of a regular file earlier in the tree (`target`), as
+    /// `ln` makes: the data is stored and written once. Its `size` is 0 (the
+    /// file's bytes count once) and it has no chunks.
+    HardLink,
 }
 
 /// One path in a snapshot.
@@ -49,7 +56,8 @@ pub struct Entry {
     pub size: u64,
     /// File chunks in order.
     pub chunks: Vec<ChunkId>,
-    /// Link target (symlinks only).
+    /// Link target: what a symlink points to, or the path of the file a
+    /// hard link names.
     pub target: Vec<u8>,
 }
 
@@ -117,14 +125,19 @@ impl SnapshotObject {
 
 /// Encodes one segment (plain bytes; the chunk id is their BLAKE3).
 pub fn encode_segment(entries: &[Entry]) -> Vec<u8> {
-    postcard::to_extend(entries, vec![SEGMENT_VERSION]).expect("Vec writer cannot fail")
+    let version = if entries.iter().any(|e| e.kind == Kind::HardLink) {
+        SEGMENT_VERSION
+    } else {
+        1
+    };
+    postcard::to_extend(entries, vec![version]).expect("Vec writer cannot fail")
 }
 
 /// Decodes one segment.
 pub fn decode_segment(bytes: &[u8], id: &ChunkId) -> Result<Vec<Entry>> {
     let what = || format!("tree segment {id}");
     match bytes.first() {
-        Some(&SEGMENT_VERSION) => {
+        Some(1..=SEGMENT_VERSION) => {
             postcard::from_bytes(&bytes[1..]).map_err(|e| Error::corrupt(what(), e.to_string()))
         }
         Some(v) => Err(Error::corrupt(
@@ -157,7 +170,7 @@ pub fn split_segments(entries: &[Entry]) -> Vec<&[Entry]> {
 pub fn allowed_mode(kind: Kind, mode: u32) -> u32 {
     match kind {
         Kind::Dir => mode & 0o1777,
-        Kind::File | Kind::Symlink => mode & 0o777,
+        Kind::File | Kind::Symlink | Kind::HardLink => mode & 0o777,
     }
 }
 
@@ -211,8 +224,18 @@ fn check_paths(entries: &[Entry], snapshot: &str) -> Result<()> {
         why,
     };
     let mut dirs: HashSet<&[u8]> = HashSet::new();
+    let mut files: HashSet<&[u8]> = HashSet::new();
     let mut prev: Option<&[u8]> = None;
     for e in entries {
+        // A hard link names a file of this snapshot written before it, so
+        // pull never links a path outside its destination (labd pulls as
+        // root: a link to /etc/shadow in a job's data would be a way in).
+        if e.kind == Kind::HardLink && !files.contains(e.target.as_slice()) {
+            return Err(refuse(
+                e,
+                "hard link to a path that is not a file earlier in the snapshot",
+            ));
+        }
         if let Some(why) = path_problem(&e.path) {
             return Err(refuse(e, why));
         }
@@ -228,8 +251,14 @@ fn check_paths(entries: &[Entry], snapshot: &str) -> Result<()> {
                 ));
             }
         }
-        if e.kind == Kind::Dir {
-            dirs.insert(&e.path);
+        match e.kind {
+            Kind::Dir => {
+                dirs.insert(&e.path);
+            }
+            Kind::File => {
+                files.insert(&e.path);
+            }
+            Kind::Symlink | Kind::HardLink => {}
         }
     }
     Ok(())
@@ -447,5 +476,38 @@ mod tests {
             let total: usize = split_segments(&entries).iter().map(|s| s.len()).sum();
             prop_assert_eq!(total, entries.len());
         }
+    }
+
+    /// Issue 19: a hard link names a file of the same snapshot that comes
+    /// before it, or the snapshot is refused: pull (as root, in labd) never
+    /// links a path outside its destination or a folder.
+    #[test]
+    fn hard_links_name_an_earlier_file_of_the_snapshot() {
+        let link = |path: &str, target: &str| Entry {
+            path: path.as_bytes().to_vec(),
+            kind: Kind::HardLink,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            chunks: Vec::new(),
+            target: target.as_bytes().to_vec(),
+        };
+        let mut ok = vec![file("a", b"1"), link("b", "a")];
+        validate_entries(&mut ok, "s").unwrap();
+        for (mut bad, why) in [
+            (vec![file("a", b"1"), link("b", "../etc/shadow")], "outside"),
+            (vec![file("a", b"1"), link("b", "/etc/shadow")], "absolute"),
+            (vec![link("a", "b"), file("b", b"1")], "a later file"),
+            (vec![dir("d"), link("e", "d")], "a folder"),
+            (vec![file("a", b"1"), link("b", "b")], "itself"),
+        ] {
+            let err = validate_entries(&mut bad, "s").unwrap_err().to_string();
+            assert!(err.contains("hard link"), "{why}: {err}");
+        }
+        // A segment with a link says so by its version; others keep 1.
+        assert_eq!(encode_segment(&ok)[0], 2);
+        assert_eq!(encode_segment(&ok[..1])[0], 1);
+        let id = ChunkId::of(b"x");
+        assert_eq!(decode_segment(&encode_segment(&ok), &id).unwrap(), ok);
     }
 }

@@ -1468,3 +1468,40 @@ async fn sparse_files_stay_sparse() {
         allocated(&out)
     );
 }
+
+/// Issue 19, point 2: hard links are kept within a tree: the data is read,
+/// stored and written once, and the pulled names share one inode.
+#[tokio::test]
+async fn hard_links_are_kept() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("df2k");
+    std::fs::create_dir_all(src.join("DIV2K")).unwrap();
+    std::fs::create_dir_all(src.join("all")).unwrap();
+    std::fs::write(src.join("DIV2K/0001.png"), random_bytes(2_000_000, 21)).unwrap();
+    std::fs::hard_link(src.join("DIV2K/0001.png"), src.join("all/0001.png")).unwrap();
+    std::fs::hard_link(src.join("DIV2K/0001.png"), src.join("zz.png")).unwrap();
+    std::fs::write(src.join("DIV2K/0002.png"), random_bytes(10_000, 22)).unwrap();
+    let pushed = push(&env.repo, &src, &opts("df2k", &env.cache), np())
+        .await
+        .unwrap();
+    assert_eq!(pushed.files_read, 2, "each inode is read once");
+    assert_eq!(pushed.record.files, 4);
+    assert!(pushed.record.bytes < 2_100_000, "{}", pushed.record.bytes);
+
+    let out = env.root.join("out");
+    let first = env.pull_into("df2k", &out).await.unwrap();
+    assert_eq!(first.files_written, 2);
+    assert_same_tree(&src, &out);
+    let ino = |p: &str| std::fs::metadata(out.join(p)).unwrap().ino();
+    assert_eq!(ino("all/0001.png"), ino("DIV2K/0001.png"));
+    assert_eq!(ino("zz.png"), ino("DIV2K/0001.png"));
+    assert_ne!(ino("DIV2K/0002.png"), ino("DIV2K/0001.png"));
+    assert_eq!(std::fs::metadata(out.join("zz.png")).unwrap().nlink(), 3);
+
+    // Again over itself: nothing to write, the links stay.
+    let again = env.pull_into("df2k", &out).await.unwrap();
+    assert_eq!((again.files_written, again.extra), (0, 0));
+    assert_eq!(ino("zz.png"), ino("DIV2K/0001.png"));
+}

@@ -31,7 +31,10 @@ pub(super) async fn scan_source(
         .map_or(0, |d| d.as_nanos() as i64);
     progress.phase("scan", None, None);
     let (root, progress) = (root.to_path_buf(), progress.clone());
-    let entries = blocking(move || scan(&root, threads.max(1), read_as, progress.as_ref())).await?;
+    let mut entries =
+        blocking(move || scan(&root, threads.max(1), read_as, progress.as_ref())).await?;
+    link_groups(&mut entries);
+
     tracing::debug!(entries = entries.len(), "push: scanned");
     Ok(Scan {
         entries,
@@ -47,6 +50,9 @@ pub(super) struct Scanned {
     pub mtime_ns: i64,
     pub ctime_ns: i64,
     pub ino: u64,
+    /// Device and link count: names of one inode become hard links.
+    pub dev: u64,
+    pub nlink: u64,
     pub size: u64,
     pub target: Vec<u8>,
 }
@@ -134,6 +140,31 @@ fn scan(
     skipped.warn(progress);
     out.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
+}
+
+/// Makes every name of a file with several names, after the first in path
+/// order, a hard link to that first one: its data is read, stored and
+/// written once (DF2K is DIV2K and Flickr2K hard-linked).
+fn link_groups(entries: &mut [Scanned]) {
+    let mut first: std::collections::HashMap<(u64, u64), usize> = Default::default();
+    for i in 0..entries.len() {
+        let s = &entries[i];
+        if s.kind != Kind::File || s.nlink < 2 {
+            continue;
+        }
+        match first.get(&(s.dev, s.ino)) {
+            Some(&f) => {
+                let target = entries[f].path.clone();
+                let s = &mut entries[i];
+                s.kind = Kind::HardLink;
+                s.target = target;
+                s.size = 0;
+            }
+            None => {
+                first.insert((s.dev, s.ino), i);
+            }
+        }
+    }
 }
 
 /// FIFOs, sockets and devices found by the scan: a store keeps none of
@@ -236,6 +267,8 @@ fn scanned(
         mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
         ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
         ino: m.ino(),
+        dev: m.dev(),
+        nlink: m.nlink(),
         size: if kind == Kind::File { m.size() } else { 0 },
         path,
         target,

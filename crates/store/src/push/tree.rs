@@ -59,8 +59,15 @@ pub(super) fn assemble(
     }
     let mut entries = Vec::with_capacity(scanned.len());
     let mut cached = Vec::new();
+    // A hard link to a file that is not in the version goes too (the
+    // next push takes both); pull refuses a link to nothing.
+    let mut dropped: HashSet<&[u8]> = HashSet::new();
     for (i, s) in scanned.iter().enumerate() {
         if vanished.contains(&i) || left_out.contains(&i) {
+            dropped.insert(&s.path);
+            continue;
+        }
+        if s.kind == Kind::HardLink && dropped.contains(s.target.as_slice()) {
             continue;
         }
         let chunks = chunks_of[i].take().unwrap_or_default();
@@ -149,7 +156,8 @@ pub(super) async fn write_tree(
 pub(super) fn snapshot_of(entries: &[Entry], segments: Vec<SegmentRef>) -> SnapshotObject {
     let count = |k: Kind| entries.iter().filter(|e| e.kind == k).count() as u64;
     SnapshotObject {
-        files: count(Kind::File),
+        // Every name of a file counts, as `find -type f` counts them.
+        files: count(Kind::File) + count(Kind::HardLink),
         dirs: count(Kind::Dir),
         symlinks: count(Kind::Symlink),
         bytes: entries.iter().map(|e| e.size).sum(),
