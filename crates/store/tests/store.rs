@@ -7,6 +7,9 @@ mod support;
 #[path = "store/faults.rs"]
 mod faults;
 
+#[path = "store/roundtrip.rs"]
+mod roundtrip;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
