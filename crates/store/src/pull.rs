@@ -117,6 +117,11 @@ pub async fn pull_with(
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     let (index, entries) = load_tree(&repo, &record, progress.as_ref()).await?;
     let (dest, empty) = prepare_destination(dest)?;
+    let replaced = if opts.delete && !empty {
+        clear_type_changes(&dest, &entries)?
+    } else {
+        0
+    };
     make_directories(&dest, &entries, &record)?;
 
     let plan = plan(&entries, &index, &dest, empty)?;
@@ -137,7 +142,8 @@ pub async fn pull_with(
     let (extra, deleted) = if empty {
         (0, 0)
     } else {
-        sweep_extras(&dest, &entries, opts.delete)?
+        let (extra, deleted) = sweep_extras(&dest, &entries, opts.delete)?;
+        (extra + replaced, deleted + replaced)
     };
     finish(&dest, &entries)?;
 
@@ -452,6 +458,36 @@ fn make_links(dest: &Path, entries: &[Entry]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// With `delete`: what the destination holds at a path of the version
+/// under another type (a folder where the version has a file or link, a
+/// file or link where it has a folder) is removed first, so the version can
+/// take its place; returns how many entries went. Without `delete` such a
+/// path is refused, never cleared: a pull does not destroy what it was not
+/// asked to. Paths are visited in order, parents first, so a parent is a
+/// real folder (or absent) before anything below it is looked at, and no
+/// symlink is ever followed.
+fn clear_type_changes(dest: &Path, entries: &[Entry]) -> Result<u64> {
+    let mut removed = 0;
+    for e in entries {
+        let p = dest_path(dest, e);
+        let Ok(m) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        let want_dir = e.kind == Kind::Dir;
+        if m.is_dir() == want_dir {
+            continue;
+        }
+        if m.is_dir() {
+            removed += count_under(&p) + 1;
+            std::fs::remove_dir_all(&p).map_err(Error::io("remove", &p))?;
+        } else {
+            removed += 1;
+            std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
+        }
+    }
+    Ok(removed)
 }
 
 /// Walks `dest` for entries the version does not hold (symlinks are never

@@ -1508,3 +1508,54 @@ async fn hard_links_are_kept() {
     assert_eq!((again.files_written, again.extra), (0, 0));
     assert_eq!(ino("zz.png"), ino("DIV2K/0001.png"));
 }
+
+/// Issue 19: with `delete`, a path whose type changed between the version
+/// in the destination and the one pulled (a file that became a folder, a
+/// folder that became a file, a symlink where a folder now is) is replaced;
+/// without it the pull refuses and nothing is removed.
+#[tokio::test]
+async fn delete_replaces_a_path_whose_type_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(src.join("was-file")).unwrap();
+    std::fs::write(src.join("was-file/inside"), b"now a folder").unwrap();
+    std::fs::write(src.join("was-dir"), b"now a file").unwrap();
+    std::fs::create_dir_all(src.join("was-link")).unwrap();
+    std::fs::write(src.join("was-link/x"), b"x").unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+
+    let out = env.root.join("out");
+    let outside = env.root.join("outside");
+    std::fs::create_dir_all(out.join("was-dir/old")).unwrap();
+    std::fs::write(out.join("was-dir/old/f"), b"old").unwrap();
+    std::fs::write(out.join("was-file"), b"old file").unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("x"), b"not ours").unwrap();
+    std::os::unix::fs::symlink(&outside, out.join("was-link")).unwrap();
+
+    let refused = env.pull_into("ds", &out).await.unwrap_err();
+    assert!(matches!(refused, Error::UnsafePath { .. }), "{refused}");
+    assert_eq!(std::fs::read(out.join("was-file")).unwrap(), b"old file");
+
+    let with_delete = labsync_store::PullOptions {
+        threads: 2,
+        delete: true,
+    };
+    let done = labsync_store::pull_with(
+        &env.repo,
+        &env.cache,
+        &"ds".parse().unwrap(),
+        &out,
+        with_delete,
+        np(),
+    )
+    .await
+    .unwrap();
+    assert_same_tree(&src, &out);
+    // was-dir with old/ and f, the file was-file, the link was-link.
+    assert_eq!(done.deleted, 5);
+    assert_eq!(std::fs::read(outside.join("x")).unwrap(), b"not ours");
+}

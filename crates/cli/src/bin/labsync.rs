@@ -106,7 +106,9 @@ enum Cmd {
         #[arg(long)]
         threads: Option<usize>,
         /// Make DEST equal the version: remove files, links and folders it
-        /// holds that the version does not (without it they stay, counted)
+        /// holds that the version does not, and replace a path whose type
+        /// changed (without it extras stay, counted, and a type change is
+        /// refused)
         #[arg(long)]
         delete: bool,
     },
