@@ -23,8 +23,16 @@ use support::{assert_same_tree, random_bytes, write_tree, S3Server};
 
 fn opts(name: &str, cache: &NodeCache) -> PushOptions {
     PushOptions {
-        name: name.into(),
         files_cache: Some(cache.files_cache_dir()),
+        ..plain_opts(name)
+    }
+}
+
+/// Push options with no files cache (every file read).
+fn plain_opts(name: &str) -> PushOptions {
+    PushOptions {
+        name: name.into(),
+        files_cache: None,
         threads: 2,
         user: "t".into(),
         host: "h".into(),
@@ -85,6 +93,16 @@ impl Env {
         .await
         .unwrap();
         assert_same_tree(src, &out);
+    }
+
+    /// Pulls `spec` into `out` with `delete`: `out` made equal to the version.
+    async fn pull_deleting(&self, spec: &str, out: &Path) -> labsync_store::Result<PullOutcome> {
+        let opts = labsync_store::PullOptions {
+            threads: 2,
+            delete: true,
+        };
+        let spec = spec.parse().unwrap();
+        labsync_store::pull_with(&self.repo, &self.cache, &spec, out, opts, np()).await
     }
 
     /// Pulls `spec` into `out` with the shared cache.
@@ -1380,19 +1398,7 @@ async fn pull_counts_extras_and_delete_removes_them() {
     assert_eq!((first.extra, first.deleted), (5, 0));
     assert!(out.join("stale.txt").exists());
 
-    let deleted = labsync_store::pull_with(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &out,
-        labsync_store::PullOptions {
-            threads: 2,
-            delete: true,
-        },
-        np(),
-    )
-    .await
-    .unwrap();
+    let deleted = env.pull_deleting("ds", &out).await.unwrap();
     assert_eq!((deleted.extra, deleted.deleted), (5, 5));
     assert_same_tree(&src, &out);
     assert_eq!(std::fs::read(outside.join("keep")).unwrap(), b"not ours");
@@ -1540,20 +1546,7 @@ async fn delete_replaces_a_path_whose_type_changed() {
     assert!(matches!(refused, Error::UnsafePath { .. }), "{refused}");
     assert_eq!(std::fs::read(out.join("was-file")).unwrap(), b"old file");
 
-    let with_delete = labsync_store::PullOptions {
-        threads: 2,
-        delete: true,
-    };
-    let done = labsync_store::pull_with(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &out,
-        with_delete,
-        np(),
-    )
-    .await
-    .unwrap();
+    let done = env.pull_deleting("ds", &out).await.unwrap();
     assert_same_tree(&src, &out);
     // was-dir with old/ and f, the file was-file, the link was-link.
     assert_eq!(done.deleted, 5);

@@ -123,18 +123,12 @@ async fn every_flip_or_truncation_is_reported_or_harmless() {
         let src = dir.path().join(format!("{name}-{variant}"));
         make_tree(&src, variant);
         let opts = PushOptions {
-            name: name.into(),
-            files_cache: None,
-            threads: 2,
-            user: "u".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
             compression: if variant == 1 {
                 labsync_store::Codec::Zstd
             } else {
                 labsync_store::Codec::Lz4
             },
+            ..crate::plain_opts(name)
         };
         let out = push(&repo, &src, &opts, Arc::new(NoProgress))
             .await

@@ -14,9 +14,7 @@ use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use labsync_store::{
-    pull_with, push, NoProgress, NodeCache, PullOptions, PushOptions, Remote, Repo,
-};
+use labsync_store::{pull_with, push, NoProgress, NodeCache, PullOptions, Remote, Repo};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -293,16 +291,7 @@ async fn generated_trees_round_trip() {
         let src = case.join("src");
         generate(&src, &mut rng);
         let name = format!("t{seed}");
-        let opts = PushOptions {
-            name: name.clone(),
-            files_cache: None,
-            threads: 2,
-            user: "u".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
-            compression: labsync_store::Codec::default(),
-        };
+        let opts = crate::plain_opts(&name);
         let push_now = |src: PathBuf| {
             let (repo, opts) = (&repo, &opts);
             async move { push(repo, &src, opts, Arc::new(NoProgress)).await.unwrap() }
