@@ -1552,3 +1552,53 @@ async fn delete_replaces_a_path_whose_type_changed() {
     assert_eq!(done.deleted, 5);
     assert_eq!(std::fs::read(outside.join("x")).unwrap(), b"not ours");
 }
+
+/// Issue 19, as an attacker: a symlink planted where the version has a hard
+/// link (pointing at a file outside the destination) is replaced by the
+/// link, never written through; a hard link in a hand-made snapshot that
+/// names a path outside the tree is refused before anything is written.
+#[tokio::test]
+async fn hard_links_never_reach_outside_the_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a"), b"data").unwrap();
+    std::fs::hard_link(src.join("a"), src.join("b")).unwrap();
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let out = env.root.join("out");
+    let outside = env.root.join("secret");
+    std::fs::write(&outside, b"not ours").unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    std::os::unix::fs::symlink(&outside, out.join("b")).unwrap();
+    env.pull_into("ds", &out).await.unwrap();
+    assert_same_tree(&src, &out);
+    assert_eq!(std::fs::read(&outside).unwrap(), b"not ours");
+    assert!(!std::fs::symlink_metadata(out.join("b"))
+        .unwrap()
+        .is_symlink());
+    let mut hostile = vec![
+        Entry {
+            path: b"a".to_vec(),
+            kind: Kind::File,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            chunks: Vec::new(),
+            target: Vec::new(),
+        },
+        Entry {
+            path: b"b".to_vec(),
+            kind: Kind::HardLink,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            chunks: Vec::new(),
+            target: outside.as_os_str().as_encoded_bytes().to_vec(),
+        },
+    ];
+    let err = labsync_store::validate_entries(&mut hostile, "s").unwrap_err();
+    assert!(matches!(err, Error::UnsafePath { .. }), "{err}");
+}
