@@ -20,7 +20,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use labsync_store::{pull, NoProgress, NodeCache, RefSpec, Repo, SnapshotId};
+use labsync_store::{pull_with, NoProgress, NodeCache, PullOptions, RefSpec, Repo, SnapshotId};
 
 use serde::{Deserialize, Serialize};
 
@@ -111,7 +111,14 @@ impl Trees {
                 .await
                 .map_err(PrepareError::io("remove", &tmp))?;
         }
-        let got = pull(repo, cache, &spec, &tmp, 4, Arc::new(NoProgress)).await?;
+        // Read-only to all as it is written: no second walk, and no path
+        // that PATH_MAX would stop.
+        let opts = PullOptions {
+            threads: 4,
+            delete: false,
+            shared: true,
+        };
+        let got = pull_with(repo, cache, &spec, &tmp, opts, Arc::new(NoProgress)).await?;
         if got.record.snapshot.to_string() != tree.snapshot {
             return Err(PrepareError::Moved {
                 label: tree.label.clone(),
@@ -121,7 +128,6 @@ impl Trees {
         }
         let (t, d) = (tmp.clone(), dest.clone());
         off_runtime(move || {
-            read_only_below(&t)?;
             std::fs::rename(&t, &d)?;
             set_mode(&d, |m| m & 0o1777 & !0o222 | 0o555)
         })
@@ -218,25 +224,6 @@ fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(f(m)))
 }
 
-/// Everything under `root` (not `root` itself, so it can still be renamed)
-/// loses its write bits; folders and files stay readable to all, so jobs run
-/// as other users can use them.
-fn read_only_below(root: &Path) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(root)? {
-        let entry = entry?;
-        let ft = entry.file_type()?;
-        let p = entry.path();
-        // Setuid and setgid never survive, whatever pull wrote (it writes none).
-        if ft.is_dir() {
-            read_only_below(&p)?;
-            set_mode(&p, |m| m & 0o1777 & !0o222 | 0o555)?;
-        } else if ft.is_file() {
-            set_mode(&p, |m| m & 0o777 & !0o222 | 0o444)?;
-        }
-    }
-    Ok(())
-}
-
 /// Clears setuid and setgid on every file and folder under `root` (which
 /// only root can write: nothing below is a symlink swapped in meanwhile).
 fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
@@ -259,20 +246,10 @@ fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Removes a tree that was made read-only for sharing.
+/// Removes a tree that was made read-only for sharing (at any depth, no
+/// symlink below `root` followed).
 pub fn remove_tree(root: &Path) -> std::io::Result<()> {
-    fn writable(p: &Path) -> std::io::Result<()> {
-        set_mode(p, |m| m | 0o700)?;
-        for entry in std::fs::read_dir(p)? {
-            let entry = entry?;
-            if entry.file_type()?.is_dir() {
-                writable(&entry.path())?;
-            }
-        }
-        Ok(())
-    }
-    writable(root)?;
-    std::fs::remove_dir_all(root)
+    labsync_store::remove_tree(root)
 }
 
 /// Checks an `--outputs` path: relative, inside the working folder.
@@ -423,7 +400,17 @@ mod tests {
         std::fs::write(code.join("train.py"), "print(1)").unwrap();
         std::fs::write(code.join("pkg/m.py"), "x = 1").unwrap();
         std::fs::write(code.join("pkg/ckpt/keep"), "").unwrap();
-        read_only_below(&code).unwrap();
+        // Read-only, as a materialised tree is.
+        for (p, mode) in [
+            ("pkg/ckpt/keep", 0o444),
+            ("pkg/m.py", 0o444),
+            ("train.py", 0o444),
+        ]
+        .into_iter()
+        .chain([("pkg/ckpt", 0o555), ("pkg", 0o555)])
+        {
+            std::fs::set_permissions(code.join(p), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
         let work = dir.path().join("work");
         make_workdir(Some(&code), &work, Some("pkg/ckpt/new"), None).unwrap();
         assert_eq!(
@@ -474,6 +461,58 @@ mod tests {
         assert_eq!(mode(&old.join("d/su")), 0o755);
         assert_eq!(mode(&old.join("d")), 0o755);
         assert_eq!(mode(&dir.path().join("linked")), 0o755, "the same inode");
+    }
+
+    /// Issue 19, point 1: a version whose paths go past `PATH_MAX` under the
+    /// trees folder materialises for jobs, read-only to all as it is
+    /// written, and is removed again when evicted.
+    #[tokio::test]
+    async fn a_tree_deeper_than_path_max_materialises_read_only_and_evicts() {
+        use labsync_store::{push, PushOptions, Remote};
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        // 15 folders of 250 bytes; under trees-v2/<64 hex> the file's path
+        // is past 4,096 bytes.
+        let deep: PathBuf = (0..15)
+            .map(|i| format!("{i:03}{}", "d".repeat(247)))
+            .collect();
+        std::fs::create_dir_all(src.join(&deep)).unwrap();
+        std::fs::write(src.join(deep.join("weights.pt")), "w").unwrap();
+        std::fs::write(src.join("train.py"), "print(1)").unwrap();
+        std::fs::set_permissions(src.join("train.py"), std::fs::Permissions::from_mode(0o664))
+            .unwrap();
+        let cache = NodeCache::open(&dir.path().join("c".repeat(250)), 1 << 30).unwrap();
+        let repo = Repo::open(Remote::local(&dir.path().join("store")).unwrap(), None)
+            .await
+            .unwrap();
+        let opts = PushOptions {
+            name: "deep".into(),
+            files_cache: None,
+            threads: 2,
+            user: "t".into(),
+            host: "h".into(),
+            read_as: None,
+            settle: None,
+            compression: labsync_store::Codec::default(),
+        };
+        let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
+            .await
+            .unwrap();
+        let trees = Trees::new(&cache).unwrap();
+        let tree = crate::proto::TreeRef {
+            label: pushed.record.label(),
+            snapshot: pushed.record.snapshot.to_string(),
+        };
+        let path = trees.get(&repo, &cache, &tree).await.unwrap();
+        let long = path.join(&deep).join("weights.pt");
+        assert!(long.as_os_str().len() > 4096, "{}", long.as_os_str().len());
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&path.join("train.py")), 0o444);
+        let top = path.join(deep.iter().next().unwrap());
+        assert_eq!(mode(&top), 0o555);
+        assert_eq!(mode(&path), 0o555);
+        assert_eq!(trees.evict(0, &|_| false), vec![tree.snapshot.clone()]);
+        assert!(!path.exists());
     }
 
     /// Issue 9, point 2: labd (root) hands the job's folders to its user.

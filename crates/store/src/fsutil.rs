@@ -52,13 +52,18 @@ pub(crate) fn device_of(path: &Path) -> Option<u64> {
 /// temporary name too long to create, and its whole version could never be
 /// pulled.
 pub(crate) fn tmp_name(path: &Path) -> PathBuf {
+    path.with_file_name(tmp_leaf())
+}
+
+/// The name part of [`tmp_name`]: `.labsync-tmp.<pid>.<n>`.
+pub(crate) fn tmp_leaf() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     // getpid is a system call (glibc stopped caching it): once per process.
     static PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     let pid = *PID.get_or_init(std::process::id);
     let n = N.fetch_add(1, Ordering::Relaxed);
-    path.with_file_name(format!(".labsync-tmp.{pid}.{n}"))
+    format!(".labsync-tmp.{pid}.{n}")
 }
 
 /// Runs blocking work (file I/O, hashing a tree) off the async runtime.

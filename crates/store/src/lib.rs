@@ -34,6 +34,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod at;
 mod cache;
 mod chunker;
 mod error;
@@ -52,6 +53,7 @@ mod repo;
 mod snapshot;
 mod verify;
 
+pub use at::remove_tree;
 pub use cache::{CacheStatus, CachedSnapshot, NodeCache};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use error::{Error, Result};

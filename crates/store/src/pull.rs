@@ -6,10 +6,13 @@
 //! mtime set, then renamed into place. A file already present with the
 //! snapshot's size and mtime is complete (only a finished rename can produce
 //! it), so a re-run after an interruption skips it.
+//!
+//! Every name in the destination is reached from the folder holding it
+//! ([`crate::at`]): no symlink in the destination is followed, and paths
+//! longer than `PATH_MAX` under a long destination are written like any.
 
 use std::collections::{BTreeSet, HashSet};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,9 +20,10 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::at::{self, Tree};
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
-use crate::fsutil::{blocking, tmp_name};
+use crate::fsutil::{blocking, tmp_leaf};
 use crate::id::{ChunkId, PackId};
 use crate::index::{Index, IndexPack};
 use crate::progress::Progress;
@@ -59,6 +63,18 @@ pub struct PullOptions {
     /// the version does not (as `rsync --delete` and `restic restore
     /// --delete` do).
     pub delete: bool,
+    /// Make a tree shared by jobs of any user (labd's materialised trees):
+    /// nothing in it writable, everything readable (and folders searchable)
+    /// by all, whatever modes the version records.
+    pub shared: bool,
+}
+
+/// The mode `e` gets in a shared tree: no write bits, readable by all.
+fn shared_mode(e: &Entry) -> u32 {
+    match e.kind {
+        Kind::Dir => e.mode & 0o1777 & !0o222 | 0o555,
+        _ => e.mode & 0o777 & !0o222 | 0o444,
+    }
 }
 
 fn time_of(ns: i64) -> std::time::SystemTime {
@@ -69,17 +85,13 @@ fn time_of(ns: i64) -> std::time::SystemTime {
     }
 }
 
-fn dest_path(dest: &Path, e: &Entry) -> PathBuf {
-    dest.join(std::ffi::OsStr::from_bytes(&e.path))
-}
-
-/// True when `path` already holds this file (a finished earlier pull).
-fn complete(path: &Path, e: &Entry) -> bool {
-    std::fs::symlink_metadata(path).is_ok_and(|m| {
-        m.is_file()
-            && m.size() == e.size
-            && m.mode() & 0o7777 == e.mode
-            && m.mtime() * 1_000_000_000 + m.mtime_nsec() == e.mtime_ns
+/// True when the destination already holds this file (a finished earlier pull).
+fn complete(tree: &Tree, e: &Entry) -> bool {
+    tree.stat(&e.path).ok().flatten().is_some_and(|st| {
+        at::kind(&st) == rustix::fs::FileType::RegularFile
+            && st.st_size as u64 == e.size
+            && st.st_mode & 0o7777 == e.mode
+            && at::mtime_ns(&st) == e.mtime_ns
     })
 }
 
@@ -96,6 +108,7 @@ pub async fn pull(
     let opts = PullOptions {
         threads,
         delete: false,
+        shared: false,
     };
     pull_with(repo, cache, spec, dest, opts, progress).await
 }
@@ -115,16 +128,23 @@ pub async fn pull_with(
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
-    let (index, entries) = load_tree(&repo, &record, progress.as_ref()).await?;
+    let (index, mut entries) = load_tree(&repo, &record, progress.as_ref()).await?;
+    if opts.shared {
+        // Written with these modes, and a finished file is recognised by them.
+        for e in &mut entries {
+            e.mode = shared_mode(e);
+        }
+    }
     let (dest, empty) = prepare_destination(dest)?;
+    let tree = Arc::new(Tree::open(&dest).map_err(Error::io("open destination", &dest))?);
     let replaced = if opts.delete && !empty {
-        clear_type_changes(&dest, &entries)?
+        clear_type_changes(&tree, &entries)?
     } else {
         0
     };
-    make_directories(&dest, &entries, &record)?;
+    make_directories(&tree, &entries, &record)?;
 
-    let plan = plan(&entries, &index, &dest, empty)?;
+    let plan = plan(&entries, &index, &tree, empty)?;
     check_room(&repo, cache, &dest, &plan)?;
     // Recorded before fetching, so packs of an interrupted pull stay owned.
     let (id, label, store) = (record.snapshot, record.label(), &repo.config().id);
@@ -134,18 +154,18 @@ pub async fn pull_with(
     progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
     let entries = Arc::new(entries);
     let written = write_verified(
-        &repo, cache, &entries, index, &plan, &dest, threads, &progress,
+        &repo, cache, &entries, index, &plan, &tree, threads, &progress,
     );
     let written = written.await?;
-    make_links(&dest, &entries)?;
+    make_links(&tree, &entries)?;
     // Into an empty folder nothing extra can be there: no walk.
     let (extra, deleted) = if empty {
         (0, 0)
     } else {
-        let (extra, deleted) = sweep_extras(&dest, &entries, opts.delete)?;
+        let (extra, deleted) = sweep_extras(&tree, &entries, opts.delete)?;
         (extra + replaced, deleted + replaced)
     };
-    finish(&dest, &entries)?;
+    finish(&tree, &entries)?;
 
     cache.touch(id, &label, store, plan.packs)?;
     for label in cache.enforce_cap(Some(record.snapshot))? {
@@ -211,19 +231,21 @@ fn prepare_destination(dest: &Path) -> Result<(PathBuf, bool)> {
 }
 
 /// Directories first (writable until the end), refusing symlinks planted in the destination.
-fn make_directories(dest: &Path, entries: &[Entry], record: &VersionRecord) -> Result<()> {
+fn make_directories(tree: &Tree, entries: &[Entry], record: &VersionRecord) -> Result<()> {
     for e in entries.iter().filter(|e| e.kind == Kind::Dir) {
-        let p = dest_path(dest, e);
-        match std::fs::symlink_metadata(&p) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
+        let found = tree.stat(&e.path);
+        match found.map_err(Error::io("look at", tree.shown(&e.path)))? {
+            Some(st) if at::kind(&st) == rustix::fs::FileType::Directory => {}
+            Some(_) => {
                 return Err(Error::UnsafePath {
                     path: e.path_lossy(),
                     snapshot: record.snapshot.to_string(),
                     why: "the destination has a non-directory (maybe a symlink) where the snapshot has a directory",
                 })
             }
-            Err(_) => std::fs::create_dir(&p).map_err(Error::io("create directory", &p))?,
+            None => tree
+                .mkdir(&e.path)
+                .map_err(Error::io("create directory", tree.shown(&e.path)))?,
         }
     }
     Ok(())
@@ -242,11 +264,11 @@ struct Plan {
 }
 
 /// The files not yet complete in `dest` and the packs they need.
-fn plan(entries: &[Entry], index: &Index, dest: &Path, empty: bool) -> Result<Plan> {
+fn plan(entries: &[Entry], index: &Index, tree: &Tree, empty: bool) -> Result<Plan> {
     let files: Vec<usize> = entries
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(&dest_path(dest, e), e)))
+        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(tree, e)))
         .map(|(i, _)| i)
         .collect();
     let skipped =
@@ -341,7 +363,7 @@ async fn write_verified(
     entries: &Arc<Vec<Entry>>,
     index: Index,
     plan: &Plan,
-    dest: &Path,
+    tree: &Arc<Tree>,
     threads: usize,
     progress: &Arc<dyn Progress>,
 ) -> Result<u64> {
@@ -354,7 +376,7 @@ async fn write_verified(
             entries.clone(),
             index.clone(),
             cache.clone(),
-            dest.to_path_buf(),
+            tree.clone(),
             progress.clone(),
             plan.files.clone(),
         );
@@ -363,9 +385,7 @@ async fn write_verified(
         let res = blocking(move || {
             // After a repair, what the first attempt wrote is done already.
             let f2: Vec<usize> = if retry {
-                f2.into_iter()
-                    .filter(|&i| !complete(&dest_path(&d2, &e2[i]), &e2[i]))
-                    .collect()
+                f2.into_iter().filter(|&i| !complete(&d2, &e2[i])).collect()
             } else {
                 f2
             };
@@ -428,33 +448,36 @@ fn index_disagrees(index: &Index, own: &IndexPack) -> bool {
 /// name, renamed into place. The snapshot was validated: every target is a
 /// file of this version, written above. A name that already is that file
 /// is left alone.
-fn make_links(dest: &Path, entries: &[Entry]) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
+fn make_links(tree: &Tree, entries: &[Entry]) -> Result<()> {
+    use rustix::fs::FileType;
     for e in entries.iter().filter(|e| e.kind == Kind::HardLink) {
-        let src = dest.join(std::ffi::OsStr::from_bytes(&e.target));
-        let dst = dest_path(dest, e);
-        let of_src = std::fs::symlink_metadata(&src).map_err(Error::io("read", &src))?;
-        if !of_src.is_file() {
+        let src = tree.stat(&e.target);
+        let src = src.map_err(Error::io("read", tree.shown(&e.target)))?;
+        let Some(src) = src.filter(|st| at::kind(st) == FileType::RegularFile) else {
             return Err(Error::invalid(
-                format!("destination {}", src.display()),
+                format!("destination {}", tree.shown(&e.target).display()),
                 "is not the file a hard link of the snapshot names",
             ));
-        }
-        match std::fs::symlink_metadata(&dst) {
-            Ok(m) if m.dev() == of_src.dev() && m.ino() == of_src.ino() => continue,
-            Ok(m) if m.is_dir() => {
+        };
+        let dst = tree.stat(&e.path);
+        match dst.map_err(Error::io("read", tree.shown(&e.path)))? {
+            Some(m) if (m.st_dev, m.st_ino) == (src.st_dev, src.st_ino) => continue,
+            Some(m) if at::kind(&m) == FileType::Directory => {
                 return Err(Error::invalid(
-                    format!("destination {}", dst.display()),
+                    format!("destination {}", tree.shown(&e.path).display()),
                     "is a directory where the snapshot has a hard link",
                 ))
             }
             _ => {}
         }
-        let tmp = tmp_name(&dst);
-        std::fs::hard_link(&src, &tmp).map_err(Error::io("link", &dst))?;
-        if let Err(err) = std::fs::rename(&tmp, &dst) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(Error::io("rename into place", &dst)(err));
+        let shown = || tree.shown(&e.path);
+        let (from_dir, from) = tree.parent(&e.target).map_err(Error::io("link", shown()))?;
+        let (dir, name) = tree.parent(&e.path).map_err(Error::io("link", shown()))?;
+        let tmp = tmp_leaf();
+        at::link(&from_dir, from, &dir, tmp.as_ref()).map_err(Error::io("link", shown()))?;
+        if let Err(err) = at::rename(&dir, tmp.as_ref(), name) {
+            at::discard(&dir, tmp.as_ref());
+            return Err(Error::io("rename into place", shown())(err));
         }
     }
     Ok(())
@@ -468,109 +491,99 @@ fn make_links(dest: &Path, entries: &[Entry]) -> Result<()> {
 /// asked to. Paths are visited in order, parents first, so a parent is a
 /// real folder (or absent) before anything below it is looked at, and no
 /// symlink is ever followed.
-fn clear_type_changes(dest: &Path, entries: &[Entry]) -> Result<u64> {
+fn clear_type_changes(tree: &Tree, entries: &[Entry]) -> Result<u64> {
     let mut removed = 0;
     for e in entries {
-        let p = dest_path(dest, e);
-        let Ok(m) = std::fs::symlink_metadata(&p) else {
+        let shown = || tree.shown(&e.path);
+        let Some(st) = tree.stat(&e.path).map_err(Error::io("look at", shown()))? else {
             continue;
         };
-        let want_dir = e.kind == Kind::Dir;
-        if m.is_dir() == want_dir {
+        let is_dir = at::kind(&st) == rustix::fs::FileType::Directory;
+        if is_dir == (e.kind == Kind::Dir) {
             continue;
         }
-        if m.is_dir() {
-            removed += count_under(&p) + 1;
-            std::fs::remove_dir_all(&p).map_err(Error::io("remove", &p))?;
+        removed += if is_dir {
+            tree.remove_dir_all(&e.path)
+                .map_err(Error::io("remove", shown()))?
         } else {
-            removed += 1;
-            std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
-        }
+            tree.remove_file(&e.path)
+                .map_err(Error::io("remove", shown()))?;
+            1
+        };
     }
     Ok(removed)
 }
 
-/// Walks `dest` for entries the version does not hold (symlinks are never
-/// followed); returns how many there are and how many were removed. With
-/// `delete` each goes: a file or link unlinked, a folder with all it holds.
-/// Runs before directory modes are set, so a read-only folder of the
-/// version cannot block it.
-fn sweep_extras(dest: &Path, entries: &[Entry], delete: bool) -> Result<(u64, u64)> {
+/// Walks the destination for entries the version does not hold (symlinks
+/// are never followed); returns how many there are and how many were
+/// removed. With `delete` each goes: a file or link unlinked, a folder with
+/// all it holds. Runs before directory modes are set, so a read-only folder
+/// of the version cannot block it.
+fn sweep_extras(tree: &Tree, entries: &[Entry], delete: bool) -> Result<(u64, u64)> {
     let known: HashSet<&[u8]> = entries.iter().map(|e| e.path.as_slice()).collect();
     let (mut extra, mut deleted) = (0u64, 0u64);
     let mut to_list: Vec<Vec<u8>> = vec![Vec::new()];
     while let Some(rel) = to_list.pop() {
-        let dir = dest.join(std::ffi::OsStr::from_bytes(&rel));
-        for ent in std::fs::read_dir(&dir).map_err(Error::io("list", &dir))? {
-            let ent = ent.map_err(Error::io("list", &dir))?;
+        let names = tree
+            .list(&rel)
+            .map_err(Error::io("list", tree.shown(&rel)))?;
+        for (name, is_dir) in names {
             let mut path = rel.clone();
             if !path.is_empty() {
                 path.push(b'/');
             }
-            path.extend_from_slice(ent.file_name().as_bytes());
-            let is_dir = ent.file_type().is_ok_and(|t| t.is_dir());
+            path.extend_from_slice(&name);
             if known.contains(path.as_slice()) {
                 if is_dir {
                     to_list.push(path);
                 }
                 continue;
             }
-            let p = ent.path();
-            let n = if is_dir { count_under(&p) + 1 } else { 1 };
-            extra += n;
-            if delete {
-                if is_dir {
-                    std::fs::remove_dir_all(&p).map_err(Error::io("remove", &p))?;
+            let shown = || tree.shown(&path);
+            if !delete {
+                extra += if is_dir {
+                    tree.count_under(&path) + 1
                 } else {
-                    std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
-                }
-                deleted += n;
+                    1
+                };
+                continue;
             }
+            let n = if is_dir {
+                tree.remove_dir_all(&path)
+                    .map_err(Error::io("remove", shown()))?
+            } else {
+                tree.remove_file(&path)
+                    .map_err(Error::io("remove", shown()))?;
+                1
+            };
+            extra += n;
+            deleted += n;
         }
     }
     Ok((extra, deleted))
 }
 
-/// Entries under folder `dir`, at any depth (symlinks not followed).
-fn count_under(dir: &Path) -> u64 {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            n += 1;
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(e.path());
-            }
-        }
-    }
-    n
-}
-
 /// Symlinks, then directory modes and times deepest first (a read-only
 /// directory set earlier would block writing into it).
-fn finish(dest: &Path, entries: &[Entry]) -> Result<()> {
+fn finish(tree: &Tree, entries: &[Entry]) -> Result<()> {
     for e in entries.iter().filter(|e| e.kind == Kind::Symlink) {
-        let p = dest_path(dest, e);
-        if let Ok(m) = std::fs::symlink_metadata(&p) {
-            if m.is_dir() {
+        let shown = || tree.shown(&e.path);
+        if let Some(st) = tree.stat(&e.path).map_err(Error::io("look at", shown()))? {
+            if at::kind(&st) == rustix::fs::FileType::Directory {
                 return Err(Error::invalid(
-                    format!("destination {}", p.display()),
+                    format!("destination {}", shown().display()),
                     "is a directory where the snapshot has a symlink",
                 ));
             }
-            std::fs::remove_file(&p).map_err(Error::io("replace", &p))?;
+            tree.remove_file(&e.path)
+                .map_err(Error::io("replace", shown()))?;
         }
-        std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(&e.target), &p)
-            .map_err(Error::io("create symlink", &p))?;
-        let t = filetime::FileTime::from_system_time(time_of(e.mtime_ns));
-        filetime::set_symlink_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
+        tree.symlink(&e.target, &e.path, e.mtime_ns)
+            .map_err(Error::io("create symlink", shown()))?;
     }
     for e in entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
-        let p = dest_path(dest, e);
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(e.mode))
-            .map_err(Error::io("set mode of", &p))?;
-        let t = filetime::FileTime::from_system_time(time_of(e.mtime_ns));
-        filetime::set_file_times(&p, t, t).map_err(Error::io("set time of", &p))?;
+        tree.set_dir_meta(&e.path, e.mode, e.mtime_ns)
+            .map_err(Error::io("set mode and time of", tree.shown(&e.path)))?;
     }
     Ok(())
 }
@@ -580,7 +593,7 @@ fn write_files(
     files: &[usize],
     index: &Index,
     cache: &NodeCache,
-    dest: &Path,
+    tree: &Tree,
     threads: usize,
     progress: &dyn Progress,
 ) -> Result<u64> {
@@ -600,8 +613,7 @@ fn write_files(
                         break;
                     }
                     let e = &entries[i];
-                    let path = dest_path(dest, e);
-                    match write_one(e, &path, index, &mut reader, &mut buf) {
+                    match write_one(e, tree, index, &mut reader, &mut buf) {
                         Ok(()) => {
                             bytes.fetch_add(e.size, Ordering::Relaxed);
                             progress.advance(e.size, 1);
@@ -687,16 +699,19 @@ fn write_data(f: &std::fs::File, data: &[u8], offset: u64) -> std::io::Result<()
 
 fn write_one(
     e: &Entry,
-    path: &Path,
+    tree: &Tree,
     index: &Index,
     reader: &mut PackReader<'_>,
     buf: &mut Vec<u8>,
 ) -> Result<()> {
-    let tmp = tmp_name(path);
+    let shown = || tree.shown(&e.path);
+    let (dir, name) = tree.parent(&e.path).map_err(Error::io("create", shown()))?;
+    let tmp = tmp_leaf();
+    let tmp: &std::ffi::OsStr = tmp.as_ref();
     let result = (|| {
         // Chunks are whole files or up to 4 MiB: written directly, no buffer
         // copy, at their offset (blocks of zeros are left as holes).
-        let w = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        let w = at::create(&dir, tmp).map_err(Error::io("create", shown()))?;
         let mut n = 0u64;
         for c in &e.chunks {
             let (pack, entry) = index
@@ -705,7 +720,7 @@ fn write_one(
             let stored = reader.read(&pack, entry.offset, entry.stored_len, buf)?;
             // Verified before a single byte reaches the file.
             let plain = entry.decode(stored, &pack)?;
-            write_data(&w, &plain, n).map_err(Error::io("write", &tmp))?;
+            write_data(&w, &plain, n).map_err(Error::io("write", shown()))?;
             n += plain.len() as u64;
         }
         if n != e.size {
@@ -715,28 +730,28 @@ fn write_one(
             ));
         }
         // A file ending in a hole: the size its last write did not reach.
-        w.set_len(n).map_err(Error::io("write", &tmp))?;
-        let f = w;
-        f.set_permissions(std::fs::Permissions::from_mode(e.mode))
-            .map_err(Error::io("set mode of", &tmp))?;
-        f.set_modified(time_of(e.mtime_ns))
-            .map_err(Error::io("set time of", &tmp))?;
-        drop(f);
+        w.set_len(n).map_err(Error::io("write", shown()))?;
+        w.set_permissions(std::fs::Permissions::from_mode(e.mode))
+            .map_err(Error::io("set mode of", shown()))?;
+        w.set_modified(time_of(e.mtime_ns))
+            .map_err(Error::io("set time of", shown()))?;
+        drop(w);
         // No look before the rename (one lookup per file saved): only a
         // failed rename asks whether a directory was in the way.
-        std::fs::rename(&tmp, path).map_err(|e| {
-            if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        at::rename(&dir, tmp, name).map_err(|err| {
+            let is_dir = tree.stat(&e.path).ok().flatten();
+            if is_dir.is_some_and(|st| at::kind(&st) == rustix::fs::FileType::Directory) {
                 Error::invalid(
-                    format!("destination {}", path.display()),
+                    format!("destination {}", shown().display()),
                     "is a directory where the snapshot has a file",
                 )
             } else {
-                Error::io("rename into place", path)(e)
+                Error::io("rename into place", shown())(err)
             }
         })
     })();
     if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        at::discard(&dir, tmp);
     }
     result
 }

@@ -100,6 +100,7 @@ impl Env {
         let opts = labsync_store::PullOptions {
             threads: 2,
             delete: true,
+            shared: false,
         };
         let spec = spec.parse().unwrap();
         labsync_store::pull_with(&self.repo, &self.cache, &spec, out, opts, np()).await
@@ -1369,6 +1370,88 @@ async fn a_name_of_255_bytes_pulls_back() {
         .await
         .unwrap();
     env.pull_matches("long", &src, "out").await;
+}
+
+/// `base/rel`, opened one name at a time: the whole path is too long to
+/// name at once. Returns the folder holding it and its last name.
+fn deep_parent(base: &Path, rel: &Path) -> (std::os::fd::OwnedFd, std::ffi::OsString) {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW;
+    let mut fd = rustix::fs::open(base, flags, Mode::empty()).unwrap();
+    let names: Vec<_> = rel.iter().collect();
+    for name in &names[..names.len() - 1] {
+        fd = rustix::fs::openat(&fd, *name, flags, Mode::empty()).unwrap();
+    }
+    (fd, names[names.len() - 1].to_owned())
+}
+
+/// Issue 19, point 1: a tree whose paths are near `PATH_MAX` (pushed from
+/// a short folder) pulls into a destination whose own path takes them past
+/// it, where no whole path can be named: every name is reached from its
+/// folder. A second pull finds the files complete; a `--delete` pull counts
+/// and removes an extra file as deep; the tree can be removed again.
+#[tokio::test]
+async fn paths_past_path_max_at_a_long_destination_pull_back() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    // 15 folders of 250 bytes: a relative path of 3,773 bytes.
+    let deep: PathBuf = (0..15)
+        .map(|i| format!("{i:03}{}", "d".repeat(247)))
+        .collect();
+    let rel = deep.join("file.bin");
+    std::fs::create_dir_all(src.join(&deep)).unwrap();
+    let data = random_bytes(300_000, 12);
+    std::fs::write(src.join(&rel), &data).unwrap();
+    std::fs::set_permissions(src.join(&rel), std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::fs::write(src.join("top.txt"), b"at the top").unwrap();
+    push(&env.repo, &src, &opts("deep", &env.cache), np())
+        .await
+        .unwrap();
+
+    let out = env.root.join("o".repeat(250)).join("p".repeat(250));
+    let err = std::fs::read(out.join(&rel)).unwrap_err();
+    assert_eq!(
+        err.raw_os_error(),
+        Some(libc::ENAMETOOLONG),
+        "past PATH_MAX"
+    );
+    let got = env.pull_into("deep", &out).await.unwrap();
+    assert_eq!((got.files_written, got.files_skipped), (2, 0));
+    assert_eq!(std::fs::read(out.join("top.txt")).unwrap(), b"at the top");
+    let (folder, name) = deep_parent(&out, &rel);
+    let st = rustix::fs::statat(&folder, &name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW).unwrap();
+    let src_st = std::fs::metadata(src.join(&rel)).unwrap();
+    assert_eq!(st.st_mode & 0o7777, 0o640);
+    assert_eq!(st.st_size as u64, data.len() as u64);
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        (st.st_mtime, st.st_mtime_nsec as i64),
+        (src_st.mtime(), src_st.mtime_nsec())
+    );
+    let fd = rustix::fs::openat(&folder, &name, rustix::fs::OFlags::RDONLY, 0.into()).unwrap();
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut back).unwrap();
+    assert!(back == data, "the deep file's content came back");
+
+    let again = env.pull_into("deep", &out).await.unwrap();
+    assert_eq!((again.files_written, again.files_skipped), (0, 2));
+
+    let extra = rustix::fs::openat(
+        &folder,
+        "extra",
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CREATE,
+        0o644.into(),
+    );
+    drop(extra.unwrap());
+    let deleting = env.pull_deleting("deep", &out).await.unwrap();
+    assert_eq!((deleting.extra, deleting.deleted), (1, 1));
+    let gone = rustix::fs::statat(&folder, "extra", rustix::fs::AtFlags::SYMLINK_NOFOLLOW);
+    assert_eq!(gone.unwrap_err(), rustix::io::Errno::NOENT);
+
+    labsync_store::remove_tree(&out).unwrap();
+    assert!(!out.exists());
 }
 
 /// Issue 19, point 4: what the destination holds beyond the version is

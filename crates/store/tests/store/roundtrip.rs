@@ -272,7 +272,11 @@ async fn generated_trees_round_trip() {
     let pull = |spec: String, dest: PathBuf, delete: bool| {
         let (repo, cache) = (&repo, &cache);
         async move {
-            let opts = PullOptions { threads: 2, delete };
+            let opts = PullOptions {
+                threads: 2,
+                delete,
+                shared: false,
+            };
             pull_with(
                 repo,
                 cache,
