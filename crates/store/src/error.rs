@@ -70,16 +70,30 @@ pub enum Error {
         /// Why it is refused.
         why: &'static str,
     },
-    /// The object store could not be reached or refused the request.
-    #[error("object store: {op} {key}")]
+    /// The object store could not be reached or refused the request. One
+    /// line: the server's status and message once (the backend's own error
+    /// nests three copies of it, so it is kept here but not chained).
+    #[error("object store: {op} {key}: {}", crate::http::summary(error))]
     Unavailable {
         /// What was being done (`get`, `put`, `list`, …).
         op: &'static str,
         /// The key or prefix.
         key: String,
         /// The backend's error.
-        #[source]
-        source: object_store::Error,
+        error: object_store::Error,
+    },
+    /// The server refused a request that asking again cannot change, and
+    /// there is something to do about it (`hint`).
+    #[error("object store: {op} {key}: {detail}; {hint}")]
+    Refused {
+        /// What was being done.
+        op: &'static str,
+        /// The key.
+        key: String,
+        /// The server's answer, once.
+        detail: String,
+        /// What to do.
+        hint: &'static str,
     },
     /// A local file operation failed.
     #[error("{op} {}", path.display())]

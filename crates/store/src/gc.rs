@@ -301,15 +301,29 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Half-written objects of pushes that were killed: never referenced by
-    /// anything, and older than any write still in progress.
+    /// Half-written objects of pushes that were killed, and claims and
+    /// probes of writers that crashed ([`crate::claims`]): never referenced
+    /// by anything, and older than any write still in progress.
     async fn sweep_staging(&self, out: &mut GcOutcome) -> Result<()> {
-        for o in self.repo.remote().stale_staging(self.grace).await? {
+        let remote = self.repo.remote();
+        for o in remote.stale_staging(self.grace).await? {
             if !self.dry_run {
-                self.repo.remote().remove_staging(&o.key).await?;
+                remote.remove_staging(&o.key).await?;
             }
             out.deleted_staging += 1;
             out.deleted_staging_bytes += o.size;
+        }
+        for prefix in ["claims/", "probe/"] {
+            for o in remote.list(prefix).await? {
+                if self.now - o.modified < self.grace || o.key == crate::claims::KEEP {
+                    continue;
+                }
+                if !self.dry_run {
+                    remote.delete(&o.key).await?;
+                }
+                out.deleted_staging += 1;
+                out.deleted_staging_bytes += o.size;
+            }
         }
         Ok(())
     }

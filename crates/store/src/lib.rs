@@ -37,11 +37,13 @@
 mod at;
 mod cache;
 mod chunker;
+mod claims;
 mod error;
 mod fsutil;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gc;
+mod http;
 mod id;
 mod index;
 mod pack;
@@ -56,6 +58,7 @@ mod verify;
 pub use at::remove_tree;
 pub use cache::{CacheStatus, CachedSnapshot, NodeCache};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
+pub use claims::ConditionalWrites;
 pub use error::{Error, Result};
 pub use fsutil::blocking;
 pub use gc::{condemned_packs, gc, GcOutcome};

@@ -20,6 +20,7 @@ use object_store::path::Path;
 use object_store::prefix::PrefixStore;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
+use crate::claims::ConditionalWrites;
 use crate::error::{Error, Result};
 
 /// An object's key (relative to the store root), size and age.
@@ -40,6 +41,11 @@ pub struct Remote {
     url: String,
     local_root: Option<PathBuf>,
     unsynced: Arc<Mutex<BTreeSet<String>>>,
+    /// What the server does with conditional creates (from the store's
+    /// config): how keys that must not exist are created.
+    conditional: ConditionalWrites,
+    /// Whether this client wrote `claims/keep` already ([`crate::claims`]).
+    claims_kept: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -66,11 +72,7 @@ impl Remote {
         if parsed.scheme() == "memory" {
             return Ok(Remote::memory());
         }
-        let (store, prefix) = object_store::parse_url_opts(
-            &parsed,
-            options.iter().map(|(k, v)| (k.as_str(), v.clone())),
-        )
-        .map_err(|e| invalid(e.to_string()))?;
+        let (store, prefix) = open_backend(&parsed, options).map_err(|e| invalid(e.to_string()))?;
         let inner: Arc<dyn ObjectStore> = if prefix.as_ref().is_empty() {
             Arc::from(store)
         } else {
@@ -81,6 +83,8 @@ impl Remote {
             url: url.to_string(),
             local_root: None,
             unsynced: Default::default(),
+            conditional: ConditionalWrites::Honoured,
+            claims_kept: Default::default(),
         })
     }
 
@@ -93,13 +97,15 @@ impl Remote {
         let fs = LocalFileSystem::new_with_prefix(&root).map_err(|e| Error::Unavailable {
             op: "open",
             key: root.display().to_string(),
-            source: e,
+            error: e,
         })?;
         Ok(Remote {
             inner: Arc::new(fs),
             url: format!("file://{}", root.display()),
             local_root: Some(root),
             unsynced: Default::default(),
+            conditional: ConditionalWrites::Honoured,
+            claims_kept: Default::default(),
         })
     }
 
@@ -110,7 +116,43 @@ impl Remote {
             url: "memory://".into(),
             local_root: None,
             unsynced: Default::default(),
+            conditional: ConditionalWrites::Honoured,
+            claims_kept: Default::default(),
         }
+    }
+
+    /// The same store, creating keys as `mode` requires (see
+    /// [`ConditionalWrites`]).
+    pub fn with_conditional_writes(mut self, mode: ConditionalWrites) -> Remote {
+        self.conditional = mode;
+        self
+    }
+
+    /// What the server does with conditional creates, as the config says.
+    pub(crate) fn conditional(&self) -> ConditionalWrites {
+        self.conditional
+    }
+
+    /// Whether this client wrote `claims/keep` already.
+    pub(crate) fn claims_kept(&self) -> bool {
+        self.claims_kept.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Notes that `claims/keep` is written.
+    pub(crate) fn set_claims_kept(&self) {
+        self.claims_kept
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// True for a server, false for a local folder or memory (which honour
+    /// conditional creates by construction).
+    pub fn is_server(&self) -> bool {
+        self.local_root.is_none() && self.url != "memory://"
+    }
+
+    /// The backend.
+    pub(crate) fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
     }
 
     /// The URL it was opened with (normalised for local paths).
@@ -129,10 +171,10 @@ impl Remote {
     ) -> impl FnOnce(object_store::Error) -> Error + 'k {
         move |source| match source {
             object_store::Error::NotFound { .. } => Error::not_found(format!("object {key}")),
-            source => Error::Unavailable {
+            error => Error::Unavailable {
                 op,
                 key: key.to_string(),
-                source,
+                error,
             },
         }
     }
@@ -175,8 +217,20 @@ impl Remote {
     }
 
     /// Writes `key` only if it does not exist (conditional create: `If-None-Match`
-    /// on S3, a hard link on local disk). Returns `false` when it already existed.
+    /// on S3, a hard link on local disk; a claim where the server does not
+    /// honour conditional writes, see [`ConditionalWrites`]). Returns `false`
+    /// when it already existed.
     pub async fn create(&self, key: &str, data: Bytes) -> Result<bool> {
+        if self.is_server() {
+            return self.create_by_claim(key, data).await;
+        }
+        self.create_if_absent(key, data).await
+    }
+
+    /// Writes `key` with a conditional create. On a server, only under a
+    /// claim ([`crate::claims`]): `s3s-fs` honours `If-None-Match` one
+    /// request at a time but let two racing creates of one key both succeed.
+    pub(crate) async fn create_if_absent(&self, key: &str, data: Bytes) -> Result<bool> {
         let opts = PutOptions {
             mode: PutMode::Create,
             ..Default::default()
@@ -191,6 +245,15 @@ impl Remote {
                 Ok(true)
             }
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) if crate::claims::is_refusal(&e) => Err(Error::Refused {
+                op: "create",
+                key: key.to_string(),
+                detail: crate::http::summary(&e),
+                hint: "the store's config says its server honours conditional writes, but it \
+                       refused this one: remove \"conditional_writes\" from the store's `config` \
+                       object, and labsync asks the server again and creates keys with claims \
+                       if it must",
+            }),
             Err(e) => Err(Self::unavailable("create", key)(e)),
         }
     }
@@ -386,6 +449,37 @@ impl Remote {
         })
         .await
     }
+}
+
+/// The backend for `url`. S3 gets labsync's retry policy ([`crate::http`])
+/// in place of `object_store`'s; the other clouds keep their defaults.
+fn open_backend(
+    url: &url::Url,
+    options: &[(String, String)],
+) -> object_store::Result<(Box<dyn ObjectStore>, Path)> {
+    use object_store::aws::AmazonS3Builder;
+    use object_store::{ObjectStoreScheme, RetryConfig};
+    let (scheme, path) = ObjectStoreScheme::parse(url)?;
+    if scheme != ObjectStoreScheme::AmazonS3 {
+        return object_store::parse_url_opts(url, options.iter().map(|(k, v)| (k, v.clone())));
+    }
+    let path = Path::parse(path)?;
+    let builder = options.iter().fold(
+        AmazonS3Builder::new().with_url(url.to_string()),
+        |b, (k, v)| match k.to_ascii_lowercase().parse() {
+            Ok(k) => b.with_config(k, v),
+            Err(_) => b,
+        },
+    );
+    let no_retries = RetryConfig {
+        max_retries: 0,
+        ..Default::default()
+    };
+    let store = builder
+        .with_retry(no_retries)
+        .with_http_connector(crate::http::Connector)
+        .build()?;
+    Ok((Box::new(store), path))
 }
 
 fn now_secs_of(t: Option<std::time::SystemTime>) -> i64 {

@@ -8,6 +8,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::chunker::{ChunkerParams, ALGORITHM};
+use crate::claims::ConditionalWrites;
 use crate::error::{Error, Result};
 use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::{self, Index, IndexPack};
@@ -36,6 +37,11 @@ pub struct StoreConfig {
     pub pack_size: u32,
     /// Unreferenced data younger than this is never deleted by `gc`.
     pub gc_grace_secs: u64,
+    /// What the server did with a conditional create when the store was
+    /// made, and so how keys that must not exist are created. Absent in
+    /// stores made before labsync asked: they assumed it honoured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conditional_writes: Option<ConditionalWrites>,
 }
 
 impl StoreConfig {
@@ -57,7 +63,14 @@ impl StoreConfig {
             hash: "blake3".into(),
             pack_size: 32 << 20,
             gc_grace_secs: 6 * 3600,
+            conditional_writes: None,
         }
+    }
+
+    /// How keys that must not exist are created in this store.
+    pub fn conditional_writes(&self) -> ConditionalWrites {
+        self.conditional_writes
+            .unwrap_or(ConditionalWrites::Honoured)
     }
 
     fn check(&self, url: &str) -> Result<()> {
@@ -238,10 +251,15 @@ impl Repo {
         let config = match remote.get(CONFIG_KEY).await {
             Ok(bytes) => Self::parse_config(&bytes, remote.url())?,
             Err(e) if e.is_not_found() => {
-                let cfg = StoreConfig::new(params.unwrap_or_default());
+                // What the server does with conditional writes decides how
+                // the config itself, and every version after it, is created.
+                let mut cfg = StoreConfig::new(params.unwrap_or_default());
+                let probed = remote.probe_conditional_writes().await?;
+                cfg.conditional_writes = Some(probed);
                 cfg.check(remote.url())?;
                 let json = serde_json::to_vec_pretty(&cfg).expect("config serialises");
-                if remote.create(CONFIG_KEY, json.into()).await? {
+                let creator = remote.clone().with_conditional_writes(probed);
+                if creator.create(CONFIG_KEY, json.into()).await? {
                     remote.sync().await?;
                     cfg
                 } else {
@@ -251,6 +269,23 @@ impl Repo {
             }
             Err(e) => return Err(e),
         };
+        let mut config = config;
+        if config.conditional_writes.is_none() && remote.is_server() {
+            // Made before labsync probed: ask now, once, and record it, so a
+            // server that ignores conditional writes stops losing versions.
+            // Best effort: a client that may only read goes on as before.
+            match remote.probe_conditional_writes().await {
+                Ok(probed) => {
+                    config.conditional_writes = Some(probed);
+                    let json = serde_json::to_vec_pretty(&config).expect("config serialises");
+                    if let Err(e) = remote.put(CONFIG_KEY, json.into()).await {
+                        tracing::warn!("cannot record conditional writes in the config: {e}");
+                    }
+                }
+                Err(e) => tracing::warn!("cannot probe conditional writes: {e}"),
+            }
+        }
+        let remote = remote.with_conditional_writes(config.conditional_writes());
         if let Some(p) = params {
             if p != config.params {
                 return Err(Error::invalid(
@@ -505,6 +540,12 @@ impl Repo {
 
     /// Every live (not forgotten) version of `name`, oldest first.
     pub async fn versions(&self, name: &str) -> Result<Vec<VersionRecord>> {
+        let all = self.records(name).await?;
+        Ok(all.into_iter().filter(|r| !r.forgotten).collect())
+    }
+
+    /// Every version record of `name`, forgotten ones included, in order.
+    pub async fn records(&self, name: &str) -> Result<Vec<VersionRecord>> {
         let keys = self.version_keys(name).await?;
         let reads: Vec<_> = keys
             .into_iter()
@@ -514,7 +555,7 @@ impl Repo {
             .buffered(16)
             .try_collect()
             .await?;
-        Ok(all.into_iter().filter(|r| !r.forgotten).collect())
+        Ok(all)
     }
 
     /// The newest live version of `name`, if any; usually one list and one read.

@@ -38,6 +38,9 @@ pub struct VerifyReport {
     pub repaired_cache_packs: u64,
     /// Pack footers read and compared with the index.
     pub footers_checked: u64,
+    /// What was found that restores fine but is not as it should be (a
+    /// snapshot no version names); reported, not counted as problems.
+    pub warnings: Vec<String>,
     /// What repairs what was found, when one command does.
     pub repair: Option<String>,
 }
@@ -53,7 +56,16 @@ pub async fn verify(
     progress: Arc<dyn Progress>,
 ) -> Result<VerifyReport> {
     let mut report = VerifyReport::default();
+    // Listed before the versions are read: a push that wrote its snapshot
+    // before this list and records its version meanwhile is not taken for lost.
+    let snapshots = match name {
+        None => Some(repo.remote().list("snapshots/").await?),
+        Some(_) => None,
+    };
     let versions = versions_of(repo, name).await?;
+    if let Some(snapshots) = snapshots {
+        check_unnamed_snapshots(repo, snapshots, &mut report).await?;
+    }
     let (index, _) = repo.load_index().await?;
     for (key, why) in index.refused() {
         report
@@ -80,6 +92,37 @@ pub async fn verify(
         );
     }
     Ok(report)
+}
+
+/// Snapshots that no version record names (forgotten ones included): a
+/// version overwritten by another push on a server that ignored conditional
+/// creates (stores made before labsync probed for that), or a push killed
+/// between writing its tree and its version. What is recorded still
+/// restores, so these are warnings; `gc` removes them after its grace period.
+async fn check_unnamed_snapshots(
+    repo: &Repo,
+    snapshots: Vec<crate::remote::ObjectInfo>,
+    report: &mut VerifyReport,
+) -> Result<()> {
+    let mut named = HashSet::new();
+    for n in repo.names().await? {
+        named.extend(repo.records(&n).await?.into_iter().map(|r| r.snapshot));
+    }
+    for o in snapshots {
+        let Some(id) = o.key.rsplit('/').next().and_then(|h| h.parse().ok()) else {
+            continue;
+        };
+        if named.contains(&id) {
+            continue;
+        }
+        let age = crate::repo::now_secs().saturating_sub(o.modified).max(0);
+        report.warnings.push(format!(
+            "snapshot {id} (written {age} s ago) is named by no version: a version lost to a \
+             server that ignored conditional writes (stores made before labsync probed for \
+             them), a push killed before it recorded its version, or one in progress now"
+        ));
+    }
+    Ok(())
 }
 
 /// The versions `name` selects: one, a name's, or every name's.

@@ -4,11 +4,17 @@
 
 mod support;
 
+#[path = "support/proxy.rs"]
+mod proxy;
+
 #[path = "store/faults.rs"]
 mod faults;
 
 #[path = "store/roundtrip.rs"]
 mod roundtrip;
+
+#[path = "store/servers.rs"]
+mod servers;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

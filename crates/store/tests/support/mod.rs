@@ -170,10 +170,72 @@ pub fn assert_same_tree(a: &Path, b: &Path) {
     }
 }
 
-/// A real S3-compatible server (`s3s-fs`) on 127.0.0.1, stopped on drop.
+/// The S3-compatible servers the store is tried against, each installed
+/// from a package registry by `scripts/s3-servers.sh` (which
+/// `scripts/test.sh` runs) and started by the tests on 127.0.0.1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerKind {
+    /// `s3s-fs` 0.14.1 (crates.io): files in a folder.
+    S3sFs,
+    /// moto server 5.2.5 (PyPI).
+    Moto,
+    /// ministack 1.5.33 (PyPI).
+    Ministack,
+    /// s3rver 3.7.1 (npm): ignores conditional writes.
+    S3rver,
+}
+
+impl ServerKind {
+    /// Every kind, in the order the matrix reports them.
+    pub const ALL: [ServerKind; 4] = [
+        ServerKind::S3sFs,
+        ServerKind::Moto,
+        ServerKind::Ministack,
+        ServerKind::S3rver,
+    ];
+
+    /// Name and version, as the README's table gives them.
+    pub fn label(self) -> &'static str {
+        match self {
+            ServerKind::S3sFs => "s3s-fs 0.14.1",
+            ServerKind::Moto => "moto server 5.2.5",
+            ServerKind::Ministack => "ministack 1.5.33",
+            ServerKind::S3rver => "s3rver 3.7.1",
+        }
+    }
+
+    /// The variable naming its program, set by `scripts/test.sh`.
+    fn variable(self) -> &'static str {
+        match self {
+            ServerKind::S3sFs => "LABSYNC_S3S_FS",
+            ServerKind::Moto => "LABSYNC_MOTO_SERVER",
+            ServerKind::Ministack => "LABSYNC_MINISTACK",
+            ServerKind::S3rver => "LABSYNC_S3RVER",
+        }
+    }
+
+    /// Credentials it accepts.
+    fn keys(self) -> (&'static str, &'static str) {
+        match self {
+            ServerKind::S3sFs => (ACCESS_KEY, SECRET_KEY),
+            ServerKind::Moto | ServerKind::Ministack => ("test", "test"),
+            ServerKind::S3rver => ("S3RVER", "S3RVER"),
+        }
+    }
+
+    fn program(self) -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os(self.variable()) {
+            return Some(PathBuf::from(p));
+        }
+        (self == ServerKind::S3sFs).then(find_s3s_fs).flatten()
+    }
+}
+
+/// A real S3-compatible server on 127.0.0.1, stopped on drop.
 pub struct S3Server {
     child: Child,
     port: u16,
+    kind: ServerKind,
     _dir: tempfile::TempDir,
 }
 
@@ -181,9 +243,6 @@ pub const ACCESS_KEY: &str = "labsync-test";
 pub const SECRET_KEY: &str = "labsync-test-secret";
 
 fn find_s3s_fs() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("LABSYNC_S3S_FS") {
-        return Some(PathBuf::from(p));
-    }
     let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
         .unwrap_or_default();
@@ -195,55 +254,128 @@ fn find_s3s_fs() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// A free port on 127.0.0.1.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sends one bodiless request and returns the status line.
+fn http_request(port: u16, method: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\n\
+         Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or_default().to_string()
+}
+
 impl S3Server {
-    /// Starts the server; `None` (with a note) when `s3s-fs` is not installed
+    /// Starts `s3s-fs`; `None` (with a note) when it is not installed
     /// outside CI. In CI (`CI` set) a missing server is a failure.
     pub fn start() -> Option<S3Server> {
-        let Some(bin) = find_s3s_fs() else {
+        S3Server::start_kind(ServerKind::S3sFs, true)
+    }
+
+    /// Starts `s3s-fs` without authentication: requests are not signed,
+    /// so a proxy in front may change their headers
+    /// ([`S3Server::unsigned_options`]).
+    pub fn start_unsigned() -> Option<S3Server> {
+        S3Server::start_kind(ServerKind::S3sFs, false)
+    }
+
+    /// Starts a server of `kind` with a bucket `labsync` (`auth`: whether
+    /// `s3s-fs` checks signatures; the others check them or not as they do).
+    pub fn start_kind(kind: ServerKind, auth: bool) -> Option<S3Server> {
+        let Some(bin) = kind.program() else {
             if std::env::var_os("CI").is_some() {
-                panic!("s3s-fs not found: CI must run scripts/test.sh, which installs it");
+                panic!(
+                    "{} not found: CI must run scripts/test.sh, which installs it",
+                    kind.label()
+                );
             }
             eprintln!(
-                "SKIPPED: s3s-fs not installed; scripts/test.sh installs it and runs the S3 tests"
+                "SKIPPED: {} not installed; scripts/test.sh installs it and runs the S3 tests",
+                kind.label()
             );
             return None;
         };
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("labsync")).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(&bin)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--access-key",
-                ACCESS_KEY,
-                "--secret-key",
-                SECRET_KEY,
-            ])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+        let port = free_port();
+        let mut cmd = Command::new(&bin);
+        match kind {
+            ServerKind::S3sFs => {
+                std::fs::create_dir_all(dir.path().join("labsync")).unwrap();
+                cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+                if auth {
+                    cmd.args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY]);
+                }
+                cmd.arg(dir.path());
+            }
+            ServerKind::Moto => {
+                cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+            }
+            ServerKind::Ministack => {
+                cmd.env("GATEWAY_PORT", port.to_string())
+                    .env("BIND_HOST", "127.0.0.1")
+                    .env("TMPDIR", dir.path())
+                    .env("S3_DATA_DIR", dir.path().join("s3"));
+            }
+            ServerKind::S3rver => {
+                cmd.arg("-d")
+                    .arg(dir.path())
+                    .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--silent"])
+                    .args(["--configure-bucket", "labsync"]);
+            }
+        }
+        // `LABSYNC_SERVER_LOGS=DIR` keeps each server's output there.
+        let (out, err) = match std::env::var_os("LABSYNC_SERVER_LOGS") {
+            Some(logs) => {
+                std::fs::create_dir_all(&logs).unwrap();
+                let name = format!("{}-{port}.log", kind.label().replace(' ', "-"));
+                let f = std::fs::File::create(Path::new(&logs).join(name)).unwrap();
+                (Stdio::from(f.try_clone().unwrap()), Stdio::from(f))
+            }
+            None => (Stdio::null(), Stdio::null()),
+        };
+        let child = cmd
+            .stdout(out)
+            .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let server = S3Server {
+            child,
+            port,
+            kind,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "s3s-fs did not listen on port {port}"
+                "{} did not listen on port {port}",
+                kind.label()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Some(S3Server {
-            child,
-            port,
-            _dir: dir,
-        })
+        if matches!(kind, ServerKind::Moto | ServerKind::Ministack) {
+            let status = http_request(port, "PUT", "/labsync");
+            assert!(status.contains(" 200"), "create bucket: {status}");
+        }
+        Some(server)
+    }
+
+    /// Which server this is.
+    pub fn kind(&self) -> ServerKind {
+        self.kind
     }
 
     /// The endpoint URL.
@@ -253,11 +385,39 @@ impl S3Server {
 
     /// Backend options for `Remote::open`.
     pub fn options(&self) -> Vec<(String, String)> {
+        let (key, secret) = self.kind.keys();
         vec![
             ("aws_endpoint".into(), self.endpoint()),
             ("aws_allow_http".into(), "true".into()),
-            ("aws_access_key_id".into(), ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), SECRET_KEY.into()),
+            ("aws_access_key_id".into(), key.into()),
+            ("aws_secret_access_key".into(), secret.into()),
+            ("aws_region".into(), "us-east-1".into()),
+        ]
+    }
+
+    /// The environment that points the `labsync` command at this server.
+    pub fn env(&self) -> Vec<(String, String)> {
+        let (key, secret) = self.kind.keys();
+        vec![
+            ("AWS_ACCESS_KEY_ID".into(), key.into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), secret.into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+            ("AWS_ENDPOINT".into(), self.endpoint()),
+        ]
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+
+    /// Backend options for an unsigned server reached at `endpoint` (the
+    /// server itself, or a proxy in front of it).
+    pub fn unsigned_options(endpoint: &str) -> Vec<(String, String)> {
+        vec![
+            ("aws_endpoint".into(), endpoint.into()),
+            ("aws_allow_http".into(), "true".into()),
+            ("aws_skip_signature".into(), "true".into()),
             ("aws_region".into(), "us-east-1".into()),
         ]
     }

@@ -1,0 +1,247 @@
+//! Creating a key only if it does not exist, on any S3-compatible server.
+//!
+//! labsync numbers the versions of a name, and creates a store's config, by
+//! writing a key that must not exist yet. Where the server honours
+//! `If-None-Match: *` that could be one request. Many S3-compatible servers
+//! in labs do not: some ignore the header (a second "create" overwrites the
+//! first, and a version is lost without a word), some refuse it (`501`).
+//! And one that answers a probe correctly may still not be atomic: `s3s-fs`
+//! 0.14 refuses a second create of a key made one after the other, yet let
+//! two racing pushes both create `v2`. A probe cannot see that.
+//!
+//! So on a server every such create takes a short-lived **claim** on its
+//! key first (a local folder or memory creates atomically and needs none),
+//! restic's lock protocol cut down to one key. What the server does with
+//! the condition is probed once, when the store is created, and recorded in
+//! its config ([`ConditionalWrites`]): where it is honoured, the final write
+//! under the claim is a conditional create too, which also stops a client
+//! that takes no claims (labsync before this scheme); elsewhere it is a
+//! plain write. The protocol:
+//!
+//! 1. If the key exists, it is taken: answer "exists".
+//! 2. Write a claim under a unique name, `claims/<hash of key>.<nonce>`.
+//! 3. List the claims of that key. If any other claim is live (younger than
+//!    [`CLAIM_STALE`] than ours, by the server's clock), withdraw ours
+//!    (delete it), wait a random while, and start again.
+//! 4. Alone: if the key exists now, withdraw and answer "exists"; otherwise
+//!    write it, then withdraw the claim.
+//!
+//! Two writers of one key never both write it: whichever lists second sees
+//! the other's claim, which was written before the first one listed, and is
+//! only deleted after the first one's write of the key is complete (the
+//! second then finds the key at step 4). Both may withdraw when they see
+//! each other; random waits let one through. A writer that lost its claim
+//! to time (held past half of [`CLAIM_STALE`], as a paused process could)
+//! starts again instead of writing. This needs the server to list and read
+//! what was written before (strong read-after-write consistency), which
+//! AWS S3 and the servers a lab runs give.
+//!
+//! Claims of writers that crashed are treated as gone after
+//! [`CLAIM_STALE`] and removed by `gc`.
+//!
+//! All claims sit in one folder that never empties (`claims/keep` stays):
+//! s3rver removes a folder when its last object goes, and a claim written
+//! into a folder being removed crashed it (`ENOENT`, an unhandled error
+//! event) when every key had a folder of claims of its own.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{PutMode, PutOptions, PutPayload};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::http::{random_fraction, status_of};
+use crate::remote::Remote;
+
+/// What the store's server does with a conditional create
+/// (`If-None-Match: *`), as probed when the store was created.
+///
+/// On a server, a key that must not exist (a version, the config) is
+/// created under a short-lived claim, `claims/<hash of key>.<nonce>`: the
+/// claim is written, the claims on that key are listed, and only a writer
+/// alone with its claim writes the key (with `If-None-Match: *` where the
+/// server honours it). This needs no conditional write, and holds where one
+/// is honoured but not atomic. The README's store section says more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConditionalWrites {
+    /// A second create of a key fails: versions are numbered by it.
+    Honoured,
+    /// The header is ignored (a second create overwrites): labsync claims
+    /// keys instead.
+    Ignored,
+    /// Conditional writes are refused (`501` or another 4xx): labsync
+    /// claims keys instead.
+    Refused,
+}
+
+impl ConditionalWrites {
+    /// How keys that must not exist are created on a server, in words.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            ConditionalWrites::Honoured => {
+                "a claim (claims/<key>.<nonce>, listed before the write), then a conditional \
+                 create (If-None-Match: *)"
+            }
+            _ => "a claim (claims/<key>.<nonce>, listed before the write), then a plain write",
+        }
+    }
+}
+
+impl std::fmt::Display for ConditionalWrites {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConditionalWrites::Honoured => "honoured",
+            ConditionalWrites::Ignored => "ignored",
+            ConditionalWrites::Refused => "refused",
+        })
+    }
+}
+
+/// A claim older than ours by this much is left by a writer that crashed.
+pub(crate) const CLAIM_STALE: Duration = Duration::from_secs(30);
+
+/// Attempts at one key before giving up with a conflict.
+const ATTEMPTS: u32 = 64;
+
+/// The folder of every claim.
+pub(crate) const CLAIMS: &str = "claims/";
+
+/// The object that keeps [`CLAIMS`] from ever being empty.
+pub(crate) const KEEP: &str = "claims/keep";
+
+/// How the names of the claims on `key` begin.
+fn claim_prefix(key: &str) -> String {
+    let h = blake3::hash(key.as_bytes()).to_hex();
+    format!("{CLAIMS}{}.", &h[..32])
+}
+
+/// A name no other writer picks: time, process, a counter and randomness,
+/// hashed.
+pub(crate) fn nonce() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let seed = format!(
+        "{:?}{}{}{}",
+        std::time::SystemTime::now(),
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        random_fraction()
+    );
+    blake3::hash(seed.as_bytes()).to_hex()[..32].to_string()
+}
+
+/// True for an error that says the server does not do conditional writes:
+/// `501`, or a 4xx other than the ones that mean something else (denied,
+/// missing, exists, busy).
+pub(crate) fn is_refusal(e: &object_store::Error) -> bool {
+    if matches!(e, object_store::Error::NotImplemented { .. }) {
+        return true;
+    }
+    match status_of(e) {
+        Some(501) => true,
+        Some(s) => (400..500).contains(&s) && ![401, 403, 404, 409, 412, 429].contains(&s),
+        None => false,
+    }
+}
+
+impl Remote {
+    /// Asks the server what it does with a conditional create: a throw-away
+    /// key is created twice. Local folders and memory honour it by
+    /// construction and are not asked.
+    pub async fn probe_conditional_writes(&self) -> Result<ConditionalWrites> {
+        if !self.is_server() {
+            return Ok(ConditionalWrites::Honoured);
+        }
+        let key = format!("probe/{}", nonce());
+        let path = Path::from(key.as_str());
+        let create = || {
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..Default::default()
+            };
+            self.store()
+                .put_opts(&path, PutPayload::from_static(b"probe"), opts)
+        };
+        let unavailable = |e| Error::Unavailable {
+            op: "probe conditional writes with",
+            key: key.clone(),
+            error: e,
+        };
+        let answer = match create().await {
+            Err(e) if is_refusal(&e) => ConditionalWrites::Refused,
+            Err(e) => return Err(unavailable(e)),
+            Ok(_) => match create().await {
+                Err(object_store::Error::AlreadyExists { .. }) => ConditionalWrites::Honoured,
+                Ok(_) => ConditionalWrites::Ignored,
+                Err(e) if is_refusal(&e) => ConditionalWrites::Refused,
+                Err(e) => return Err(unavailable(e)),
+            },
+        };
+        self.delete(&key).await?;
+        Ok(answer)
+    }
+
+    /// Writes `key` if it does not exist, with a claim (see the module);
+    /// returns `false` when it already existed.
+    pub(crate) async fn create_by_claim(&self, key: &str, data: Bytes) -> Result<bool> {
+        let prefix = claim_prefix(key);
+        let stale = CLAIM_STALE.as_secs() as i64;
+        if !self.claims_kept() {
+            self.put(KEEP, Bytes::from_static(b"keeps claims/ from being empty"))
+                .await?;
+            self.set_claims_kept();
+        }
+        for attempt in 0..ATTEMPTS {
+            if self.head(key).await?.is_some() {
+                return Ok(false);
+            }
+            let mine = format!("{prefix}{}", nonce());
+            self.put(&mine, Bytes::from(key.to_string())).await?;
+            let held = Instant::now();
+            let claims = self.list(CLAIMS).await.map(|all| {
+                let on_key = all.into_iter().filter(|c| c.key.starts_with(&prefix));
+                on_key.collect::<Vec<_>>()
+            });
+            let alone = match &claims {
+                Ok(claims) => match claims.iter().find(|c| c.key == mine) {
+                    // Not listed yet: the server is not consistent enough to
+                    // tell; try again.
+                    None => false,
+                    Some(me) => claims
+                        .iter()
+                        .all(|c| c.key == mine || c.modified < me.modified - stale),
+                },
+                Err(_) => false,
+            };
+            if alone && held.elapsed() < CLAIM_STALE / 2 {
+                let written = match self.head(key).await {
+                    Ok(Some(_)) => Ok(false),
+                    Ok(None) if self.conditional() == ConditionalWrites::Honoured => {
+                        self.create_if_absent(key, data.clone()).await
+                    }
+                    Ok(None) => self.put(key, data.clone()).await.map(|()| true),
+                    Err(e) => Err(e),
+                };
+                self.delete(&mine).await?;
+                return written;
+            }
+            self.delete(&mine).await?;
+            claims?;
+            // Both may have stepped back: wait a random while (growing) so
+            // one gets through.
+            let cap = Duration::from_millis(20 << attempt.min(6));
+            tokio::time::sleep(cap.mul_f64(random_fraction())).await;
+        }
+        Err(Error::Conflict {
+            what: format!("object {key}"),
+            detail: format!(
+                "{ATTEMPTS} attempts to claim it met other writers' claims; run the command \
+                 again (a claim left by a crashed writer is ignored after {} s)",
+                CLAIM_STALE.as_secs()
+            ),
+        })
+    }
+}

@@ -1,0 +1,216 @@
+//! The retry policy under the S3 backend, in place of `object_store`'s own,
+//! which retries every 5xx (`501 Not Implemented` included, ten times, for
+//! nothing) and does not read `Retry-After`.
+//!
+//! - `500`, `502`, `503` (S3's `SlowDown`), `504`, `408` and `429` are tried
+//!   again: after the server's `Retry-After` when it sends one (capped at a
+//!   minute), else after an exponential backoff with full jitter (0 to
+//!   100 ms, doubling to 10 s), at most [`MAX_RETRIES`] times and
+//!   [`MAX_ELAPSED`] in all.
+//! - Every other status, `501` and the other 4xx among them, is answered at
+//!   once: asking again cannot change it.
+//! - A request that failed in transport (refused, reset, timed out) is sent
+//!   again: every request labsync makes may be repeated. Objects are written
+//!   whole under their final key, and a conditional create that did land
+//!   the first time answers "exists" the second, which the caller handles.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use object_store::client::{
+    ClientOptions, HttpClient, HttpConnector, HttpError, HttpErrorKind, HttpRequest, HttpResponse,
+    HttpService, ReqwestConnector,
+};
+
+/// Retries of one request at most.
+pub(crate) const MAX_RETRIES: u32 = 8;
+/// Time one request may take with its retries.
+pub(crate) const MAX_ELAPSED: Duration = Duration::from_secs(120);
+
+/// Builds the HTTP client for the S3 backend: `object_store`'s, wrapped in
+/// [`Retrying`].
+#[derive(Debug, Default)]
+pub(crate) struct Connector;
+
+impl HttpConnector for Connector {
+    fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
+        let inner = ReqwestConnector::default().connect(options)?;
+        Ok(HttpClient::new(Retrying { inner }))
+    }
+}
+
+/// An HTTP client that retries what retrying can fix (see the module).
+#[derive(Debug)]
+struct Retrying {
+    inner: HttpClient,
+}
+
+/// Statuses worth asking again.
+fn retryable(status: u16) -> bool {
+    matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
+}
+
+/// A copy of `req` to send again (requests are not `Clone`; bodies are
+/// cheap to clone).
+fn copy_request(req: &HttpRequest) -> HttpRequest {
+    let mut r = HttpRequest::new(req.body().clone());
+    *r.method_mut() = req.method().clone();
+    *r.uri_mut() = req.uri().clone();
+    *r.version_mut() = req.version();
+    *r.headers_mut() = req.headers().clone();
+    r
+}
+
+/// The server's `Retry-After` in seconds, capped at a minute (S3 servers
+/// send seconds, not the HTTP-date form).
+fn retry_after(resp: &HttpResponse) -> Option<Duration> {
+    let v = resp.headers().get("retry-after")?.to_str().ok()?;
+    let secs: u64 = v.trim().parse().ok()?;
+    Some(Duration::from_secs(secs.min(60)))
+}
+
+/// A uniform random fraction in `[0, 1)`, for jitter (std's per-call
+/// random hash keys; no generator needed for this).
+pub(crate) fn random_fraction() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let h = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Full jitter: uniform in `[0, min(10 s, 100 ms × 2^retry))`.
+fn backoff(retry: u32) -> Duration {
+    let cap = Duration::from_millis(100)
+        .saturating_mul(1 << retry.min(7))
+        .min(Duration::from_secs(10));
+    cap.mul_f64(random_fraction())
+}
+
+impl Retrying {
+    async fn send(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        let started = Instant::now();
+        let mut retry = 0;
+        loop {
+            let out = self.inner.execute(copy_request(&req)).await;
+            let wait = match &out {
+                Ok(resp) if retryable(resp.status().as_u16()) => {
+                    retry_after(resp).unwrap_or_else(|| backoff(retry))
+                }
+                Ok(_) => return out,
+                Err(e) => match e.kind() {
+                    HttpErrorKind::Connect
+                    | HttpErrorKind::Request
+                    | HttpErrorKind::Timeout
+                    | HttpErrorKind::Interrupted => backoff(retry),
+                    _ => return out,
+                },
+            };
+            if retry >= MAX_RETRIES || started.elapsed() + wait > MAX_ELAPSED {
+                return out;
+            }
+            retry += 1;
+            tracing::debug!(
+                "{} {}: {}; retry {retry} of {MAX_RETRIES} in {wait:?}",
+                req.method(),
+                req.uri().path(),
+                match &out {
+                    Ok(r) => r.status().to_string(),
+                    Err(e) => e.to_string(),
+                }
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+// `HttpService` is declared with `async_trait`; this is its expansion, so
+// no macro crate is needed for one method.
+impl HttpService for Retrying {
+    fn call<'life0, 'async_trait>(
+        &'life0 self,
+        req: HttpRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<HttpResponse, HttpError>> + Send + 'async_trait>>
+    where
+        'life0: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(self.send(req))
+    }
+}
+
+/// The HTTP status in an `object_store` error, if the server answered one.
+/// `object_store` keeps it in a private type, so it is read from the
+/// message ("... status code: 501 Not Implemented ..."); a test with a real
+/// server answering `501` guards the format.
+pub(crate) fn status_of(e: &object_store::Error) -> Option<u16> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if let Some(i) = text.find("status code: ") {
+            let code = text[i + 13..].get(..3)?;
+            return code.parse().ok();
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// One line for an `object_store` error: the server's status and its own
+/// message (`<Code>` and `<Message>` of an S3 error body) once, or the
+/// innermost cause of a transport failure, instead of the three nested
+/// copies of one text that its error chain prints.
+pub(crate) fn summary(e: &object_store::Error) -> String {
+    let mut innermost: &(dyn std::error::Error + 'static) = e;
+    while let Some(s) = innermost.source() {
+        innermost = s;
+    }
+    let text = e.to_string();
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let end = text[start..].find(&format!("</{name}>"))? + start;
+        Some(text[start..end].trim().to_string())
+    };
+    match status_of(e) {
+        Some(_) => {
+            let reason = text
+                .find("status code: ")
+                .map(|i| &text[i + 13..])
+                .and_then(|t| t.split(':').next())
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            match (tag("Code"), tag("Message")) {
+                (Some(code), Some(msg)) => format!("the server answered {reason}: {code}: {msg}"),
+                (Some(code), None) => format!("the server answered {reason}: {code}"),
+                _ => format!("the server answered {reason}"),
+            }
+        }
+        None => innermost.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_stays_under_its_cap_and_varies() {
+        let waits: Vec<Duration> = (0..50).map(|_| backoff(3)).collect();
+        assert!(waits.iter().all(|w| *w < Duration::from_millis(800)));
+        assert!(waits.iter().any(|w| *w != waits[0]), "jittered");
+        assert!((0..50).all(|_| backoff(30) < Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn only_what_retrying_can_fix_is_retried() {
+        for s in [408, 429, 500, 502, 503, 504] {
+            assert!(retryable(s), "{s}");
+        }
+        for s in [400, 403, 404, 409, 412, 501] {
+            assert!(!retryable(s), "{s}");
+        }
+    }
+}

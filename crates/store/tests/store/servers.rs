@@ -1,0 +1,325 @@
+//! Issue 17: the store on servers that honour, ignore or refuse conditional
+//! writes, and under `503 SlowDown`. A real S3 server (`s3s-fs`) behind the
+//! fault-injecting proxy (`support/proxy.rs`) plays each.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use labsync_store::{push, verify, ConditionalWrites, Error, NodeCache, Remote, Repo};
+
+use super::proxy::{Fault, Proxy};
+use super::support::{random_bytes, S3Server};
+use super::{conformance, np, plain_opts};
+
+/// An unsigned `s3s-fs` (so the proxy may change headers) behind a proxy
+/// doing `fault`.
+async fn server_behind(fault: Fault) -> Option<(S3Server, Proxy)> {
+    let s3 = S3Server::start_unsigned()?;
+    let proxy = Proxy::start(s3.addr(), fault).await;
+    Some((s3, proxy))
+}
+
+fn remote_via(proxy: &Proxy, prefix: &str) -> Remote {
+    let options = S3Server::unsigned_options(&proxy.endpoint());
+    Remote::open(&format!("s3://labsync/{prefix}"), &options).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_s3_ignoring_conditional_writes() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    conformance(remote_via(&proxy, "conformance")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_s3_refusing_conditional_writes() {
+    let Some((_s3, proxy)) = server_behind(Fault::RefuseConditions).await else {
+        return;
+    };
+    conformance(remote_via(&proxy, "conformance")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_s3_answering_slow_down() {
+    let Some((_s3, proxy)) = server_behind(Fault::SlowDown).await else {
+        return;
+    };
+    conformance(remote_via(&proxy, "conformance")).await;
+    assert!(
+        !proxy.retry_delays().is_empty(),
+        "requests were slowed down"
+    );
+}
+
+/// Point 4: `503 SlowDown` is retried, after the server's `Retry-After`.
+/// One client, one request at a time, each for a key of its own: the next
+/// request for a key that was slowed down is its retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_down_is_retried_after_the_servers_retry_after() {
+    let Some((_s3, proxy)) = server_behind(Fault::SlowDown).await else {
+        return;
+    };
+    let remote = remote_via(&proxy, "slow");
+    for i in 0..30 {
+        let key = format!("data/k{i}");
+        remote.put(&key, format!("v{i}").into()).await.unwrap();
+        assert_eq!(
+            &remote.get(&key).await.unwrap()[..],
+            format!("v{i}").as_bytes()
+        );
+    }
+    let delays = proxy.retry_delays();
+    assert!(delays.len() >= 2, "one request in twenty: {}", delays.len());
+    for d in &delays {
+        let d = d.expect("every slowed-down request was sent again");
+        // `Retry-After: 1`, with a little room for the clock.
+        assert!(d >= Duration::from_millis(950), "retried after {d:?}");
+        assert!(d < Duration::from_secs(3), "retried after {d:?}");
+    }
+}
+
+/// Point 2: what the server does is probed at the first open and recorded
+/// in the config; every client uses the scheme it names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_open_probes_and_records_what_the_server_does() {
+    let cases = [
+        (Fault::None, ConditionalWrites::Honoured),
+        (Fault::DropConditions, ConditionalWrites::Ignored),
+        (Fault::RefuseConditions, ConditionalWrites::Refused),
+    ];
+    for (fault, expected) in cases {
+        let Some((_s3, proxy)) = server_behind(fault).await else {
+            return;
+        };
+        let repo = Repo::open(remote_via(&proxy, "probed"), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            repo.config().conditional_writes,
+            Some(expected),
+            "{fault:?}"
+        );
+        // Another client reads it from the config, without asking again.
+        let before = proxy.requests();
+        let again = Repo::open(remote_via(&proxy, "probed"), None)
+            .await
+            .unwrap();
+        assert_eq!(again.config().conditional_writes(), expected);
+        assert_eq!(proxy.requests() - before, 1, "one read of the config");
+        // The probe's throw-away key is gone.
+        assert!(repo.remote().list("probe/").await.unwrap().is_empty());
+    }
+}
+
+/// Point 1: ten pushes racing to one name each land as a distinct version
+/// or fail loudly with a conflict, whatever the server does; every version
+/// a push reported names that push's snapshot; verify is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_pushes_lose_no_version_whatever_the_server_does() {
+    for fault in [Fault::None, Fault::DropConditions, Fault::RefuseConditions] {
+        let Some((_s3, proxy)) = server_behind(fault).await else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(remote_via(&proxy, "race"), None).await.unwrap();
+        let pushes = (0..10u64).map(|i| {
+            let src = dir.path().join(format!("src{i}"));
+            std::fs::create_dir_all(&src).unwrap();
+            std::fs::write(src.join("ckpt.pt"), random_bytes(50_000, 100 + i)).unwrap();
+            let repo = repo.clone();
+            tokio::spawn(async move { push(&repo, &src, &plain_opts("race"), np()).await })
+        });
+        let mut told = BTreeMap::new();
+        let mut conflicts = 0;
+        for p in futures::future::join_all(pushes).await {
+            match p.unwrap() {
+                Ok(o) => {
+                    assert!(o.created, "{fault:?}: every tree differs");
+                    let before = told.insert(o.record.version, o.record.snapshot);
+                    assert!(
+                        before.is_none(),
+                        "{fault:?}: v{} told twice",
+                        o.record.version
+                    );
+                }
+                Err(Error::Conflict { .. }) => conflicts += 1,
+                Err(e) => panic!("{fault:?}: {e}"),
+            }
+        }
+        let recorded: BTreeMap<_, _> = repo
+            .versions("race")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.version, r.snapshot))
+            .collect();
+        assert_eq!(
+            recorded, told,
+            "{fault:?}: what the pushes said is what is recorded"
+        );
+        assert_eq!(told.len() + conflicts, 10);
+        assert_eq!(
+            told.len(),
+            10,
+            "{fault:?}: {conflicts} pushes lost the race"
+        );
+        let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+        let report = verify(&repo, &cache, None, true, np()).await.unwrap();
+        assert!(
+            report.problems.is_empty(),
+            "{fault:?}: {:?}",
+            report.problems
+        );
+        assert!(
+            report.warnings.is_empty(),
+            "{fault:?}: {:?}",
+            report.warnings
+        );
+        // Every claim was withdrawn; only the folder's keeper stays.
+        let left: Vec<_> = repo.remote().list("claims/").await.unwrap();
+        let left: Vec<_> = left.into_iter().map(|o| o.key).collect();
+        assert!(
+            left.iter().all(|k| k == "claims/keep"),
+            "{fault:?}: {left:?}"
+        );
+    }
+}
+
+/// Point 2: two first opens racing on a server without conditional writes
+/// end with one config that both use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_first_opens_agree_on_one_config() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let opens = (0..6).map(|_| Repo::open(remote_via(&proxy, "first"), None));
+    let repos: Vec<Repo> = futures::future::try_join_all(opens).await.unwrap();
+    let ids: HashSet<_> = repos.iter().map(|r| r.config().id.clone()).collect();
+    assert_eq!(ids.len(), 1, "one config: {ids:?}");
+    let stored = Repo::open(remote_via(&proxy, "first"), None).await.unwrap();
+    assert!(ids.contains(&stored.config().id));
+}
+
+/// Point 3: a store written by labsync before it took claims, on a server
+/// that ignored conditional creates, had versions overwritten: the second
+/// of two racing pushes wrote the same version key. What is left of the
+/// lost version (its snapshot, named by no version) is reported by
+/// `verify`, not called clean. A create today refuses that overwrite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reports_a_version_overwritten_on_a_server_that_ignored_the_condition() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = Repo::open(remote_via(&proxy, "old"), None).await.unwrap();
+    let tree = |name: &str, seed| {
+        let p = dir.path().join(name);
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("f"), random_bytes(10_000, seed)).unwrap();
+        p
+    };
+    let first = push(&repo, &tree("a", 1), &plain_opts("ds"), np())
+        .await
+        .unwrap();
+    let other = push(&repo, &tree("b", 2), &plain_opts("other"), np())
+        .await
+        .unwrap();
+    // What a racing push did before: the same version number, created with
+    // a condition the server ignored.
+    let mut lost_race = other.record.clone();
+    lost_race.name = "ds".into();
+    lost_race.version = 1;
+    let key = "refs/ds/@/0000000001";
+    let json = serde_json::to_vec(&lost_race).unwrap();
+    assert!(!repo
+        .remote()
+        .create(key, json.clone().into())
+        .await
+        .unwrap());
+    // The server ignored the condition: the create was a plain write.
+    repo.remote().put(key, json.into()).await.unwrap();
+
+    let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+    let report = verify(&repo, &cache, None, true, np()).await.unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.warnings.len(), 1, "{:?}", report.warnings);
+    let lost = first.record.snapshot.to_string();
+    assert!(report.warnings[0].contains(&lost), "{:?}", report.warnings);
+    assert!(report.warnings[0].contains("named by no version"));
+}
+
+/// Point 4: a conditional write the server refuses is not retried, and the
+/// error is one line naming the operation, the key and the server's
+/// message once, with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_conditional_write_fails_at_once_in_one_line() {
+    let Some((_s3, proxy)) = server_behind(Fault::RefuseConditions).await else {
+        return;
+    };
+    let repo = Repo::open(remote_via(&proxy, "refusing"), None)
+        .await
+        .unwrap();
+    // A client that still asks the server (a config edited by hand, a proxy
+    // put in front later).
+    let asking = repo
+        .remote()
+        .clone()
+        .with_conditional_writes(ConditionalWrites::Honoured);
+    let refused_before = proxy.refused();
+    let started = Instant::now();
+    let err = asking
+        .create("refs/x/@/0000000001", "r".into())
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(proxy.refused() - refused_before, 1, "asked once");
+    let msg = format!("{:#}", anyhow_chain(&err));
+    assert!(!msg.contains('\n'), "{msg}");
+    assert!(msg.contains("create refs/x/@/0000000001"), "{msg}");
+    assert_eq!(msg.matches("501").count(), 1, "{msg}");
+    assert_eq!(msg.matches("not implemented").count(), 1, "{msg}");
+    assert!(msg.contains("remove \"conditional_writes\""), "{msg}");
+}
+
+/// The error and its sources, joined as the CLI prints them.
+fn anyhow_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out += &format!(": {s}");
+        source = s.source();
+    }
+    out
+}
+
+/// A store made before labsync probed records nothing: the next open asks
+/// the server once and writes the answer into the config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_made_before_probing_is_probed_at_its_next_open() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let repo = Repo::open(remote_via(&proxy, "legacy"), None)
+        .await
+        .unwrap();
+    let mut legacy = repo.config().clone();
+    legacy.conditional_writes = None;
+    let json = serde_json::to_vec_pretty(&legacy).unwrap();
+    repo.remote().put("config", json.into()).await.unwrap();
+    let reopened = Repo::open(remote_via(&proxy, "legacy"), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        reopened.config().conditional_writes,
+        Some(ConditionalWrites::Ignored)
+    );
+    let stored: labsync_store::StoreConfig =
+        serde_json::from_slice(&repo.remote().get("config").await.unwrap()).unwrap();
+    assert_eq!(stored.conditional_writes, Some(ConditionalWrites::Ignored));
+    assert_eq!(stored.id, legacy.id, "the same store");
+}

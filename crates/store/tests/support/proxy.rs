@@ -1,0 +1,187 @@
+//! A fault-injecting HTTP proxy in front of a real S3 server, on 127.0.0.1:
+//! it makes one server behave as the servers labs run do with conditional
+//! writes (ignoring them, refusing them) and under load (`503 SlowDown`).
+//! Shared by the store's tests and the cli's matrix, which use different parts.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+
+/// What the proxy does to requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Passes everything through.
+    None,
+    /// Drops `If-None-Match` and `If-Match`: the server never sees the
+    /// condition, so a "create" overwrites (as s3rver and old MinIO do).
+    DropConditions,
+    /// Answers `501 NotImplemented` to any request carrying a condition.
+    RefuseConditions,
+    /// Answers `503 SlowDown` (with `Retry-After: 1`) to one request in twenty.
+    SlowDown,
+}
+
+/// A running proxy; stops when dropped.
+pub struct Proxy {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+    state: Arc<State>,
+}
+
+#[derive(Default)]
+struct State {
+    requests: AtomicU64,
+    /// For each `503` answered: when, and the request it answered
+    /// (method and path with query).
+    slowed: Mutex<Vec<(Instant, String)>>,
+    /// Every request that reached the server: when, and what.
+    passed: Mutex<Vec<(Instant, String)>>,
+    /// Conditional requests answered `501`.
+    refused: AtomicU64,
+}
+
+impl Proxy {
+    /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
+    pub async fn start(upstream: SocketAddr, fault: Fault) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State::default());
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let st = st.clone();
+                        async move { handle(req, upstream, fault, &st).await }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Proxy { addr, task, state }
+    }
+
+    /// The proxy's endpoint URL.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests that reached the proxy.
+    pub fn requests(&self) -> u64 {
+        self.state.requests.load(Ordering::Relaxed)
+    }
+
+    /// Conditional requests answered `501`.
+    pub fn refused(&self) -> u64 {
+        self.state.refused.load(Ordering::Relaxed)
+    }
+
+    /// For every request answered `503`, how long until the same request
+    /// came again (`None` if it never did).
+    pub fn retry_delays(&self) -> Vec<Option<std::time::Duration>> {
+        let slowed = self.state.slowed.lock().unwrap().clone();
+        let passed = self.state.passed.lock().unwrap().clone();
+        slowed
+            .iter()
+            .map(|(t, what)| {
+                passed
+                    .iter()
+                    .chain(slowed.iter())
+                    .filter(|(t2, w2)| w2 == what && t2 > t)
+                    .map(|(t2, _)| *t2 - *t)
+                    .min()
+            })
+            .collect()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn s3_error(status: StatusCode, code: &str, message: &str) -> Response<Full<Bytes>> {
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+         <Message>{message}</Message><RequestId>proxy</RequestId></Error>"
+    );
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/xml")
+        .header("retry-after", "1")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap()
+}
+
+async fn handle(
+    req: Request<Incoming>,
+    upstream: SocketAddr,
+    fault: Fault,
+    st: &State,
+) -> Result<Response<Full<Bytes>>, hyper::Error> {
+    let n = st.requests.fetch_add(1, Ordering::Relaxed);
+    let what = format!(
+        "{} {}",
+        req.method(),
+        req.uri().path_and_query().map_or("", |p| p.as_str())
+    );
+    let conditional =
+        req.headers().contains_key("if-none-match") || req.headers().contains_key("if-match");
+    match fault {
+        Fault::RefuseConditions if conditional => {
+            st.refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(s3_error(
+                StatusCode::NOT_IMPLEMENTED,
+                "NotImplemented",
+                "A header you provided implies functionality that is not implemented",
+            ));
+        }
+        Fault::SlowDown if n % 20 == 7 => {
+            st.slowed.lock().unwrap().push((Instant::now(), what));
+            return Ok(s3_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "SlowDown",
+                "Please reduce your request rate.",
+            ));
+        }
+        _ => {}
+    }
+    st.passed.lock().unwrap().push((Instant::now(), what));
+    let (mut parts, body) = req.into_parts();
+    if fault == Fault::DropConditions {
+        parts.headers.remove("if-none-match");
+        parts.headers.remove("if-match");
+    }
+    let body = body.collect().await?.to_bytes();
+    let stream = match tokio::net::TcpStream::connect(upstream).await {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = format!("proxy cannot reach the server: {e}");
+            return Ok(s3_error(StatusCode::BAD_GATEWAY, "BadGateway", &msg));
+        }
+    };
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let resp = sender
+        .send_request(Request::from_parts(parts, Full::new(body)))
+        .await?;
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await?.to_bytes();
+    Ok(Response::from_parts(parts, Full::new(body)))
+}
