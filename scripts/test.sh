@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): works on a fresh machine with only the
-# Rust toolchain. Installs the S3-compatible test server if it is missing; the
-# tests start their own instances of it on 127.0.0.1 (random ports).
+# Rust toolchain. Installs the S3-compatible test servers if they are missing
+# (s3s-fs here; moto, ministack and s3rver by scripts/s3-servers.sh); the
+# tests start their own instances on 127.0.0.1 (random ports).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -14,5 +15,8 @@ if ! command -v s3s-fs >/dev/null 2>&1; then
 fi
 LABSYNC_S3S_FS="$(command -v s3s-fs)"
 export LABSYNC_S3S_FS
+# The other servers of the compatibility matrix (moto, ministack, s3rver).
+# shellcheck source=scripts/s3-servers.sh
+. scripts/s3-servers.sh
 
 cargo test --workspace --locked "$@"

@@ -128,6 +128,15 @@ impl Settings {
         if let Some(r) = o.s3_region.clone().or(file.s3_region) {
             store_options.push(("aws_region".into(), r));
         }
+        // An http:// endpoint from the environment alone (labd has no
+        // --s3-endpoint flag) needs the same permission as one from a flag.
+        let plain_http =
+            |(k, v): &(String, String)| k == "aws_endpoint" && v.starts_with("http://");
+        if store_options.iter().any(plain_http)
+            && !store_options.iter().any(|(k, _)| k == "aws_allow_http")
+        {
+            store_options.push(("aws_allow_http".into(), "true".into()));
+        }
         let from_env = env
             .iter()
             .find(|(k, _)| k == "LABSYNC_COMPRESSION")
@@ -249,6 +258,11 @@ mod tests {
         assert!(s
             .store_options
             .contains(&("aws_allow_http".into(), "true".into())));
+        // labd has no --s3-endpoint: an http:// AWS_ENDPOINT alone is allowed too.
+        let env = [("AWS_ENDPOINT".to_string(), "http://127.0.0.1:9".to_string())];
+        let s = Settings::resolve(&Overrides::default(), &env).unwrap();
+        let allowed = ("aws_allow_http".to_string(), "true".to_string());
+        assert_eq!(s.store_options.iter().filter(|o| **o == allowed).count(), 1);
     }
 
     #[test]

@@ -10,6 +10,13 @@ mod labrun;
 #[path = "cli/lying.rs"]
 mod lying;
 
+#[path = "cli/matrix.rs"]
+mod matrix;
+
+#[path = "../../store/tests/support/proxy.rs"]
+mod proxy;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -168,34 +175,76 @@ fn exit_codes_and_messages() {
     );
 }
 
+/// What `n` `labsync push` processes racing to one name did.
+struct Race {
+    /// The versions the pushes that said "ok" reported, with their snapshots.
+    told: BTreeMap<u64, String>,
+    /// Pushes that failed (each loudly: exit 1, "conflict").
+    failed: usize,
+    /// The versions `labsync log` shows afterwards.
+    recorded: BTreeMap<u64, String>,
+}
+
+/// Starts `n` pushes of different trees to `name` at once and checks that
+/// what they said is what `labsync log` shows: every push that said "ok"
+/// has its own version, naming its snapshot, and no version is unaccounted.
+fn race(lab: &Lab, name: &str, n: u64, seed: u64) -> Race {
+    let pushes: Vec<_> = (0..n)
+        .map(|i| {
+            let src = lab.path(&format!("{name}-src-{seed}-{i}"));
+            std::fs::create_dir_all(&src).unwrap();
+            std::fs::write(
+                src.join("ckpt.pt"),
+                support::random_bytes(100_000, seed + i),
+            )
+            .unwrap();
+            lab.cmd(&["--json", "push", s(&src), "--name", name])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut race = Race {
+        told: BTreeMap::new(),
+        failed: 0,
+        recorded: BTreeMap::new(),
+    };
+    for p in pushes {
+        let o = p.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        if !o.status.success() {
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            assert!(err.contains("conflict"), "a lost race says so: {err}");
+            race.failed += 1;
+            continue;
+        }
+        let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let rec = &doc["result"]["record"];
+        let v = rec["version"].as_u64().unwrap();
+        let before = race.told.insert(v, rec["snapshot"].to_string());
+        assert!(before.is_none(), "v{v} reported by two pushes");
+    }
+    let log = lab.json(&["log", name]);
+    race.recorded = log["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v["version"].as_u64().unwrap(), v["snapshot"].to_string()))
+        .collect();
+    for (v, snap) in &race.told {
+        let got = race.recorded.get(v);
+        assert_eq!(got, Some(snap), "v{v} names what its push reported");
+    }
+    race
+}
+
 #[test]
 fn two_processes_racing_one_name_never_lose_a_version() {
     let lab = Lab::new();
     for round in 0..3u64 {
-        let (a, b) = (
-            lab.path(&format!("a{round}")),
-            lab.path(&format!("b{round}")),
-        );
-        write_tree(&a, 100 + round * 2);
-        write_tree(&b, 101 + round * 2);
-        let pa = lab
-            .cmd(&["--json", "push", s(&a), "--name", "race"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let pb = lab
-            .cmd(&["--json", "push", s(&b), "--name", "race"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        for p in [pa, pb] {
-            let o = p.wait_with_output().unwrap();
-            assert!(
-                o.status.success(),
-                "a racing push failed: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
+        let r = race(&lab, "race", 2, 100 + round * 2);
+        assert_eq!(r.failed, 0, "both pushes land");
     }
     let log = lab.json(&["log", "race"]);
     let versions: Vec<u64> = log["versions"]
@@ -209,34 +258,33 @@ fn two_processes_racing_one_name_never_lose_a_version() {
         (1..=6).collect::<Vec<_>>(),
         "six pushes, six versions"
     );
-    let snaps: std::collections::HashSet<_> = log["versions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v["snapshot"].to_string())
-        .collect();
-    assert_eq!(snaps.len(), 6);
 }
 
-#[test]
-fn killed_push_never_leaves_a_ref_to_missing_data() {
-    let lab = Lab::new();
-    let src = lab.path("data");
+/// `n` files of `size` random bytes under `lab/dir`.
+fn random_files(lab: &Lab, dir: &str, n: u64, size: usize, seed: u64) -> PathBuf {
+    let src = lab.path(dir);
     std::fs::create_dir_all(&src).unwrap();
-    for i in 0..48 {
+    for i in 0..n {
         std::fs::write(
             src.join(format!("{i:03}.png")),
-            support::random_bytes(2_000_000, i),
+            support::random_bytes(size, seed + i),
         )
         .unwrap();
     }
-    for (round, delay_ms) in [30u64, 120, 250, 400, 700].into_iter().enumerate() {
-        support::overwrite_middle(&src.join(format!("{:03}.png", round)), 10);
+    src
+}
+
+/// Pushes of `src` killed (`kill -9`) after each of `delays_ms` leave a
+/// store that `verify --remote` passes; after a whole push and a `gc`, the
+/// tree pulls back.
+fn killed_pushes_leave_the_store_verifiable(lab: &Lab, src: &Path, delays_ms: &[u64]) {
+    for (round, delay_ms) in delays_ms.iter().enumerate() {
+        support::overwrite_middle(&src.join(format!("{round:03}.png")), 10);
         let mut p = lab
-            .cmd(&["push", s(&src), "--name", "crashy", "--quiet"])
+            .cmd(&["push", s(src), "--name", "crashy", "--quiet"])
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(delay_ms));
+        std::thread::sleep(Duration::from_millis(*delay_ms));
         let _ = p.kill(); // SIGKILL
         let _ = p.wait();
         let v = lab.run(&["verify", "--remote"]);
@@ -246,33 +294,29 @@ fn killed_push_never_leaves_a_ref_to_missing_data() {
             String::from_utf8_lossy(&v.stdout)
         );
     }
-    // A completed push after the crashes, then gc of the leftovers, then a clean pull.
-    lab.ok(&["push", s(&src), "--name", "crashy"]);
+    lab.ok(&["push", s(src), "--name", "crashy"]);
     lab.ok(&["gc", "--grace", "0"]);
     assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
-    let dest = lab.path("out");
+    let dest = lab.path("crashy-out");
     lab.ok(&["pull", "crashy", s(&dest)]);
-    assert_same_tree(&src, &dest);
+    assert_same_tree(src, &dest);
 }
 
 #[test]
-fn gc_process_next_to_push_process() {
+fn killed_push_never_leaves_a_ref_to_missing_data() {
     let lab = Lab::new();
-    let src = lab.path("d");
-    std::fs::create_dir_all(&src).unwrap();
-    for i in 0..24 {
-        std::fs::write(
-            src.join(format!("f{i}")),
-            support::random_bytes(2_000_000, 1000 + i),
-        )
-        .unwrap();
-    }
-    let push = lab
-        .cmd(&["push", s(&src), "--name", "d", "--quiet"])
+    let src = random_files(&lab, "data", 48, 2_000_000, 0);
+    killed_pushes_leave_the_store_verifiable(&lab, &src, &[30, 120, 250, 400, 700]);
+}
+
+/// `labsync gc` run again and again while `src` is pushed as `name`: the
+/// push lands whole, the store verifies, the tree pulls back.
+fn gc_next_to_push(lab: &Lab, src: &Path, name: &str) {
+    let mut push = lab
+        .cmd(&["push", s(src), "--name", name, "--quiet"])
         .spawn()
         .unwrap();
     let mut gcs = 0;
-    let mut push = push;
     loop {
         lab.ok(&["gc"]);
         gcs += 1;
@@ -283,9 +327,16 @@ fn gc_process_next_to_push_process() {
     assert!(push.wait().unwrap().success());
     assert!(gcs >= 1);
     assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
-    let dest = lab.path("out");
-    lab.ok(&["pull", "d", s(&dest)]);
-    assert_same_tree(&src, &dest);
+    let dest = lab.path(&format!("{name}-out"));
+    lab.ok(&["pull", name, s(&dest)]);
+    assert_same_tree(src, &dest);
+}
+
+#[test]
+fn gc_process_next_to_push_process() {
+    let lab = Lab::new();
+    let src = random_files(&lab, "d", 24, 2_000_000, 1000);
+    gc_next_to_push(&lab, &src, "d");
 }
 
 #[test]
@@ -381,6 +432,22 @@ fn s3_end_to_end() {
     lab.ok(&["pull", "ds", s(&dest)]);
     assert_same_tree(&src, &dest);
     assert!(lab.ok(&["verify", "--remote"]).starts_with("ok"));
+    // Issue 17, point 2: what the server does with conditional writes,
+    // probed when the store was made.
+    let info = lab.ok(&["info"]);
+    assert!(
+        info.contains("store:              s3://labsync/cli-test"),
+        "{info}"
+    );
+    assert!(
+        info.contains("conditional writes: honoured (probed"),
+        "{info}"
+    );
+    let info = lab.json(&["info"]);
+    assert_eq!(info["conditional_writes"], "honoured");
+    assert_eq!(info["conditional_writes_probed"], true);
+    assert_eq!(info["config"]["chunker"], "fastcdc-v2020");
+    assert!(info["scheme"].as_str().unwrap().starts_with("a claim"));
     // Wrong credentials: a clear error, exit 1.
     let o = lab
         .cmd(&["ls"])

@@ -114,6 +114,10 @@ enum Cmd {
     },
     /// List stored names: latest version, logical size, stored size, when
     Ls,
+    /// Show the store: URL, format, chunker, compression, and what its server
+    /// does with conditional writes (honoured, ignored or refused, probed
+    /// when the store was created) with the scheme versions are numbered by
+    Info,
     /// Show the versions of a name and what changed in each
     Log {
         /// The name
@@ -230,6 +234,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             delete,
         } => commands::pull::pull(&ctx, &spec, dest, threads, delete).await,
         Cmd::Ls => commands::ls::ls(&ctx).await,
+        Cmd::Info => commands::info::info(&ctx).await,
         Cmd::Log { name } => commands::log::log(&ctx, &name).await,
         Cmd::Diff { a, b } => commands::diff::diff(&ctx, &a, &b).await,
         Cmd::Verify { name, remote } => {

@@ -19,6 +19,7 @@ pub mod cache;
 pub mod diff;
 pub mod forget;
 pub mod gc;
+pub mod info;
 pub mod log;
 pub mod ls;
 pub mod pull;

@@ -29,6 +29,9 @@ fn text(r: &VerifyReport, remote: bool) -> String {
     for p in &r.problems {
         s += &format!("PROBLEM {p}\n");
     }
+    for w in &r.warnings {
+        s += &format!("WARNING {w}\n");
+    }
     if let Some(repair) = &r.repair {
         s += &format!("REPAIR {repair}\n");
     }
@@ -44,12 +47,13 @@ fn text(r: &VerifyReport, remote: bool) -> String {
     };
     s + &format!(
         "{verdict}: {} versions, {} chunks referenced; {} pack footers checked against the \
-         index; {} packs and {} chunks re-hashed ({rehashed}); {} problems",
+         index; {} packs and {} chunks re-hashed ({rehashed}); {} problems, {} warnings",
         r.versions,
         r.chunks,
         r.footers_checked,
         r.packs_checked,
         r.chunks_checked,
-        r.problems.len()
+        r.problems.len(),
+        r.warnings.len()
     )
 }

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 use labsync_agent::proto::JobView;
 use labsync_agent::{session_members, JobState};
 
-const ALICE: &str = "tok-alice-0123456789";
+pub(crate) const ALICE: &str = "tok-alice-0123456789";
 const BOB: &str = "tok-bob-0123456789";
 const ADMIN: &str = "tok-admin-0123456789";
 
 /// A temporary lab: a store, a labd with fake GPUs, and users' tokens.
-struct Node {
+pub(crate) struct Node {
     dir: tempfile::TempDir,
     labd: Option<Child>,
     config: PathBuf,
@@ -22,9 +22,11 @@ struct Node {
     addr: String,
     /// The store's URL.
     store: String,
+    /// The environment labd and `labsync` get (an S3 server's credentials).
+    env: Vec<(String, String)>,
 }
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
         assert!(
@@ -46,6 +48,19 @@ impl Node {
         Node::start_at(tcp, gpus, extra, None, None)
     }
 
+    /// A labd with no GPUs whose store is `store` (a URL), reached with
+    /// `env` (an S3 server's endpoint and credentials).
+    pub(crate) fn start_with_store(store: &str, env: Vec<(String, String)>) -> Node {
+        Node::start_full(
+            None,
+            None,
+            "run_as = \"labd\"",
+            None,
+            Some(store.into()),
+            env,
+        )
+    }
+
     /// As [`Node::start_on`], with the node cache and the store where given.
     fn start_at(
         tcp: Option<&str>,
@@ -53,6 +68,18 @@ impl Node {
         extra: &str,
         cache: Option<&Path>,
         store: Option<&Path>,
+    ) -> Node {
+        let store = store.map(|p| format!("file://{}", p.display()));
+        Node::start_full(tcp, gpus, extra, cache, store, Vec::new())
+    }
+
+    fn start_full(
+        tcp: Option<&str>,
+        gpus: Option<&str>,
+        extra: &str,
+        cache: Option<&Path>,
+        store: Option<String>,
+        env: Vec<(String, String)>,
     ) -> Node {
         let dir = tempfile::tempdir().unwrap();
         // Jobs run as other users (when the tests run as root) must reach their folders.
@@ -75,34 +102,34 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "listen = \"{addr}\"\nstate_dir = \"{state}\"\nstore = \"file://{store}\"\n\
+                "listen = \"{addr}\"\nstate_dir = \"{state}\"\nstore = \"{store}\"\n\
                  cache_dir = \"{cache}\"\ntick_ms = 50\nkill_grace_s = 1\ninventory_deadline_ms = 300\n\
                  {fake}{extra}\nadmins = [\"admin\"]\n[tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\n\
                  admin = \"{ADMIN}\"\nnobody = \"tok-nobody-0123456789\"\n",
                 state = d.join("state").display(),
-                store = store.map_or(d.join("store"), Path::to_path_buf).display(),
+                store = store
+                    .clone()
+                    .unwrap_or_else(|| format!("file://{}", d.join("store").display())),
                 cache = cache.map_or(d.join("cache"), Path::to_path_buf).display(),
             ),
         )
         .unwrap();
         // It holds tokens: labd refuses it readable by others.
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let store = format!(
-            "file://{}",
-            store.map_or(d.join("store"), Path::to_path_buf).display()
-        );
+        let store = store.unwrap_or_else(|| format!("file://{}", d.join("store").display()));
         let mut n = Node {
             dir,
             labd: None,
             config,
             addr,
             store,
+            env,
         };
         n.restart();
         n
     }
 
-    fn path(&self, p: &str) -> PathBuf {
+    pub(crate) fn path(&self, p: &str) -> PathBuf {
         self.dir.path().join(p)
     }
 
@@ -118,6 +145,7 @@ impl Node {
             .arg(&self.config)
             .env("HOME", self.path("home"))
             .env("LABD_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -154,6 +182,7 @@ impl Node {
             .env_remove("LABRUN_TOKEN")
             .env("LABRUN_LABD", &self.addr)
             .env("LABSYNC_CACHE", self.path("client-cache"))
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null());
         if let Some(t) = token {
             c.env("LABRUN_TOKEN", t);
@@ -187,7 +216,7 @@ impl Node {
     }
 
     /// Submits without waiting; returns the job id.
-    fn detach(&self, token: &str, args: &[&str]) -> String {
+    pub(crate) fn detach(&self, token: &str, args: &[&str]) -> String {
         let mut a = vec!["-d"];
         a.extend_from_slice(args);
         self.ok(token, &a).trim().to_string()
@@ -197,7 +226,7 @@ impl Node {
         serde_json::from_str(&self.ok(ADMIN, &["ps", "--all", "--json"])).unwrap()
     }
 
-    fn job(&self, id: &str) -> JobView {
+    pub(crate) fn job(&self, id: &str) -> JobView {
         self.jobs().into_iter().find(|j| j.id == id).unwrap()
     }
 
@@ -211,13 +240,13 @@ impl Node {
         assert_eq!(self.job(id).state, JobState::Queued, "{because}");
     }
 
-    fn ended(&self, id: &str) -> bool {
+    pub(crate) fn ended(&self, id: &str) -> bool {
         let j = self.job(id);
         j.ended() && !j.meta.outputs_pending
     }
 
     /// The job's outputs, saved as `runs/<id>@v1`, pulled back: `file`'s content.
-    fn saved_outputs(&self, j: &JobView, file: &str) -> String {
+    pub(crate) fn saved_outputs(&self, j: &JobView, file: &str) -> String {
         let id = &j.id;
         assert_eq!(
             j.meta.outputs_saved.as_deref(),
@@ -235,12 +264,13 @@ impl Node {
         self.ok(ALICE, &["status"])
     }
 
-    fn labsync(&self, args: &[&str]) -> Output {
+    pub(crate) fn labsync(&self, args: &[&str]) -> Output {
         Command::new(env!("CARGO_BIN_EXE_labsync"))
             .args(args)
             .env("HOME", self.path("home"))
             .env("LABSYNC_STORE", &self.store)
             .env("LABSYNC_CACHE", self.path("client-cache"))
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .output()
             .unwrap()
     }
