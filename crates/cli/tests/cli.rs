@@ -122,6 +122,14 @@ fn push_pull_ls_log_diff() {
     assert!(diff.contains("M big.bin"), "{diff}");
     assert!(lab.ok(&["verify"]).starts_with("ok"));
     assert!(lab.ok(&["verify", "--remote", "div2k"]).starts_with("ok"));
+    // A snapshot no version names (a version lost to a server that ignored
+    // conditional writes, say): listed, not called clean, exit 0.
+    let orphan = lab.path("store/snapshots").join("ab".repeat(32));
+    std::fs::write(&orphan, b"lost").unwrap();
+    let v = lab.ok(&["verify"]);
+    assert!(v.contains(&format!("WARNING snapshot {}", "ab".repeat(32))), "{v}");
+    assert!(v.lines().last().unwrap().starts_with("WARNINGS: "), "{v}");
+    std::fs::remove_file(&orphan).unwrap();
     let st = lab.json(&["cache", "status"]);
     assert_eq!(st["status"]["snapshots"].as_array().unwrap().len(), 2);
 

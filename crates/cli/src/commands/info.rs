@@ -17,7 +17,7 @@ pub async fn info(ctx: &StoreContext) -> Result<ExitCode> {
     // Stores made before labsync probed the server record nothing.
     let probed = c.conditional_writes.is_some();
     let how = if probed {
-        format!("{cw} (probed when the store was created)")
+        format!("{cw} (probed, and recorded in the store's config)")
     } else {
         format!("{cw} (assumed: the store was made before labsync probed servers)")
     };

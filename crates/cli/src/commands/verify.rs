@@ -35,10 +35,12 @@ fn text(r: &VerifyReport, remote: bool) -> String {
     if let Some(repair) = &r.repair {
         s += &format!("REPAIR {repair}\n");
     }
-    let verdict = if r.problems.is_empty() {
-        "ok"
-    } else {
-        "FAILED"
+    // Warnings do not fail the command (everything recorded restores),
+    // but a store with them is not called clean.
+    let verdict = match (r.problems.is_empty(), r.warnings.is_empty()) {
+        (false, _) => "FAILED",
+        (true, false) => "WARNINGS",
+        (true, true) => "ok",
     };
     let rehashed = if remote {
         "from the store"
