@@ -127,7 +127,10 @@ fn push_pull_ls_log_diff() {
     let orphan = lab.path("store/snapshots").join("ab".repeat(32));
     std::fs::write(&orphan, b"lost").unwrap();
     let v = lab.ok(&["verify"]);
-    assert!(v.contains(&format!("WARNING snapshot {}", "ab".repeat(32))), "{v}");
+    assert!(
+        v.contains(&format!("WARNING snapshot {}", "ab".repeat(32))),
+        "{v}"
+    );
     assert!(v.lines().last().unwrap().starts_with("WARNINGS: "), "{v}");
     std::fs::remove_file(&orphan).unwrap();
     let st = lab.json(&["cache", "status"]);

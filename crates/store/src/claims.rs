@@ -37,7 +37,8 @@
 //! AWS S3 and the servers a lab runs give.
 //!
 //! Claims of writers that crashed are treated as gone after
-//! [`CLAIM_STALE`] and removed by `gc`.
+//! [`CLAIM_STALE`], deleted by the next writer that sees them, and swept
+//! by `gc`. A writer keeps trying for twice that long before it gives up.
 //!
 //! All claims sit in one folder that never empties (`claims/keep` stays):
 //! s3rver removes a folder when its last object goes, and a claim written
@@ -103,8 +104,9 @@ impl std::fmt::Display for ConditionalWrites {
 /// A claim older than ours by this much is left by a writer that crashed.
 pub(crate) const CLAIM_STALE: Duration = Duration::from_secs(30);
 
-/// Attempts at one key before giving up with a conflict.
-const ATTEMPTS: u32 = 64;
+/// How long a writer keeps trying for one key before giving up with a
+/// conflict: long enough to outlast a claim left by a crashed writer.
+const PATIENCE: Duration = Duration::from_secs(2 * CLAIM_STALE.as_secs());
 
 /// The folder of every claim.
 pub(crate) const CLAIMS: &str = "claims/";
@@ -194,7 +196,10 @@ impl Remote {
                 .await?;
             self.set_claims_kept();
         }
-        for attempt in 0..ATTEMPTS {
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        while started.elapsed() < PATIENCE {
+            attempt += 1;
             if self.head(key).await?.is_some() {
                 return Ok(false);
             }
@@ -210,9 +215,16 @@ impl Remote {
                     // Not listed yet: the server is not consistent enough to
                     // tell; try again.
                     None => false,
-                    Some(me) => claims
-                        .iter()
-                        .all(|c| c.key == mine || c.modified < me.modified - stale),
+                    Some(me) => {
+                        let dead = |c: &&crate::remote::ObjectInfo| {
+                            c.key != mine && c.modified < me.modified - stale
+                        };
+                        // Left by crashed writers: out of the others' way.
+                        for c in claims.iter().filter(dead) {
+                            let _ = self.delete(&c.key).await;
+                        }
+                        claims.iter().all(|c| c.key == mine || dead(&c))
+                    }
                 },
                 Err(_) => false,
             };
@@ -233,14 +245,15 @@ impl Remote {
             // Both may have stepped back: wait a random while (growing) so
             // one gets through.
             let cap = Duration::from_millis(20 << attempt.min(6));
+            let cap = cap.min(PATIENCE.saturating_sub(started.elapsed()));
             tokio::time::sleep(cap.mul_f64(random_fraction())).await;
         }
         Err(Error::Conflict {
             what: format!("object {key}"),
             detail: format!(
-                "{ATTEMPTS} attempts to claim it met other writers' claims; run the command \
-                 again (a claim left by a crashed writer is ignored after {} s)",
-                CLAIM_STALE.as_secs()
+                "{attempt} attempts in {} s to claim it met other writers' claims; run the \
+                 command again",
+                PATIENCE.as_secs()
             ),
         })
     }

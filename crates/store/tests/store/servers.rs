@@ -323,3 +323,43 @@ async fn a_store_made_before_probing_is_probed_at_its_next_open() {
     assert_eq!(stored.conditional_writes, Some(ConditionalWrites::Ignored));
     assert_eq!(stored.id, legacy.id, "the same store");
 }
+
+/// A claim left by a writer that crashed (older than 30 s by the server's
+/// clock) does not block the key: the next writer passes it and deletes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_left_by_a_crashed_writer_does_not_block_the_key() {
+    let Some((s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let repo = Repo::open(remote_via(&proxy, "crashed"), None)
+        .await
+        .unwrap();
+    let key = "refs/ds/@/0000000001";
+    let hash = blake3::hash(key.as_bytes()).to_hex();
+    let left = format!("claims/{}.{}", &hash[..32], "f".repeat(32));
+    repo.remote().put(&left, key.into()).await.unwrap();
+    // s3s-fs gives an object its file's modification time.
+    let file = s3.data_dir().join("labsync/crashed").join(&left);
+    let minute_ago = filetime::FileTime::from_unix_time(labsync_now() - 60, 0);
+    filetime::set_file_mtime(&file, minute_ago).unwrap();
+
+    let started = Instant::now();
+    assert!(repo.remote().create(key, "v1".into()).await.unwrap());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let claims = repo.remote().list("claims/").await.unwrap();
+    assert!(
+        claims.iter().all(|c| c.key != left),
+        "the dead claim is deleted"
+    );
+}
+
+fn labsync_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}

@@ -373,6 +373,12 @@ impl S3Server {
         Some(server)
     }
 
+    /// Where the server keeps its objects (`s3s-fs`: the bucket `labsync`
+    /// is the folder of that name, each object a file).
+    pub fn data_dir(&self) -> &Path {
+        self._dir.path()
+    }
+
     /// Which server this is.
     pub fn kind(&self) -> ServerKind {
         self.kind
