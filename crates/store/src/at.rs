@@ -17,23 +17,64 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags, Stat, Timespec, Timestamps};
 
-/// Folders one cache keeps open. Writers take folders a window at a time
-/// (`pull::spread_over_folders`); when the cache is full it is emptied
-/// (evicting one at random kept evicting folders of the window in use), and
-/// a miss costs one `openat` per level below the nearest folder still open.
-const OPEN_DIRS: usize = 256;
+/// Folders the cache of the one-thread steps keeps open: they go through
+/// the tree in path order, so few are in use at a time.
+const SHARED_DIRS: usize = 64;
 
-/// Open folders of a [`Tree`], by relative path.
-#[derive(Default)]
+/// Folders all the caches of one pull may keep open together.
+///
+/// Descriptors are a per-process limit (often 1,024 soft): the soft limit is
+/// raised to the hard one once, as Go's runtime does, and a quarter of what
+/// it then allows (at most 4,096) goes to open folders.
+fn dir_budget() -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let mut lim = getrlimit(Resource::Nofile);
+        if lim.current < lim.maximum {
+            let raised = rustix::process::Rlimit {
+                current: lim.maximum.map(|m| m.min(1 << 20)),
+                maximum: lim.maximum,
+            };
+            if setrlimit(Resource::Nofile, raised).is_ok() {
+                lim = getrlimit(Resource::Nofile);
+            }
+        }
+        let soft = lim.current.unwrap_or(1 << 20);
+        (soft / 4).clamp(128, 4096) as usize
+    })
+}
+
+/// Open folders of a [`Tree`], by relative path. When full, it is emptied:
+/// writers take folders a window at a time (`pull::spread_over_folders`),
+/// and evicting one at random kept evicting folders of the window in use. A
+/// miss costs one `openat` per level below the nearest folder still open.
 pub(crate) struct Dirs {
     open: HashMap<Vec<u8>, Arc<OwnedFd>>,
+    cap: usize,
+}
+
+impl Dirs {
+    /// The cache of one of `writers` writer threads: an equal share of what
+    /// the shared cache leaves of [`dir_budget`].
+    pub(crate) fn for_writer(writers: usize) -> Dirs {
+        let share = dir_budget().saturating_sub(SHARED_DIRS) / writers.max(1);
+        Dirs::with_cap(share.max(16))
+    }
+
+    fn with_cap(cap: usize) -> Dirs {
+        Dirs {
+            open: HashMap::new(),
+            cap,
+        }
+    }
 }
 
 /// What lookups open: the folder itself, never a symlink, for `*at` calls.
@@ -83,7 +124,7 @@ impl Tree {
         Ok(Tree {
             root: Arc::new(root),
             shown: dest.to_path_buf(),
-            dirs: Mutex::new(Dirs::default()),
+            dirs: Mutex::new(Dirs::with_cap(SHARED_DIRS)),
         })
     }
 
@@ -124,7 +165,7 @@ impl Tree {
                 .map_or(rel.len(), |i| start + i);
             let name = OsStr::from_bytes(&rel[start..end]);
             fd = Arc::new(rustix::fs::openat(&*fd, name, walk_flags(), Mode::empty())?);
-            if dirs.open.len() >= OPEN_DIRS {
+            if dirs.open.len() >= dirs.cap {
                 dirs.open.clear();
             }
             dirs.open.insert(rel[..end].to_vec(), fd.clone());
@@ -179,13 +220,22 @@ impl Tree {
                 Ok(rustix::fs::futimens(&fd, &timespec(mtime_ns))?)
             }
             // A folder its owner may not read (mode 0o311, say) cannot be
-            // opened to set it, but can be set by name. Only a user who is
-            // not root meets this, in a folder of their own, so a symlink
-            // swapped in meanwhile leads to nothing they could not change.
+            // opened for reading. It is opened O_PATH (never through a
+            // symlink: O_NOFOLLOW), and set through /proc/self/fd, which
+            // names that very folder, as glibc's lchmod does: setting it by
+            // name could follow a symlink swapped in meanwhile.
             Err(rustix::io::Errno::ACCESS) => {
-                rustix::fs::chmodat(&*d, n, Mode::from_raw_mode(mode), AtFlags::empty())?;
-                let flags = AtFlags::SYMLINK_NOFOLLOW;
-                Ok(rustix::fs::utimensat(&*d, n, &timespec(mtime_ns), flags)?)
+                let fd = rustix::fs::openat(&*d, n, walk_flags(), Mode::empty())?;
+                let by_fd = format!("/proc/self/fd/{}", fd.as_raw_fd());
+                let cwd = rustix::fs::CWD;
+                rustix::fs::chmodat(cwd, &by_fd, Mode::from_raw_mode(mode), AtFlags::empty())?;
+                let times = timespec(mtime_ns);
+                Ok(rustix::fs::utimensat(
+                    cwd,
+                    &by_fd,
+                    &times,
+                    AtFlags::empty(),
+                )?)
             }
             Err(e) => Err(e.into()),
         }

@@ -30,9 +30,12 @@
 //! the other's claim, which was written before the first one listed, and is
 //! only deleted after the first one's write of the key is complete (the
 //! second then finds the key at step 4). Both may withdraw when they see
-//! each other; random waits let one through. A writer that lost its claim
-//! to time (held past half of [`CLAIM_STALE`], as a paused process could)
-//! starts again instead of writing. This needs the server to list and read
+//! each other; random waits let one through. A writer must write the key
+//! within [`WRITE_DEADLINE`] of sending its claim: one that is slower (a
+//! paused process, a server answering `503` again and again) starts again
+//! before writing, or, once its write is sent, gives up and leaves its
+//! claim in place until it is stale, by when the write has landed or never
+//! will. This needs the server to list and read
 //! what was written before (strong read-after-write consistency), which
 //! AWS S3 and the servers a lab runs give.
 //!
@@ -102,7 +105,14 @@ impl std::fmt::Display for ConditionalWrites {
 }
 
 /// A claim older than ours by this much is left by a writer that crashed.
-pub(crate) const CLAIM_STALE: Duration = Duration::from_secs(30);
+/// Far above [`WRITE_DEADLINE`] plus the longest one request can take once
+/// sent (object_store's 30 s timeout), so a slow writer's last request has
+/// landed long before anyone takes its claim for dead.
+pub(crate) const CLAIM_STALE: Duration = Duration::from_secs(120);
+
+/// The most a claim is held from before it is written until the key is
+/// written: past it the writer gives up its attempt instead of writing late.
+const WRITE_DEADLINE: Duration = Duration::from_secs(30);
 
 /// How long a writer keeps trying for one key before giving up with a
 /// conflict: long enough to outlast a claim left by a crashed writer.
@@ -182,7 +192,10 @@ impl Remote {
                 Err(e) => return Err(unavailable(e)),
             },
         };
-        self.delete(&key).await?;
+        // A client that may write but not delete leaves it for gc.
+        if let Err(e) = self.delete(&key).await {
+            tracing::warn!("cannot delete the probe {key}: {e}");
+        }
         Ok(answer)
     }
 
@@ -204,8 +217,9 @@ impl Remote {
                 return Ok(false);
             }
             let mine = format!("{prefix}{}", nonce());
-            self.put(&mine, Bytes::from(key.to_string())).await?;
+            // Counted from before the claim is sent: a slow answer counts too.
             let held = Instant::now();
+            self.put(&mine, Bytes::from(key.to_string())).await?;
             let claims = self.list(CLAIMS).await.map(|all| {
                 let on_key = all.into_iter().filter(|c| c.key.starts_with(&prefix));
                 on_key.collect::<Vec<_>>()
@@ -228,16 +242,33 @@ impl Remote {
                 },
                 Err(_) => false,
             };
-            if alone && held.elapsed() < CLAIM_STALE / 2 {
-                let written = match self.head(key).await {
-                    Ok(Some(_)) => Ok(false),
-                    Ok(None) if self.conditional() == ConditionalWrites::Honoured => {
-                        self.create_if_absent(key, data.clone()).await
+            if let Some(left) = WRITE_DEADLINE.checked_sub(held.elapsed()).filter(|_| alone) {
+                let write = async {
+                    match self.head(key).await? {
+                        Some(_) => Ok(false),
+                        None if self.conditional() == ConditionalWrites::Honoured => {
+                            self.create_if_absent(key, data.clone()).await
+                        }
+                        None => self.put(key, data.clone()).await.map(|()| true),
                     }
-                    Ok(None) => self.put(key, data.clone()).await.map(|()| true),
-                    Err(e) => Err(e),
                 };
-                self.delete(&mine).await?;
+                let Ok(written) = tokio::time::timeout(left, write).await else {
+                    // The write may still land: the claim stays, so nobody
+                    // writes the key until it is stale, long after that.
+                    return Err(Error::Conflict {
+                        what: format!("object {key}"),
+                        detail: format!(
+                            "the server did not answer its write within {} s; it may still \
+                             land: run the command again (it finds what landed)",
+                            WRITE_DEADLINE.as_secs()
+                        ),
+                    });
+                };
+                // What was written is recorded: a claim that cannot be
+                // withdrawn only delays other writers until it is stale.
+                if let Err(e) = self.delete(&mine).await {
+                    tracing::warn!("cannot withdraw claim {mine}: {e}");
+                }
                 return written;
             }
             self.delete(&mine).await?;

@@ -55,15 +55,24 @@ pub(crate) fn tmp_name(path: &Path) -> PathBuf {
     path.with_file_name(tmp_leaf())
 }
 
-/// The name part of [`tmp_name`]: `.labsync-tmp.<pid>.<n>`.
+/// The name part of [`tmp_name`]: `.labsync-tmp.<pid>.<salt>.<n>`, the salt
+/// random per process so that nobody who can write in the folder can take
+/// the names ahead of us (a name taken makes the create fail, never
+/// overwrite: it is `O_EXCL`).
 pub(crate) fn tmp_leaf() -> String {
+    use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     // getpid is a system call (glibc stopped caching it): once per process.
-    static PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let pid = *PID.get_or_init(std::process::id);
+    static PID: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    let (pid, salt) = *PID.get_or_init(|| {
+        let h = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        (std::process::id(), h as u32)
+    });
     let n = N.fetch_add(1, Ordering::Relaxed);
-    format!(".labsync-tmp.{pid}.{n}")
+    format!(".labsync-tmp.{pid}.{salt:08x}.{n}")
 }
 
 /// Runs blocking work (file I/O, hashing a tree) off the async runtime.

@@ -606,7 +606,7 @@ fn write_files(
             s.spawn(|| {
                 let mut reader = PackReader::new(cache);
                 let mut buf = Vec::new();
-                let mut dirs = at::Dirs::default();
+                let mut dirs = at::Dirs::for_writer(threads);
                 loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&i) = order.get(k) else { break };
@@ -721,10 +721,11 @@ fn write_one(
         .map_err(Error::io("create", shown()))?;
     let tmp = tmp_leaf();
     let tmp: &std::ffi::OsStr = tmp.as_ref();
+    // Only a name this pull created is ever removed again.
+    let w = at::create(&dir, tmp).map_err(Error::io("create", shown()))?;
     let result = (|| {
         // Chunks are whole files or up to 4 MiB: written directly, no buffer
         // copy, at their offset (blocks of zeros are left as holes).
-        let w = at::create(&dir, tmp).map_err(Error::io("create", shown()))?;
         let mut n = 0u64;
         for c in &e.chunks {
             let (pack, entry) = index

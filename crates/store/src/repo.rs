@@ -248,8 +248,13 @@ impl Repo {
     /// `params` given explicitly must match an existing store's: a mismatch is
     /// an error, not a silent loss of dedup.
     pub async fn open(remote: Remote, params: Option<ChunkerParams>) -> Result<Repo> {
+        let mut stored = None;
         let config = match remote.get(CONFIG_KEY).await {
-            Ok(bytes) => Self::parse_config(&bytes, remote.url())?,
+            Ok(bytes) => {
+                let cfg = Self::parse_config(&bytes, remote.url())?;
+                stored = Some(bytes);
+                cfg
+            }
             Err(e) if e.is_not_found() => {
                 // What the server does with conditional writes decides how
                 // the config itself, and every version after it, is created.
@@ -277,9 +282,19 @@ impl Repo {
             match remote.probe_conditional_writes().await {
                 Ok(probed) => {
                     config.conditional_writes = Some(probed);
-                    let json = serde_json::to_vec_pretty(&config).expect("config serialises");
-                    if let Err(e) = remote.put(CONFIG_KEY, json.into()).await {
-                        tracing::warn!("cannot record conditional writes in the config: {e}");
+                    // Into the config as stored: fields this labsync does
+                    // not know, and edits by hand, stay as they are.
+                    let mut doc: serde_json::Value = stored
+                        .as_deref()
+                        .and_then(|b| serde_json::from_slice(b).ok())
+                        .unwrap_or_default();
+                    if let Some(fields) = doc.as_object_mut() {
+                        let answer = serde_json::to_value(probed).expect("serialises");
+                        fields.insert("conditional_writes".into(), answer);
+                        let json = serde_json::to_vec_pretty(&doc).expect("config serialises");
+                        if let Err(e) = remote.put(CONFIG_KEY, json.into()).await {
+                            tracing::warn!("cannot record conditional writes in the config: {e}");
+                        }
                     }
                 }
                 Err(e) => tracing::warn!("cannot probe conditional writes: {e}"),

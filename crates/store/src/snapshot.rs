@@ -174,6 +174,12 @@ pub fn allowed_mode(kind: Kind, mode: u32) -> u32 {
     }
 }
 
+/// The deepest a path may be, in names (`a/b/c` is 3). Real trees are tens
+/// deep; a limit keeps what pull and labd do per level (a descriptor and a
+/// stack frame while removing a folder) bounded against a hostile snapshot.
+/// Push refuses deeper trees with the same words.
+pub const MAX_DEPTH: usize = 256;
+
 /// Why a path is refused; `None` when it is a plain relative path.
 fn path_problem(path: &[u8]) -> Option<&'static str> {
     if path.is_empty() {
@@ -184,6 +190,9 @@ fn path_problem(path: &[u8]) -> Option<&'static str> {
     }
     if path[0] == b'/' {
         return Some("absolute path");
+    }
+    if path.iter().filter(|&&b| b == b'/').count() >= MAX_DEPTH {
+        return Some("more than 256 folders deep (labsync keeps trees up to 256 deep)");
     }
     for comp in path.split(|&b| b == b'/') {
         match comp {
@@ -350,10 +359,27 @@ mod tests {
         }
     }
 
+    /// Folders `d/d/…` and a file at depth `n` (in names).
+    fn deep(n: usize) -> Vec<Entry> {
+        let mut out = Vec::new();
+        let mut p = String::new();
+        for _ in 1..n {
+            if !p.is_empty() {
+                p.push('/');
+            }
+            p.push('d');
+            out.push(dir(&p));
+        }
+        out.push(file(&format!("{p}/f"), b"deep"));
+        out
+    }
+
     #[test]
     fn traversal_and_symlink_parents_are_refused() {
         let mut ok = vec![dir("a"), file("a/x", b"1"), link("l", "/etc")];
         assert!(validate_entries(&mut ok, "s").unwrap().is_empty());
+        let mut deepest = deep(MAX_DEPTH);
+        assert!(validate_entries(&mut deepest, "s").unwrap().is_empty());
         for (bad, why) in [
             (vec![file("/etc/passwd", b"x")], "absolute"),
             (vec![file("../x", b"x")], ".."),
@@ -362,6 +388,7 @@ mod tests {
             (vec![file("a/x", b"x")], "not a directory"),
             (vec![file("x", b"1"), file("x", b"2")], "duplicated"),
             (vec![file("a//b", b"1")], "empty path component"),
+            (deep(MAX_DEPTH + 1), "more than 256 folders deep"),
         ] {
             let mut bad = bad;
             let err = validate_entries(&mut bad, "snap1").unwrap_err();

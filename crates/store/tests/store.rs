@@ -1460,6 +1460,31 @@ async fn paths_past_path_max_at_a_long_destination_pull_back() {
     assert!(!out.exists());
 }
 
+/// A tree deeper than `MAX_DEPTH` (256) names is refused by push, naming
+/// the path, so pull never meets one it would refuse; 256 deep is kept.
+#[tokio::test]
+async fn trees_deeper_than_256_are_refused_at_push_and_256_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    let at_limit: PathBuf = std::iter::repeat_n("d", 255).collect();
+    std::fs::create_dir_all(src.join(&at_limit)).unwrap();
+    std::fs::write(src.join(&at_limit).join("f"), b"256 names deep").unwrap();
+    push(&env.repo, &src, &opts("deep", &env.cache), np())
+        .await
+        .unwrap();
+    env.pull_matches("deep", &src, "out").await;
+    std::fs::create_dir(src.join(&at_limit).join("d")).unwrap();
+    std::fs::write(src.join(&at_limit).join("d/f"), b"257 names deep").unwrap();
+    let err = push(&env.repo, &src, &opts("deep", &env.cache), np())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("more than 256 folders deep"),
+        "{err}"
+    );
+}
+
 /// Issue 19, point 4: what the destination holds beyond the version is
 /// counted (and left) by a plain pull, and removed by `delete`, leaving the
 /// folder equal to the version. A symlink in the way is removed, never

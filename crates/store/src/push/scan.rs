@@ -226,6 +226,12 @@ fn list_dir(
             path.push(b'/');
         }
         path.extend_from_slice(name.as_bytes());
+        if path.iter().filter(|&&b| b == b'/').count() >= crate::snapshot::MAX_DEPTH {
+            return Err(Error::invalid(
+                format!("source path {}", ent.path().display()),
+                "more than 256 folders deep (labsync keeps trees up to 256 deep)",
+            ));
+        }
         let m = match ent.metadata() {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
