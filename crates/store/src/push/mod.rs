@@ -13,6 +13,7 @@
 
 mod commit;
 mod files_cache;
+mod prefetch;
 mod read;
 mod scan;
 mod tree;
@@ -93,7 +94,9 @@ pub async fn push(
     let threads = opts.threads.max(1);
     let config = repo.config();
 
-    let mut scan = scan::scan_source(&root, threads, opts.read_as, &progress).await?;
+    // Listing is one statx per entry: on a cold tree, I/O waits, not CPU.
+    let listers = threads.max(prefetch::IO_DEPTH);
+    let mut scan = scan::scan_source(&root, listers, opts.read_as, &progress).await?;
     let index = Arc::new(live_index(repo).await?);
     let cache_file = (opts.files_cache.as_deref())
         .map(|dir| FilesCacheFile::new(dir, &config.id, config.params, &root));

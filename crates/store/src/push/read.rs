@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
 
+use super::prefetch;
 use super::scan::Scanned;
 use super::upload::{upload_stopped, Uploads};
 use crate::chunker::{ChunkerParams, StreamChunker};
@@ -86,35 +87,55 @@ fn read_all(
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<(usize, FileRead)>> = Mutex::new(Vec::new());
     let first_err: Mutex<Option<Error>> = Mutex::new(None);
+    let path_of = |k: usize| {
+        let i = to_read[k];
+        if scanned.len() == 1 && !root.is_dir() {
+            root.to_path_buf()
+        } else {
+            root.join(std::ffi::OsStr::from_bytes(&scanned[i].path))
+        }
+    };
+    let ahead = prefetch::Progress::new(to_read.iter().map(|&i| scanned[i].size), &next);
     std::thread::scope(|s| {
-        for _ in 0..settings.threads.max(1) {
+        // However the readers end (a panic starting one included), the
+        // prefetchers stop, so the scope can end.
+        let _stop = prefetch::StopOnDrop(&ahead.stop);
+        for _ in 0..prefetch::IO_DEPTH.min(to_read.len()) {
             s.spawn(|| {
                 let _as = crate::fsutil::ReadAs::enter(settings.read_as);
-                let mut buf = Vec::new();
-                loop {
-                    let k = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&i) = to_read.get(k) else { break };
-                    if first_err.lock().expect("poisoned").is_some() {
-                        break;
-                    }
-                    let rel = std::ffi::OsStr::from_bytes(&scanned[i].path);
-                    let path = if scanned.len() == 1 && !root.is_dir() {
-                        root.to_path_buf()
-                    } else {
-                        root.join(rel)
-                    };
-                    match pipe.read_file(&path, scanned[i].size, settings.params, &mut buf) {
-                        Ok(r) => {
-                            pipe.progress.advance(0, 1);
-                            results.lock().expect("poisoned").push((i, r));
-                        }
-                        Err(e) => {
-                            first_err.lock().expect("poisoned").get_or_insert(e);
+                prefetch::run(&ahead, &path_of);
+            });
+        }
+        let readers: Vec<_> = (0..settings.threads.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let _as = crate::fsutil::ReadAs::enter(settings.read_as);
+                    let mut buf = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&i) = to_read.get(k) else { break };
+                        if first_err.lock().expect("poisoned").is_some() {
                             break;
                         }
+                        let path = path_of(k);
+                        match pipe.read_file(&path, scanned[i].size, settings.params, &mut buf) {
+                            Ok(r) => {
+                                pipe.progress.advance(0, 1);
+                                results.lock().expect("poisoned").push((i, r));
+                            }
+                            Err(e) => {
+                                first_err.lock().expect("poisoned").get_or_insert(e);
+                                break;
+                            }
+                        }
                     }
-                }
-            });
+                })
+            })
+            .collect();
+        for r in readers {
+            if let Err(panic) = r.join() {
+                std::panic::resume_unwind(panic);
+            }
         }
     });
     if let Some(e) = first_err.into_inner().expect("poisoned") {
@@ -209,6 +230,37 @@ impl Pipeline<'_> {
         Ok(id)
     }
 
+    /// Opens the file the scan found, if it is still a regular file: not
+    /// through a symlink swapped in since (`O_NOFOLLOW`), and never waiting
+    /// on a FIFO (`O_NONBLOCK`, which regular files ignore). `None`, said
+    /// once, when it is gone or no longer a file.
+    fn open_regular(&self, path: &Path) -> Result<Option<std::fs::File>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let skip = |why: &str| {
+            let shown = path.display();
+            self.progress
+                .warn(&format!("skipping {shown}: {why} during the push"));
+            Ok(None)
+        };
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path);
+        let f = match opened {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return skip("removed"),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return skip("replaced by a symlink")
+            }
+            Err(e) => return Err(Error::io("open", path)(e)),
+        };
+        match f.metadata() {
+            Ok(m) if m.is_file() => Ok(Some(f)),
+            Ok(_) => skip("replaced by something that is not a file"),
+            Err(e) => Err(Error::io("stat", path)(e)),
+        }
+    }
+
     /// Reads one file; returns its chunks and byte count. Files up to one
     /// block are read whole into the worker's buffer (no per-file allocation:
     /// a 50,000-file code tree is mostly that case); larger ones stream.
@@ -221,23 +273,16 @@ impl Pipeline<'_> {
         params: ChunkerParams,
         buf: &mut Vec<u8>,
     ) -> Result<Option<(Vec<ChunkId>, u64)>> {
-        use std::io::Read;
-        let f = match std::fs::File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.progress.warn(&format!(
-                    "skipping {}: removed during the push",
-                    path.display()
-                ));
-                return Ok(None);
-            }
-            Err(e) => return Err(Error::io("open", path)(e)),
+        use std::io::{Read, Seek};
+        let Some(mut f) = self.open_regular(path)? else {
+            return Ok(None);
         };
         let mut chunks = Vec::new();
         let mut n = 0u64;
         if scanned_len < READ_BLOCK as u64 {
             buf.clear();
-            f.take(READ_BLOCK as u64)
+            (&mut f)
+                .take(READ_BLOCK as u64)
                 .read_to_end(buf)
                 .map_err(Error::io("read", path))?;
             if buf.len() < READ_BLOCK {
@@ -248,8 +293,8 @@ impl Pipeline<'_> {
                 return Ok(Some((chunks, buf.len() as u64)));
             }
             // It grew past one block while we looked: stream it from the start.
+            f.rewind().map_err(Error::io("read", path))?;
         }
-        let f = std::fs::File::open(path).map_err(Error::io("open", path))?;
         StreamChunker::new(f, params, READ_BLOCK)
             .for_each(|c| {
                 n += c.len() as u64;
