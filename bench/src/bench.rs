@@ -89,6 +89,8 @@ pub struct StepResult {
     /// Why the step is not ok (last stderr line, mismatch details...).
     pub note: Option<String>,
     pub command: String,
+    /// The page cache was emptied before it (in every repetition).
+    pub cold: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -98,6 +100,9 @@ pub struct DatasetResult {
     pub bytes: u64,
     pub modification: Modification,
     pub results: Vec<StepResult>,
+    /// With `--cold`: the source read cold by N parallel readers
+    /// (`xargs -P N cat`), N of 1, 4, 16 and 64, wall seconds each.
+    pub floor: Vec<(usize, f64)>,
 }
 
 impl DatasetResult {
@@ -123,6 +128,8 @@ pub struct Config {
     pub labsync: PathBuf,
     pub step_timeout: Duration,
     pub keep: bool,
+    /// Empty the page cache before every timed step.
+    pub cold: bool,
 }
 
 /// A tool's state across the steps of one data set.
@@ -167,10 +174,15 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
         lanes.rotate_left(rotate % n);
     }
     // Untimed: read the whole source once, so every tool starts from the same
-    // warm page cache.
-    for f in &ds.files {
-        let _ = fs::read(ds.root.join(f));
-    }
+    // warm page cache (cold: each step starts from an empty one instead).
+    let floor = if cfg.cold {
+        read_floor(&ds.root, &logs_dir, cfg.step_timeout)
+    } else {
+        for f in &ds.files {
+            let _ = fs::read(ds.root.join(f));
+        }
+        Vec::new()
+    };
     let mut results = Vec::new();
     let mut modification = Modification::default();
 
@@ -230,7 +242,27 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
         bytes: ds.bytes,
         modification,
         results,
+        floor,
     })
+}
+
+/// The parallel-read floor: the source read from an empty page cache by N
+/// readers (`find | xargs -0 -P N -n 64 cat > /dev/null`), for N of 1, 4,
+/// 16 and 64; the steps are compared with the best. Empty where the cache
+/// cannot be emptied.
+fn read_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Vec<(usize, f64)> {
+    let mut out = Vec::new();
+    for n in [1usize, 4, 16, 64] {
+        let script = format!("find . -type f -print0 | xargs -0 -P {n} -n 64 cat > /dev/null");
+        let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
+        let logs = Logs::new(logs_dir, &format!("floor-{n}"));
+        match run_timed(&cmd, &logs, timeout, true) {
+            Ok((t, true)) => out.push((n, t.wall_s)),
+            Ok((_, false)) => return Vec::new(),
+            Err(e) => progress(&format!("floor with {n} readers: {e}")),
+        }
+    }
+    out
 }
 
 fn new_lane(cfg: &Config, tool: Tool, base: &Path, logs_dir: &Path) -> Lane {
@@ -274,6 +306,7 @@ fn blank(tool: Tool, step: Step, command: String) -> StepResult {
         added: None,
         note: None,
         command,
+        cold: false,
     }
 }
 
@@ -300,7 +333,7 @@ fn run_push(
         logs_dir,
         &format!("{}-{}", lane.run.tool.name(), step.key()),
     );
-    let outcome = run_timed(&cmd, &logs, cfg.step_timeout);
+    let outcome = run_timed(&cmd, &logs, cfg.step_timeout, cfg.cold);
     finish(r, lane, outcome)
 }
 
@@ -325,7 +358,7 @@ fn run_pull(
         );
     }
     let logs = Logs::new(logs_dir, &format!("{}-pull", lane.run.tool.name()));
-    let outcome = run_timed(&cmd, &logs, cfg.step_timeout);
+    let outcome = run_timed(&cmd, &logs, cfg.step_timeout, cfg.cold);
     let mut r = finish(r, lane, outcome);
     if r.status == Status::Ok {
         match (tree_digest(&dest), expected) {
@@ -360,13 +393,14 @@ fn run_pull(
 fn finish(
     mut r: StepResult,
     lane: &mut Lane,
-    outcome: Result<crate::runner::Timed, String>,
+    outcome: Result<(crate::runner::Timed, bool), String>,
 ) -> StepResult {
     match outcome {
-        Ok(t) => {
+        Ok((t, cold)) => {
             r.wall_s = Some(t.wall_s);
             r.walls = vec![t.wall_s];
             r.peak_rss_kib = Some(t.peak_rss_kib);
+            r.cold = cold;
         }
         Err(e) => {
             r.status = Status::Error;
@@ -450,11 +484,20 @@ pub fn merge_reps(mut reps: Vec<DatasetResult>) -> DatasetResult {
             }
             r.walls.extend(o.walls.iter().copied());
             r.peak_rss_kib = r.peak_rss_kib.max(o.peak_rss_kib);
+            r.cold &= o.cold;
         }
         if !r.walls.is_empty() {
             let mut w = r.walls.clone();
             w.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
             r.wall_s = Some(w[w.len() / 2]);
+        }
+    }
+    for other in &reps {
+        for &(n, t) in &other.floor {
+            match first.floor.iter_mut().find(|(m, _)| *m == n) {
+                Some(f) => f.1 = f.1.min(t),
+                None => first.floor.push((n, t)),
+            }
         }
     }
     first
@@ -481,6 +524,7 @@ mod merge_tests {
                     ..blank(*tool, Step::Cold, String::new())
                 })
                 .collect(),
+            floor: Vec::new(),
         }
     }
 

@@ -21,11 +21,15 @@ Options:
                        (default target/sync-bench-work); wiped on start
   --labsync PATH       labsync binary (default target/release/labsync)
   --tools LIST         comma-separated subset of labsync,rsync,rclone,restic,borg,casync
-  --datasets LIST      comma-separated subset of sr,small
+  --datasets LIST      comma-separated subset of sr,small,million
+                       (default sr,small; million: 1,000,000 files)
   --step-timeout SECS  kill a step after this long (default 3600)
   --no-fsync-probe     skip the strace fsync probe
   --reps N             repeat every data set N times, report the median
                        wall time (default 3; the machine is shared and noisy)
+  --cold               empty the page cache before every timed step (needs
+                       root; the report says where it could not) and
+                       measure the parallel-read floor of each data set
   --keep               keep the work dir (repos, logs) afterwards
   -h, --help           show this help
 ";
@@ -41,6 +45,7 @@ pub struct Options {
     pub step_timeout: Duration,
     pub fsync_probe: bool,
     pub keep: bool,
+    pub cold: bool,
     pub reps: usize,
 }
 
@@ -56,6 +61,7 @@ impl Default for Options {
             step_timeout: Duration::from_secs(3600),
             fsync_probe: true,
             keep: false,
+            cold: false,
             reps: 3,
         }
     }
@@ -98,6 +104,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Options>, 
             }
             "--no-fsync-probe" => o.fsync_probe = false,
             "--keep" => o.keep = true,
+            "--cold" => o.cold = true,
             "--reps" => {
                 let v = value()?;
                 o.reps = v

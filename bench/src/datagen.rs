@@ -27,20 +27,26 @@ pub enum DatasetKind {
     Sr,
     /// Many small files, half random, half source-code-like text.
     Small,
+    /// A million tiny files (ImageNet, BasicSR's extracted sub-images).
+    Million,
 }
 
 impl DatasetKind {
+    /// The default data sets.
     pub const ALL: [DatasetKind; 2] = [DatasetKind::Sr, DatasetKind::Small];
+    /// Every data set `--datasets` takes.
+    pub const KNOWN: [DatasetKind; 3] = [DatasetKind::Sr, DatasetKind::Small, DatasetKind::Million];
 
     pub fn name(self) -> &'static str {
         match self {
             DatasetKind::Sr => "sr",
             DatasetKind::Small => "small",
+            DatasetKind::Million => "million",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == s)
+        Self::KNOWN.into_iter().find(|k| k.name() == s)
     }
 
     /// File count at `--scale 1`.
@@ -48,6 +54,7 @@ impl DatasetKind {
         match self {
             DatasetKind::Sr => 400,
             DatasetKind::Small => 50_000,
+            DatasetKind::Million => 1_000_000,
         }
     }
 
@@ -57,6 +64,7 @@ impl DatasetKind {
             DatasetKind::Small => {
                 "files of 1-16 KiB in 100 folders; half random bytes, half Python/Rust-like text"
             }
+            DatasetKind::Million => "random files of 1-4 KiB in 1,000 folders",
         }
     }
 
@@ -64,6 +72,7 @@ impl DatasetKind {
         match self {
             DatasetKind::Sr => 1,
             DatasetKind::Small => 2,
+            DatasetKind::Million => 3,
         }
     }
 
@@ -123,6 +132,15 @@ pub fn generate(kind: DatasetKind, count: usize, root: &Path) -> io::Result<Data
                     buf = source_text(&mut rng, size, lang);
                     dir.join(format!("f{i:05}.{}", lang.ext()))
                 }
+            }
+            DatasetKind::Million => {
+                let dir = PathBuf::from(format!("d{:04}", i % count.min(1000)));
+                if i < count.min(1000) {
+                    fs::create_dir_all(root.join(&dir))?;
+                }
+                buf.resize(rng.gen_range(1024..=4096), 0);
+                rng.fill_bytes(&mut buf);
+                dir.join(format!("f{i:07}.bin"))
             }
         };
         fs::write(root.join(&rel), &buf)?;
@@ -397,6 +415,25 @@ mod tests {
         assert_eq!(ma.changed_chunk_bytes, total);
         fs::remove_dir_all(a).unwrap();
         fs::remove_dir_all(b).unwrap();
+    }
+
+    #[test]
+    fn the_million_set_is_tiny_random_files_in_1000_folders() {
+        let root = tmp("million");
+        let d = generate(DatasetKind::Million, 1200, &root).unwrap();
+        assert_eq!(d.files.len(), 1200);
+        for f in &d.files {
+            let len = fs::metadata(root.join(f)).unwrap().len();
+            assert!((1024..=4096).contains(&len), "{len}");
+        }
+        let folders = fs::read_dir(&root).unwrap().count();
+        assert_eq!(folders, 1000);
+        assert_eq!(DatasetKind::parse("million"), Some(DatasetKind::Million));
+        assert!(
+            !DatasetKind::ALL.contains(&DatasetKind::Million),
+            "not by default"
+        );
+        fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

@@ -190,6 +190,7 @@ impl Report {
             d.files,
             mb(d.bytes as f64)
         );
+        s.push_str(&cold_note(d, self.command.contains("--cold")));
         let _ = writeln!(s, "| step | tool | status | wall s | MB/s | peak RSS MB | stored MB | added MB | added / budget | labsync / fastest peer |");
         let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---|");
         let mut notes: Vec<(Tool, String, Vec<&str>)> = Vec::new();
@@ -305,7 +306,7 @@ impl Report {
                         json!({
                             "tool": r.tool.name(), "step": r.step.key(), "status": r.status.label(),
                             "wall_s": r.wall_s, "walls_s": r.walls, "peak_rss_kib": r.peak_rss_kib, "stored_bytes": r.stored,
-                            "added_bytes": r.added, "note": r.note, "command": r.command,
+                            "added_bytes": r.added, "note": r.note, "command": r.command, "cold": r.cold,
                             "budget_ratio": budget_ratio(d, r),
                             "labsync_vs_fastest_peer": if r.tool == Tool::Labsync { labsync_ratio(d, r.step).map(|x| x.0) } else { None },
                         })
@@ -317,6 +318,7 @@ impl Report {
                     "bytes_overwritten": d.modification.bytes_overwritten,
                     "changed_chunk_bytes": d.modification.changed_chunk_bytes,
                     "budget_bytes": d.budget(), "results": rows,
+                    "floor_s": d.floor.iter().map(|(n, t)| json!({"readers": n, "wall_s": t})).collect::<Vec<_>>(),
                 })
             })
             .collect();
@@ -333,6 +335,44 @@ impl Report {
             "datasets": datasets,
         })
     }
+}
+
+/// What `--cold` did for data set `d`: the parallel-read floor, and each of
+/// labsync's cold steps against it; or that the cache could not be emptied.
+fn cold_note(d: &DatasetResult, asked: bool) -> String {
+    let best = d
+        .floor
+        .iter()
+        .min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
+    let Some(&(best_n, best_s)) = best else {
+        return if asked {
+            "`--cold` was asked, but this machine does not allow emptying the page cache: \
+             the figures below are warm.\n\n"
+                .into()
+        } else {
+            String::new()
+        };
+    };
+    let each: Vec<String> = d
+        .floor
+        .iter()
+        .map(|(n, t)| format!("N={n}: {t:.2} s"))
+        .collect();
+    let mut s = format!(
+        "Cold: the page cache was emptied before every timed step. Parallel-read floor \
+         (the source read cold by `xargs -P N cat`): {}; best {best_s:.2} s (N={best_n}).\n",
+        each.join(", ")
+    );
+    for r in d.results.iter().filter(|r| r.tool == Tool::Labsync) {
+        if let Some(w) = r.wall_s.filter(|_| r.cold && best_s > 0.0) {
+            s += &format!(
+                "- labsync {}: {:.2}x the floor\n",
+                r.step.label(),
+                w / best_s
+            );
+        }
+    }
+    s + "\n"
 }
 
 #[cfg(test)]
@@ -352,7 +392,31 @@ mod tests {
             added: Some(added),
             note: None,
             command: String::new(),
+            cold: false,
         }
+    }
+
+    #[test]
+    fn cold_runs_are_compared_with_the_read_floor() {
+        let mut push = row(Tool::Labsync, Step::Cold, Status::Ok, 1.5, 0);
+        push.cold = true;
+        let mut d = DatasetResult {
+            kind: DatasetKind::Sr,
+            files: 1,
+            bytes: 1,
+            modification: Modification::default(),
+            results: vec![push],
+            floor: vec![(1, 2.0), (16, 1.0)],
+        };
+        let note = cold_note(&d, true);
+        assert!(note.contains("best 1.00 s (N=16)"), "{note}");
+        assert!(
+            note.contains("labsync cold push: 1.50x the floor"),
+            "{note}"
+        );
+        d.floor.clear();
+        assert!(cold_note(&d, true).contains("does not allow"));
+        assert!(cold_note(&d, false).is_empty());
     }
 
     #[test]
@@ -371,6 +435,7 @@ mod tests {
                 row(Tool::Restic, Step::Modified, Status::Ok, 2.0, 100),
                 row(Tool::Borg, Step::Modified, Status::Error, 0.5, 0),
             ],
+            floor: Vec::new(),
         };
         let (x, t) = labsync_ratio(&d, Step::Modified).unwrap();
         assert_eq!(t, Tool::Restic);

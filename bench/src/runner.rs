@@ -97,13 +97,28 @@ impl Logs {
     }
 }
 
-/// Runs `cmd` under `/usr/bin/time -f '%e %M'`. `Err` carries a one-line
-/// reason (exit status plus the last line of stderr) for the report.
-pub fn run_timed(cmd: &Cmd, logs: &Logs, timeout: Duration) -> Result<Timed, String> {
+/// Empties the page cache (`sync`, then `3 > /proc/sys/vm/drop_caches`), so
+/// the next step reads everything from the device; false where the machine
+/// does not allow it (not root, a container).
+pub fn drop_caches() -> bool {
+    let _ = Command::new("sync").status();
+    fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
+}
+
+/// Runs `cmd` under `/usr/bin/time -f '%e %M'`, after emptying the page
+/// cache when `cold` (false when that was asked and not allowed). `Err`
+/// carries a one-line reason (exit status plus the last line of stderr).
+pub fn run_timed(
+    cmd: &Cmd,
+    logs: &Logs,
+    timeout: Duration,
+    cold: bool,
+) -> Result<(Timed, bool), String> {
     // Untimed: flush every dirty page first, so no step pays for the
     // writeback of data generation or of the previous tool (which would bill
     // whichever tool fsyncs next, and only the tools that fsync).
     let _ = Command::new("sync").status();
+    let dropped = cold && drop_caches();
     let time_file = logs.path("time");
     let wrapper = [
         OsString::from(GNU_TIME),
@@ -115,7 +130,9 @@ pub fn run_timed(cmd: &Cmd, logs: &Logs, timeout: Duration) -> Result<Timed, Str
     run_wrapped(&wrapper, cmd, logs, timeout)?;
     let out = fs::read_to_string(&time_file)
         .map_err(|e| format!("reading {}: {e}", time_file.display()))?;
-    parse_time_output(&out).ok_or_else(|| format!("unparsable GNU time output: {out:?}"))
+    let timed =
+        parse_time_output(&out).ok_or_else(|| format!("unparsable GNU time output: {out:?}"))?;
+    Ok((timed, dropped))
 }
 
 /// Runs an untimed setup command (repository init and the like).
@@ -299,10 +316,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("labsync-bench-runner-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let bad = Cmd::new("sh").arg("-c").arg("echo boom >&2; exit 3");
-        let err = run_timed(&bad, &Logs::new(&dir, "bad"), Duration::from_secs(30)).unwrap_err();
+        let logs = Logs::new(&dir, "bad");
+        let err = run_timed(&bad, &logs, Duration::from_secs(30), false).unwrap_err();
         assert_eq!(err, "exit 3: boom");
         let ok = Cmd::new("true");
-        let t = run_timed(&ok, &Logs::new(&dir, "ok"), Duration::from_secs(30)).unwrap();
+        let (t, cold) =
+            run_timed(&ok, &Logs::new(&dir, "ok"), Duration::from_secs(30), false).unwrap();
+        assert!(!cold, "not asked");
         assert!(t.wall_s >= 0.0 && t.peak_rss_kib > 0);
         let slow = Cmd::new("sleep").arg("5");
         let err =
@@ -312,7 +332,8 @@ mod tests {
         assert!(run_timed(
             &missing,
             &Logs::new(&dir, "missing"),
-            Duration::from_secs(5)
+            Duration::from_secs(5),
+            false
         )
         .is_err());
         fs::remove_dir_all(dir).unwrap();

@@ -71,6 +71,7 @@ fn run(opts: cli::Options) -> Result<(), String> {
         labsync: absolute(&opts.labsync)?,
         step_timeout: opts.step_timeout,
         keep: opts.keep,
+        cold: opts.cold,
     };
 
     let machine = Machine::probe(&work);
