@@ -103,6 +103,9 @@ pub struct DatasetResult {
     /// With `--cold`: the source read cold by N parallel readers
     /// (`xargs -P N cat`), N of 1, 4, 16 and 64, wall seconds each.
     pub floor: Vec<(usize, f64)>,
+    /// With `--cold`: every entry of the source stat'ed cold by 16 parallel
+    /// walkers (one `find` per top-level entry), wall seconds.
+    pub stat_floor: Option<f64>,
 }
 
 impl DatasetResult {
@@ -175,13 +178,14 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
     }
     // Untimed: read the whole source once, so every tool starts from the same
     // warm page cache (cold: each step starts from an empty one instead).
-    let floor = if cfg.cold {
-        read_floor(&ds.root, &logs_dir, cfg.step_timeout)
+    let (floor, stat_floor) = if cfg.cold {
+        let stat = stat_floor(&ds.root, &logs_dir, cfg.step_timeout);
+        (read_floor(&ds.root, &logs_dir, cfg.step_timeout), stat)
     } else {
         for f in &ds.files {
             let _ = fs::read(ds.root.join(f));
         }
-        Vec::new()
+        (Vec::new(), None)
     };
     let mut results = Vec::new();
     let mut modification = Modification::default();
@@ -243,7 +247,26 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
         modification,
         results,
         floor,
+        stat_floor,
     })
+}
+
+/// The stat floor: every entry of the source stat'ed from an empty page
+/// cache by 16 walkers (`find` per top-level entry, printing each size, so
+/// each entry is stat'ed); what an unchanged re-push after a reboot is
+/// compared with. `None` where the cache cannot be emptied.
+fn stat_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Option<f64> {
+    let script = "find . -mindepth 1 -maxdepth 1 -print0 | \
+                  xargs -0 -P 16 -n 1 sh -c 'find \"$0\" -printf \"%s\\n\"' > /dev/null";
+    let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
+    match run_timed(&cmd, &Logs::new(logs_dir, "stat-floor"), timeout, true) {
+        Ok((t, true)) => Some(t.wall_s),
+        Ok((_, false)) => None,
+        Err(e) => {
+            progress(&format!("stat floor: {e}"));
+            None
+        }
+    }
 }
 
 /// The parallel-read floor: the source read from an empty page cache by N
@@ -493,6 +516,10 @@ pub fn merge_reps(mut reps: Vec<DatasetResult>) -> DatasetResult {
         }
     }
     for other in &reps {
+        first.stat_floor = match (first.stat_floor, other.stat_floor) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         for &(n, t) in &other.floor {
             match first.floor.iter_mut().find(|(m, _)| *m == n) {
                 Some(f) => f.1 = f.1.min(t),
@@ -525,6 +552,7 @@ mod merge_tests {
                 })
                 .collect(),
             floor: Vec::new(),
+            stat_floor: None,
         }
     }
 

@@ -319,6 +319,7 @@ impl Report {
                     "changed_chunk_bytes": d.modification.changed_chunk_bytes,
                     "budget_bytes": d.budget(), "results": rows,
                     "floor_s": d.floor.iter().map(|(n, t)| json!({"readers": n, "wall_s": t})).collect::<Vec<_>>(),
+                    "stat_floor_s": d.stat_floor,
                 })
             })
             .collect();
@@ -363,13 +364,21 @@ fn cold_note(d: &DatasetResult, asked: bool) -> String {
          (the source read cold by `xargs -P N cat`): {}; best {best_s:.2} s (N={best_n}).\n",
         each.join(", ")
     );
+    if let Some(stat) = d.stat_floor {
+        s += &format!(
+            "Stat floor (every entry stat'ed cold by 16 parallel `find`s): {stat:.2} s.\n"
+        );
+    }
     for r in d.results.iter().filter(|r| r.tool == Tool::Labsync) {
         if let Some(w) = r.wall_s.filter(|_| r.cold && best_s > 0.0) {
-            s += &format!(
-                "- labsync {}: {:.2}x the floor\n",
-                r.step.label(),
-                w / best_s
-            );
+            s += &format!("- labsync {}: {:.2}x the floor", r.step.label(), w / best_s);
+            let stat = d
+                .stat_floor
+                .filter(|t| *t > 0.0 && r.step == Step::Unchanged);
+            if let Some(stat) = stat {
+                s += &format!(", {:.2}x the stat floor", w / stat);
+            }
+            s += "\n";
         }
     }
     s + "\n"
@@ -405,15 +414,23 @@ mod tests {
             files: 1,
             bytes: 1,
             modification: Modification::default(),
-            results: vec![push],
+            results: vec![push, {
+                let mut r = row(Tool::Labsync, Step::Unchanged, Status::Ok, 0.3, 0);
+                r.cold = true;
+                r
+            }],
             floor: vec![(1, 2.0), (16, 1.0)],
+            stat_floor: Some(0.2),
         };
         let note = cold_note(&d, true);
         assert!(note.contains("best 1.00 s (N=16)"), "{note}");
         assert!(
-            note.contains("labsync cold push: 1.50x the floor"),
+            note.contains("labsync cold push: 1.50x the floor\n"),
             "{note}"
         );
+        assert!(note.contains("16 parallel `find`s): 0.20 s"), "{note}");
+        let unchanged = "re-push, unchanged: 0.30x the floor, 1.50x the stat floor";
+        assert!(note.contains(unchanged), "{note}");
         d.floor.clear();
         assert!(cold_note(&d, true).contains("does not allow"));
         assert!(cold_note(&d, false).is_empty());
@@ -436,6 +453,7 @@ mod tests {
                 row(Tool::Borg, Step::Modified, Status::Error, 0.5, 0),
             ],
             floor: Vec::new(),
+            stat_floor: None,
         };
         let (x, t) = labsync_ratio(&d, Step::Modified).unwrap();
         assert_eq!(t, Tool::Restic);
