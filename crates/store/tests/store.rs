@@ -1485,6 +1485,80 @@ async fn trees_deeper_than_256_are_refused_at_push_and_256_is_kept() {
     );
 }
 
+/// Swaps files of the source for a FIFO and a symlink to a secret when the
+/// read stage starts: after the scan saw them as regular files.
+struct SwapAtRead {
+    src: PathBuf,
+    secret: PathBuf,
+    warnings: Warnings,
+}
+
+impl labsync_store::Progress for SwapAtRead {
+    fn phase(&self, name: &str, _: Option<u64>, _: Option<u64>) {
+        if name == "read" {
+            let (fifo, link) = (self.src.join("fifo.bin"), self.src.join("link.bin"));
+            std::fs::remove_file(&fifo).unwrap();
+            let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+            #[allow(unsafe_code)]
+            // SAFETY: a NUL-terminated path that outlives the call.
+            let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
+            assert_eq!(rc, 0, "mkfifo");
+            std::fs::remove_file(&link).unwrap();
+            std::os::unix::fs::symlink(&self.secret, &link).unwrap();
+        }
+    }
+    fn advance(&self, _: u64, _: u64) {}
+    fn warn(&self, message: &str) {
+        self.warnings.warn(message);
+    }
+}
+
+/// As an attacker: files swapped for a FIFO and for a symlink to a secret
+/// between the scan and the read (labd pushes job outputs as root) are
+/// skipped with a warning. The push neither hangs on the FIFO nor reads
+/// the secret through the link.
+#[tokio::test]
+async fn files_swapped_for_a_fifo_or_a_symlink_mid_push_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for name in ["fifo.bin", "link.bin", "kept.bin"] {
+        std::fs::write(src.join(name), random_bytes(5_000, 3)).unwrap();
+    }
+    let secret = env.root.join("secret");
+    std::fs::write(&secret, b"root's secret").unwrap();
+    let progress = Arc::new(SwapAtRead {
+        src: src.clone(),
+        secret,
+        warnings: Warnings(Default::default()),
+    });
+    let pushed = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        push(&env.repo, &src, &plain_opts("swapped"), progress.clone()),
+    )
+    .await
+    .expect("the push did not hang on the FIFO")
+    .unwrap();
+    assert_eq!(pushed.files_read, 1, "only kept.bin was read");
+    let warned = progress.warnings.0.lock().unwrap().join("\n");
+    assert!(
+        warned.contains("fifo.bin: replaced by something that is not a file"),
+        "{warned}"
+    );
+    assert!(
+        warned.contains("link.bin: replaced by a symlink"),
+        "{warned}"
+    );
+    let out = env.root.join("out");
+    env.pull_into("swapped", &out).await.unwrap();
+    assert!(out.join("kept.bin").exists());
+    for name in ["fifo.bin", "link.bin"] {
+        let back = std::fs::read(out.join(name)).unwrap_or_default();
+        assert!(!back.windows(6).any(|w| w == b"secret"), "{name}");
+    }
+}
+
 /// Issue 19, point 4: what the destination holds beyond the version is
 /// counted (and left) by a plain pull, and removed by `delete`, leaving the
 /// folder equal to the version. A symlink in the way is removed, never

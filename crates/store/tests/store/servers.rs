@@ -112,6 +112,48 @@ async fn the_first_open_probes_and_records_what_the_server_does() {
     }
 }
 
+/// Ten pushes of different trees racing to `race` in `repo`: every push
+/// lands as its own version, and what each reported is what is recorded.
+async fn race_ten(repo: &Repo, dir: &std::path::Path, label: &str) {
+    let pushes = (0..10u64).map(|i| {
+        let src = dir.join(format!("src{i}"));
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("ckpt.pt"), random_bytes(50_000, 100 + i)).unwrap();
+        let repo = repo.clone();
+        tokio::spawn(async move { push(&repo, &src, &plain_opts("race"), np()).await })
+    });
+    let mut told = BTreeMap::new();
+    let mut conflicts = 0;
+    for p in futures::future::join_all(pushes).await {
+        match p.unwrap() {
+            Ok(o) => {
+                assert!(o.created, "{label}: every tree differs");
+                let before = told.insert(o.record.version, o.record.snapshot);
+                assert!(
+                    before.is_none(),
+                    "{label}: v{} told twice",
+                    o.record.version
+                );
+            }
+            Err(Error::Conflict { .. }) => conflicts += 1,
+            Err(e) => panic!("{label}: {e}"),
+        }
+    }
+    let recorded: BTreeMap<_, _> = repo
+        .versions("race")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.version, r.snapshot))
+        .collect();
+    assert_eq!(
+        recorded, told,
+        "{label}: what the pushes said is what is recorded"
+    );
+    assert_eq!(told.len() + conflicts, 10);
+    assert_eq!(told.len(), 10, "{label}: {conflicts} pushes lost the race");
+}
+
 /// Point 1: ten pushes racing to one name each land as a distinct version
 /// or fail loudly with a conflict, whatever the server does; every version
 /// a push reported names that push's snapshot; verify is clean.
@@ -123,47 +165,7 @@ async fn racing_pushes_lose_no_version_whatever_the_server_does() {
         };
         let dir = tempfile::tempdir().unwrap();
         let repo = Repo::open(remote_via(&proxy, "race"), None).await.unwrap();
-        let pushes = (0..10u64).map(|i| {
-            let src = dir.path().join(format!("src{i}"));
-            std::fs::create_dir_all(&src).unwrap();
-            std::fs::write(src.join("ckpt.pt"), random_bytes(50_000, 100 + i)).unwrap();
-            let repo = repo.clone();
-            tokio::spawn(async move { push(&repo, &src, &plain_opts("race"), np()).await })
-        });
-        let mut told = BTreeMap::new();
-        let mut conflicts = 0;
-        for p in futures::future::join_all(pushes).await {
-            match p.unwrap() {
-                Ok(o) => {
-                    assert!(o.created, "{fault:?}: every tree differs");
-                    let before = told.insert(o.record.version, o.record.snapshot);
-                    assert!(
-                        before.is_none(),
-                        "{fault:?}: v{} told twice",
-                        o.record.version
-                    );
-                }
-                Err(Error::Conflict { .. }) => conflicts += 1,
-                Err(e) => panic!("{fault:?}: {e}"),
-            }
-        }
-        let recorded: BTreeMap<_, _> = repo
-            .versions("race")
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|r| (r.version, r.snapshot))
-            .collect();
-        assert_eq!(
-            recorded, told,
-            "{fault:?}: what the pushes said is what is recorded"
-        );
-        assert_eq!(told.len() + conflicts, 10);
-        assert_eq!(
-            told.len(),
-            10,
-            "{fault:?}: {conflicts} pushes lost the race"
-        );
+        race_ten(&repo, dir.path(), &format!("{fault:?}")).await;
         let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
         let report = verify(&repo, &cache, None, true, np()).await.unwrap();
         assert!(
@@ -367,4 +369,27 @@ fn labsync_now() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64
+}
+
+/// As an attacker: a config that says the server honours conditional
+/// writes, on one that ignores them (edited by hand, or written by a lying
+/// client), loses no version: claims are taken on every server whatever
+/// the config says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_claiming_honoured_on_an_ignoring_server_loses_no_version() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let first = Repo::open(remote_via(&proxy, "lying"), None).await.unwrap();
+    let mut doc = serde_json::to_value(first.config()).unwrap();
+    doc["conditional_writes"] = "honoured".into();
+    let json = serde_json::to_vec_pretty(&doc).unwrap();
+    first.remote().put("config", json.into()).await.unwrap();
+    let repo = Repo::open(remote_via(&proxy, "lying"), None).await.unwrap();
+    assert_eq!(
+        repo.config().conditional_writes(),
+        ConditionalWrites::Honoured
+    );
+    race_ten(&repo, dir.path(), "a lying config").await;
 }
