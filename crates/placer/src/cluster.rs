@@ -1,0 +1,416 @@
+//! The cluster as the coordinator sees it: nodes, their GPUs, which packs
+//! each one has cached, and which packs each snapshot needs.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::bitset::Bitset;
+
+/// Absolute time in milliseconds (since the Unix epoch in labd, since the
+/// trace's start in the simulator). The placer never reads a clock: every
+/// call that needs "now" takes it as an argument.
+pub type Millis = u64;
+
+/// A node's name, as in its config and on the command line (`gpu3`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct NodeName(String);
+
+/// A node name that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a node name: use 1 to 63 letters, digits, '-', '_' or '.', \
+     starting with a letter or digit"
+)]
+pub struct BadNodeName(pub String);
+
+impl NodeName {
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for NodeName {
+    type Err = BadNodeName;
+
+    /// Host-name-like names only: a name lands in tables, paths of the
+    /// coordinator's state and log lines, so nothing that could break them.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let ok = (1..=63).contains(&s.len())
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if ok {
+            Ok(NodeName(s.to_string()))
+        } else {
+            Err(BadNodeName(s.to_string()))
+        }
+    }
+}
+
+impl TryFrom<String> for NodeName {
+    type Error = BadNodeName;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<NodeName> for String {
+    fn from(n: NodeName) -> String {
+        n.0
+    }
+}
+
+impl fmt::Display for NodeName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A pack's id, opaque to the placer (the store's BLAKE3 pack id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PackKey(pub [u8; 32]);
+
+/// A snapshot's id, opaque to the placer (the store's snapshot id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SnapshotKey(pub [u8; 32]);
+
+/// What a GPU is doing, as far as placement cares.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "slot", rename_all = "snake_case")]
+pub enum Slot {
+    /// Not leased, and no foreign process holds more than the node's limit.
+    Free,
+    /// Leased to a job; `until` is when that job is expected to end, where
+    /// anyone knows (the simulator does; a job with no time limit does not).
+    Busy {
+        /// Expected end.
+        until: Option<Millis>,
+    },
+    /// Held by a process labd did not start, or its reading is unknown:
+    /// never chosen, and no one can say when it will be usable.
+    Unavailable,
+}
+
+/// One GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// Its NVML index on its node.
+    pub index: u32,
+    /// Memory installed, bytes.
+    pub memory_total: u64,
+    /// Memory free now, bytes (a small foreign process may hold some).
+    pub memory_free: u64,
+    /// What it is doing.
+    pub slot: Slot,
+}
+
+impl Gpu {
+    /// A free GPU with all of `memory` free.
+    pub fn free(index: u32, memory: u64) -> Gpu {
+        Gpu {
+            index,
+            memory_total: memory,
+            memory_free: memory,
+            slot: Slot::Free,
+        }
+    }
+}
+
+/// Whether the coordinator hears from a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "health", rename_all = "snake_case")]
+pub enum Health {
+    /// Heartbeats arrive.
+    Up,
+    /// No heartbeat since `since`: never chosen, and its packs are not
+    /// offered to peers.
+    Down {
+        /// The last heartbeat.
+        since: Millis,
+    },
+}
+
+/// Measured rates at which a node receives packs, bytes per second.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rates {
+    /// From peers that hold the pack.
+    pub peer: f64,
+    /// From the object store.
+    pub store: f64,
+}
+
+impl Default for Rates {
+    /// Before anything is measured: a 1 Gbit/s LAN between nodes, half
+    /// that from the object store. Measurements replace them quickly.
+    fn default() -> Self {
+        Rates {
+            peer: 110e6,
+            store: 55e6,
+        }
+    }
+}
+
+/// One node.
+#[derive(Clone, Debug)]
+pub struct NodeView {
+    name: NodeName,
+    /// Whether it is heard from.
+    pub health: Health,
+    /// Its GPUs, any order.
+    pub gpus: Vec<Gpu>,
+    /// How fast it receives packs.
+    pub rates: Rates,
+    present: Bitset,
+}
+
+impl NodeView {
+    /// The node's name.
+    pub fn name(&self) -> &NodeName {
+        &self.name
+    }
+
+    /// Whether it can be chosen at all.
+    pub fn is_up(&self) -> bool {
+        self.health == Health::Up
+    }
+}
+
+/// Every pack the view has heard of, numbered densely.
+#[derive(Clone, Debug, Default)]
+struct Packs {
+    number: HashMap<PackKey, u32>,
+    size: Vec<u64>,
+}
+
+impl Packs {
+    fn intern(&mut self, key: PackKey, size: u64) -> u32 {
+        let next = self.size.len() as u32;
+        let n = *self.number.entry(key).or_insert(next);
+        if n == next {
+            self.size.push(size);
+        }
+        n
+    }
+}
+
+/// The cluster view: nodes, the packs each holds, the packs each known
+/// snapshot needs.
+#[derive(Clone, Debug, Default)]
+pub struct Cluster {
+    nodes: Vec<NodeView>,
+    packs: Packs,
+    snapshots: HashMap<SnapshotKey, Vec<u32>>,
+}
+
+impl Cluster {
+    /// An empty view.
+    pub fn new() -> Cluster {
+        Cluster::default()
+    }
+
+    /// Adds a node (up, no GPUs, nothing cached, default rates), or returns
+    /// the one of that name.
+    pub fn node_entry(&mut self, name: &NodeName) -> &mut NodeView {
+        let at = match self.nodes.binary_search_by(|n| n.name.cmp(name)) {
+            Ok(at) => at,
+            Err(at) => {
+                let node = NodeView {
+                    name: name.clone(),
+                    health: Health::Up,
+                    gpus: Vec::new(),
+                    rates: Rates::default(),
+                    present: Bitset::default(),
+                };
+                self.nodes.insert(at, node);
+                at
+            }
+        };
+        &mut self.nodes[at]
+    }
+
+    /// Forgets a node and what it cached.
+    pub fn remove_node(&mut self, name: &NodeName) -> bool {
+        match self.nodes.binary_search_by(|n| n.name.cmp(name)) {
+            Ok(at) => {
+                self.nodes.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Every node, sorted by name.
+    pub fn nodes(&self) -> &[NodeView] {
+        &self.nodes
+    }
+
+    /// The node of that name.
+    pub fn node(&self, name: &NodeName) -> Option<&NodeView> {
+        self.index_of(name).map(|i| &self.nodes[i])
+    }
+
+    /// The node of that name, to update its GPUs, health or rates.
+    pub fn node_mut(&mut self, name: &NodeName) -> Option<&mut NodeView> {
+        self.index_of(name).map(|i| &mut self.nodes[i])
+    }
+
+    pub(crate) fn index_of(&self, name: &NodeName) -> Option<usize> {
+        self.nodes.binary_search_by(|n| n.name.cmp(name)).ok()
+    }
+
+    pub(crate) fn nodes_mut(&mut self) -> &mut [NodeView] {
+        &mut self.nodes
+    }
+
+    /// Records the packs a snapshot needs (from its index), with their
+    /// sizes. A snapshot is immutable, so a second call changes nothing.
+    pub fn add_snapshot(
+        &mut self,
+        key: SnapshotKey,
+        packs: impl IntoIterator<Item = (PackKey, u64)>,
+    ) {
+        if self.snapshots.contains_key(&key) {
+            return;
+        }
+        let mut numbers: Vec<u32> = packs
+            .into_iter()
+            .map(|(p, size)| self.packs.intern(p, size))
+            .collect();
+        numbers.sort_unstable();
+        numbers.dedup();
+        self.snapshots.insert(key, numbers);
+    }
+
+    /// Whether the view knows what the snapshot needs.
+    pub fn knows_snapshot(&self, key: &SnapshotKey) -> bool {
+        self.snapshots.contains_key(key)
+    }
+
+    /// Records that a node now has (or no longer has) a pack: the deltas a
+    /// heartbeat carries. False when the node is unknown.
+    pub fn set_cached(&mut self, node: &NodeName, pack: PackKey, size: u64, cached: bool) -> bool {
+        let n = self.packs.intern(pack, size);
+        match self.node_mut(node) {
+            Some(v) if cached => {
+                v.present.insert(n);
+                true
+            }
+            Some(v) => {
+                v.present.remove(n);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets everything a node had cached (a full inventory follows).
+    pub fn clear_cached(&mut self, node: &NodeName) -> bool {
+        self.node_mut(node)
+            .map(|v| v.present = Bitset::default())
+            .is_some()
+    }
+
+    /// Bytes of the snapshot's packs that the node has, and their total:
+    /// `labrun status`'s "% present". `None` for an unknown node or snapshot.
+    pub fn presence(&self, node: &NodeName, snapshot: &SnapshotKey) -> Option<(u64, u64)> {
+        let v = self.node(node)?;
+        let packs = self.snapshots.get(snapshot)?;
+        let (mut have, mut total) = (0, 0);
+        for &p in packs {
+            let size = self.packs.size[p as usize];
+            total += size;
+            if v.present.contains(p) {
+                have += size;
+            }
+        }
+        Some((have, total))
+    }
+
+    /// Bytes of packs the node has cached, as far as the view knows.
+    pub fn cached_bytes(&self, node: &NodeName) -> Option<u64> {
+        let v = self.node(node)?;
+        Some(v.present.iter().map(|p| self.packs.size[p as usize]).sum())
+    }
+
+    /// The distinct packs of some snapshots, with the ones the view does
+    /// not know.
+    pub(crate) fn packs_of(&self, snapshots: &[SnapshotKey]) -> (Vec<u32>, Vec<SnapshotKey>) {
+        let mut unknown = Vec::new();
+        let mut all = Vec::new();
+        for s in snapshots {
+            match self.snapshots.get(s) {
+                Some(p) => all.extend_from_slice(p),
+                None => unknown.push(*s),
+            }
+        }
+        all.sort_unstable();
+        all.dedup();
+        (all, unknown)
+    }
+
+    pub(crate) fn pack_size(&self, p: u32) -> u64 {
+        self.packs.size[p as usize]
+    }
+
+    pub(crate) fn has(&self, node: usize, p: u32) -> bool {
+        self.nodes[node].present.contains(p)
+    }
+
+    pub(crate) fn mark(&mut self, node: usize, p: u32) {
+        self.nodes[node].present.insert(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(s: &str) -> NodeName {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn node_names_are_host_like() {
+        for good in ["gpu3", "a", "node-1.lab_x", &"x".repeat(63)] {
+            assert!(good.parse::<NodeName>().is_ok(), "{good}");
+        }
+        for bad in ["", "-gpu", ".x", "gpu 3", "gpu/3", "gpü", &"x".repeat(64)] {
+            let e = bad.parse::<NodeName>().unwrap_err();
+            assert!(e.to_string().contains("is not a node name"), "{e}");
+        }
+        assert_eq!(String::from(name("gpu3")), "gpu3");
+    }
+
+    #[test]
+    fn presence_counts_shared_packs_once_per_snapshot() {
+        let mut c = Cluster::new();
+        let (a, b) = (name("a"), name("b"));
+        c.node_entry(&b);
+        c.node_entry(&a);
+        assert_eq!(c.nodes()[0].name(), &a, "sorted by name");
+        let p = |i: u8| PackKey([i; 32]);
+        let div2k = SnapshotKey([1; 32]);
+        let df2k = SnapshotKey([2; 32]);
+        c.add_snapshot(div2k, [(p(1), 100), (p(2), 100)]);
+        c.add_snapshot(df2k, [(p(1), 100), (p(2), 100), (p(3), 50), (p(1), 100)]);
+        c.set_cached(&a, p(1), 100, true);
+        c.set_cached(&a, p(2), 100, true);
+        assert_eq!(c.presence(&a, &div2k), Some((200, 200)));
+        assert_eq!(c.presence(&a, &df2k), Some((200, 250)));
+        assert_eq!(c.presence(&b, &df2k), Some((0, 250)));
+        assert_eq!(c.cached_bytes(&a), Some(200));
+        assert!(c.set_cached(&a, p(2), 100, false));
+        assert_eq!(c.presence(&a, &df2k), Some((100, 250)));
+        assert!(!c.set_cached(&name("zz"), p(2), 100, true), "unknown node");
+        assert_eq!(c.presence(&a, &SnapshotKey([9; 32])), None);
+        assert!(c.clear_cached(&a));
+        assert_eq!(c.cached_bytes(&a), Some(0));
+        assert!(c.remove_node(&a));
+        assert!(c.node(&a).is_none());
+    }
+}

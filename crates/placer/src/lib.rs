@@ -1,0 +1,45 @@
+//! Where a job should run: the cluster model and the placement rule.
+//!
+//! Pure and synchronous (no I/O, no runtime, no clock: time is an
+//! argument), so `labd`'s coordinator and the trace-driven simulator run
+//! the same code.
+//!
+//! - [`Cluster`]: nodes ([`NodeView`]: health, [`Gpu`]s, measured
+//!   [`Rates`]), which packs each has cached (deltas from heartbeats), and
+//!   which packs each snapshot needs.
+//! - [`rank`]: for one [`Job`], every node's start estimate
+//!   `max(GPU wait, fetch time)` and the choice, with the reasons `labrun
+//!   --explain` prints ([`Ranking`]).
+//! - [`plan`]: one pass over the queue, first come first served, where a
+//!   job that cannot start does not block those behind it ([`Decision`]).
+//!
+//! ```
+//! use labsync_placer::{plan, Cluster, Decision, Gpu, Job, NodeName, PackKey, Policy, Queued, SnapshotKey};
+//!
+//! let mut c = Cluster::new();
+//! let (gpu1, gpu2): (NodeName, NodeName) = ("gpu1".parse().unwrap(), "gpu2".parse().unwrap());
+//! for n in [&gpu1, &gpu2] {
+//!     c.node_entry(n).gpus = (0..4).map(|i| Gpu::free(i, 11 << 30)).collect();
+//! }
+//! let div2k = SnapshotKey([7; 32]);
+//! c.add_snapshot(div2k, [(PackKey([1; 32]), 3 << 30)]);
+//! c.set_cached(&gpu2, PackKey([1; 32]), 3 << 30, true);
+//!
+//! let job = Job { gpus: 1, gpu_mem: 0, needs: vec![div2k], expected_secs: None };
+//! let d = plan(&mut c, &[Queued { id: "j1".into(), job }], 0, &Policy::default());
+//! let Decision::Start { choice, .. } = &d[0] else { panic!() };
+//! assert_eq!(choice.node, gpu2); // GPUs free on both; the data is on gpu2
+//! ```
+#![deny(missing_docs)]
+
+mod bitset;
+mod cluster;
+mod place;
+mod queue;
+
+pub use cluster::{
+    BadNodeName, Cluster, Gpu, Health, Millis, NodeName, NodeView, PackKey, Rates, Slot,
+    SnapshotKey,
+};
+pub use place::{rank, Choice, GpuWait, Job, Policy, Ranking, Row, Verdict};
+pub use queue::{plan, reserve, Decision, Queued};
