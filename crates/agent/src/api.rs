@@ -4,17 +4,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
+use crate::blocking::off_runtime;
+use crate::cluster::now_ms;
 use crate::daemon::{Caller, Daemon};
 use crate::error::ApiError;
-use crate::proto::{ErrorBody, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::proto::{ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
 
 /// A bound listener: the local default is a Unix socket, a cluster node listens on TCP.
 pub enum Listener {
@@ -141,6 +143,95 @@ async fn log(
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
+/// The coordinator's view of every node, for users.
+async fn cluster_status(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+    caller(&d, &h)?;
+    let c = d.coordinator().ok_or_else(|| {
+        ApiError::Conflict(format!(
+            "{} does not coordinate a cluster: point labrun at the coordinator",
+            d.node_name()
+        ))
+    })?;
+    Ok(Json(c.status(now_ms() as u64)))
+}
+
+/// The node that signed a request between nodes; a user's token, another
+/// secret or an old request is refused (and logged: it is a probe or a
+/// misconfigured node).
+fn member(
+    d: &Daemon,
+    method: &Method,
+    uri: &Uri,
+    h: &HeaderMap,
+    body: &[u8],
+) -> Result<String, ApiError> {
+    let cluster = d
+        .cluster()
+        .ok_or_else(|| ApiError::NotMember(format!("{} is in no cluster", d.node_name())))?;
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let get = |k: &str| h.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+    cluster
+        .key
+        .verify(method.as_str(), path, get, now_ms(), body)
+        .map_err(|e| {
+            tracing::warn!("refused {method} {}: {e}", uri.path());
+            ApiError::NotMember(e.to_string())
+        })
+}
+
+/// An agent's heartbeat, on the coordinator.
+async fn heartbeat(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let node = member(&d, &method, &uri, &h, &body)?;
+    let c = d.coordinator().ok_or_else(|| {
+        ApiError::Conflict(format!(
+            "{} is not the coordinator: check `coordinator` in {node}'s [cluster] config",
+            d.node_name()
+        ))
+    })?;
+    let hb: Heartbeat = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::BadRequest(format!("heartbeat from {node}: {e}")))?;
+    Ok(Json(c.heartbeat(&node, hb, now_ms() as u64)?))
+}
+
+/// A pack from this node's cache, for a peer (which verifies it).
+async fn pack(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    member(&d, &method, &uri, &h, b"")?;
+    let id: labsync_store::PackId = id
+        .parse()
+        .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
+    let path = d.cache().pack_path(&id);
+    let bytes = off_runtime(move || std::fs::read(path))
+        .await
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ApiError::NotFound(format!(
+                "pack {} is not cached on {}",
+                id.short(),
+                d.node_name()
+            )),
+            _ => ApiError::Internal(format!("pack {}: {e}", id.short())),
+        })?;
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(Body::from(bytes))
+        .map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+/// A full inventory of a large cache (a pack id and size is about 80 bytes
+/// of JSON) fits; read before the signature is checked, so bounded.
+const HEARTBEAT_MAX: usize = 64 << 20;
+
 /// The longest a request may take, body included: a log follower's wait is
 /// at most 30 s; a client that trickles a body (read before its token is
 /// checked) is cut off here.
@@ -165,6 +256,12 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/log", get(log))
         .route("/v1/jobs/{id}/kill", post(kill))
+        .route("/v1/cluster/status", get(cluster_status))
+        .route(
+            "/v1/cluster/heartbeat",
+            post(heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
+        )
+        .route("/v1/cluster/packs/{id}", get(pack))
         .layer(axum::middleware::from_fn(time_limit))
         .with_state(daemon)
 }
@@ -249,6 +346,14 @@ pub async fn serve(
     let limits = daemon.conn_limits();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop_rx.clone()));
+    if let Some(cfg) = daemon.cluster() {
+        let reporter = crate::cluster::Reporter::new(
+            daemon.clone(),
+            cfg.clone(),
+            daemon.coordinator().cloned(),
+        );
+        tokio::spawn(reporter.run(stop_rx.clone()));
+    }
     let app = router(daemon);
     tokio::spawn(async move {
         shutdown.await;

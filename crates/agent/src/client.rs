@@ -10,8 +10,12 @@ use hyper::header;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
+use crate::cluster::ClusterKey;
 use crate::error::ClientError;
-use crate::proto::{ErrorBody, Info, JobView, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::proto::{
+    ClusterStatus, ErrorBody, Heartbeat, HeartbeatReply, Info, JobView, SubmitRequest, DONE,
+    NEXT_OFFSET,
+};
 use crate::secret::Secret;
 use crate::status::GpuStatus;
 
@@ -59,11 +63,13 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
-/// A labd, as seen by one user.
+/// A labd, as seen by one user, or by another node of its cluster.
 #[derive(Clone, Debug)]
 pub struct Client {
     endpoint: Endpoint,
     token: Option<Secret>,
+    /// Requests between nodes are signed with the cluster key, as `node`.
+    signer: Option<(ClusterKey, String)>,
 }
 
 /// A piece of a job's log.
@@ -80,7 +86,21 @@ pub struct LogPiece {
 impl Client {
     /// A client of the labd at `endpoint`, authenticating with `token`.
     pub fn new(endpoint: Endpoint, token: Option<Secret>) -> Client {
-        Client { endpoint, token }
+        Client {
+            endpoint,
+            token,
+            signer: None,
+        }
+    }
+
+    /// A client of another node of the cluster: every request is signed
+    /// with `key` as `node`, and carries no user's token.
+    pub fn for_cluster(endpoint: Endpoint, key: ClusterKey, node: &str) -> Client {
+        Client {
+            endpoint,
+            token: None,
+            signer: Some((key, node.to_string())),
+        }
     }
 
     /// Where it talks to.
@@ -108,8 +128,15 @@ impl Client {
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");
         }
+        let body = body.unwrap_or_default();
+        if let Some((key, node)) = &self.signer {
+            let method = req.method_ref().map_or("GET", |m| m.as_str()).to_string();
+            for (name, value) in key.sign(&method, path, node, crate::cluster::now_ms(), &body) {
+                req = req.header(name, value);
+            }
+        }
         let req = req
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .body(Full::new(Bytes::from(body)))
             .map_err(|e| self.protocol(e))?;
         match &self.endpoint {
             Endpoint::Unix(p) => {
@@ -227,6 +254,28 @@ impl Client {
     pub async fn kill(&self, id: &str) -> Result<JobView, ClientError> {
         self.json(hyper::Method::POST, &format!("/v1/jobs/{id}/kill"), None)
             .await
+    }
+
+    /// Every node of the cluster (asked of the coordinator).
+    pub async fn cluster_status(&self) -> Result<ClusterStatus, ClientError> {
+        self.json(hyper::Method::GET, "/v1/cluster/status", None)
+            .await
+    }
+
+    /// Sends a heartbeat to the coordinator (a cluster client).
+    pub async fn heartbeat(&self, hb: &Heartbeat) -> Result<HeartbeatReply, ClientError> {
+        let body = serde_json::to_vec(hb).expect("heartbeat serialises");
+        self.json(hyper::Method::POST, "/v1/cluster/heartbeat", Some(body))
+            .await
+    }
+
+    /// A pack from a peer's cache (a cluster client). Unverified: the
+    /// caller checks it against its id.
+    pub async fn pack(&self, id: &labsync_store::PackId) -> Result<Bytes, ClientError> {
+        let resp = self
+            .exchange(hyper::Method::GET, &format!("/v1/cluster/packs/{id}"), None)
+            .await?;
+        Ok(resp.into_body())
     }
 
     /// The job's log from `offset`, waiting up to `wait` for something new.

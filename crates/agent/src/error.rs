@@ -39,6 +39,9 @@ pub enum ApiError {
     /// No token, or one labd does not know (401).
     #[error("no valid token: set LABRUN_TOKEN or `token` in the config file to the token your admin gave you")]
     Unauthorized,
+    /// A request between nodes without a valid cluster signature (401).
+    #[error("cluster request refused: {0}")]
+    NotMember(String),
     /// The caller may not do this (403).
     #[error("{0}")]
     Forbidden(String),
@@ -63,7 +66,7 @@ impl ApiError {
     /// The HTTP status of this error.
     pub fn status(&self) -> u16 {
         match self {
-            ApiError::Unauthorized => 401,
+            ApiError::Unauthorized | ApiError::NotMember(_) => 401,
             ApiError::Forbidden(_) => 403,
             ApiError::NotFound(_) => 404,
             ApiError::BadRequest(_) => 400,

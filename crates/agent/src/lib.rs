@@ -33,6 +33,7 @@ mod api;
 mod blocking;
 mod cgroup;
 mod client;
+pub mod cluster;
 mod daemon;
 mod error;
 mod fake;

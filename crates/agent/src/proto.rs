@@ -14,10 +14,21 @@
 //! | GET | `/v1/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
 //! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |
+//! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
+//!
+//! Between the nodes of a cluster, signed with the cluster secret
+//! ([`crate::cluster`]), never with a user's token:
+//!
+//! | method | path | body → answer |
+//! |---|---|---|
+//! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
+//! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer) |
 
+use labsync_store::{PackId, SnapshotId};
 use serde::{Deserialize, Serialize};
 
 use crate::leases::{JobMeta, JobState};
+use crate::status::GpuStatus;
 
 /// Response header: the log offset to ask for next.
 pub const NEXT_OFFSET: &str = "x-labd-next-offset";
@@ -132,6 +143,10 @@ pub struct Info {
     pub admin: bool,
     /// The GPU inventory, in words.
     pub inventory: String,
+    /// Whether this labd coordinates a cluster (then `labrun status`
+    /// asks it for [`ClusterStatus`]).
+    #[serde(default)]
+    pub coordinator: bool,
 }
 
 /// An error answer.
@@ -139,4 +154,138 @@ pub struct Info {
 pub struct ErrorBody {
     /// What went wrong and what to do.
     pub error: String,
+}
+
+/// A snapshot a node has cached, as heartbeats carry it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedTree {
+    /// Its id.
+    pub snapshot: SnapshotId,
+    /// `NAME@vN` when it was last used.
+    pub label: String,
+    /// Bytes of its packs.
+    pub bytes: u64,
+    /// Pinned by an admin (`labsync warm`, `cache pin`).
+    pub pinned: bool,
+}
+
+/// A node's cache in a heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSummary {
+    /// Bytes of cached packs.
+    pub used_bytes: u64,
+    /// The cap.
+    pub max_bytes: u64,
+    /// What is cached.
+    pub trees: Vec<CachedTree>,
+}
+
+/// What changed in a node's cache since the heartbeat the coordinator
+/// acknowledged last (`base`), or everything (`full`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InventoryDelta {
+    /// Everything, not a change: the coordinator forgets what it had.
+    pub full: bool,
+    /// The `seq` of the heartbeat this delta follows.
+    pub base: u64,
+    /// Packs now cached, with their sizes.
+    pub added: Vec<(PackId, u64)>,
+    /// Packs no longer cached.
+    pub removed: Vec<PackId>,
+    /// The packs of snapshots newly cached (so the coordinator can price
+    /// them on every node), with sizes.
+    pub snapshots: Vec<(SnapshotId, Vec<(PackId, u64)>)>,
+}
+
+/// An agent's heartbeat to the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The node's name.
+    pub node: String,
+    /// Where the others reach it (`http://host:port`).
+    pub addr: String,
+    /// Random per labd start: a restarted agent starts its deltas afresh.
+    pub instance: String,
+    /// Counts up with each heartbeat of this instance.
+    pub seq: u64,
+    /// Its GPUs.
+    pub gpus: Vec<GpuStatus>,
+    /// Its active jobs.
+    pub jobs: Vec<JobView>,
+    /// Its cache.
+    pub cache: CacheSummary,
+    /// What changed in it.
+    pub inventory: InventoryDelta,
+}
+
+/// The coordinator's answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// The delta did not follow what the coordinator holds (it restarted,
+    /// or a reply was lost): send the whole inventory next.
+    pub want_full: bool,
+}
+
+/// Whether the coordinator hears from a node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "health", rename_all = "snake_case")]
+pub enum NodeHealth {
+    /// Heartbeats arrive.
+    Up,
+    /// None since `since` (Unix ms); never chosen. Its jobs are shown as
+    /// they were, not failed.
+    Down {
+        /// The last heartbeat.
+        since: u64,
+    },
+}
+
+/// A snapshot's presence on a node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Presence {
+    /// `NAME@vN`.
+    pub label: String,
+    /// The snapshot.
+    pub snapshot: SnapshotId,
+    /// Bytes of its packs the node has.
+    pub present_bytes: u64,
+    /// Bytes of all its packs.
+    pub total_bytes: u64,
+    /// Pinned there.
+    pub pinned: bool,
+}
+
+/// One node in `labrun status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Its name.
+    pub name: String,
+    /// Where it is reached.
+    pub addr: String,
+    /// Up or down.
+    #[serde(flatten)]
+    pub health: NodeHealth,
+    /// Its last heartbeat, Unix ms.
+    pub last_heartbeat: u64,
+    /// Its GPUs, as of that heartbeat.
+    pub gpus: Vec<GpuStatus>,
+    /// Its active jobs, as of that heartbeat.
+    pub jobs: Vec<JobView>,
+    /// Cache use and cap, bytes.
+    pub cache_used: u64,
+    /// The cap.
+    pub cache_max: u64,
+    /// Every snapshot cached anywhere in the cluster, with how much of it
+    /// this node has (a dataset that shares packs with a cached one is
+    /// partly present), where anything is.
+    pub data: Vec<Presence>,
+}
+
+/// The cluster as `labrun status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The coordinating node.
+    pub coordinator: String,
+    /// Every node that has sent a heartbeat, by name.
+    pub nodes: Vec<NodeStatus>,
 }

@@ -51,6 +51,7 @@ fn config(dir: &Path) -> DaemonConfig {
         tick: Duration::from_millis(50),
         conn_limits: ConnLimits::default(),
         max_queued_per_user: 5,
+        cluster: None,
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use labsync_agent::cluster::{ClusterConfig, ClusterKey};
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
 };
@@ -91,6 +92,29 @@ pub(crate) struct LabdFile {
     header_timeout_ms: Option<u64>,
     /// Jobs one user may have queued at once (default 1000).
     max_queued_per_user: Option<usize>,
+    /// Membership of a cluster.
+    cluster: Option<ClusterFile>,
+}
+
+/// `[cluster]` of labd's config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    /// The coordinator's address, `http://host:port` (on the coordinator too).
+    coordinator: String,
+    /// This labd coordinates.
+    #[serde(default)]
+    coordinate: bool,
+    /// How the other nodes reach this one (default: `http://<node_name>:<port>`).
+    advertise: Option<String>,
+    /// The cluster secret, the same on every node (or `secret_file`).
+    secret: Option<Secret>,
+    /// A file holding it (mode 600).
+    secret_file: Option<PathBuf>,
+    /// Time between heartbeats (default 1000).
+    heartbeat_ms: Option<u64>,
+    /// A node without a heartbeat this long is down (default 10000).
+    down_after_ms: Option<u64>,
 }
 
 /// Reads the config file (if any) and resolves everything with the flags.
@@ -122,7 +146,12 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
     };
     let fake_gpus = flags.fake_gpus.clone().or(file.fake_gpus.clone());
     let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
-    let config = daemon_config(file, settings, &local)?;
+    let mut file = file;
+    let cluster_file = file.cluster.take();
+    let mut config = daemon_config(file, settings, &local)?;
+    if let Some(c) = cluster_file {
+        config.cluster = Some(cluster_config(c, &config.node_name, &listen)?);
+    }
     let inventory: Arc<dyn GpuInventory> = match fake_gpus {
         Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
         None => Arc::from(detect()),
@@ -141,7 +170,8 @@ fn read_file(p: &Path) -> Result<LabdFile> {
         .with_context(|| format!("cannot read config file {}", p.display()))?;
     let file: LabdFile =
         toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?;
-    check_private(p, !file.tokens.is_empty())?;
+    let holds_secret = file.cluster.as_ref().is_some_and(|c| c.secret.is_some());
+    check_private(p, !file.tokens.is_empty() || holds_secret)?;
     Ok(file)
 }
 
@@ -228,6 +258,71 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
                 .map_or(d.header_timeout, |ms| Duration::from_millis(ms.max(100))),
         },
         max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
+        cluster: None,
+    })
+}
+
+/// The `[cluster]` section, checked: a TCP listener others can reach, a
+/// node name the cluster can show, a long secret no other user can read.
+fn cluster_config(c: ClusterFile, node_name: &str, listen: &Endpoint) -> Result<ClusterConfig> {
+    node_name.parse::<labsync_placer::NodeName>().map_err(|e| {
+        anyhow::anyhow!("node_name: {e} (in a cluster every node needs one; set node_name)")
+    })?;
+    let coordinator: Endpoint = c
+        .coordinator
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("[cluster] coordinator: {e}"))?;
+    if !matches!(coordinator, Endpoint::Tcp(_)) {
+        bail!(
+            "[cluster] coordinator = {:?}: nodes reach it over TCP; write http://host:port",
+            c.coordinator
+        );
+    }
+    let Endpoint::Tcp(addr) = listen else {
+        bail!(
+            "labd listens on {listen}, which other nodes cannot reach: in a cluster set \
+             listen = \"0.0.0.0:7420\" (or the address of this node)"
+        );
+    };
+    let advertise = match c.advertise {
+        Some(a) => match a.parse::<Endpoint>() {
+            Ok(Endpoint::Tcp(hp)) => format!("http://{hp}"),
+            _ => bail!("[cluster] advertise = {a:?}: write http://host:port, how other nodes reach this one"),
+        },
+        None => {
+            let (host, port) = addr.rsplit_once(':').expect("a TCP endpoint has a port");
+            let wildcard = ["0.0.0.0", "[::]", "::", ""].contains(&host);
+            format!("http://{}:{port}", if wildcard { node_name } else { host })
+        }
+    };
+    let secret = match (c.secret, c.secret_file) {
+        (Some(s), None) => s,
+        (None, Some(f)) => {
+            check_private(&f, true)?;
+            let text = std::fs::read_to_string(&f)
+                .with_context(|| format!("cannot read the cluster secret {}", f.display()))?;
+            Secret::new(text.trim())
+        }
+        _ => bail!("[cluster]: set one of secret_file (a file of mode 600) or secret, the same on every node"),
+    };
+    let key = ClusterKey::new(&secret).map_err(anyhow::Error::msg)?;
+    let heartbeat = Duration::from_millis(c.heartbeat_ms.unwrap_or(1000).max(50));
+    let down_after = Duration::from_millis(c.down_after_ms.unwrap_or(10_000));
+    if down_after < heartbeat * 3 {
+        bail!(
+            "[cluster] down_after_ms = {} is under three heartbeats ({} ms each): nodes would flap \
+             between up and down",
+            down_after.as_millis(),
+            heartbeat.as_millis()
+        );
+    }
+    Ok(ClusterConfig {
+        coordinator,
+        coordinate: c.coordinate,
+        advertise,
+        key,
+        heartbeat,
+        down_after,
     })
 }
 
@@ -262,4 +357,93 @@ fn check_private(path: &Path, holds_tokens: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(extra: &str) -> ClusterFile {
+        toml::from_str(&format!(
+            "coordinator = \"http://10.0.0.1:7420\"\nsecret = \"{}\"\n{extra}",
+            "s".repeat(40)
+        ))
+        .unwrap()
+    }
+
+    fn tcp(a: &str) -> Endpoint {
+        a.parse().unwrap()
+    }
+
+    #[test]
+    fn a_cluster_node_is_reachable_named_and_keyed() {
+        let c = cluster_config(cluster(""), "gpu2", &tcp("0.0.0.0:7420")).unwrap();
+        assert_eq!(
+            c.advertise, "http://gpu2:7420",
+            "a wildcard listener advertises the name"
+        );
+        assert!(!c.coordinate);
+        assert_eq!(c.coordinator, tcp("10.0.0.1:7420"));
+        assert_eq!(
+            (c.heartbeat.as_millis(), c.down_after.as_millis()),
+            (1000, 10_000)
+        );
+        let c =
+            cluster_config(cluster("coordinate = true"), "gpu2", &tcp("10.0.0.2:7420")).unwrap();
+        assert_eq!(c.advertise, "http://10.0.0.2:7420");
+        assert!(c.coordinate);
+        let c = cluster_config(
+            cluster("advertise = \"http://gpu2.lab:7420\""),
+            "gpu2",
+            &tcp("0.0.0.0:7420"),
+        )
+        .unwrap();
+        assert_eq!(c.advertise, "http://gpu2.lab:7420");
+    }
+
+    #[test]
+    fn cluster_mistakes_are_named() {
+        let err = |c: ClusterFile, name: &str, listen: Endpoint| {
+            cluster_config(c, name, &listen).unwrap_err().to_string()
+        };
+        let unix = Endpoint::Unix("/run/labd.sock".into());
+        assert!(err(cluster(""), "gpu2", unix).contains("other nodes cannot reach"));
+        assert!(err(cluster(""), "gpu 2", tcp("0.0.0.0:1")).contains("is not a node name"));
+        let short: ClusterFile =
+            toml::from_str("coordinator = \"http://h:1\"\nsecret = \"short\"").unwrap();
+        assert!(err(short, "gpu2", tcp("0.0.0.0:1")).contains("at least 32"));
+        let none: ClusterFile = toml::from_str("coordinator = \"http://h:1\"").unwrap();
+        assert!(err(none, "gpu2", tcp("0.0.0.0:1")).contains("set one of secret_file"));
+        let flapping = cluster("heartbeat_ms = 1000\ndown_after_ms = 2000");
+        assert!(err(flapping, "gpu2", tcp("0.0.0.0:1")).contains("under three heartbeats"));
+        let unix_coord: ClusterFile = toml::from_str(&format!(
+            "coordinator = \"/run/labd.sock\"\nsecret = \"{}\"",
+            "s".repeat(40)
+        ))
+        .unwrap();
+        assert!(err(unix_coord, "gpu2", tcp("0.0.0.0:1")).contains("over TCP"));
+        assert!(
+            toml::from_str::<ClusterFile>("coordinator = \"http://h:1\"\nsecert = \"x\"")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown field")
+        );
+    }
+
+    #[test]
+    fn a_secret_file_others_can_read_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("cluster.secret");
+        std::fs::write(&f, "x".repeat(40)).unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let c: ClusterFile = toml::from_str(&format!(
+            "coordinator = \"http://h:1\"\nsecret_file = \"{}\"",
+            f.display()
+        ))
+        .unwrap();
+        let e = cluster_config(c, "gpu2", &tcp("0.0.0.0:1"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("readable by other users"), "{e}");
+    }
 }

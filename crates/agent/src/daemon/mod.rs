@@ -20,6 +20,7 @@ use labsync_store::{NodeCache, Remote, Repo};
 
 use crate::api::ConnLimits;
 use crate::blocking::off_runtime;
+use crate::cluster::{ClusterConfig, Coordinator};
 use crate::gpu::GpuInventory;
 use crate::leases::JobState;
 use crate::node::{Node, NodeConfig, NodeError};
@@ -79,6 +80,8 @@ pub struct DaemonConfig {
     pub conn_limits: ConnLimits,
     /// Jobs one user may have queued (waiting or being prepared) at once.
     pub max_queued_per_user: usize,
+    /// The cluster this node belongs to; `None`: a node of its own.
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl std::fmt::Debug for DaemonConfig {
@@ -94,6 +97,7 @@ impl std::fmt::Debug for DaemonConfig {
             .field("run_as_submitter", &self.run_as_submitter)
             .field("tokens", &self.tokens)
             .field("admins", &self.admins)
+            .field("cluster", &self.cluster)
             .finish_non_exhaustive()
     }
 }
@@ -125,6 +129,8 @@ pub struct Daemon {
     /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
     tokens: Vec<(blake3::Hash, String)>,
     inventory: String,
+    /// The cluster view, on the coordinating node.
+    coordinator: Option<Arc<Coordinator>>,
     _lock: File,
 }
 
@@ -187,6 +193,11 @@ impl Daemon {
             housekeeping: Arc::new(housekeeping),
             tokens,
             inventory: inventory_name,
+            coordinator: cfg
+                .cluster
+                .as_ref()
+                .filter(|c| c.coordinate)
+                .map(|c| Arc::new(Coordinator::new(&cfg.node_name, c.down_after))),
             _lock: lock,
             cfg,
         }))
@@ -239,6 +250,26 @@ impl Daemon {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+
+    /// This node's name.
+    pub fn node_name(&self) -> &str {
+        &self.cfg.node_name
+    }
+
+    /// The node cache.
+    pub(crate) fn cache(&self) -> &Arc<NodeCache> {
+        &self.cache
+    }
+
+    /// The cluster settings, when in one.
+    pub(crate) fn cluster(&self) -> Option<&ClusterConfig> {
+        self.cfg.cluster.as_ref()
+    }
+
+    /// The cluster view, on the coordinator.
+    pub(crate) fn coordinator(&self) -> Option<&Arc<Coordinator>> {
+        self.coordinator.as_ref()
     }
 
     /// Where shared trees live (tests look at them).

@@ -127,6 +127,7 @@ impl Daemon {
             user: caller.user.clone(),
             admin: caller.admin,
             inventory: self.inventory.clone(),
+            coordinator: self.coordinator.is_some(),
         }
     }
 

@@ -34,7 +34,21 @@ A shared GPU server runs it as root with a config file, for example:
   alice = \"…\"
   bob = \"…\"
 
-Jobs then run as the Unix user their token names.";
+Jobs then run as the Unix user their token names.
+
+Several GPU servers form a cluster by config alone: each labd listens on TCP
+and names the coordinator and a shared secret; one of them coordinates:
+
+  node_name = \"gpu2\"
+  listen = \"0.0.0.0:7420\"
+  [cluster]
+  coordinator = \"http://gpu1:7420\"
+  coordinate = false                        # true on gpu1
+  secret_file = \"/etc/labsync/cluster.secret\" # the same 32+ characters on every node, mode 600
+  heartbeat_ms = 1000
+  down_after_ms = 10000                     # no heartbeat this long: node down
+
+labrun status against the coordinator then shows every node.";
 
 #[derive(Parser, Debug)]
 #[command(name = "labd", version, about = "The labsync node daemon", long_about = LONG_ABOUT)]

@@ -1,16 +1,42 @@
-//! `labrun status`: the node's GPUs and who holds them.
+//! `labrun status`: the spreadsheet, replaced. Every GPU — free, leased
+//! (job, user), held by a foreign process, unknown — of this node, or of
+//! every node of the cluster when labrun talks to the coordinator, with
+//! what each node has cached.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use labsync_agent::{Client, GpuState, JobState};
+use labsync_agent::proto::{JobView, NodeHealth, NodeStatus};
+use labsync_agent::{Client, ForeignProcess, GpuState, GpuStatus, JobState};
 
 use super::explain;
 
-/// Every GPU of the node: free, leased (job, user), used by a foreign process, unknown.
+/// Prints the node's (or the cluster's) GPUs and jobs.
 pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
     let info = client.info().await.map_err(explain)?;
+    if info.coordinator {
+        let cluster = client.cluster_status().await.map_err(explain)?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&cluster)?);
+            return Ok(ExitCode::SUCCESS);
+        }
+        let now = labsync_agent::cluster::now_ms() as u64;
+        let up = cluster
+            .nodes
+            .iter()
+            .filter(|n| n.health == NodeHealth::Up)
+            .count();
+        println!(
+            "cluster of {} node(s), {up} up, coordinated by {}",
+            cluster.nodes.len(),
+            cluster.coordinator
+        );
+        for n in &cluster.nodes {
+            print_node(n, now);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let gpus = client.gpus().await.map_err(explain)?;
     let jobs = client.jobs().await.map_err(explain)?;
     if json {
@@ -22,15 +48,61 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let owner: HashMap<&str, &str> = jobs
-        .iter()
-        .map(|j| (j.id.as_str(), j.user.as_str()))
-        .collect();
     println!("{} — GPUs from {}", info.node, info.inventory);
     if gpus.is_empty() {
         println!("  no GPUs on this node: jobs run with --gpus 0");
     }
-    for g in &gpus {
+    print_gpus(&gpus, &jobs);
+    print_counts(&jobs);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One node of the cluster: health, GPUs, jobs and cached data.
+fn print_node(n: &NodeStatus, now: u64) {
+    let health = match n.health {
+        NodeHealth::Up => "up".to_string(),
+        NodeHealth::Down { since } => format!(
+            "NODE DOWN since {} s ago (never chosen; its jobs as last reported)",
+            now.saturating_sub(since) / 1000
+        ),
+    };
+    println!();
+    println!(
+        "{} ({}) — {health}; cache {} of {}",
+        n.name,
+        n.addr,
+        gib(n.cache_used),
+        gib(n.cache_max)
+    );
+    if n.gpus.is_empty() {
+        println!("  no GPUs");
+    }
+    print_gpus(&n.gpus, &n.jobs);
+    print_counts(&n.jobs);
+    if !n.data.is_empty() {
+        let data: Vec<String> = n
+            .data
+            .iter()
+            .map(|d| {
+                let pct = 100.0 * d.present_bytes as f64 / d.total_bytes.max(1) as f64;
+                format!(
+                    "{} {:.0}%{}",
+                    d.label,
+                    pct.floor(),
+                    if d.pinned { " (pinned)" } else { "" }
+                )
+            })
+            .collect();
+        println!("  data: {}", data.join(", "));
+    }
+}
+
+fn print_gpus(gpus: &[GpuStatus], jobs: &[JobView]) {
+    let owner: HashMap<&str, &str> = jobs
+        .iter()
+        .map(|j| (j.id.as_str(), j.user.as_str()))
+        .collect();
+    for g in gpus {
         let hw = match &g.info {
             Some(i) => format!(
                 "{:<22} {:>9} / {:<9} used",
@@ -39,23 +111,6 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
                 gib(i.memory_total)
             ),
             None => format!("{:<22} {:>21}", "?", "?"),
-        };
-        let procs = |ps: &[labsync_agent::ForeignProcess]| {
-            ps.iter()
-                .map(|p| {
-                    let who = match &p.job {
-                        Some(j) => format!("{j} outside its lease"),
-                        None => p.user.as_deref().unwrap_or("?").to_string(),
-                    };
-                    format!(
-                        "pid {} ({who}, {})",
-                        p.pid,
-                        p.used_bytes
-                            .map_or("? MiB".into(), |b| format!("{} MiB", b >> 20))
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("; ")
         };
         let state = match &g.state {
             GpuState::Free => "free".to_string(),
@@ -74,13 +129,33 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
         };
         println!("  GPU {:<2} {hw}  {state}", g.index);
     }
+}
+
+fn procs(ps: &[ForeignProcess]) -> String {
+    ps.iter()
+        .map(|p| {
+            let who = match &p.job {
+                Some(j) => format!("{j} outside its lease"),
+                None => p.user.as_deref().unwrap_or("?").to_string(),
+            };
+            format!(
+                "pid {} ({who}, {})",
+                p.pid,
+                p.used_bytes
+                    .map_or("? MiB".into(), |b| format!("{} MiB", b >> 20))
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn print_counts(jobs: &[JobView]) {
     let queued = jobs.iter().filter(|j| j.state == JobState::Queued).count();
     let running = jobs
         .iter()
         .filter(|j| matches!(j.state, JobState::Running { .. }))
         .count();
     println!("  jobs: {running} running, {queued} queued");
-    Ok(ExitCode::SUCCESS)
 }
 
 fn gib(b: u64) -> String {

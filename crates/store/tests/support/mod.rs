@@ -255,7 +255,7 @@ fn find_s3s_fs() -> Option<PathBuf> {
 }
 
 /// A free port on 127.0.0.1.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -1,19 +1,19 @@
-//! End-to-end tests of the `labsync` binary: real processes, real files, a
-//! real S3 server on 127.0.0.1.
+//! End-to-end tests: the real `labsync`, `labrun` and `labd` binaries as
+//! processes, real files, real S3-compatible servers and real sockets on
+//! 127.0.0.1.
+//!
+//! The binaries are the ones `cargo test --workspace` builds for
+//! labsync-cli beside this test (`target/<profile>/`); see [`bin`].
 
-#[path = "../../store/tests/support/mod.rs"]
+#[path = "../../crates/store/tests/support/mod.rs"]
 mod support;
 
-#[path = "cli/labrun.rs"]
+mod cluster;
 mod labrun;
-
-#[path = "cli/lying.rs"]
 mod lying;
-
-#[path = "cli/matrix.rs"]
 mod matrix;
 
-#[path = "../../store/tests/support/proxy.rs"]
+#[path = "../../crates/store/tests/support/proxy.rs"]
 mod proxy;
 
 use std::collections::BTreeMap;
@@ -22,6 +22,26 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use support::{assert_same_tree, write_tree, S3Server};
+
+/// One of labsync-cli's binaries, from the folder cargo put this test in
+/// (`target/<profile>/deps/e2e-*` → `target/<profile>/NAME`).
+/// `cargo test --workspace` builds them before any test runs; a test run
+/// of this package alone does not, and says so here.
+pub(crate) fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run the tests with `scripts/test.sh` or `cargo test --workspace` \
+         (which build labsync-cli's binaries), or `cargo build -p labsync-cli --bins` first",
+        path.display()
+    );
+    path
+}
 
 struct Lab {
     dir: tempfile::TempDir,
@@ -45,7 +65,7 @@ impl Lab {
     }
 
     fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_labsync"));
+        let mut c = Command::new(bin("labsync"));
         c.args(args)
             .env("HOME", self.path("home"))
             .env_remove("XDG_CONFIG_HOME")
@@ -402,7 +422,7 @@ fn default_store_works_with_no_configuration() {
     write_tree(&src, 5);
     let home = lab.path("home");
     let run = |args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_labsync"))
+        let o = Command::new(bin("labsync"))
             .args(args)
             .env_clear()
             .env("HOME", &home)

@@ -140,7 +140,7 @@ impl Node {
             .append(true)
             .open(self.path("labd.log"))
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_labd"))
+        let child = Command::new(crate::bin("labd"))
             .arg("--config")
             .arg(&self.config)
             .env("HOME", self.path("home"))
@@ -173,7 +173,7 @@ impl Node {
     }
 
     fn labrun_cmd(&self, token: Option<&str>, args: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_labrun"));
+        let mut c = Command::new(crate::bin("labrun"));
         c.args(args)
             .current_dir(self.path("code"))
             .env("HOME", self.path("home"))
@@ -265,7 +265,7 @@ impl Node {
     }
 
     pub(crate) fn labsync(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_labsync"))
+        Command::new(crate::bin("labsync"))
             .args(args)
             .env("HOME", self.path("home"))
             .env("LABSYNC_STORE", &self.store)
@@ -705,7 +705,7 @@ fn labd_refuses_unsafe_configs() {
         let config = d.join("labd.toml");
         std::fs::write(&config, text).unwrap();
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(mode)).unwrap();
-        let o = Command::new(env!("CARGO_BIN_EXE_labd"))
+        let o = Command::new(crate::bin("labd"))
             .arg("--config")
             .arg(&config)
             .env("HOME", d)
@@ -1343,8 +1343,8 @@ fn readme_main_job_runs_on_a_fresh_home() {
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().join("home");
     std::fs::create_dir_all(&home).unwrap();
-    let bin = Path::new(env!("CARGO_BIN_EXE_labrun")).parent().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/quickstart.sh");
+    let bin = crate::bin("labrun").parent().unwrap().to_path_buf();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/quickstart.sh");
     let o = Command::new("bash")
         .arg(script)
         .env("HOME", &home)
@@ -1361,7 +1361,7 @@ fn readme_main_job_runs_on_a_fresh_home() {
         .output()
         .unwrap();
     // The personal labd keeps the store it started with; a changed setting is said.
-    let moved = Command::new(env!("CARGO_BIN_EXE_labrun"))
+    let moved = Command::new(crate::bin("labrun"))
         .args(["--", "true"])
         .current_dir(&home)
         .env("HOME", &home)

@@ -1,0 +1,232 @@
+//! Requests between nodes carry a signature made with the cluster secret,
+//! never the secret itself and never a user's token: a node that sees a
+//! request learns nothing it could reuse beyond the replay window, and a
+//! user's token opens none of these routes.
+//!
+//! Signed: the method, the path and query, the sending node, the time and
+//! the BLAKE3 of the body, under a key derived from the secret. Checked:
+//! the signature (constant-time) and the time, within [`SKEW`] of the
+//! receiver's clock.
+
+use std::time::Duration;
+
+use crate::secret::Secret;
+
+/// Header: the sending node's name.
+pub const NODE: &str = "x-labsync-node";
+/// Header: the sender's clock, Unix milliseconds.
+pub const TIME: &str = "x-labsync-time";
+/// Header: the signature, hex.
+pub const SIGNATURE: &str = "x-labsync-signature";
+
+/// How far apart the sender's and receiver's clocks may be, and so how
+/// long a captured request could be replayed. Nodes of a lab run NTP.
+pub const SKEW: Duration = Duration::from_secs(60);
+
+/// The shortest cluster secret accepted, in characters.
+pub const MIN_SECRET: usize = 32;
+
+/// The key requests are signed with.
+#[derive(Clone)]
+pub struct ClusterKey([u8; 32]);
+
+impl std::fmt::Debug for ClusterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterKey(<redacted>)")
+    }
+}
+
+/// Why a request's signature was refused. The caller answers 401 whatever
+/// it is, and logs it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// A header is missing or malformed.
+    #[error("no cluster signature ({0})")]
+    Missing(&'static str),
+    /// The clocks are further apart than [`SKEW`], or it is a replay.
+    #[error("request time {0} ms off this node's clock (more than {SKEW:?}): check NTP")]
+    Skew(i64),
+    /// Signed with another secret, or altered on the way.
+    #[error(
+        "bad cluster signature from {0}: a different cluster secret, or the request was altered"
+    )]
+    Bad(String),
+}
+
+impl ClusterKey {
+    /// The key of a secret; refuses a short one.
+    pub fn new(secret: &Secret) -> Result<ClusterKey, String> {
+        let s = secret.expose().trim();
+        if s.len() < MIN_SECRET {
+            return Err(format!(
+                "the cluster secret has {} characters; use at least {MIN_SECRET} random ones \
+                 (e.g. openssl rand -hex 32), the same on every node",
+                s.len()
+            ));
+        }
+        Ok(ClusterKey(blake3::derive_key(
+            "labsync 2026-12 cluster request signing v1",
+            s.as_bytes(),
+        )))
+    }
+
+    fn mac(&self, method: &str, path: &str, node: &str, time: i64, body: &[u8]) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        // Lengths first: no two different requests hash the same bytes.
+        for part in [method.as_bytes(), path.as_bytes(), node.as_bytes()] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.update(&time.to_le_bytes());
+        h.update(blake3::hash(body).as_bytes());
+        h.finalize()
+    }
+
+    /// The three headers of a request from `node` at `now_ms`.
+    pub fn sign(
+        &self,
+        method: &str,
+        path: &str,
+        node: &str,
+        now_ms: i64,
+        body: &[u8],
+    ) -> [(&'static str, String); 3] {
+        let mac = self.mac(method, path, node, now_ms, body);
+        [
+            (NODE, node.to_string()),
+            (TIME, now_ms.to_string()),
+            (SIGNATURE, mac.to_hex().to_string()),
+        ]
+    }
+
+    /// Checks a request's headers (`get` reads one); the sending node's
+    /// name on success.
+    pub fn verify(
+        &self,
+        method: &str,
+        path: &str,
+        get: impl Fn(&str) -> Option<String>,
+        now_ms: i64,
+        body: &[u8],
+    ) -> Result<String, AuthError> {
+        let node = get(NODE).ok_or(AuthError::Missing(NODE))?;
+        let time: i64 = get(TIME)
+            .and_then(|t| t.parse().ok())
+            .ok_or(AuthError::Missing(TIME))?;
+        let sig = get(SIGNATURE)
+            .and_then(|s| blake3::Hash::from_hex(s.trim()).ok())
+            .ok_or(AuthError::Missing(SIGNATURE))?;
+        // Signature first: an unsigned request learns nothing of the clock.
+        // blake3::Hash's equality is constant-time.
+        if self.mac(method, path, &node, time, body) != sig {
+            return Err(AuthError::Bad(node));
+        }
+        let off = time.saturating_sub(now_ms);
+        if off.unsigned_abs() > SKEW.as_millis() as u64 {
+            return Err(AuthError::Skew(off));
+        }
+        Ok(node)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn key(s: &str) -> ClusterKey {
+        ClusterKey::new(&Secret::new(s)).unwrap()
+    }
+
+    fn headers(h: &[(&'static str, String); 3]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> =
+            h.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn signed_requests_pass_and_anything_else_is_refused() {
+        let k = key(&"s".repeat(40));
+        let h = k.sign("POST", "/v1/cluster/heartbeat", "gpu2", 1_000_000, b"{}");
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h),
+                1_000_500,
+                b"{}"
+            ),
+            Ok("gpu2".to_string())
+        );
+        // Another secret, another body, path, method or node name: refused.
+        let other = key(&"t".repeat(40));
+        assert!(matches!(
+            other.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h),
+                1_000_000,
+                b"{}"
+            ),
+            Err(AuthError::Bad(_))
+        ));
+        for (m, p, b) in [
+            ("POST", "/v1/cluster/heartbeat", &b"{ }"[..]),
+            ("POST", "/v1/cluster/packs/x", b"{}"),
+            ("GET", "/v1/cluster/heartbeat", b"{}"),
+        ] {
+            assert!(matches!(
+                k.verify(m, p, headers(&h), 1_000_000, b),
+                Err(AuthError::Bad(_))
+            ));
+        }
+        let mut renamed = h.clone();
+        renamed[0].1 = "gpu3".into();
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&renamed),
+                1_000_000,
+                b"{}"
+            ),
+            Err(AuthError::Bad(_))
+        ));
+        // Old or future requests.
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h),
+                1_000_000 + 61_000,
+                b"{}"
+            ),
+            Err(AuthError::Skew(_))
+        ));
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h),
+                1_000_000 - 61_000,
+                b"{}"
+            ),
+            Err(AuthError::Skew(_))
+        ));
+        // No headers at all, or a user's bearer token only.
+        assert_eq!(
+            k.verify("GET", "/", |_| None, 0, b""),
+            Err(AuthError::Missing(NODE))
+        );
+    }
+
+    #[test]
+    fn short_secrets_are_refused_and_keys_never_print() {
+        let e = ClusterKey::new(&Secret::new("short")).unwrap_err();
+        assert!(e.contains("at least 32"), "{e}");
+        let k = key(&"x".repeat(32));
+        assert_eq!(format!("{k:?}"), "ClusterKey(<redacted>)");
+    }
+}

@@ -1,0 +1,340 @@
+//! The coordinator's cluster view, built from heartbeats: each node's GPUs,
+//! jobs and cache, and the placer's model of them. A node that misses
+//! heartbeats for `down_after` is marked down (never chosen, its jobs shown
+//! as they were); its next heartbeat brings it back.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use labsync_placer::{Cluster, Gpu, Health, Millis, NodeName, PackKey, Slot, SnapshotKey};
+use labsync_store::SnapshotId;
+
+use crate::error::ApiError;
+use crate::proto::{
+    CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
+    Presence,
+};
+use crate::status::{GpuState, GpuStatus};
+
+/// What the coordinator remembers of one node.
+struct Member {
+    addr: String,
+    instance: String,
+    /// The last heartbeat applied.
+    seq: u64,
+    last_seen: Millis,
+    gpus: Vec<GpuStatus>,
+    jobs: Vec<JobView>,
+    cache: CacheSummary,
+}
+
+struct View {
+    cluster: Cluster,
+    members: BTreeMap<NodeName, Member>,
+    /// Labels of the snapshots cached anywhere, for `labrun status`.
+    labels: HashMap<SnapshotId, String>,
+}
+
+/// The cluster view of a coordinating labd.
+pub struct Coordinator {
+    name: String,
+    down_after: Duration,
+    view: Mutex<View>,
+}
+
+/// The placer's slot for a GPU as the agent classified it.
+fn slot(g: &GpuStatus) -> Gpu {
+    let (total, used) = g
+        .info
+        .as_ref()
+        .map_or((0, 0), |i| (i.memory_total, i.memory_used));
+    Gpu {
+        index: g.index,
+        memory_total: total,
+        memory_free: total.saturating_sub(used),
+        slot: match &g.state {
+            GpuState::Free => Slot::Free,
+            GpuState::Leased { .. } => Slot::Busy { until: None },
+            GpuState::Foreign { .. } | GpuState::Unknown { .. } => Slot::Unavailable,
+        },
+    }
+}
+
+impl Coordinator {
+    /// A coordinator named `name` (its node's name) that marks a node down
+    /// after `down_after` without a heartbeat.
+    pub fn new(name: &str, down_after: Duration) -> Coordinator {
+        Coordinator {
+            name: name.to_string(),
+            down_after,
+            view: Mutex::new(View {
+                cluster: Cluster::new(),
+                members: BTreeMap::new(),
+                labels: HashMap::new(),
+            }),
+        }
+    }
+
+    /// Applies a heartbeat `sender` signed (it must name itself) at `now`.
+    pub fn heartbeat(
+        &self,
+        sender: &str,
+        hb: Heartbeat,
+        now: Millis,
+    ) -> Result<HeartbeatReply, ApiError> {
+        if hb.node != sender {
+            return Err(ApiError::Forbidden(format!(
+                "{sender} sent a heartbeat for {}: a node speaks for itself only",
+                hb.node
+            )));
+        }
+        let name: NodeName = hb
+            .node
+            .parse()
+            .map_err(|e: labsync_placer::BadNodeName| ApiError::BadRequest(e.to_string()))?;
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        let follows = v
+            .members
+            .get(&name)
+            .is_some_and(|m| m.instance == hb.instance && m.seq == hb.inventory.base);
+        let View {
+            cluster,
+            members,
+            labels,
+        } = &mut *v;
+        let node = cluster.node_entry(&name);
+        node.health = Health::Up;
+        node.gpus = hb.gpus.iter().map(slot).collect();
+        let mut reply = HeartbeatReply::default();
+        if hb.inventory.full {
+            cluster.clear_cached(&name);
+        }
+        if hb.inventory.full || follows {
+            for (p, size) in &hb.inventory.added {
+                cluster.set_cached(&name, PackKey(*p.as_bytes()), *size, true);
+            }
+            for p in &hb.inventory.removed {
+                cluster.set_cached(&name, PackKey(*p.as_bytes()), 0, false);
+            }
+            for (s, packs) in &hb.inventory.snapshots {
+                cluster.add_snapshot(
+                    SnapshotKey(*s.as_bytes()),
+                    packs.iter().map(|(p, n)| (PackKey(*p.as_bytes()), *n)),
+                );
+            }
+        } else {
+            // A restart on either side, or a lost reply: the delta does not
+            // follow what is held here.
+            reply.want_full = true;
+        }
+        for t in &hb.cache.trees {
+            labels.insert(t.snapshot, t.label.clone());
+        }
+        let seq = if reply.want_full {
+            members.get(&name).map_or(0, |m| m.seq)
+        } else {
+            hb.seq
+        };
+        members.insert(
+            name,
+            Member {
+                addr: hb.addr,
+                instance: hb.instance,
+                seq,
+                last_seen: now,
+                gpus: hb.gpus,
+                jobs: hb.jobs,
+                cache: hb.cache,
+            },
+        );
+        Ok(reply)
+    }
+
+    /// Marks nodes unheard of for `down_after` down.
+    pub fn tick(&self, now: Millis) {
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        let View {
+            cluster, members, ..
+        } = &mut *v;
+        for (name, m) in members.iter() {
+            if now.saturating_sub(m.last_seen) > self.down_after.as_millis() as u64 {
+                if let Some(node) = cluster.node_mut(name) {
+                    if node.health == Health::Up {
+                        tracing::warn!(
+                            "node {name} is down: no heartbeat for {} s",
+                            (now - m.last_seen) / 1000
+                        );
+                        node.health = Health::Down { since: m.last_seen };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every node as `labrun status` shows it.
+    pub fn status(&self, now: Millis) -> ClusterStatus {
+        self.tick(now);
+        let v = self.view.lock().expect("coordinator poisoned");
+        let mut known: Vec<(&SnapshotId, &String)> = v.labels.iter().collect();
+        known.sort_by(|a, b| a.1.cmp(b.1).then(a.0.cmp(b.0)));
+        let nodes = v
+            .members
+            .iter()
+            .map(|(name, m)| {
+                let health = match v.cluster.node(name).map(|n| n.health) {
+                    Some(Health::Down { since }) => NodeHealth::Down { since },
+                    _ => NodeHealth::Up,
+                };
+                let data = known
+                    .iter()
+                    .filter_map(|(s, label)| {
+                        let (present_bytes, total_bytes) =
+                            v.cluster.presence(name, &SnapshotKey(*s.as_bytes()))?;
+                        (present_bytes > 0).then(|| Presence {
+                            label: (*label).clone(),
+                            snapshot: **s,
+                            present_bytes,
+                            total_bytes,
+                            pinned: m.cache.trees.iter().any(|t| t.snapshot == **s && t.pinned),
+                        })
+                    })
+                    .collect();
+                NodeStatus {
+                    name: name.to_string(),
+                    addr: m.addr.clone(),
+                    health,
+                    last_heartbeat: m.last_seen,
+                    gpus: m.gpus.clone(),
+                    jobs: m.jobs.clone(),
+                    cache_used: m.cache.used_bytes,
+                    cache_max: m.cache.max_bytes,
+                    data,
+                }
+            })
+            .collect();
+        ClusterStatus {
+            coordinator: self.name.clone(),
+            nodes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use labsync_store::PackId;
+
+    use super::*;
+    use crate::proto::{CachedTree, InventoryDelta};
+
+    fn hb(node: &str, instance: &str, seq: u64, inventory: InventoryDelta) -> Heartbeat {
+        Heartbeat {
+            node: node.into(),
+            addr: format!("http://{node}:7420"),
+            instance: instance.into(),
+            seq,
+            gpus: Vec::new(),
+            jobs: Vec::new(),
+            cache: CacheSummary::default(),
+            inventory,
+        }
+    }
+
+    fn pack(i: u8) -> PackId {
+        PackId::from_bytes([i; 32])
+    }
+
+    #[test]
+    fn deltas_apply_in_order_and_a_gap_asks_for_everything() {
+        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let snap = SnapshotId::from_bytes([9; 32]);
+        let full = InventoryDelta {
+            full: true,
+            base: 0,
+            added: vec![(pack(1), 100)],
+            removed: vec![],
+            snapshots: vec![(snap, vec![(pack(1), 100), (pack(2), 300)])],
+        };
+        let mut first = hb("gpu2", "i1", 1, full);
+        first.cache.trees.push(CachedTree {
+            snapshot: snap,
+            label: "div2k@v1".into(),
+            bytes: 400,
+            pinned: true,
+        });
+        assert!(!c.heartbeat("gpu2", first, 1_000).unwrap().want_full);
+        let st = c.status(1_000);
+        let d = &st.nodes[0].data[0];
+        assert_eq!((d.present_bytes, d.total_bytes, d.pinned), (100, 400, true));
+        // The next delta follows seq 1.
+        let delta = InventoryDelta {
+            base: 1,
+            added: vec![(pack(2), 300)],
+            ..Default::default()
+        };
+        assert!(
+            !c.heartbeat("gpu2", hb("gpu2", "i1", 2, delta), 2_000)
+                .unwrap()
+                .want_full
+        );
+        assert_eq!(c.status(2_000).nodes[0].data[0].present_bytes, 400);
+        // A delta after a lost reply (base 1 again) is not applied.
+        let stale = InventoryDelta {
+            base: 1,
+            removed: vec![pack(2)],
+            ..Default::default()
+        };
+        assert!(
+            c.heartbeat("gpu2", hb("gpu2", "i1", 3, stale), 3_000)
+                .unwrap()
+                .want_full
+        );
+        assert_eq!(c.status(3_000).nodes[0].data[0].present_bytes, 400);
+        // Nor one from a restarted agent.
+        let fresh = InventoryDelta {
+            base: 2,
+            ..Default::default()
+        };
+        assert!(
+            c.heartbeat("gpu2", hb("gpu2", "i2", 1, fresh), 3_000)
+                .unwrap()
+                .want_full
+        );
+    }
+
+    #[test]
+    fn a_silent_node_is_down_until_it_speaks_again() {
+        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let full = InventoryDelta {
+            full: true,
+            ..Default::default()
+        };
+        c.heartbeat("gpu2", hb("gpu2", "i", 1, full.clone()), 1_000)
+            .unwrap();
+        assert_eq!(c.status(11_000).nodes[0].health, NodeHealth::Up);
+        assert_eq!(
+            c.status(11_001).nodes[0].health,
+            NodeHealth::Down { since: 1_000 }
+        );
+        c.heartbeat("gpu2", hb("gpu2", "i", 2, full), 20_000)
+            .unwrap();
+        assert_eq!(c.status(20_000).nodes[0].health, NodeHealth::Up);
+    }
+
+    #[test]
+    fn a_node_speaks_for_itself_only() {
+        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let e = c
+            .heartbeat("gpu3", hb("gpu2", "i", 1, InventoryDelta::default()), 0)
+            .unwrap_err();
+        assert!(e.to_string().contains("speaks for itself"), "{e}");
+        let e = c
+            .heartbeat(
+                "bad name",
+                hb("bad name", "i", 1, InventoryDelta::default()),
+                0,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("not a node name"), "{e}");
+    }
+}

@@ -1,0 +1,205 @@
+//! An agent's heartbeats: its GPUs, active jobs and cache, with the cache
+//! inventory sent as the packs added and removed since the heartbeat the
+//! coordinator last acknowledged (the whole of it when asked).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use labsync_store::{NodeCache, PackId, SnapshotId};
+
+use crate::blocking::off_runtime;
+use crate::client::Client;
+use crate::cluster::{now_ms, ClusterConfig, Coordinator};
+use crate::daemon::Daemon;
+use crate::proto::{CacheSummary, CachedTree, Heartbeat, InventoryDelta};
+
+/// The cache as last read: packs with sizes, snapshots with their packs.
+#[derive(Clone, Default)]
+struct Inventory {
+    packs: HashMap<PackId, u64>,
+    snapshots: HashMap<SnapshotId, Vec<(PackId, u64)>>,
+    summary: CacheSummary,
+}
+
+/// Sends one node's heartbeats.
+pub struct Reporter {
+    daemon: Arc<Daemon>,
+    cfg: ClusterConfig,
+    /// Set on the coordinator's own node: heartbeats go in-process.
+    local: Option<Arc<Coordinator>>,
+    instance: String,
+    seq: u64,
+    /// What the coordinator acknowledged, and at which seq.
+    acked: Option<(u64, Inventory)>,
+    current: Inventory,
+    /// The cache state file's (mtime, length) when `current` was read.
+    stamp: Option<(SystemTime, u64)>,
+}
+
+fn read_inventory(cache: &NodeCache) -> Result<Inventory, String> {
+    let st = cache.status().map_err(|e| e.to_string())?;
+    let mut inv = Inventory::default();
+    for (id, c, bytes) in &st.snapshots {
+        for (p, n) in &c.packs {
+            inv.packs.insert(*p, *n);
+        }
+        inv.snapshots.insert(*id, c.packs.clone());
+        inv.summary.trees.push(CachedTree {
+            snapshot: *id,
+            label: c.label.clone(),
+            bytes: *bytes,
+            pinned: c.pinned,
+        });
+    }
+    inv.summary.used_bytes = st.used_bytes;
+    inv.summary.max_bytes = st.max_bytes;
+    Ok(inv)
+}
+
+fn stamp(cache: &NodeCache) -> Option<(SystemTime, u64)> {
+    let m = std::fs::metadata(cache.root().join("state-v1.json")).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+impl Reporter {
+    /// A reporter for `daemon`'s node; `local` is the coordinator when it
+    /// runs in this same labd.
+    pub fn new(daemon: Arc<Daemon>, cfg: ClusterConfig, local: Option<Arc<Coordinator>>) -> Self {
+        let instance =
+            blake3::hash(format!("{:?}{}", SystemTime::now(), std::process::id()).as_bytes())
+                .to_hex()[..16]
+                .to_string();
+        Reporter {
+            daemon,
+            cfg,
+            local,
+            instance,
+            seq: 0,
+            acked: None,
+            current: Inventory::default(),
+            stamp: None,
+        }
+    }
+
+    /// Re-reads the cache's state when its file changed (no scan of the
+    /// packs: the state lists them).
+    async fn refresh(&mut self) {
+        let cache = self.daemon.cache().clone();
+        let now = stamp(&cache);
+        if now.is_some() && now == self.stamp {
+            return;
+        }
+        match off_runtime(move || read_inventory(&cache).map(|i| (i, stamp(&cache)))).await {
+            Ok((inv, st)) => {
+                self.current = inv;
+                self.stamp = st;
+            }
+            Err(e) => tracing::warn!("heartbeat: cannot read the node cache: {e}"),
+        }
+    }
+
+    fn delta(&self) -> InventoryDelta {
+        let cur = &self.current;
+        match &self.acked {
+            None => InventoryDelta {
+                full: true,
+                base: 0,
+                added: cur.packs.iter().map(|(p, n)| (*p, *n)).collect(),
+                removed: Vec::new(),
+                snapshots: cur.snapshots.iter().map(|(s, p)| (*s, p.clone())).collect(),
+            },
+            Some((base, old)) => InventoryDelta {
+                full: false,
+                base: *base,
+                added: (cur.packs.iter())
+                    .filter(|(p, _)| !old.packs.contains_key(p))
+                    .map(|(p, n)| (*p, *n))
+                    .collect(),
+                removed: (old.packs.keys())
+                    .filter(|p| !cur.packs.contains_key(p))
+                    .copied()
+                    .collect(),
+                snapshots: (cur.snapshots.iter())
+                    .filter(|(s, _)| !old.snapshots.contains_key(s))
+                    .map(|(s, p)| (*s, p.clone()))
+                    .collect(),
+            },
+        }
+    }
+
+    /// One heartbeat. Errors are the caller's to log.
+    pub async fn beat(&mut self) -> Result<(), String> {
+        self.refresh().await;
+        let gpus = self.daemon.gpus().await.map_err(|e| e.to_string())?;
+        let jobs = (self.daemon.jobs().await.map_err(|e| e.to_string())?)
+            .into_iter()
+            .filter(|j| !j.ended())
+            .collect();
+        self.seq += 1;
+        let hb = Heartbeat {
+            node: self.daemon.node_name().to_string(),
+            addr: self.cfg.advertise.clone(),
+            instance: self.instance.clone(),
+            seq: self.seq,
+            gpus,
+            jobs,
+            cache: self.current.summary.clone(),
+            inventory: self.delta(),
+        };
+        let reply = match &self.local {
+            Some(c) => c
+                .heartbeat(&hb.node.clone(), hb, now_ms() as u64)
+                .map_err(|e| e.to_string())?,
+            None => {
+                let client = Client::for_cluster(
+                    self.cfg.coordinator.clone(),
+                    self.cfg.key.clone(),
+                    self.daemon.node_name(),
+                );
+                // A stopped coordinator accepts connections and never
+                // answers: the next beat must not wait behind this one.
+                tokio::time::timeout(
+                    self.cfg.heartbeat.max(Duration::from_secs(2)) * 5,
+                    client.heartbeat(&hb),
+                )
+                .await
+                .map_err(|_| format!("coordinator {} did not answer", self.cfg.coordinator))?
+                .map_err(|e| e.to_string())?
+            }
+        };
+        self.acked = if reply.want_full {
+            None
+        } else {
+            Some((self.seq, self.current.clone()))
+        };
+        Ok(())
+    }
+
+    /// Beats every `heartbeat` until `shutdown`; says when the coordinator
+    /// stops and starts answering, not at every beat.
+    pub async fn run(mut self, shutdown: tokio::sync::watch::Receiver<bool>) {
+        let mut shutdown = shutdown;
+        let mut every = tokio::time::interval(self.cfg.heartbeat);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            match self.beat().await {
+                Ok(()) if failing => {
+                    tracing::info!("coordinator {} answers again", self.cfg.coordinator);
+                    failing = false;
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    tracing::warn!("heartbeat: {e}");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,459 @@
+//! The cluster end to end: three real labd processes on 127.0.0.1, each
+//! with its own state, cache and fake GPUs, one real S3-compatible server
+//! as their store. `gpu0` coordinates and runs GPUs too.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+
+use labsync_agent::cluster::ClusterKey;
+use labsync_agent::proto::{ClusterStatus, Heartbeat, NodeHealth, NodeStatus};
+use labsync_agent::{Client, ClientError, Endpoint, Secret};
+use labsync_store::PackId;
+
+use super::labrun::{wait_until, ALICE};
+use super::support::{free_port, write_tree, S3Server};
+
+const SECRET: &str = "cluster-secret-0123456789abcdef0123456789";
+
+/// One labd of the cluster.
+struct Member {
+    name: String,
+    port: u16,
+    config: PathBuf,
+    labd: Option<Child>,
+}
+
+/// Three labd processes, a store, a folder for everything.
+struct Lab {
+    dir: tempfile::TempDir,
+    s3: S3Server,
+    store: String,
+    nodes: Vec<Member>,
+}
+
+impl Lab {
+    /// `None` when no S3 server is installed (outside CI only).
+    fn start(n: usize) -> Option<Lab> {
+        let s3 = S3Server::start()?;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let secret = dir.path().join("cluster.secret");
+        std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let store = "s3://labsync/cluster".to_string();
+        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let nodes = (0..n)
+            .map(|i| {
+                let name = format!("gpu{i}");
+                let d = dir.path().join(&name);
+                std::fs::create_dir_all(d.join("home")).unwrap();
+                std::fs::write(d.join("control.toml"), "").unwrap();
+                let config = d.join("labd.toml");
+                std::fs::write(
+                    &config,
+                    format!(
+                        "node_name = \"{name}\"\nlisten = \"127.0.0.1:{port}\"\n\
+                         state_dir = \"{state}\"\nstore = \"{store}\"\ncache_dir = \"{cache}\"\n\
+                         tick_ms = 50\ninventory_deadline_ms = 300\nfake_gpus = \"2x11GiB\"\n\
+                         fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\n\
+                         [tokens]\nalice = \"{ALICE}\"\n\
+                         [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
+                         secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n",
+                        port = ports[i],
+                        state = d.join("state").display(),
+                        cache = d.join("cache").display(),
+                        control = d.join("control.toml").display(),
+                        coord = ports[0],
+                        coordinate = i == 0,
+                        secret = secret.display(),
+                    ),
+                )
+                .unwrap();
+                std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+                Member {
+                    name,
+                    port: ports[i],
+                    config,
+                    labd: None,
+                }
+            })
+            .collect();
+        let mut lab = Lab {
+            dir,
+            s3,
+            store,
+            nodes,
+        };
+        for i in 0..n {
+            lab.restart(i);
+        }
+        lab.wait_for("every node up", 30, |s| {
+            s.nodes.len() == n && s.nodes.iter().all(|x| x.health == NodeHealth::Up)
+        });
+        Some(lab)
+    }
+
+    fn home(&self, i: usize) -> PathBuf {
+        self.dir.path().join(&self.nodes[i].name).join("home")
+    }
+
+    fn cache(&self, i: usize) -> PathBuf {
+        self.dir.path().join(&self.nodes[i].name).join("cache")
+    }
+
+    fn restart(&mut self, i: usize) {
+        let d = self.dir.path().join(&self.nodes[i].name);
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(d.join("labd.log"))
+            .unwrap();
+        let child = Command::new(crate::bin("labd"))
+            .arg("--config")
+            .arg(&self.nodes[i].config)
+            .env("HOME", d.join("home"))
+            .env("LABD_LOG", "info")
+            .envs(self.s3.env())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.nodes[i].labd = Some(child);
+        let port = self.nodes[i].port;
+        wait_until("labd to answer", 30, || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+    }
+
+    /// `kill -SIG` of node `i`'s labd (`STOP`, `CONT`).
+    fn signal(&self, i: usize, sig: &str) {
+        let pid = self.nodes[i].labd.as_ref().unwrap().id();
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} {pid}");
+    }
+
+    fn crash(&mut self, i: usize) {
+        let mut c = self.nodes[i].labd.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// `labrun ARGS` as alice, against the coordinator.
+    fn labrun(&self, args: &[&str]) -> Output {
+        Command::new(crate::bin("labrun"))
+            .args(args)
+            .current_dir(self.home(0))
+            .env("HOME", self.home(0))
+            .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_STATE_HOME")
+            .env(
+                "LABRUN_LABD",
+                format!("http://127.0.0.1:{}", self.nodes[0].port),
+            )
+            .env("LABRUN_TOKEN", ALICE)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    fn status(&self) -> ClusterStatus {
+        let o = self.labrun(&["status", "--json"]);
+        assert!(o.status.success(), "labrun status: {o:?}");
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    fn node<'a>(s: &'a ClusterStatus, name: &str) -> Option<&'a NodeStatus> {
+        s.nodes.iter().find(|n| n.name == name)
+    }
+
+    fn wait_for(&self, what: &str, secs: u64, f: impl Fn(&ClusterStatus) -> bool) {
+        wait_until(what, secs, || f(&self.status()));
+    }
+
+    /// `labsync ARGS` against the store, with node `i`'s cache as its own
+    /// (the way a pull on that node fills it).
+    fn labsync(&self, i: usize, args: &[&str]) -> String {
+        let o = Command::new(crate::bin("labsync"))
+            .args(args)
+            .env("HOME", self.home(i))
+            .env("LABSYNC_STORE", &self.store)
+            .env("LABSYNC_CACHE", self.cache(i))
+            .envs(self.s3.env())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "labsync {args:?}: {o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    fn client(&self, i: usize, key: ClusterKey, as_node: &str) -> Client {
+        let ep: Endpoint = format!("http://127.0.0.1:{}", self.nodes[i].port)
+            .parse()
+            .unwrap();
+        Client::for_cluster(ep, key, as_node)
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut c) = n.labd.take() {
+                // SIGKILL ends a stopped process too.
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+fn present(s: &ClusterStatus, node: &str, label: &str) -> Option<(u64, u64)> {
+    Lab::node(s, node)?
+        .data
+        .iter()
+        .find(|d| d.label == label)
+        .map(|d| (d.present_bytes, d.total_bytes))
+}
+
+/// Every node reports its GPUs and cache to the coordinator; `labrun
+/// status` shows them, with data present in part where a dataset shares
+/// packs with one cached (DF2K holds DIV2K).
+#[test]
+fn status_shows_every_node_its_gpus_and_what_it_has_cached() {
+    let Some(lab) = Lab::start(3) else { return };
+    let s = lab.status();
+    assert_eq!(s.coordinator, "gpu0");
+    let names: Vec<&str> = s.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["gpu0", "gpu1", "gpu2"]);
+    for n in &s.nodes {
+        assert_eq!(n.gpus.len(), 2, "{}", n.name);
+        assert!(n.addr.starts_with("http://127.0.0.1:"), "{}", n.addr);
+    }
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(
+        text.contains("cluster of 3 node(s), 3 up, coordinated by gpu0"),
+        "{text}"
+    );
+    for name in ["gpu0", "gpu1", "gpu2"] {
+        assert!(
+            text.contains(&format!("{name} (http://127.0.0.1:")),
+            "{text}"
+        );
+    }
+
+    // div2k, and df2k = div2k plus more files, pushed from gpu0's home.
+    let div2k = lab.dir.path().join("div2k");
+    write_tree(&div2k, 1);
+    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
+    let df2k = lab.dir.path().join("df2k");
+    write_tree(&df2k, 1);
+    write_tree(&df2k.join("flickr2k"), 2);
+    lab.labsync(0, &["push", df2k.to_str().unwrap(), "--name", "df2k"]);
+
+    // Pulled on gpu1 (div2k) and gpu2 (df2k): the heartbeats carry it.
+    lab.labsync(
+        1,
+        &[
+            "pull",
+            "div2k",
+            lab.dir.path().join("out1").to_str().unwrap(),
+        ],
+    );
+    lab.labsync(
+        2,
+        &[
+            "pull",
+            "df2k",
+            lab.dir.path().join("out2").to_str().unwrap(),
+        ],
+    );
+    lab.wait_for("the caches in the status", 20, |s| {
+        present(s, "gpu1", "div2k@v1").is_some() && present(s, "gpu2", "df2k@v1").is_some()
+    });
+    let s = lab.status();
+    let (have, total) = present(&s, "gpu1", "div2k@v1").unwrap();
+    assert_eq!(have, total, "div2k is whole on gpu1");
+    // gpu1 has div2k's packs, which df2k shares: df2k is partly there.
+    let (have, total) = present(&s, "gpu1", "df2k@v1").expect("df2k partly on gpu1");
+    assert!(0 < have && have < total, "df2k on gpu1: {have} of {total}");
+    assert_eq!(
+        present(&s, "gpu2", "df2k@v1").map(|(h, t)| h == t),
+        Some(true)
+    );
+    assert_eq!(
+        present(&s, "gpu0", "div2k@v1"),
+        None,
+        "nothing cached on gpu0"
+    );
+    let gpu1 = Lab::node(&s, "gpu1").unwrap();
+    assert!(
+        gpu1.cache_used >= total / 2 && gpu1.cache_used <= total,
+        "{}",
+        gpu1.cache_used
+    );
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(text.contains("div2k@v1 100%"), "{text}");
+
+    // Eviction reaches the coordinator as a delta too.
+    lab.labsync(1, &["cache", "evict"]);
+    lab.wait_for("the eviction in the status", 20, |s| {
+        present(s, "gpu1", "div2k@v1").is_none()
+    });
+}
+
+/// A stopped agent is marked down and nothing else changes; continued, it
+/// is up again; killed and restarted, it re-registers with a fresh
+/// inventory.
+#[test]
+fn a_stopped_node_is_down_and_rejoins() {
+    let Some(mut lab) = Lab::start(3) else { return };
+    let tree = lab.dir.path().join("data");
+    write_tree(&tree, 3);
+    lab.labsync(0, &["push", tree.to_str().unwrap(), "--name", "data"]);
+    lab.labsync(
+        2,
+        &["pull", "data", lab.dir.path().join("out").to_str().unwrap()],
+    );
+    lab.wait_for("data on gpu2", 20, |s| {
+        present(s, "gpu2", "data@v1").is_some()
+    });
+
+    lab.signal(2, "STOP");
+    lab.wait_for("gpu2 down", 20, |s| {
+        matches!(
+            Lab::node(s, "gpu2").map(|n| &n.health),
+            Some(NodeHealth::Down { .. })
+        )
+    });
+    let s = lab.status();
+    for up in ["gpu0", "gpu1"] {
+        assert_eq!(Lab::node(&s, up).unwrap().health, NodeHealth::Up, "{up}");
+    }
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(text.contains("3 node(s), 2 up"), "{text}");
+    assert!(text.contains("NODE DOWN since"), "{text}");
+
+    lab.signal(2, "CONT");
+    lab.wait_for("gpu2 up again", 20, |s| {
+        Lab::node(s, "gpu2").is_some_and(|n| n.health == NodeHealth::Up)
+    });
+
+    // Killed: down; restarted: up, its cache known again (a full inventory
+    // from a new instance).
+    lab.crash(2);
+    lab.wait_for("gpu2 down after a crash", 20, |s| {
+        matches!(
+            Lab::node(s, "gpu2").map(|n| &n.health),
+            Some(NodeHealth::Down { .. })
+        )
+    });
+    lab.restart(2);
+    lab.wait_for("gpu2 back with its data", 20, |s| {
+        Lab::node(s, "gpu2").is_some_and(|n| n.health == NodeHealth::Up)
+            && present(s, "gpu2", "data@v1").is_some_and(|(h, t)| h == t)
+    });
+
+    // The coordinator itself restarted: every node re-registers.
+    lab.crash(0);
+    lab.restart(0);
+    lab.wait_for("all three back at a new coordinator", 20, |s| {
+        s.nodes.len() == 3
+            && s.nodes.iter().all(|n| n.health == NodeHealth::Up)
+            && present(s, "gpu2", "data@v1").is_some_and(|(h, t)| h == t)
+    });
+}
+
+/// Routes between nodes answer only requests signed with the cluster
+/// secret: not an unsigned one, not a user's token, not another secret, not
+/// a node speaking for another.
+#[test]
+fn requests_without_the_cluster_secret_are_refused() {
+    let Some(lab) = Lab::start(2) else { return };
+    let tree = lab.dir.path().join("data");
+    write_tree(&tree, 4);
+    lab.labsync(0, &["push", tree.to_str().unwrap(), "--name", "data"]);
+    lab.labsync(
+        1,
+        &["pull", "data", lab.dir.path().join("out").to_str().unwrap()],
+    );
+    // A pack gpu1 has cached.
+    let packs_dir = lab.cache(1).join("packs-v1");
+    let pack_file = std::fs::read_dir(&packs_dir)
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|e| e.unwrap().path())
+        .next()
+        .expect("a cached pack on gpu1");
+    let id: PackId = pack_file
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let right = ClusterKey::new(&Secret::new(SECRET)).unwrap();
+    let wrong = ClusterKey::new(&Secret::new("another-secret-0123456789abcdef0123456789")).unwrap();
+    let refused = |r: Result<_, ClientError>| match r {
+        Err(ClientError::Status { status, message }) => {
+            assert_eq!(status, 401, "{message}");
+            message
+        }
+        other => panic!("not refused: {other:?}"),
+    };
+
+    // Signed with the secret: the pack's bytes.
+    let got = rt
+        .block_on(lab.client(1, right.clone(), "gpu0").pack(&id))
+        .unwrap();
+    assert_eq!(&got[..], &std::fs::read(&pack_file).unwrap()[..]);
+    // Another secret.
+    let m = refused(rt.block_on(lab.client(1, wrong, "gpu0").pack(&id)));
+    assert!(m.contains("bad cluster signature"), "{m}");
+    // A user's token, and nothing at all.
+    let ep: Endpoint = format!("http://127.0.0.1:{}", lab.nodes[1].port)
+        .parse()
+        .unwrap();
+    let user = Client::new(ep.clone(), Some(Secret::new(ALICE)));
+    let m = refused(rt.block_on(user.pack(&id)));
+    assert!(m.contains("no cluster signature"), "{m}");
+    refused(rt.block_on(Client::new(ep, None).pack(&id)));
+    // A member speaking for another node.
+    let forged = Heartbeat {
+        node: "gpu1".into(),
+        addr: "http://127.0.0.1:1".into(),
+        instance: "forged".into(),
+        seq: 1,
+        gpus: vec![],
+        jobs: vec![],
+        cache: Default::default(),
+        inventory: Default::default(),
+    };
+    match rt.block_on(lab.client(0, right.clone(), "gpu9").heartbeat(&forged)) {
+        Err(ClientError::Status {
+            status: 403,
+            message,
+        }) => {
+            assert!(message.contains("speaks for itself"), "{message}")
+        }
+        other => panic!("forged heartbeat: {other:?}"),
+    }
+    // And a heartbeat to a node that does not coordinate.
+    let mut own = forged.clone();
+    own.node = "gpu0".into();
+    match rt.block_on(lab.client(1, right, "gpu0").heartbeat(&own)) {
+        Err(ClientError::Status {
+            status: 409,
+            message,
+        }) => {
+            assert!(message.contains("gpu1 is not the coordinator"), "{message}")
+        }
+        other => panic!("heartbeat to an agent: {other:?}"),
+    }
+}
