@@ -16,7 +16,7 @@ use crate::blocking::off_runtime;
 use crate::cluster::now_ms;
 use crate::daemon::{Caller, Daemon};
 use crate::error::ApiError;
-use crate::proto::{ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::proto::{Dispatch, ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
 
 /// A bound listener: the local default is a Unix socket, a cluster node listens on TCP.
 pub enum Listener {
@@ -83,7 +83,15 @@ async fn jobs(
     Query(q): Query<JobsQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
     caller(&d, &h)?;
-    if q.history || q.before.is_some() {
+    let history = q.history || q.before.is_some();
+    if let Some(co) = d.coordinator() {
+        return Ok(Json(if history {
+            co.history(&d, q.before, q.limit.unwrap_or(100))?
+        } else {
+            co.jobs_view(&d)?
+        }));
+    }
+    if history {
         Ok(Json(d.history(q.before, q.limit.unwrap_or(100)).await?))
     } else {
         Ok(Json(d.jobs().await?))
@@ -96,7 +104,11 @@ async fn submit(
     Json(req): Json<SubmitRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
     let c = caller(&d, &h)?;
-    Ok((StatusCode::CREATED, Json(d.submit(&c, req).await?)))
+    let view = match d.coordinator() {
+        Some(co) => co.submit(&d, &c, req).await?,
+        None => d.submit(&c, req).await?,
+    };
+    Ok((StatusCode::CREATED, Json(view)))
 }
 
 async fn job(
@@ -105,7 +117,10 @@ async fn job(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     caller(&d, &h)?;
-    Ok(Json(d.job(&id).await?))
+    match d.coordinator() {
+        Some(co) => Ok(Json(co.job(&d, &id).await?)),
+        None => Ok(Json(d.job(&id).await?)),
+    }
 }
 
 async fn kill(
@@ -114,7 +129,10 @@ async fn kill(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let c = caller(&d, &h)?;
-    Ok(Json(d.kill(&c, &id).await?))
+    match d.coordinator() {
+        Some(co) => Ok(Json(co.kill(&d, &c, &id).await?)),
+        None => Ok(Json(d.kill(&c, &id).await?)),
+    }
 }
 
 #[derive(Deserialize)]
@@ -132,9 +150,15 @@ async fn log(
     Query(q): Query<LogQuery>,
 ) -> Result<Response, ApiError> {
     let c = caller(&d, &h)?;
-    let r = d
-        .log(&c, &id, q.offset, Duration::from_millis(q.wait_ms))
-        .await?;
+    let wait = Duration::from_millis(q.wait_ms);
+    let r = match d.coordinator() {
+        Some(co) => co.log(&d, &c, &id, q.offset, wait).await?,
+        None => d.log(&c, &id, q.offset, wait).await?,
+    };
+    log_response(r)
+}
+
+fn log_response(r: crate::daemon::LogRead) -> Result<Response, ApiError> {
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(NEXT_OFFSET, r.next.to_string())
@@ -143,15 +167,23 @@ async fn log(
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
+/// The coordinator, or a refusal saying `what` needs it.
+fn coordinator<'a>(
+    d: &'a Daemon,
+    what: &str,
+) -> Result<&'a Arc<crate::cluster::Coordinator>, ApiError> {
+    d.coordinator().ok_or_else(|| {
+        ApiError::Conflict(format!(
+            "{} does not coordinate a cluster: {what} needs the coordinator",
+            d.node_name()
+        ))
+    })
+}
+
 /// The coordinator's view of every node, for users.
 async fn cluster_status(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
     caller(&d, &h)?;
-    let c = d.coordinator().ok_or_else(|| {
-        ApiError::Conflict(format!(
-            "{} does not coordinate a cluster: point labrun at the coordinator",
-            d.node_name()
-        ))
-    })?;
+    let c = coordinator(&d, "the cluster's status")?;
     Ok(Json(c.status(now_ms() as u64)))
 }
 
@@ -228,6 +260,74 @@ async fn pack(
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
+/// Where a job would go, and why not elsewhere: the placer's table.
+async fn explain(
+    State(d): D,
+    h: HeaderMap,
+    Json(req): Json<SubmitRequest>,
+) -> Result<impl IntoResponse, ApiError> {
+    caller(&d, &h)?;
+    let co = coordinator(&d, "--explain")?;
+    Ok(Json(co.explain(&d, &req).await?))
+}
+
+/// A job the coordinator placed here.
+async fn dispatch(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let from = member(&d, &method, &uri, &h, &body)?;
+    let req: Dispatch = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::BadRequest(format!("dispatch from {from}: {e}")))?;
+    Ok(Json(d.submit_placed(req).await))
+}
+
+/// The coordinator acts for a user it has checked: as an admin here.
+fn for_coordinator(from: String) -> Caller {
+    Caller {
+        user: format!("coordinator {from}"),
+        admin: true,
+    }
+}
+
+async fn placed_job(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    member(&d, &method, &uri, &h, b"")?;
+    Ok(Json(d.job(&id).await?))
+}
+
+async fn placed_kill(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let from = member(&d, &method, &uri, &h, b"")?;
+    Ok(Json(d.kill(&for_coordinator(from), &id).await?))
+}
+
+async fn placed_log(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> Result<Response, ApiError> {
+    let from = member(&d, &method, &uri, &h, b"")?;
+    let wait = Duration::from_millis(q.wait_ms);
+    log_response(d.log(&for_coordinator(from), &id, q.offset, wait).await?)
+}
+
 /// A full inventory of a large cache (a pack id and size is about 80 bytes
 /// of JSON) fits; read before the signature is checked, so bounded.
 const HEARTBEAT_MAX: usize = 64 << 20;
@@ -262,6 +362,14 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
             post(heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
         )
         .route("/v1/cluster/packs/{id}", get(pack))
+        .route("/v1/cluster/explain", post(explain))
+        .route(
+            "/v1/cluster/jobs",
+            post(dispatch).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
+        )
+        .route("/v1/cluster/jobs/{id}", get(placed_job))
+        .route("/v1/cluster/jobs/{id}/log", get(placed_log))
+        .route("/v1/cluster/jobs/{id}/kill", post(placed_kill))
         .layer(axum::middleware::from_fn(time_limit))
         .with_state(daemon)
 }
@@ -346,6 +454,7 @@ pub async fn serve(
     let limits = daemon.conn_limits();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop_rx.clone()));
+    tokio::spawn(daemon.clone().run_coordinator(stop_rx.clone()));
     if let Some(cfg) = daemon.cluster() {
         let reporter = crate::cluster::Reporter::new(
             daemon.clone(),

@@ -13,8 +13,8 @@ use serde::de::DeserializeOwned;
 use crate::cluster::ClusterKey;
 use crate::error::ClientError;
 use crate::proto::{
-    ClusterStatus, ErrorBody, Heartbeat, HeartbeatReply, Info, JobView, SubmitRequest, DONE,
-    NEXT_OFFSET,
+    ClusterStatus, Dispatch, DispatchReply, ErrorBody, Heartbeat, HeartbeatReply, Info, JobView,
+    SubmitRequest, DONE, NEXT_OFFSET,
 };
 use crate::secret::Secret;
 use crate::status::GpuStatus;
@@ -278,6 +278,49 @@ impl Client {
         Ok(resp.into_body())
     }
 
+    /// Where a job would go and why (`labrun --explain`; the coordinator).
+    pub async fn explain(
+        &self,
+        req: &SubmitRequest,
+    ) -> Result<labsync_placer::Ranking, ClientError> {
+        let body = serde_json::to_vec(req).expect("request serialises");
+        self.json(hyper::Method::POST, "/v1/cluster/explain", Some(body))
+            .await
+    }
+
+    /// Sends a placed job to its node's agent (a cluster client).
+    pub async fn dispatch(&self, d: &Dispatch) -> Result<DispatchReply, ClientError> {
+        let body = serde_json::to_vec(d).expect("dispatch serialises");
+        self.json(hyper::Method::POST, "/v1/cluster/jobs", Some(body))
+            .await
+    }
+
+    /// A job's record on the node that runs it (a cluster client).
+    pub async fn cluster_job(&self, id: &str) -> Result<JobView, ClientError> {
+        self.json(hyper::Method::GET, &format!("/v1/cluster/jobs/{id}"), None)
+            .await
+    }
+
+    /// Kills a job on the node that runs it (a cluster client).
+    pub async fn cluster_kill(&self, id: &str) -> Result<JobView, ClientError> {
+        self.json(
+            hyper::Method::POST,
+            &format!("/v1/cluster/jobs/{id}/kill"),
+            None,
+        )
+        .await
+    }
+
+    /// A job's log on the node that runs it (a cluster client).
+    pub async fn cluster_log(
+        &self,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogPiece, ClientError> {
+        self.log_at("/v1/cluster/jobs", id, offset, wait).await
+    }
+
     /// The job's log from `offset`, waiting up to `wait` for something new.
     pub async fn log(
         &self,
@@ -285,8 +328,18 @@ impl Client {
         offset: u64,
         wait: Duration,
     ) -> Result<LogPiece, ClientError> {
+        self.log_at("/v1/jobs", id, offset, wait).await
+    }
+
+    async fn log_at(
+        &self,
+        base: &str,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogPiece, ClientError> {
         let path = format!(
-            "/v1/jobs/{id}/log?offset={offset}&wait_ms={}",
+            "{base}/{id}/log?offset={offset}&wait_ms={}",
             wait.as_millis()
         );
         let resp = self.exchange(hyper::Method::GET, &path, None).await?;

@@ -74,6 +74,23 @@ fn open_cgroups(state_dir: &std::path::Path) -> Option<Cgroups> {
 /// Variables labd sets for every job, whatever the submitter's environment says.
 const JOB_VARS: [&str; 3] = ["CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "LABRUN_JOB_ID"];
 
+/// The record of a job just reserved (queued, not yet in the queue).
+fn new_record(id: &str, s: &Submit, gpus: Vec<u32>) -> JobRecord {
+    JobRecord {
+        id: id.to_string(),
+        user: s.user.clone(),
+        argv: s.argv.clone(),
+        gpus_wanted: s.gpus,
+        gpus,
+        state: JobState::Queued,
+        submitted_at: unix_now(),
+        started_at: None,
+        ended_at: None,
+        meta: s.meta.clone(),
+        queued: None,
+    }
+}
+
 /// Settings of a node.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -133,6 +150,9 @@ pub enum NodeError {
     /// The submitter is over a cap (jobs queued at once).
     #[error("{0}")]
     TooMany(String),
+    /// A placement made on a view of the GPUs that is out of date.
+    #[error("{0}")]
+    Stale(String),
 }
 
 struct Inner {
@@ -359,20 +379,58 @@ impl Node {
                 break id;
             }
         };
-        self.state.put_job(&JobRecord {
-            id: id.clone(),
-            user: s.user.clone(),
-            argv: s.argv.clone(),
-            gpus_wanted: s.gpus,
-            gpus: Vec::new(),
-            state: JobState::Queued,
-            submitted_at: unix_now(),
-            started_at: None,
-            ended_at: None,
-            meta: s.meta.clone(),
-            queued: None,
-        })?;
+        self.state.put_job(&new_record(&id, s, Vec::new()))?;
         Ok(id)
+    }
+
+    /// Records a job the cluster's coordinator placed here, as `id`, with
+    /// exactly `gpus` leased to it now (it keeps them while its code and
+    /// data are materialised). Refused when one of them is not free any
+    /// more: the coordinator's view was stale, and it places the job again.
+    /// A second call for the same job (a dispatch sent again) changes
+    /// nothing.
+    pub fn reserve_placed(&self, id: &str, s: &Submit, gpus: &[u32]) -> Result<(), NodeError> {
+        if job_number(id).is_none() {
+            return Err(NodeError::Refused(format!("{id:?} is not a job id")));
+        }
+        if gpus.len() != s.gpus as usize {
+            return Err(NodeError::Refused(format!(
+                "job {id} asks for {} GPU(s) and was placed on {}",
+                s.gpus,
+                gpus.len()
+            )));
+        }
+        self.admissible(s.gpus, s.min_free_bytes)?;
+        let _inner = self.inner.lock().expect("node poisoned");
+        if let Some(r) = self.state.job(id)? {
+            return if r.user == s.user && r.argv == s.argv {
+                Ok(())
+            } else {
+                Err(NodeError::Refused(format!("job {id} already exists here")))
+            };
+        }
+        if !gpus.is_empty() {
+            let free = free_gpus(&self.gpus()?, s.min_free_bytes);
+            let taken: Vec<u32> = gpus.iter().filter(|g| !free.contains(g)).copied().collect();
+            if !taken.is_empty() {
+                return Err(NodeError::Stale(format!(
+                    "GPU(s) {taken:?} are not free here any more"
+                )));
+            }
+            match self.state.acquire(id, gpus.len(), gpus)? {
+                Some(got) if got.len() == gpus.len() => {}
+                _ => {
+                    return Err(NodeError::Stale(format!(
+                        "GPU(s) {gpus:?} were leased meanwhile"
+                    )))
+                }
+            }
+        }
+        if let Err(e) = self.state.put_job(&new_record(id, s, gpus.to_vec())) {
+            let _ = self.state.release(id);
+            return Err(e.into());
+        }
+        Ok(())
     }
 
     /// Puts a reserved job in the queue and starts what fits. Returns false
@@ -461,7 +519,16 @@ impl Node {
                     self.state.finish(&id, JobState::Failed { reason: why })?;
                     continue;
                 }
-                let free = free_gpus(&status, s.min_free_bytes);
+                // GPUs already leased to it (a job placed here by the
+                // coordinator holds them from its dispatch) come first.
+                let mut free: Vec<u32> = self
+                    .state
+                    .all()?
+                    .into_iter()
+                    .filter(|(_, holder)| *holder == id)
+                    .map(|(g, _)| g)
+                    .collect();
+                free.extend(free_gpus(&status, s.min_free_bytes));
                 match self.state.acquire(&id, s.gpus as usize, &free)? {
                     Some(g) => g,
                     None => break,

@@ -23,6 +23,13 @@
 //! |---|---|---|
 //! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
 //! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer) |
+//! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
+//! | GET | `/v1/cluster/jobs/{id}` | → [`JobView`] |
+//! | GET | `/v1/cluster/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes, as `/v1/jobs/{id}/log` |
+//! | POST | `/v1/cluster/jobs/{id}/kill` | → [`JobView`] |
+//!
+//! Users ask the coordinator (`/v1/jobs…` as on one node); it checks who
+//! may do what and forwards to the node that runs the job.
 
 use labsync_store::{PackId, SnapshotId};
 use serde::{Deserialize, Serialize};
@@ -83,6 +90,10 @@ pub struct SubmitRequest {
 pub struct JobView {
     /// Job id.
     pub id: String,
+    /// The node it runs (or ran) on; `None` while the cluster's
+    /// coordinator has not placed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     /// Who submitted it.
     pub user: String,
     /// The command.
@@ -288,4 +299,38 @@ pub struct ClusterStatus {
     pub coordinator: String,
     /// Every node that has sent a heartbeat, by name.
     pub nodes: Vec<NodeStatus>,
+}
+
+/// A job the coordinator placed on a node, sent to that node's agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dispatch {
+    /// The id the coordinator gave it (cluster-wide).
+    pub id: String,
+    /// Who submitted it (checked by the coordinator).
+    pub user: String,
+    /// The job.
+    pub req: SubmitRequest,
+    /// The GPUs to lease it, as the coordinator saw them free.
+    pub gpus: Vec<u32>,
+}
+
+/// An agent's answer to a [`Dispatch`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum DispatchReply {
+    /// Leased and being prepared (or already there: a dispatch sent again).
+    Accepted {
+        /// Its record here.
+        job: Box<JobView>,
+    },
+    /// The GPUs are not free any more: place it again.
+    Stale {
+        /// Which.
+        why: String,
+    },
+    /// It cannot run here (no such Unix user, too few GPUs, a bad request).
+    Refused {
+        /// Why.
+        why: String,
+    },
 }

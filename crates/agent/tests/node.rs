@@ -329,3 +329,56 @@ fn a_kill_racing_the_reaper_keeps_the_exit_code() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     reaper.join().unwrap();
 }
+
+/// A job the coordinator placed holds exactly its GPUs from the dispatch
+/// on, runs on them, and a placement made on a stale view is refused.
+#[test]
+fn a_placed_job_gets_exactly_its_gpus_and_a_stale_placement_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(
+        dir.path(),
+        Arc::new(FakeGpus::new("2x11GiB", None).unwrap()),
+    );
+    let cwd = dir.path().to_path_buf();
+    let s = job("echo gpu=$CUDA_VISIBLE_DEVICES; sleep 30", 1, &cwd);
+    n.reserve_placed("j7", &s, &[1]).unwrap();
+    // Held from the dispatch on, before it is queued.
+    let gpus = n.gpus().unwrap();
+    assert!(
+        matches!(&gpus[1].state, GpuState::Leased { job, .. } if job == "j7"),
+        "{gpus:?}"
+    );
+    // The same dispatch sent again changes nothing.
+    n.reserve_placed("j7", &s, &[1]).unwrap();
+    // Another job placed on GPU 1 on a stale view: refused as stale.
+    let other = job("true", 1, &cwd);
+    assert!(matches!(
+        n.reserve_placed("j8", &other, &[1]),
+        Err(NodeError::Stale(_))
+    ));
+    // A dispatch whose GPU count does not match the job is refused outright.
+    assert!(matches!(
+        n.reserve_placed("j9", &other, &[]),
+        Err(NodeError::Refused(_))
+    ));
+    assert!(matches!(
+        n.reserve_placed("x", &other, &[0]),
+        Err(NodeError::Refused(_))
+    ));
+    // Queued, it starts on its own GPU 1, not on the free GPU 0.
+    assert!(n.enqueue("j7", s).unwrap());
+    wait_until("j7 to run", || {
+        matches!(state_of(&n, "j7"), JobState::Running { .. })
+    });
+    let j = n
+        .jobs()
+        .unwrap()
+        .into_iter()
+        .find(|j| j.id == "j7")
+        .unwrap();
+    assert_eq!(j.gpus, vec![1]);
+    wait_until("its first line", || {
+        std::fs::read_to_string(n.log_path("j7")).is_ok_and(|l| l.contains("gpu=1"))
+    });
+    n.kill("j7", Duration::from_millis(100)).unwrap();
+}

@@ -4,7 +4,7 @@
 //! the node lacks)`, the earliest wins, and near-ties go to the node the
 //! job fragments least. See [`rank`] for the rule in full.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Cluster, Millis, NodeName, Slot, SnapshotKey};
 
@@ -40,7 +40,7 @@ impl Default for Policy {
 }
 
 /// When a node will have enough GPUs for the job.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "wait", rename_all = "snake_case")]
 pub enum GpuWait {
     /// Free now.
@@ -73,7 +73,7 @@ impl GpuWait {
 }
 
 /// Why a node was or was not chosen.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "verdict", rename_all = "snake_case")]
 pub enum Verdict {
     /// This node.
@@ -100,7 +100,7 @@ pub enum Verdict {
 }
 
 /// One node's row of the `--explain` table.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Row {
     /// The node.
     pub node: NodeName,
@@ -135,7 +135,7 @@ pub struct Row {
 }
 
 /// Where a job goes.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Choice {
     /// The node.
     pub node: NodeName,
@@ -151,7 +151,7 @@ pub struct Choice {
 }
 
 /// The placer's answer for one job: the choice and every node's row.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Ranking {
     /// The chosen node, when some node can say when it could start the job.
     pub choice: Option<Choice>,
@@ -167,6 +167,22 @@ pub struct Ranking {
 /// GiB for messages.
 fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// Bytes for messages, in the unit that shows them (`9.2 MB`).
+fn bytes(b: u64) -> String {
+    let mut v = b as f64;
+    for unit in ["B", "KB", "MB", "GB"] {
+        if v < 1000.0 {
+            return if unit == "B" {
+                format!("{b} B")
+            } else {
+                format!("{v:.1} {unit}")
+            };
+        }
+        v /= 1000.0;
+    }
+    format!("{v:.1} TB")
 }
 
 /// Ranks every node for `job` at `now`.
@@ -294,8 +310,8 @@ pub fn rank(cluster: &Cluster, job: &Job, now: Millis, policy: &Policy) -> Ranki
                 } else if r.missing_bytes != won_key.1 {
                     format!(
                         "ties on start and fit; would move {} against {}",
-                        gib(r.missing_bytes),
-                        gib(won_key.1)
+                        bytes(r.missing_bytes),
+                        bytes(won_key.1)
                     )
                 } else {
                     "ties on start, fit and bytes; the earlier start or name wins".to_string()

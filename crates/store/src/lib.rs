@@ -69,7 +69,7 @@ pub use pack::{
     MAX_TREE_CHUNK,
 };
 pub use progress::{NoProgress, Progress};
-pub use pull::{pull, pull_with, warm, PullOptions, PullOutcome};
+pub use pull::{pull, pull_with, snapshot_packs, warm, PullOptions, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_TREE_BYTES};

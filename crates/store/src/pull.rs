@@ -24,7 +24,7 @@ use crate::at::{self, Tree};
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_leaf};
-use crate::id::{ChunkId, PackId};
+use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::{Index, IndexPack};
 use crate::progress::Progress;
 use crate::repo::{RefSpec, Repo, VersionRecord};
@@ -770,6 +770,23 @@ fn write_one(
     result
 }
 
+/// The packs a snapshot's files need, with their sizes: what a
+/// node must hold to materialise it (the placer prices nodes by them).
+pub async fn snapshot_packs(
+    repo: &Repo,
+    cache: &NodeCache,
+    snapshot: &SnapshotId,
+) -> Result<Vec<(PackId, u64)>> {
+    let repo = repo
+        .clone()
+        .with_index_cache(Some(cache.index_dir(&repo.config().id)));
+    let (index, _) = repo.load_index().await?;
+    let (_, entries) = repo.load_tree(&index, snapshot).await?;
+    needed_packs(&index, entries.iter(), |c, _| {
+        Error::not_found(format!("chunk {c}"))
+    })
+}
+
 /// Brings every pack of `spec` into the node cache without writing files
 /// (`cache pin`, and admins warming a node before a deadline week).
 pub async fn warm(
@@ -779,14 +796,10 @@ pub async fn warm(
     progress: Arc<dyn Progress>,
 ) -> Result<(VersionRecord, u64, u64)> {
     let record = repo.resolve(spec).await?;
+    let packs = snapshot_packs(repo, cache, &record.snapshot).await?;
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
-    let (index, _) = repo.load_index().await?;
-    let (_, entries) = repo.load_tree(&index, &record.snapshot).await?;
-    let packs = needed_packs(&index, entries.iter(), |c, _| {
-        Error::not_found(format!("chunk {c}"))
-    })?;
     cache.touch(
         record.snapshot,
         &record.label(),

@@ -3,14 +3,17 @@
 //! heartbeats for `down_after` is marked down (never chosen, its jobs shown
 //! as they were); its next heartbeat brings it back.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use labsync_placer::{Cluster, Gpu, Health, Millis, NodeName, PackKey, Slot, SnapshotKey};
-use labsync_store::SnapshotId;
+use labsync_placer::{Cluster, Gpu, Health, Millis, NodeName, PackKey, Policy, Slot, SnapshotKey};
+use labsync_store::{PackId, SnapshotId};
 
-use crate::error::ApiError;
+use crate::cluster::queue::ClusterJobs;
+use crate::error::{ApiError, LeaseError};
 use crate::proto::{
     CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
     Presence,
@@ -18,29 +21,51 @@ use crate::proto::{
 use crate::status::{GpuState, GpuStatus};
 
 /// What the coordinator remembers of one node.
-struct Member {
-    addr: String,
+pub(super) struct Member {
+    pub(super) addr: String,
     instance: String,
     /// The last heartbeat applied.
     seq: u64,
     last_seen: Millis,
     gpus: Vec<GpuStatus>,
-    jobs: Vec<JobView>,
+    pub(super) jobs: Vec<JobView>,
     cache: CacheSummary,
 }
 
-struct View {
-    cluster: Cluster,
-    members: BTreeMap<NodeName, Member>,
+pub(super) struct View {
+    pub(super) cluster: Cluster,
+    pub(super) members: BTreeMap<NodeName, Member>,
     /// Labels of the snapshots cached anywhere, for `labrun status`.
     labels: HashMap<SnapshotId, String>,
+    /// GPUs promised to dispatches, until a heartbeat shows them leased
+    /// to that job (or the dispatch is refused): counted busy meanwhile,
+    /// so no pass offers them twice.
+    pub(super) promised: BTreeMap<NodeName, BTreeMap<u32, String>>,
 }
 
-/// The cluster view of a coordinating labd.
+impl View {
+    /// What the placer plans on.
+    pub(super) fn planning(&self) -> Cluster {
+        super::jobs::with_promises(&self.cluster, &self.promised)
+    }
+}
+
+/// The cluster view of a coordinating labd, and its queue.
 pub struct Coordinator {
     name: String,
     down_after: Duration,
-    view: Mutex<View>,
+    pub(super) view: Mutex<View>,
+    /// Jobs of the cluster, persistent.
+    pub(super) jobs: ClusterJobs,
+    /// New job numbers start above this (the highest `runs/j<N>` in the store).
+    pub(super) floor: AtomicU64,
+    /// Jobs whose dispatch is on its way.
+    pub(super) inflight: Mutex<HashSet<String>>,
+    /// Wakes the scheduler early (a submission).
+    pub(super) wake: tokio::sync::Notify,
+    /// When ended jobs were last looked for.
+    pub(super) collected: Mutex<Option<std::time::Instant>>,
+    pub(super) policy: Policy,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -63,17 +88,54 @@ fn slot(g: &GpuStatus) -> Gpu {
 
 impl Coordinator {
     /// A coordinator named `name` (its node's name) that marks a node down
-    /// after `down_after` without a heartbeat.
-    pub fn new(name: &str, down_after: Duration) -> Coordinator {
-        Coordinator {
+    /// after `down_after` without a heartbeat, with its jobs in `state_dir`.
+    pub fn new(
+        name: &str,
+        down_after: Duration,
+        state_dir: &Path,
+    ) -> Result<Coordinator, LeaseError> {
+        Ok(Coordinator {
             name: name.to_string(),
             down_after,
             view: Mutex::new(View {
                 cluster: Cluster::new(),
                 members: BTreeMap::new(),
                 labels: HashMap::new(),
+                promised: BTreeMap::new(),
             }),
-        }
+            jobs: ClusterJobs::open(&state_dir.join("cluster-v1.redb"))?,
+            floor: AtomicU64::new(0),
+            inflight: Mutex::new(HashSet::new()),
+            wake: tokio::sync::Notify::new(),
+            collected: Mutex::new(None),
+            policy: Policy::default(),
+        })
+    }
+
+    /// New job numbers start above `n`.
+    pub fn ids_above(&self, n: u64) {
+        self.floor
+            .fetch_max(n.saturating_add(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the view knows a snapshot's packs.
+    pub(super) fn knows(&self, s: &SnapshotId) -> bool {
+        let v = self.view.lock().expect("coordinator poisoned");
+        v.cluster.knows_snapshot(&SnapshotKey(*s.as_bytes()))
+    }
+
+    /// Records a snapshot's packs.
+    pub(super) fn learn(&self, s: &SnapshotId, packs: &[(PackId, u64)]) {
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        v.cluster.add_snapshot(
+            SnapshotKey(*s.as_bytes()),
+            packs.iter().map(|(p, n)| (PackKey(*p.as_bytes()), *n)),
+        );
+    }
+
+    /// Waits until a submission asks for a pass, or `t`.
+    pub async fn wait_for_work(&self, t: Duration) {
+        let _ = tokio::time::timeout(t, self.wake.notified()).await;
     }
 
     /// Applies a heartbeat `sender` signed (it must name itself) at `now`.
@@ -102,10 +164,20 @@ impl Coordinator {
             cluster,
             members,
             labels,
+            promised,
         } = &mut *v;
         let node = cluster.node_entry(&name);
         node.health = Health::Up;
         node.gpus = hb.gpus.iter().map(slot).collect();
+        // A promise is kept until the agent reports the GPU leased to
+        // that job: a heartbeat sent before the dispatch arrived says free.
+        if let Some(p) = promised.get_mut(&name) {
+            p.retain(|g, job| {
+                !hb.gpus.iter().any(|s| {
+                    s.index == *g && matches!(&s.state, GpuState::Leased { job: j, .. } if j == job)
+                })
+            });
+        }
         let mut reply = HeartbeatReply::default();
         if hb.inventory.full {
             cluster.clear_cached(&name);
@@ -246,7 +318,8 @@ mod tests {
 
     #[test]
     fn deltas_apply_in_order_and_a_gap_asks_for_everything() {
-        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let dir = tempfile::tempdir().unwrap();
+        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
         let snap = SnapshotId::from_bytes([9; 32]);
         let full = InventoryDelta {
             full: true,
@@ -304,7 +377,8 @@ mod tests {
 
     #[test]
     fn a_silent_node_is_down_until_it_speaks_again() {
-        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let dir = tempfile::tempdir().unwrap();
+        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
         let full = InventoryDelta {
             full: true,
             ..Default::default()
@@ -323,7 +397,8 @@ mod tests {
 
     #[test]
     fn a_node_speaks_for_itself_only() {
-        let c = Coordinator::new("gpu1", Duration::from_secs(10));
+        let dir = tempfile::tempdir().unwrap();
+        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
         let e = c
             .heartbeat("gpu3", hb("gpu2", "i", 1, InventoryDelta::default()), 0)
             .unwrap_err();

@@ -7,12 +7,15 @@
 
 mod auth;
 mod coordinator;
+mod jobs;
+mod queue;
 mod reporter;
 
 use std::time::Duration;
 
 pub use auth::{AuthError, ClusterKey, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
 pub use coordinator::Coordinator;
+pub use queue::{ClusterJob, ClusterJobs, Placement};
 pub use reporter::Reporter;
 
 use crate::client::Endpoint;

@@ -11,6 +11,8 @@ mod logs;
 mod ops;
 mod outputs;
 
+pub(crate) use ops::check_request;
+
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -163,6 +165,17 @@ impl Daemon {
             .iter()
             .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
             .collect();
+        let coordinator = match cfg.cluster.as_ref().filter(|c| c.coordinate) {
+            Some(c) => {
+                let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir)
+                    .map_err(|e| open_error("the cluster's jobs", &e))?;
+                if let Some(n) = highest_run(&repo).await? {
+                    co.ids_above(n);
+                }
+                Some(Arc::new(co))
+            }
+            None => None,
+        };
         let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
         let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
         let outputs = OutputsSaver::new(
@@ -193,11 +206,7 @@ impl Daemon {
             housekeeping: Arc::new(housekeeping),
             tokens,
             inventory: inventory_name,
-            coordinator: cfg
-                .cluster
-                .as_ref()
-                .filter(|c| c.coordinate)
-                .map(|c| Arc::new(Coordinator::new(&cfg.node_name, c.down_after))),
+            coordinator,
             _lock: lock,
             cfg,
         }))
@@ -239,6 +248,22 @@ impl Daemon {
         self.outputs.start_due(jobs);
     }
 
+    /// The coordinator's scheduling passes: every `tick`, or at once after
+    /// a submission, until `shutdown`.
+    pub async fn run_coordinator(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
+        let Some(c) = self.coordinator.clone() else {
+            return;
+        };
+        let mut shutdown = shutdown;
+        loop {
+            tokio::select! {
+                _ = c.wait_for_work(self.cfg.tick.max(std::time::Duration::from_millis(100))) => {}
+                _ = shutdown.changed() => return,
+            }
+            c.schedule(&self).await;
+        }
+    }
+
     /// The ticker: every `tick`, until `shutdown`.
     pub async fn run_ticker(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
         let mut shutdown = shutdown;
@@ -255,6 +280,16 @@ impl Daemon {
     /// This node's name.
     pub fn node_name(&self) -> &str {
         &self.cfg.node_name
+    }
+
+    /// The store.
+    pub(crate) fn repo(&self) -> &Repo {
+        &self.repo
+    }
+
+    /// Jobs one user may have queued at once.
+    pub(crate) fn max_queued_per_user(&self) -> usize {
+        self.cfg.max_queued_per_user
     }
 
     /// The node cache.
@@ -309,22 +344,26 @@ async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError
     let repo = Repo::open(remote, None)
         .await
         .map_err(|e| store_error(&e))?;
+    if let Some(n) = highest_run(&repo).await? {
+        node.ids_above(n);
+    }
+    Ok(repo)
+}
+
+/// The highest `N` of the `runs/j<N>` outputs in the store.
+async fn highest_run(repo: &Repo) -> Result<Option<u64>, DaemonError> {
     let runs = repo
         .remote()
         .list("refs/runs/")
         .await
-        .map_err(|e| store_error(&e))?;
-    let highest = runs
+        .map_err(|e| open_error("the store's runs/", &e))?;
+    Ok(runs
         .iter()
         .filter_map(|o| {
             let rest = o.key.strip_prefix("refs/runs/")?;
             crate::node::job_number(rest.split_once('/')?.0)
         })
-        .max();
-    if let Some(n) = highest {
-        node.ids_above(n);
-    }
-    Ok(repo)
+        .max())
 }
 
 /// The database holds queued jobs' environments and the logs their output:

@@ -13,7 +13,7 @@ use crate::blocking::{chain, off_runtime};
 use crate::error::{ApiError, PrepareError};
 use crate::leases::{JobMeta, JobRecord, JobState};
 use crate::node::{NodeError, Submit};
-use crate::proto::{Info, JobView, SubmitRequest};
+use crate::proto::{Dispatch, DispatchReply, Info, JobView, SubmitRequest};
 use crate::status::GpuStatus;
 use crate::trees::{check_outputs, make_workdir};
 use crate::users;
@@ -67,6 +67,7 @@ impl From<NodeError> for ApiError {
             NodeError::Refused(m) => ApiError::Conflict(m),
             NodeError::NoJob(id) => ApiError::NotFound(format!("no job {id}")),
             NodeError::TooMany(m) => ApiError::TooMany(m),
+            NodeError::Stale(m) => ApiError::Conflict(m),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -74,7 +75,7 @@ impl From<NodeError> for ApiError {
 
 /// A request labd refuses before reserving anything: no command, an
 /// outputs folder outside the code, a data variable that is not one.
-fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
+pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     if req.argv.is_empty() {
         return Err(ApiError::BadRequest("no command to run".into()));
     }
@@ -157,6 +158,7 @@ impl Daemon {
                     _ => None,
                 };
                 JobView {
+                    node: Some(self.cfg.node_name.clone()),
                     id: rec.id,
                     user: rec.user,
                     argv: rec.argv,
@@ -249,6 +251,13 @@ impl Daemon {
         caller: &Caller,
         req: SubmitRequest,
     ) -> Result<JobView, ApiError> {
+        if let Some(c) = self.cfg.cluster.as_ref().filter(|c| !c.coordinate) {
+            return Err(ApiError::Conflict(format!(
+                "{} is a node of the cluster coordinated at {}: submit there \
+                 (LABRUN_LABD={}), which places jobs over every node",
+                self.cfg.node_name, c.coordinator, c.coordinator
+            )));
+        }
         check_request(&req)?;
         let run_as = self.run_as(caller).await?;
         let mut submit = Submit {
@@ -271,6 +280,64 @@ impl Daemon {
         self.job(&id).await
     }
 
+    /// Takes a job the coordinator placed here: leases exactly its GPUs
+    /// now, then materialises and queues it as [`Daemon::submit`] does.
+    pub async fn submit_placed(self: &Arc<Self>, d: Dispatch) -> DispatchReply {
+        let refused = |e: ApiError| DispatchReply::Refused { why: e.to_string() };
+        if let Err(e) = check_request(&d.req) {
+            return refused(e);
+        }
+        let caller = Caller {
+            user: d.user.clone(),
+            admin: false,
+        };
+        let run_as = match self.run_as(&caller).await {
+            Ok(r) => r,
+            Err(e) => return refused(e),
+        };
+        let work = self.cfg.state_dir.join("jobs").join(&d.id).join("work");
+        let mut submit = Submit {
+            user: d.user.clone(),
+            argv: d.req.argv.clone(),
+            cwd: work.clone(),
+            env: Vec::new(),
+            gpus: d.req.gpus,
+            min_free_bytes: d.req.gpu_mem,
+            run_as,
+            meta: self.job_meta(&d.req, run_as),
+        };
+        submit.meta.work = Some(work);
+        let (node, s, id, gpus) = (
+            self.node.clone(),
+            submit.clone(),
+            d.id.clone(),
+            d.gpus.clone(),
+        );
+        let fresh = off_runtime(move || {
+            let known = node.job(&id)?.is_some();
+            node.reserve_placed(&id, &s, &gpus).map(|()| !known)
+        })
+        .await;
+        match fresh {
+            Ok(true) => {
+                tracing::info!(
+                    "job {} of {} placed here on GPU(s) {:?}",
+                    d.id,
+                    d.user,
+                    d.gpus
+                );
+                self.prepare_in_background(d.id.clone(), d.req, submit);
+            }
+            Ok(false) => {}
+            Err(NodeError::Stale(why)) => return DispatchReply::Stale { why },
+            Err(e) => return refused(e.into()),
+        }
+        match self.job(&d.id).await {
+            Ok(job) => DispatchReply::Accepted { job: Box::new(job) },
+            Err(e) => refused(e),
+        }
+    }
+
     /// The Unix user (uid, gid) a caller's jobs run as: themselves when labd
     /// is root and runs jobs as their submitters, else labd's own (`None`).
     async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, ApiError> {
@@ -290,7 +357,7 @@ impl Daemon {
     }
 
     /// What the job's record keeps beside the engine's fields.
-    fn job_meta(&self, req: &SubmitRequest, run_as: Option<(u32, u32)>) -> JobMeta {
+    pub(crate) fn job_meta(&self, req: &SubmitRequest, run_as: Option<(u32, u32)>) -> JobMeta {
         JobMeta {
             code: req.code.as_ref().map(|t| t.label.clone()),
             data: req.data.iter().map(|d| d.tree.label.clone()).collect(),

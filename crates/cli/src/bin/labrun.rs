@@ -36,6 +36,11 @@ kills it (as with srun). If labrun itself goes away, the job keeps running:
 runs/<job-id> every few minutes and when the job ends, however it ends:
 `labsync pull runs/<job-id>` gets the checkpoints back.
 
+In a cluster, point labrun at the coordinator: it places each job on the
+node where it can start soonest (free GPUs, and its code and data cached
+there or quickly fetched); `labrun --explain ...` shows that choice per node
+without submitting, and ps, logs, kill and status cover every node.
+
 labd is found at --labd, LABRUN_LABD, `labd` in the config file, the system
 socket /run/labsync/labd.sock, or else a personal labd that labrun starts in
 the background (state in ~/.local/state/labsync/labd). A shared labd needs
@@ -111,6 +116,11 @@ struct RunArgs {
     /// Submit, print the job id and return without streaming
     #[arg(short, long)]
     detach: bool,
+    /// Submit nothing: print where the cluster's coordinator would place
+    /// the job and, per node, when it could start there and why not there
+    /// (GPU wait, bytes to fetch from peers and the store)
+    #[arg(long)]
+    explain: bool,
     /// The script (train.py) or, after --, the command, and its arguments
     #[arg(
         trailing_var_arg = true,
@@ -175,6 +185,7 @@ impl RunArgs {
             code: self.code,
             name: self.name,
             detach: self.detach,
+            explain: self.explain,
             command: self.command,
             as_given,
         }
@@ -194,7 +205,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
             let raw: Vec<String> = std::env::args().collect();
             let req = cli.run.request(&raw);
-            commands::run::run(&s, labd, g.store.is_some(), g.quiet, req).await
+            commands::run::run(&s, labd, g.store.is_some(), g.quiet, g.json, req).await
         }
         Some(Cmd::Ps { all }) => commands::ps::ps(&client, g.json, all).await,
         Some(Cmd::Logs { job, follow }) => commands::logs::logs(&client, &job, follow).await,

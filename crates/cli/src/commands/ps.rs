@@ -30,7 +30,7 @@ pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<6} {:<10} {:<6} {:<9} {:<30} COMMAND",
+        "{:<6} {:<10} {:<10} {:<9} {:<30} COMMAND",
         "ID", "USER", "GPUS", "RUNTIME", "STATE"
     );
     for j in &jobs {
@@ -43,8 +43,13 @@ pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
                 .collect::<Vec<_>>()
                 .join(",")
         };
+        // In a cluster: which node's GPUs.
+        let gpus = match &j.node {
+            Some(n) if !j.gpus.is_empty() => format!("{n}:{gpus}"),
+            _ => gpus,
+        };
         println!(
-            "{:<6} {:<10} {:<6} {:<9} {:<30} {}",
+            "{:<6} {:<10} {:<10} {:<9} {:<30} {}",
             j.id,
             j.user,
             gpus,

@@ -36,6 +36,8 @@ pub struct RunRequest {
     pub name: Option<String>,
     /// Submit and print the job id, without streaming.
     pub detach: bool,
+    /// Print where the coordinator would place it; submit nothing.
+    pub explain: bool,
     /// The script and its arguments, or the command.
     pub command: Vec<String>,
     /// The command came after `--`: run as given, with no interpreter picked.
@@ -60,6 +62,7 @@ pub async fn run(
     labd: Labd<'_>,
     store_given: bool,
     quiet: bool,
+    json: bool,
     a: RunRequest,
 ) -> Result<ExitCode> {
     let client = labd.client;
@@ -76,8 +79,17 @@ pub async fn run(
     };
     let gpus = match a.gpus {
         Some(n) => n,
+        // A cluster's nodes have GPUs; the coordinator's own may not.
+        None if info.coordinator => 1,
         None => u32::from(!client.gpus().await.map_err(explain)?.is_empty()),
     };
+    if a.explain && !info.coordinator {
+        bail!(
+            "--explain asks a cluster's coordinator where a job would go; labd at {} is a node \
+             of its own (its jobs run there)",
+            client.endpoint()
+        );
+    }
     let repo = open_repo(&info, s).await?;
     let code_name = a.name.clone().unwrap_or_else(|| {
         format!(
@@ -107,22 +119,99 @@ pub async fn run(
         outputs: a.outputs.clone(),
         outputs_every_s: a.outputs_every.as_deref().map(parse_duration).transpose()?,
     };
+    if a.explain {
+        let ranking = client.explain(&req).await.map_err(explain)?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&ranking)?);
+        } else {
+            print!("{}", ranking_table(&ranking, gpus));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let job = client.submit(&req).await.map_err(explain)?;
     if a.detach {
         println!("{}", job.id);
         return Ok(ExitCode::SUCCESS);
     }
     if !quiet {
+        let place = match (&job.node, info.coordinator) {
+            (Some(n), _) => n.clone(),
+            (None, true) => format!("the cluster of {}", info.node),
+            (None, false) => info.node.clone(),
+        };
         eprintln!(
             "labrun: job {} on {} ({}, {} GPU{})",
             job.id,
-            info.node,
+            place,
             code_ref.label,
             gpus,
             if gpus == 1 { "" } else { "s" }
         );
     }
     follow(client, &job.id, quiet, true).await
+}
+
+/// The placer's answer as a table: one row per node, the chosen first.
+pub fn ranking_table(r: &labsync_placer::Ranking, gpus: u32) -> String {
+    use labsync_placer::{GpuWait, Verdict};
+    let secs = |s: f64| {
+        if s < 0.05 {
+            "now".to_string()
+        } else {
+            format!("{s:.1} s")
+        }
+    };
+    let mut out = match &r.choice {
+        Some(c) => format!(
+            "would go to {} (GPU{} {:?}){}, start {}\n",
+            c.node,
+            if c.gpus.len() == 1 { "" } else { "s" },
+            c.gpus,
+            if c.gpus_free_now {
+                ""
+            } else {
+                " once its GPUs free up"
+            },
+            if c.start_secs < 0.05 {
+                "now".to_string()
+            } else {
+                format!("in {:.1} s", c.start_secs)
+            }
+        ),
+        None => format!("no node can start it now ({gpus} GPU(s)): it would wait in the queue\n"),
+    };
+    out += &format!(
+        "{:<12} {:>9}  {:<10} {:>10} {:>10} {:>10} {:>9}  {}\n",
+        "node", "GPUs free", "GPU wait", "to fetch", "from peers", "from store", "start", "verdict"
+    );
+    for row in &r.rows {
+        let wait = match &row.gpu_wait {
+            GpuWait::Now => "now".to_string(),
+            GpuWait::In { secs: s } => secs(*s),
+            GpuWait::Unknown { .. } => "unknown".to_string(),
+            GpuWait::Never { .. } => "never".to_string(),
+        };
+        let verdict = match (&row.verdict, &row.gpu_wait) {
+            (Verdict::Chosen, _) => "CHOSEN".to_string(),
+            (Verdict::Later { by_secs }, _) => format!("{by_secs:.1} s later"),
+            (Verdict::TieLost { why }, _) => why.clone(),
+            (Verdict::Down { .. }, _) => "node down".to_string(),
+            (_, GpuWait::Unknown { why } | GpuWait::Never { why }) => why.clone(),
+            (v, _) => format!("{v:?}"),
+        };
+        out += &format!(
+            "{:<12} {:>9}  {:<10} {:>10} {:>10} {:>10} {:>9}  {}\n",
+            row.node.as_str(),
+            format!("{}/{}", row.gpus_free, row.gpus_fit),
+            wait,
+            human_bytes(row.missing_bytes),
+            human_bytes(row.from_peers),
+            human_bytes(row.from_store),
+            row.start_secs.map_or("-".to_string(), secs),
+            verdict
+        );
+    }
+    out
 }
 
 /// The store labrun pushes code to is labd's; a mismatch with what the

@@ -1,0 +1,726 @@
+//! What the coordinator does with jobs: takes submissions into its queue,
+//! places them with the placer each pass, dispatches them to agents (which
+//! lease the GPUs themselves and refuse a placement made on a stale view),
+//! and answers `labrun ps | logs | kill` for the whole cluster, forwarding
+//! to the node that runs a job.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use labsync_placer::{plan, rank, Decision, Job, NodeName, Queued, Ranking, Slot, SnapshotKey};
+use labsync_store::SnapshotId;
+
+use crate::client::{Client, Endpoint};
+use crate::cluster::queue::{ClusterJob, Placement};
+use crate::cluster::{now_ms, Coordinator};
+use crate::daemon::{check_request, Caller, Daemon, LogRead};
+use crate::error::{ApiError, ClientError};
+use crate::leases::{unix_now, JobState};
+use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
+
+/// How long a forwarded request may take beyond its own wait.
+const FORWARD: Duration = Duration::from_secs(10);
+
+/// How often an unanswered dispatch is sent again.
+const RESEND: Duration = Duration::from_secs(2);
+
+fn db(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+/// The snapshots a request reads (code first).
+fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
+    req.code
+        .iter()
+        .chain(req.data.iter().map(|d| &d.tree))
+        .map(|t| {
+            t.snapshot.parse().map_err(|_| {
+                ApiError::BadRequest(format!(
+                    "{}: {:?} is not a snapshot id",
+                    t.label, t.snapshot
+                ))
+            })
+        })
+        .collect()
+}
+
+fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
+    Job {
+        gpus: req.gpus,
+        gpu_mem: req.gpu_mem,
+        needs: needs.iter().map(|s| SnapshotKey(*s.as_bytes())).collect(),
+        expected_secs: None,
+    }
+}
+
+impl Coordinator {
+    /// Loads the pack lists of the snapshots the view does not know yet,
+    /// from the store's index (once per snapshot: they are immutable).
+    async fn price(
+        &self,
+        d: &Arc<Daemon>,
+        req: &SubmitRequest,
+    ) -> Result<Vec<SnapshotId>, ApiError> {
+        let ids = snapshots_of(req)?;
+        for id in &ids {
+            if self.knows(id) {
+                continue;
+            }
+            let packs = labsync_store::snapshot_packs(d.repo(), d.cache(), id)
+                .await
+                .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
+            self.learn(id, &packs);
+        }
+        Ok(ids)
+    }
+
+    /// Where `req` would go now, and why not elsewhere (`labrun --explain`).
+    pub async fn explain(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<Ranking, ApiError> {
+        let needs = self.price(d, req).await?;
+        let now = now_ms() as u64;
+        self.tick(now);
+        let v = self.view.lock().expect("coordinator poisoned");
+        Ok(rank(
+            &v.planning(),
+            &placer_job(req, &needs),
+            now,
+            &self.policy,
+        ))
+    }
+
+    /// Takes a submission into the queue. Refused at once when no node of
+    /// the cluster could ever run it as asked.
+    pub async fn submit(
+        self: &Arc<Self>,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        req: SubmitRequest,
+    ) -> Result<JobView, ApiError> {
+        check_request(&req)?;
+        let queued = self.jobs.queued_of(&caller.user);
+        if queued >= d.max_queued_per_user() {
+            return Err(ApiError::TooMany(format!(
+                "{} has {queued} jobs queued, the most one user may (max_queued_per_user); \
+                 wait for some to start or kill some",
+                caller.user
+            )));
+        }
+        let ranking = self.explain(d, &req).await?;
+        if !ranking.rows.is_empty()
+            && ranking
+                .rows
+                .iter()
+                .all(|r| matches!(r.gpu_wait, labsync_placer::GpuWait::Never { .. }))
+        {
+            let why: Vec<String> = ranking
+                .rows
+                .iter()
+                .filter_map(|r| match &r.gpu_wait {
+                    labsync_placer::GpuWait::Never { why } => Some(format!("{}: {why}", r.node)),
+                    _ => None,
+                })
+                .collect();
+            return Err(ApiError::Conflict(format!(
+                "no node of the cluster can run it: {}",
+                why.join("; ")
+            )));
+        }
+        let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
+        let job = (self.jobs)
+            .create(&caller.user, req, unix_now(), floor)
+            .map_err(db)?;
+        tracing::info!("job {} of {} queued in the cluster", job.id, job.user);
+        self.wake.notify_one();
+        Ok(self.view_of(d, &job))
+    }
+
+    /// One scheduling pass: dispatches sent again where unanswered, queued
+    /// jobs placed in order, the records of jobs that ended on their nodes
+    /// collected.
+    pub async fn schedule(self: &Arc<Self>, d: &Arc<Daemon>) {
+        let now = now_ms() as u64;
+        self.tick(now);
+        let live = self.jobs.live();
+        self.forget_promises(&live);
+        // Ended jobs are looked for once a second, not every pass.
+        let collect = {
+            let mut last = self.collected.lock().expect("coordinator poisoned");
+            let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+            if due {
+                *last = Some(std::time::Instant::now());
+            }
+            due
+        };
+        let mut queue = Vec::new();
+        for j in &live {
+            match &j.placement {
+                Placement::Queued { .. } => match self.price(d, &j.req).await {
+                    Ok(needs) => queue.push(Queued {
+                        id: j.id.clone(),
+                        job: placer_job(&j.req, &needs),
+                    }),
+                    Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
+                },
+                Placement::Dispatched {
+                    confirmed: false,
+                    at,
+                    node,
+                    ..
+                } => {
+                    let due = unix_now().saturating_sub(*at) >= RESEND.as_secs();
+                    if due && self.is_up(node) {
+                        self.send(d, j.clone());
+                    }
+                }
+                Placement::Dispatched { .. } if collect => self.collect_if_ended(d, j).await,
+                Placement::Dispatched { .. } => {}
+                Placement::Ended { .. } => {}
+            }
+        }
+        if queue.is_empty() {
+            return;
+        }
+        let decisions = {
+            let mut v = self.view.lock().expect("coordinator poisoned");
+            let mut scratch = v.planning();
+            let decisions = plan(&mut scratch, &queue, now, &self.policy);
+            for dec in &decisions {
+                if let Decision::Start { id, choice } = dec {
+                    let promised = v.promised.entry(choice.node.clone()).or_default();
+                    for g in &choice.gpus {
+                        promised.insert(*g, id.clone());
+                    }
+                }
+            }
+            decisions
+        };
+        for dec in decisions {
+            match dec {
+                Decision::Start { id, choice } => {
+                    let placed = self.jobs.update(&id, |j| {
+                        j.placement = Placement::Dispatched {
+                            node: choice.node.to_string(),
+                            gpus: choice.gpus.clone(),
+                            at: unix_now(),
+                            confirmed: false,
+                        };
+                        true
+                    });
+                    match placed {
+                        Ok(Some(j)) => {
+                            tracing::info!(
+                                "job {id} placed on {} GPU(s) {:?}, {} to fetch",
+                                choice.node,
+                                choice.gpus,
+                                choice.fetch_bytes
+                            );
+                            self.send(d, j)
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::error!("cluster jobs: {e}"),
+                    }
+                }
+                Decision::Wait { id, why, .. } => {
+                    let r = self.jobs.update(&id, |j| {
+                        let changed = j.placement
+                            != Placement::Queued {
+                                why: Some(why.clone()),
+                            };
+                        j.placement = Placement::Queued { why: Some(why) };
+                        changed
+                    });
+                    if let Err(e) = r {
+                        tracing::error!("cluster jobs: {e}");
+                    }
+                }
+                Decision::Never { id, why } => {
+                    if let Ok(Some(j)) = self.jobs.get(&id) {
+                        self.end(&j, format!("no node of the cluster can run it: {why}"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends a job that never ran.
+    fn end(&self, j: &ClusterJob, reason: String) {
+        let mut view = self.synthesized(j, None);
+        view.state = JobState::Failed { reason };
+        view.ended_at = Some(unix_now());
+        view.meta.outputs_pending = false;
+        let mut ended = j.clone();
+        ended.placement = Placement::Ended {
+            view: Box::new(view),
+        };
+        if let Err(e) = self.jobs.put(&ended) {
+            tracing::error!("cluster jobs: {e}");
+        }
+        self.drop_promises(&j.id);
+    }
+
+    fn is_up(&self, node: &str) -> bool {
+        let v = self.view.lock().expect("coordinator poisoned");
+        node.parse::<NodeName>()
+            .ok()
+            .and_then(|n| v.cluster.node(&n).map(|x| x.is_up()))
+            .unwrap_or(false)
+    }
+
+    /// A client of `node`'s agent, from its last heartbeat.
+    fn client_of(&self, d: &Arc<Daemon>, node: &str) -> Option<Client> {
+        let addr = {
+            let v = self.view.lock().expect("coordinator poisoned");
+            let name: NodeName = node.parse().ok()?;
+            v.members.get(&name)?.addr.clone()
+        };
+        let ep: Endpoint = addr.parse().ok()?;
+        let key = d.cluster()?.key.clone();
+        Some(Client::for_cluster(ep, key, d.node_name()))
+    }
+
+    /// Sends a dispatched job to its node (in the background; one at a
+    /// time per job) and records the answer.
+    fn send(self: &Arc<Self>, d: &Arc<Daemon>, job: ClusterJob) {
+        let Placement::Dispatched { node, gpus, .. } = job.placement.clone() else {
+            return;
+        };
+        if !self
+            .inflight
+            .lock()
+            .expect("coordinator poisoned")
+            .insert(job.id.clone())
+        {
+            return;
+        }
+        let (me, d) = (self.clone(), d.clone());
+        tokio::spawn(async move {
+            let dispatch = Dispatch {
+                id: job.id.clone(),
+                user: job.user.clone(),
+                req: job.req.clone(),
+                gpus,
+            };
+            let reply = if node == d.node_name() {
+                Ok(d.submit_placed(dispatch).await)
+            } else {
+                match me.client_of(&d, &node) {
+                    Some(c) => tokio::time::timeout(FORWARD, c.dispatch(&dispatch))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(ClientError::Status {
+                                status: 504,
+                                message: format!("{node} did not answer"),
+                            })
+                        }),
+                    None => Err(ClientError::Status {
+                        status: 503,
+                        message: format!("{node} is unknown"),
+                    }),
+                }
+            };
+            me.answered(&job, &node, reply);
+            me.inflight
+                .lock()
+                .expect("coordinator poisoned")
+                .remove(&job.id);
+        });
+    }
+
+    fn answered(&self, job: &ClusterJob, node: &str, reply: Result<DispatchReply, ClientError>) {
+        let r = match reply {
+            Ok(DispatchReply::Accepted { .. }) => self.jobs.update(&job.id, |j| {
+                if let Placement::Dispatched { confirmed, .. } = &mut j.placement {
+                    *confirmed = true;
+                }
+                true
+            }),
+            Ok(DispatchReply::Stale { why }) => {
+                tracing::info!(
+                    "job {}: {node} refused a stale placement ({why}); placing it again",
+                    job.id
+                );
+                self.drop_promises(&job.id);
+                self.jobs.update(&job.id, |j| {
+                    j.placement = Placement::Queued {
+                        why: Some(format!(
+                            "{node}'s GPUs were taken meanwhile; placing it again"
+                        )),
+                    };
+                    true
+                })
+            }
+            Ok(DispatchReply::Refused { why }) => {
+                tracing::warn!("job {}: {node} refused it: {why}", job.id);
+                self.end(job, format!("{node} refused it: {why}"));
+                Ok(None)
+            }
+            Err(e) => {
+                // Unknown whether it arrived: sent again to the same node
+                // until that node answers (it takes a dispatch it has as a
+                // no-op); never placed elsewhere meanwhile.
+                tracing::warn!("job {}: dispatch to {node}: {e}; sending it again", job.id);
+                Ok(None)
+            }
+        };
+        if let Err(e) = r {
+            tracing::error!("cluster jobs: {e}");
+        }
+    }
+
+    fn drop_promises(&self, id: &str) {
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        for p in v.promised.values_mut() {
+            p.retain(|_, j| j != id);
+        }
+    }
+
+    /// Promises of jobs that are no longer dispatched and unconfirmed.
+    fn forget_promises(&self, live: &[ClusterJob]) {
+        let waiting: HashSet<&str> = live
+            .iter()
+            .filter(|j| matches!(j.placement, Placement::Dispatched { .. }))
+            .map(|j| j.id.as_str())
+            .collect();
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        for p in v.promised.values_mut() {
+            p.retain(|_, j| waiting.contains(j.as_str()));
+        }
+    }
+
+    /// A job dispatched and confirmed that its node's heartbeat no longer
+    /// lists as active: its final record is fetched and kept here.
+    async fn collect_if_ended(&self, d: &Arc<Daemon>, j: &ClusterJob) {
+        let Placement::Dispatched { node, .. } = &j.placement else {
+            return;
+        };
+        let listed = {
+            let v = self.view.lock().expect("coordinator poisoned");
+            let Ok(name) = node.parse::<NodeName>() else {
+                return;
+            };
+            match v.members.get(&name) {
+                Some(m) if v.cluster.node(&name).is_some_and(|n| n.is_up()) => {
+                    m.jobs.iter().any(|x| x.id == j.id)
+                }
+                _ => return,
+            }
+        };
+        if listed {
+            return;
+        }
+        // Up, answering, and without a record of it: its state folder was
+        // lost. The job cannot be running there.
+        if let Err(ClientError::Status { status: 404, .. }) = self.fetch(d, j).await {
+            self.end(
+                j,
+                format!("{node} has no record of it any more (its labd state was lost)"),
+            );
+        }
+    }
+
+    /// The job's record from its node; kept here once it has ended.
+    async fn fetch(&self, d: &Arc<Daemon>, j: &ClusterJob) -> Result<JobView, ClientError> {
+        let Placement::Dispatched { node, .. } = &j.placement else {
+            return Ok(self.view_of(d, j));
+        };
+        let view = if node == d.node_name() {
+            d.job(&j.id).await.map_err(|e| ClientError::Status {
+                status: e.status(),
+                message: e.to_string(),
+            })?
+        } else {
+            let c = self.client_of(d, node).ok_or_else(|| ClientError::Status {
+                status: 503,
+                message: format!("{node} is unknown"),
+            })?;
+            tokio::time::timeout(FORWARD, c.cluster_job(&j.id))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(ClientError::Status {
+                        status: 504,
+                        message: format!("{node} did not answer"),
+                    })
+                })?
+        };
+        if view.ended() && !view.meta.outputs_pending {
+            let mut ended = j.clone();
+            ended.placement = Placement::Ended {
+                view: Box::new(view.clone()),
+            };
+            if let Err(e) = self.jobs.put(&ended) {
+                tracing::error!("cluster jobs: {e}");
+            }
+        }
+        Ok(view)
+    }
+
+    /// A record for a job no node has (yet).
+    fn synthesized(&self, j: &ClusterJob, why: Option<String>) -> JobView {
+        JobView {
+            id: j.id.clone(),
+            node: None,
+            user: j.user.clone(),
+            argv: j.req.argv.clone(),
+            gpus_wanted: j.req.gpus,
+            gpus: Vec::new(),
+            state: JobState::Queued,
+            why,
+            submitted_at: j.submitted_at,
+            started_at: None,
+            ended_at: None,
+            meta: crate::leases::JobMeta {
+                code: j.req.code.as_ref().map(|t| t.label.clone()),
+                data: j.req.data.iter().map(|t| t.tree.label.clone()).collect(),
+                outputs: j.req.outputs.clone(),
+                outputs_pending: j.req.outputs.is_some(),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// The job as `labrun ps` shows it, from what the coordinator knows
+    /// (its node's last heartbeat for a dispatched job).
+    fn view_of(&self, _d: &Arc<Daemon>, j: &ClusterJob) -> JobView {
+        match &j.placement {
+            Placement::Queued { why } => self.synthesized(j, why.clone()),
+            Placement::Ended { view } => (**view).clone(),
+            Placement::Dispatched { node, gpus, .. } => {
+                let v = self.view.lock().expect("coordinator poisoned");
+                let name = node.parse::<NodeName>().ok();
+                let member = name.as_ref().and_then(|n| v.members.get(n));
+                let down =
+                    name.as_ref()
+                        .and_then(|n| v.cluster.node(n))
+                        .and_then(|n| match n.health {
+                            labsync_placer::Health::Down { since } => Some(since),
+                            labsync_placer::Health::Up => None,
+                        });
+                let from_node = member.and_then(|m| m.jobs.iter().find(|x| x.id == j.id));
+                let mut view = match from_node {
+                    Some(x) => x.clone(),
+                    None => {
+                        let mut s = self.synthesized(j, Some(format!("sent to {node}")));
+                        s.node = Some(node.clone());
+                        s.gpus = gpus.clone();
+                        s
+                    }
+                };
+                if let Some(since) = down {
+                    let ago = (now_ms() as u64).saturating_sub(since) / 1000;
+                    view.why = Some(format!(
+                        "node {node} down since {ago} s ago: shown as last reported"
+                    ));
+                }
+                view
+            }
+        }
+    }
+
+    /// Every live job and those that ended in the last day.
+    pub fn jobs_view(&self, d: &Arc<Daemon>) -> Result<Vec<JobView>, ApiError> {
+        let mut out: Vec<(u64, JobView)> = self
+            .jobs
+            .live()
+            .iter()
+            .map(|j| (j.number(), self.view_of(d, j)))
+            .collect();
+        let day_ago = unix_now().saturating_sub(86_400);
+        for j in self.jobs.ended_since(day_ago).map_err(db)? {
+            out.push((j.number(), self.view_of(d, &j)));
+        }
+        out.sort_by_key(|(n, _)| *n);
+        Ok(out.into_iter().map(|(_, v)| v).collect())
+    }
+
+    fn get(&self, id: &str) -> Result<ClusterJob, ApiError> {
+        self.jobs
+            .get(id)
+            .map_err(db)?
+            .ok_or_else(|| ApiError::NotFound(format!("no job {id} in the cluster")))
+    }
+
+    /// One job, asked of its node where it runs.
+    pub async fn job(&self, d: &Arc<Daemon>, id: &str) -> Result<JobView, ApiError> {
+        let j = self.get(id)?;
+        match &j.placement {
+            Placement::Dispatched {
+                confirmed: true, ..
+            } => match self.fetch(d, &j).await {
+                Ok(v) => Ok(v),
+                Err(_) => Ok(self.view_of(d, &j)),
+            },
+            _ => Ok(self.view_of(d, &j)),
+        }
+    }
+
+    fn own(caller: &Caller, j: &ClusterJob, what: &str) -> Result<(), ApiError> {
+        if caller.admin || caller.user == j.user {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(format!(
+                "job {} is {}'s; only they or an admin may {what} it",
+                j.id, j.user
+            )))
+        }
+    }
+
+    /// Kills a job: dropped from the queue, or killed on its node.
+    pub async fn kill(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<JobView, ApiError> {
+        let j = self.get(id)?;
+        Self::own(caller, &j, "kill")?;
+        match &j.placement {
+            Placement::Ended { .. } => {
+                Err(ApiError::Conflict(format!("job {id} has already ended")))
+            }
+            Placement::Queued { .. } => {
+                self.end(&j, format!("killed by {} while queued", caller.user));
+                Ok(self.view_of(d, &self.get(id)?))
+            }
+            Placement::Dispatched { node, .. } => {
+                let admin = Caller {
+                    user: caller.user.clone(),
+                    admin: true,
+                };
+                let view = if node == d.node_name() {
+                    d.kill(&admin, id).await?
+                } else {
+                    let c = self.client_of(d, node).ok_or_else(|| {
+                        ApiError::Conflict(format!("{node} is unknown; try again"))
+                    })?;
+                    tokio::time::timeout(FORWARD, c.cluster_kill(id))
+                        .await
+                        .map_err(|_| {
+                            ApiError::Conflict(format!("{node} did not answer; try again"))
+                        })?
+                        .map_err(|e| forwarded(node, e))?
+                };
+                tracing::info!("job {id} killed by {} on {node}", caller.user);
+                Ok(view)
+            }
+        }
+    }
+
+    /// The job's log, from its node; a job not started has none yet.
+    pub async fn log(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        id: &str,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<LogRead, ApiError> {
+        let j = self.get(id)?;
+        Self::own(caller, &j, "read the log of")?;
+        let wait = wait.min(Duration::from_secs(30));
+        // A job that ran has its log on its node, ended or not (kept there
+        // `work_keep_s`).
+        let ran_on = match &j.placement {
+            Placement::Dispatched {
+                node,
+                confirmed: true,
+                ..
+            } => Some(node.clone()),
+            Placement::Ended { view } => view.node.clone(),
+            _ => None,
+        };
+        match (&j.placement, ran_on) {
+            (_, Some(node)) => {
+                let admin = Caller {
+                    user: caller.user.clone(),
+                    admin: true,
+                };
+                if node == d.node_name() {
+                    return d.log(&admin, id, offset, wait).await;
+                }
+                let node = node.as_str();
+                let c = self
+                    .client_of(d, node)
+                    .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown")))?;
+                let piece = tokio::time::timeout(wait + FORWARD, c.cluster_log(id, offset, wait))
+                    .await
+                    .map_err(|_| ApiError::Conflict(format!("{node} did not answer")))?
+                    .map_err(|e| forwarded(node, e))?;
+                Ok(LogRead {
+                    bytes: piece.bytes.to_vec(),
+                    next: piece.next,
+                    done: piece.done,
+                })
+            }
+            (Placement::Ended { .. }, None) => Ok(LogRead {
+                bytes: Vec::new(),
+                next: offset,
+                done: true,
+            }),
+            _ => {
+                // Not started anywhere yet: wait a little so followers do
+                // not spin, then say nothing new.
+                self.wake.notify_one();
+                tokio::time::sleep(wait.min(Duration::from_secs(1))).await;
+                Ok(LogRead {
+                    bytes: Vec::new(),
+                    next: offset,
+                    done: false,
+                })
+            }
+        }
+    }
+
+    /// Ended jobs numbered below `before`, newest first.
+    pub fn history(
+        &self,
+        d: &Arc<Daemon>,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<JobView>, ApiError> {
+        let mut ended = self.jobs.ended_since(0).map_err(db)?;
+        ended.retain(|j| before.is_none_or(|b| j.number() < b));
+        ended.sort_by_key(|j| std::cmp::Reverse(j.number()));
+        ended.truncate(limit.clamp(1, 1000));
+        Ok(ended.iter().map(|j| self.view_of(d, j)).collect())
+    }
+}
+
+/// A node's error answer, as the coordinator's.
+fn forwarded(node: &str, e: ClientError) -> ApiError {
+    match e {
+        ClientError::Status {
+            status: 404,
+            message,
+        } => ApiError::NotFound(message),
+        ClientError::Status {
+            status: 403,
+            message,
+        } => ApiError::Forbidden(message),
+        ClientError::Status {
+            status: 409,
+            message,
+        } => ApiError::Conflict(message),
+        other => ApiError::Conflict(format!("{node}: {other}")),
+    }
+}
+
+/// The view the placer plans on: the agents' truth, with the GPUs promised
+/// to dispatches not yet confirmed by a heartbeat counted busy.
+pub(crate) fn with_promises(
+    cluster: &labsync_placer::Cluster,
+    promised: &BTreeMap<NodeName, BTreeMap<u32, String>>,
+) -> labsync_placer::Cluster {
+    let mut c = cluster.clone();
+    for (name, gpus) in promised {
+        if let Some(n) = c.node_mut(name) {
+            for g in n.gpus.iter_mut() {
+                if gpus.contains_key(&g.index) {
+                    g.slot = Slot::Busy { until: None };
+                    g.memory_free = 0;
+                }
+            }
+        }
+    }
+    c
+}

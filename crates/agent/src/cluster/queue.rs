@@ -1,0 +1,316 @@
+//! The coordinator's jobs, kept in a redb database (`cluster-v1.redb` in
+//! its state folder) so `kill -9` of the coordinator loses none: each job
+//! is queued, dispatched to a node (confirmed once its agent leased the
+//! GPUs), or ended. A job is written as dispatched *before* it is sent, so
+//! after a crash it is sent again to the same node (agents take a dispatch
+//! they already have as a no-op), never placed a second time elsewhere.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+use crate::error::LeaseError;
+use crate::proto::{JobView, SubmitRequest};
+
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("cluster-jobs-v1");
+const META: TableDefinition<&str, u64> = TableDefinition::new("cluster-meta-v1");
+
+/// Where a job of the cluster is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "placement", rename_all = "snake_case")]
+pub enum Placement {
+    /// Waiting for a node; `why` from the last scheduling pass.
+    Queued {
+        /// Why it waits.
+        why: Option<String>,
+    },
+    /// Sent to `node` with `gpus`; `confirmed` once the agent answered.
+    Dispatched {
+        /// The node.
+        node: String,
+        /// Its GPUs there.
+        gpus: Vec<u32>,
+        /// When it was sent, Unix seconds.
+        at: u64,
+        /// The agent took it.
+        confirmed: bool,
+    },
+    /// Over: its last record (from its node, or made here for a job killed
+    /// while queued or that no node can run).
+    Ended {
+        /// The record.
+        view: Box<JobView>,
+    },
+}
+
+/// One job of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterJob {
+    /// `j<N>`, unique in the cluster (outputs go to `runs/<id>`).
+    pub id: String,
+    /// Who submitted it.
+    pub user: String,
+    /// What was submitted (its environment included: the database is the
+    /// coordinator's alone, mode 600).
+    pub req: SubmitRequest,
+    /// Unix seconds.
+    pub submitted_at: u64,
+    /// Where it is.
+    pub placement: Placement,
+}
+
+impl ClusterJob {
+    /// The number of its id, for ordering.
+    pub fn number(&self) -> u64 {
+        crate::node::job_number(&self.id).unwrap_or(u64::MAX)
+    }
+}
+
+/// The coordinator's job database, with every job not ended in memory.
+pub struct ClusterJobs {
+    db: Database,
+    path: PathBuf,
+    /// Jobs not ended, by number: the queue in order.
+    live: Mutex<BTreeMap<u64, ClusterJob>>,
+}
+
+impl ClusterJobs {
+    /// Opens (creating) the database at `path`.
+    pub fn open(path: &Path) -> Result<ClusterJobs, LeaseError> {
+        let err = |e: &dyn std::fmt::Display| LeaseError::Db {
+            path: path.display().to_string(),
+            detail: e.to_string(),
+        };
+        let db = Database::create(path).map_err(|e| err(&e))?;
+        let txn = db.begin_write().map_err(|e| err(&e))?;
+        let mut live = BTreeMap::new();
+        {
+            let jobs = txn.open_table(JOBS).map_err(|e| err(&e))?;
+            txn.open_table(META).map_err(|e| err(&e))?;
+            for r in jobs.iter().map_err(|e| err(&e))? {
+                let (_, v) = r.map_err(|e| err(&e))?;
+                let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| err(&e))?;
+                if !matches!(job.placement, Placement::Ended { .. }) {
+                    live.insert(job.number(), job);
+                }
+            }
+        }
+        txn.commit().map_err(|e| err(&e))?;
+        set_private(path);
+        Ok(ClusterJobs {
+            db,
+            path: path.to_path_buf(),
+            live: Mutex::new(live),
+        })
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> LeaseError {
+        LeaseError::Db {
+            path: self.path.display().to_string(),
+            detail: e.to_string(),
+        }
+    }
+
+    /// Records a new job under the next free number above `floor` and
+    /// returns it.
+    pub fn create(
+        &self,
+        user: &str,
+        req: SubmitRequest,
+        now: u64,
+        floor: u64,
+    ) -> Result<ClusterJob, LeaseError> {
+        let mut live = self.live.lock().expect("jobs poisoned");
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        let job = {
+            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+            let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let mut n = meta
+                .get("next")
+                .map_err(|e| self.err(e))?
+                .map_or(1, |v| v.value())
+                .max(floor);
+            while jobs
+                .get(format!("j{n}").as_str())
+                .map_err(|e| self.err(e))?
+                .is_some()
+            {
+                n += 1;
+            }
+            meta.insert("next", n + 1).map_err(|e| self.err(e))?;
+            let job = ClusterJob {
+                id: format!("j{n}"),
+                user: user.to_string(),
+                req,
+                submitted_at: now,
+                placement: Placement::Queued { why: None },
+            };
+            let bytes = serde_json::to_vec(&job).expect("job serialises");
+            jobs.insert(job.id.as_str(), bytes.as_slice())
+                .map_err(|e| self.err(e))?;
+            job
+        };
+        txn.commit().map_err(|e| self.err(e))?;
+        live.insert(job.number(), job.clone());
+        Ok(job)
+    }
+
+    /// Writes a job's new placement.
+    pub fn put(&self, job: &ClusterJob) -> Result<(), LeaseError> {
+        let mut live = self.live.lock().expect("jobs poisoned");
+        self.put_locked(&mut live, job)
+    }
+
+    /// [`ClusterJobs::put`] under the caller's hold of the live map, so a
+    /// read-modify-write is one step.
+    fn put_locked(
+        &self,
+        live: &mut BTreeMap<u64, ClusterJob>,
+        job: &ClusterJob,
+    ) -> Result<(), LeaseError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let bytes = serde_json::to_vec(job).expect("job serialises");
+            jobs.insert(job.id.as_str(), bytes.as_slice())
+                .map_err(|e| self.err(e))?;
+        }
+        txn.commit().map_err(|e| self.err(e))?;
+        if matches!(job.placement, Placement::Ended { .. }) {
+            live.remove(&job.number());
+        } else {
+            live.insert(job.number(), job.clone());
+        }
+        Ok(())
+    }
+
+    /// Changes a live job under the lock (`f` returns false to write
+    /// nothing); the job after, or `None` when it is not live.
+    pub fn update(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut ClusterJob) -> bool,
+    ) -> Result<Option<ClusterJob>, LeaseError> {
+        let Some(n) = crate::node::job_number(id) else {
+            return Ok(None);
+        };
+        let mut live = self.live.lock().expect("jobs poisoned");
+        let mut job = match live.get(&n) {
+            Some(j) => j.clone(),
+            None => return Ok(None),
+        };
+        if f(&mut job) {
+            self.put_locked(&mut live, &job)?;
+        }
+        Ok(Some(job))
+    }
+
+    /// Every live job, oldest first.
+    pub fn live(&self) -> Vec<ClusterJob> {
+        self.live
+            .lock()
+            .expect("jobs poisoned")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Live jobs of `user` that are queued.
+    pub fn queued_of(&self, user: &str) -> usize {
+        self.live
+            .lock()
+            .expect("jobs poisoned")
+            .values()
+            .filter(|j| j.user == user && matches!(j.placement, Placement::Queued { .. }))
+            .count()
+    }
+
+    /// One job, live or ended.
+    pub fn get(&self, id: &str) -> Result<Option<ClusterJob>, LeaseError> {
+        if let Some(n) = crate::node::job_number(id) {
+            if let Some(j) = self.live.lock().expect("jobs poisoned").get(&n) {
+                return Ok(Some(j.clone()));
+            }
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        match jobs.get(id).map_err(|e| self.err(e))? {
+            Some(v) => Ok(Some(
+                serde_json::from_slice(v.value()).map_err(|e| self.err(e))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Ended jobs whose record says they ended at or after `since`.
+    pub fn ended_since(&self, since: u64) -> Result<Vec<ClusterJob>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for r in jobs.iter().map_err(|e| self.err(e))? {
+            let (_, v) = r.map_err(|e| self.err(e))?;
+            let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| self.err(e))?;
+            if let Placement::Ended { view } = &job.placement {
+                if view.ended_at.is_none_or(|t| t >= since) {
+                    out.push(job);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The database holds submitters' environments: the coordinator's alone.
+fn set_private(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> SubmitRequest {
+        SubmitRequest {
+            argv: vec!["true".into()],
+            gpus: 1,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn jobs_survive_a_reopen_and_numbers_never_repeat() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster-v1.redb");
+        let (a, b) = {
+            let db = ClusterJobs::open(&path).unwrap();
+            let a = db.create("alice", req(), 10, 0).unwrap();
+            let mut b = db.create("bob", req(), 11, 0).unwrap();
+            b.placement = Placement::Dispatched {
+                node: "gpu2".into(),
+                gpus: vec![1],
+                at: 12,
+                confirmed: false,
+            };
+            db.put(&b).unwrap();
+            (a, b)
+        };
+        assert_eq!((a.id.as_str(), b.id.as_str()), ("j1", "j2"));
+        let db = ClusterJobs::open(&path).unwrap();
+        let live = db.live();
+        assert_eq!(live.len(), 2);
+        assert_eq!(live[1].placement, b.placement);
+        assert_eq!(db.queued_of("alice"), 1);
+        // Above the floor (the highest runs/ in the store), never a number used.
+        assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j3");
+        assert_eq!(db.create("alice", req(), 13, 40).unwrap().id, "j40");
+        assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j41");
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&path).unwrap().permissions(),
+        );
+        assert_eq!(mode & 0o077, 0, "holds environments: {mode:o}");
+    }
+}
