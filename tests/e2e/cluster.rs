@@ -15,6 +15,7 @@ use super::labrun::{wait_until, ALICE};
 use super::support::{free_port, write_tree, S3Server};
 
 const SECRET: &str = "cluster-secret-0123456789abcdef0123456789";
+const ADMIN: &str = "tok-cluster-admin-0123456789";
 
 /// One labd of the cluster.
 struct Member {
@@ -56,8 +57,8 @@ impl Lab {
                         "node_name = \"{name}\"\nlisten = \"127.0.0.1:{port}\"\n\
                          state_dir = \"{state}\"\nstore = \"{store}\"\ncache_dir = \"{cache}\"\n\
                          tick_ms = 50\ninventory_deadline_ms = 300\nfake_gpus = \"2x11GiB\"\n\
-                         fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\n\
-                         [tokens]\nalice = \"{ALICE}\"\n\
+                         fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\nadmins = [\"admin\"]\n\
+                         [tokens]\nalice = \"{ALICE}\"\nadmin = \"{ADMIN}\"\n\
                          [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
                          secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n",
                         port = ports[i],
@@ -231,6 +232,40 @@ impl Lab {
             .unwrap();
         assert!(o.status.success(), "labsync {args:?}: {o:?}");
         String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// Makes every GPU of node `i` held by a foreign process (never
+    /// chosen), or frees them again (`held` false).
+    fn hold_gpus(&self, i: usize, held: bool) {
+        let control = self
+            .dir
+            .path()
+            .join(&self.nodes[i].name)
+            .join("control.toml");
+        let text = if held {
+            "foreign = [{ gpu = 0, pid = 4242, mib = 3000 }, { gpu = 1, pid = 4243, mib = 3000 }]\n"
+        } else {
+            ""
+        };
+        std::fs::write(control, text).unwrap();
+    }
+
+    /// `labsync ARGS` against the coordinator with `token` (warm).
+    fn labsync_as(&self, token: &str, args: &[&str]) -> Output {
+        Command::new(crate::bin("labsync"))
+            .args(args)
+            .env("HOME", self.home(0))
+            .env("LABSYNC_STORE", &self.store)
+            .env("LABSYNC_CACHE", self.dir.path().join("client-cache"))
+            .env(
+                "LABRUN_LABD",
+                format!("http://127.0.0.1:{}", self.nodes[0].port),
+            )
+            .env("LABRUN_TOKEN", token)
+            .envs(self.s3.env())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
     }
 
     fn client(&self, i: usize, key: ClusterKey, as_node: &str) -> Client {
@@ -752,4 +787,185 @@ fn two_hundred_submissions_from_twenty_clients_never_double_book() {
         assert_eq!(j.exit_code(), Some(0), "{j:?}");
     }
     check_trace(&trace, 200);
+}
+
+/// Packs come from the peers that hold them, verified, and only what no
+/// peer has from the store; a peer serving a corrupt pack is refused and
+/// the pack comes from elsewhere, and the job runs on the right bytes.
+#[test]
+fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
+    let Some(lab) = Lab::start(3) else { return };
+    let div2k = lab.dir.path().join("div2k");
+    write_tree(&div2k, 6);
+    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
+    lab.labsync(
+        1,
+        &[
+            "pull",
+            "div2k",
+            lab.dir.path().join("out1").to_str().unwrap(),
+        ],
+    );
+    lab.wait_for("div2k on gpu1", 20, |s| {
+        present(s, "gpu1", "div2k@v1").is_some()
+    });
+    let total = present(&lab.status(), "gpu1", "div2k@v1").unwrap().1;
+    // The job compares what it reads with the original, byte for byte.
+    let script = format!(
+        "cmp $LABRUN_DATA/big.bin {} && echo same; echo node=$LABRUN_NODE",
+        div2k.join("big.bin").display()
+    );
+    let job = |lab: &Lab| {
+        let o = lab.labrun(&[
+            "--data", "div2k", "--gpus", "1", "--", "bash", "-c", &script,
+        ]);
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let node_of = |out: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix("node="))
+            .unwrap()
+            .to_string()
+    };
+
+    // 4: gpu1 (which has div2k) is busy; the job goes to gpu0 and div2k
+    // comes from gpu1, not from the store.
+    lab.hold_gpus(1, true);
+    lab.hold_gpus(2, true);
+    lab.wait_for("gpu1 and gpu2 busy", 20, |s| {
+        ["gpu1", "gpu2"].iter().all(|n| {
+            Lab::node(s, n).is_some_and(|x| {
+                x.gpus
+                    .iter()
+                    .all(|g| g.state != labsync_agent::GpuState::Free)
+            })
+        })
+    });
+    let out = job(&lab);
+    assert_eq!(node_of(&out), "gpu0", "{out}");
+    assert!(out.contains("same"), "the job read the right bytes: {out}");
+    lab.wait_for("gpu0's counts", 20, |s| {
+        Lab::node(s, "gpu0").is_some_and(|n| n.fetched.from_peers >= total)
+    });
+    let f = Lab::node(&lab.status(), "gpu0").unwrap().fetched.clone();
+    assert!(
+        f.from_store < total / 10,
+        "from the store only the code: {f:?}"
+    );
+    assert_eq!(f.corrupt_from_peers, 0, "{f:?}");
+
+    // 5: every pack of div2k corrupted on both holders (gpu0 and gpu1); the
+    // job goes to gpu2, refuses each copy and fetches from the store.
+    for i in [0, 1] {
+        let packs = lab.cache(i).join("packs-v1");
+        for dir in std::fs::read_dir(&packs).unwrap() {
+            for f in std::fs::read_dir(dir.unwrap().path()).unwrap() {
+                let p = f.unwrap().path();
+                let mut bytes = std::fs::read(&p).unwrap();
+                let mid = bytes.len() / 2;
+                bytes[mid] ^= 0x55;
+                std::fs::write(&p, bytes).unwrap();
+            }
+        }
+    }
+    lab.hold_gpus(0, true);
+    lab.hold_gpus(2, false);
+    lab.wait_for("only gpu2 free", 20, |s| {
+        Lab::node(s, "gpu2").is_some_and(|x| {
+            x.gpus
+                .iter()
+                .all(|g| g.state == labsync_agent::GpuState::Free)
+        }) && Lab::node(s, "gpu0").is_some_and(|x| {
+            x.gpus
+                .iter()
+                .all(|g| g.state != labsync_agent::GpuState::Free)
+        })
+    });
+    let out = job(&lab);
+    assert_eq!(node_of(&out), "gpu2", "{out}");
+    assert!(
+        out.contains("same"),
+        "no corrupt byte reached the job: {out}"
+    );
+    lab.wait_for("gpu2's counts", 20, |s| {
+        Lab::node(s, "gpu2").is_some_and(|n| n.fetched.corrupt_from_peers > 0)
+    });
+    let f = Lab::node(&lab.status(), "gpu2").unwrap().fetched.clone();
+    assert!(
+        f.from_store >= total,
+        "every corrupt pack came from the store: {f:?}"
+    );
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(text.contains("corrupt copies from peers refused"), "{text}");
+}
+
+/// 6: `labsync warm` fills and pins the named node's cache, with its
+/// progress; `labrun status` shows the pin; the next job lands there;
+/// `--unpin` releases it. Only admins may warm.
+#[test]
+fn warm_fills_and_pins_the_named_node_and_the_next_job_lands_there() {
+    let Some(lab) = Lab::start(3) else { return };
+    let div2k = lab.dir.path().join("div2k");
+    write_tree(&div2k, 7);
+    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
+
+    let o = lab.labsync_as(ALICE, &["warm", "div2k", "--nodes", "gpu2"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("admins only"),
+        "{o:?}"
+    );
+    let o = lab.labsync_as(ADMIN, &["warm", "div2k", "--nodes", "nosuch"]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("no node nosuch is up"),
+        "{o:?}"
+    );
+    let o = lab.labsync_as(ADMIN, &["warm", "div2k"]);
+    assert_eq!(o.status.code(), Some(1), "neither --nodes nor --all: {o:?}");
+
+    let o = lab.labsync_as(ADMIN, &["warm", "div2k", "--nodes", "gpu2"]);
+    assert!(o.status.success(), "{o:?}");
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(out.contains("div2k@v1 warmed and pinned on gpu2"), "{out}");
+    assert!(err.contains("gpu2: div2k@v1 cached and pinned"), "{err}");
+    let s = lab.status();
+    let d = Lab::node(&s, "gpu2")
+        .unwrap()
+        .data
+        .iter()
+        .find(|d| d.label == "div2k@v1")
+        .cloned();
+    let d = d.expect("div2k on gpu2");
+    assert!(d.pinned && d.present_bytes == d.total_bytes, "{d:?}");
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(text.contains("div2k@v1 100% (pinned)"), "{text}");
+
+    // The next job on div2k goes where it was warmed.
+    let out = lab.ok(&[
+        "--data",
+        "div2k",
+        "--gpus",
+        "1",
+        "--",
+        "bash",
+        "-c",
+        "echo node=$LABRUN_NODE",
+    ]);
+    assert!(out.contains("node=gpu2"), "{out}");
+
+    let o = lab.labsync_as(ADMIN, &["warm", "div2k", "--unpin", "--nodes", "gpu2"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("unpinned div2k@v1 on gpu2"),
+        "{o:?}"
+    );
+    lab.wait_for("the pin released", 20, |s| {
+        Lab::node(s, "gpu2")
+            .and_then(|n| n.data.iter().find(|d| d.label == "div2k@v1"))
+            .is_some_and(|d| !d.pinned)
+    });
 }

@@ -271,6 +271,47 @@ async fn explain(
     Ok(Json(co.explain(&d, &req).await?))
 }
 
+/// An admin's `labsync warm`, on the coordinator.
+async fn warm_ask(
+    State(d): D,
+    h: HeaderMap,
+    Json(ask): Json<crate::cluster::WarmAsk>,
+) -> Result<impl IntoResponse, ApiError> {
+    let c = caller(&d, &h)?;
+    let co = coordinator(&d, "labsync warm")?;
+    Ok(Json(co.warm(&d, &c, ask).await?))
+}
+
+/// The coordinator's warm order, on a node.
+async fn warm_order(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let from = member(&d, &method, &uri, &h, &body)?;
+    let order: crate::cluster::WarmOrder = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::BadRequest(format!("warm from {from}: {e}")))?;
+    d.warm(order).await?;
+    Ok(Json(serde_json::json!({})))
+}
+
+/// Who holds which packs, on the coordinator.
+async fn locate(
+    State(d): D,
+    method: Method,
+    uri: Uri,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let from = member(&d, &method, &uri, &h, &body)?;
+    let co = coordinator(&d, "locating packs")?;
+    let packs: Vec<labsync_store::PackId> = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::BadRequest(format!("locate from {from}: {e}")))?;
+    Ok(Json(co.locate(&from, &packs)))
+}
+
 /// A job the coordinator placed here.
 async fn dispatch(
     State(d): D,
@@ -363,6 +404,12 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         )
         .route("/v1/cluster/packs/{id}", get(pack))
         .route("/v1/cluster/explain", post(explain))
+        .route("/v1/warm", post(warm_ask))
+        .route("/v1/cluster/warm", post(warm_order))
+        .route(
+            "/v1/cluster/locate",
+            post(locate).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
+        )
         .route(
             "/v1/cluster/jobs",
             post(dispatch).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),

@@ -288,6 +288,33 @@ impl Client {
             .await
     }
 
+    /// Has the coordinator warm (or unpin) a version on nodes (admins).
+    pub async fn warm_ask(
+        &self,
+        ask: &crate::cluster::WarmAsk,
+    ) -> Result<crate::cluster::WarmAnswer, ClientError> {
+        let body = serde_json::to_vec(ask).expect("ask serialises");
+        self.json(hyper::Method::POST, "/v1/warm", Some(body)).await
+    }
+
+    /// Orders a node to warm (or unpin) a version (a cluster client).
+    pub async fn warm(&self, order: &crate::cluster::WarmOrder) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(order).expect("order serialises");
+        self.exchange(hyper::Method::POST, "/v1/cluster/warm", Some(body))
+            .await
+            .map(drop)
+    }
+
+    /// Who holds which packs (asked of the coordinator; a cluster client).
+    pub async fn locate(
+        &self,
+        packs: &[labsync_store::PackId],
+    ) -> Result<crate::proto::Located, ClientError> {
+        let body = serde_json::to_vec(packs).expect("ids serialise");
+        self.json(hyper::Method::POST, "/v1/cluster/locate", Some(body))
+            .await
+    }
+
     /// Sends a placed job to its node's agent (a cluster client).
     pub async fn dispatch(&self, d: &Dispatch) -> Result<DispatchReply, ClientError> {
         let body = serde_json::to_vec(d).expect("dispatch serialises");

@@ -15,6 +15,7 @@
 //! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
 //! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |
 //! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
+//! | POST | `/v1/warm` | [`crate::cluster::WarmAsk`] → [`crate::cluster::WarmAnswer`] (the coordinator; admins) |
 //!
 //! Between the nodes of a cluster, signed with the cluster secret
 //! ([`crate::cluster`]), never with a user's token:
@@ -24,6 +25,8 @@
 //! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
 //! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer) |
 //! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
+//! | POST | `/v1/cluster/warm` | [`crate::cluster::WarmOrder`] → `{}` (the coordinator to an agent) |
+//! | POST | `/v1/cluster/locate` | `[PackId]` → [`Located`] (to the coordinator: who holds what) |
 //! | GET | `/v1/cluster/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/cluster/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes, as `/v1/jobs/{id}/log` |
 //! | POST | `/v1/cluster/jobs/{id}/kill` | → [`JobView`] |
@@ -189,7 +192,29 @@ pub struct CacheSummary {
     pub max_bytes: u64,
     /// What is cached.
     pub trees: Vec<CachedTree>,
+    /// Where this labd's fetched packs came from since it started.
+    #[serde(default)]
+    pub fetched: FetchCounts,
+    /// Warms under way (or failed), with their progress.
+    #[serde(default)]
+    pub warming: Vec<crate::cluster::Warming>,
 }
+
+/// Bytes of packs a node fetched, by source, since its labd started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchCounts {
+    /// From peers, verified.
+    pub from_peers: u64,
+    /// From the object store.
+    pub from_store: u64,
+    /// Copies refused from peers: their bytes did not match their ids.
+    pub corrupt_from_peers: u64,
+    /// Tries at a peer that failed (gone, timed out).
+    pub failed_from_peers: u64,
+}
+
+/// Which nodes hold which packs: `(pack, [(node, address)])`.
+pub type Located = Vec<(PackId, Vec<(String, String)>)>;
 
 /// What changed in a node's cache since the heartbeat the coordinator
 /// acknowledged last (`base`), or everything (`full`).
@@ -286,6 +311,12 @@ pub struct NodeStatus {
     pub cache_used: u64,
     /// The cap.
     pub cache_max: u64,
+    /// Where its fetched packs came from since its labd started.
+    #[serde(default)]
+    pub fetched: FetchCounts,
+    /// Warms under way there (or failed).
+    #[serde(default)]
+    pub warming: Vec<crate::cluster::Warming>,
     /// Every snapshot cached anywhere in the cluster, with how much of it
     /// this node has (a dataset that shares packs with a cached one is
     /// partly present), where anything is.

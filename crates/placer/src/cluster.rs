@@ -331,6 +331,18 @@ impl Cluster {
         Some((have, total))
     }
 
+    /// The up nodes that hold `pack`: where a node can fetch it from.
+    pub fn holders(&self, pack: &PackKey) -> Vec<&NodeName> {
+        let Some(&n) = self.packs.number.get(pack) else {
+            return Vec::new();
+        };
+        self.nodes
+            .iter()
+            .filter(|v| v.is_up() && v.present.contains(n))
+            .map(|v| &v.name)
+            .collect()
+    }
+
     /// Bytes of packs the node has cached, as far as the view knows.
     pub fn cached_bytes(&self, node: &NodeName) -> Option<u64> {
         let v = self.node(node)?;
@@ -404,6 +416,11 @@ mod tests {
         assert_eq!(c.presence(&a, &df2k), Some((200, 250)));
         assert_eq!(c.presence(&b, &df2k), Some((0, 250)));
         assert_eq!(c.cached_bytes(&a), Some(200));
+        assert_eq!(c.holders(&p(1)), vec![&a]);
+        assert!(c.holders(&p(9)).is_empty(), "a pack nobody reported");
+        c.node_mut(&a).unwrap().health = Health::Down { since: 0 };
+        assert!(c.holders(&p(1)).is_empty(), "a down node offers nothing");
+        c.node_mut(&a).unwrap().health = Health::Up;
         assert!(c.set_cached(&a, p(2), 100, false));
         assert_eq!(c.presence(&a, &df2k), Some((100, 250)));
         assert!(!c.set_cached(&name("zz"), p(2), 100, true), "unknown node");

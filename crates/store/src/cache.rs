@@ -74,11 +74,79 @@ pub struct CacheStatus {
 /// (packs checked, chunks checked, corrupt packs with the reason).
 pub type CacheVerify = (u64, u64, Vec<(PackId, String)>);
 
+/// What happened to one pack fetched through [`PackPeers`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// Verified and cached, from `peer`.
+    FromPeer {
+        /// The peer.
+        peer: String,
+        /// Its bytes.
+        bytes: u64,
+    },
+    /// Fetched from the object store (no peer had it, or none gave it).
+    FromStore {
+        /// Its bytes.
+        bytes: u64,
+    },
+    /// `peer` sent bytes that do not match the pack's id or its chunks'
+    /// ids: refused, never cached.
+    Corrupt {
+        /// The peer.
+        peer: String,
+        /// The pack.
+        pack: PackId,
+        /// What was wrong.
+        why: String,
+    },
+    /// `peer` did not deliver it (gone, timed out, no longer has it).
+    Failed {
+        /// The peer.
+        peer: String,
+        /// The pack.
+        pack: PackId,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Other nodes a cache can fetch packs from before the object store (labd
+/// in a cluster implements it over its peers' pack routes). Every pack a
+/// peer sends is checked against its id and every chunk's before it is
+/// cached; a peer that fails or lies costs a try elsewhere.
+pub trait PackPeers: Send + Sync {
+    /// Learns which peers hold which of `packs` (one question for all,
+    /// before they are fetched).
+    fn locate<'a>(&'a self, packs: &'a [PackId]) -> futures::future::BoxFuture<'a, ()>;
+    /// The peers holding `pack`, as located.
+    fn holders(&self, pack: &PackId) -> Vec<String>;
+    /// The pack's bytes from `peer`, unverified.
+    fn get<'a>(
+        &'a self,
+        peer: &'a str,
+        pack: &'a PackId,
+    ) -> futures::future::BoxFuture<'a, std::result::Result<Vec<u8>, String>>;
+    /// What happened, for the node's counters and log.
+    fn report(&self, event: PeerEvent);
+}
+
 /// A node's cache folder.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct NodeCache {
     root: PathBuf,
     max_bytes: u64,
+    /// Where packs are looked for before the object store.
+    peers: Option<Arc<dyn PackPeers>>,
+}
+
+impl std::fmt::Debug for NodeCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCache")
+            .field("root", &self.root)
+            .field("max_bytes", &self.max_bytes)
+            .field("peers", &self.peers.is_some())
+            .finish()
+    }
 }
 
 impl NodeCache {
@@ -89,7 +157,14 @@ impl NodeCache {
         Ok(NodeCache {
             root: root.to_path_buf(),
             max_bytes,
+            peers: None,
         })
+    }
+
+    /// The same cache, fetching from `peers` before the object store.
+    pub fn with_peers(mut self, peers: Arc<dyn PackPeers>) -> NodeCache {
+        self.peers = Some(peers);
+        self
     }
 
     /// The cache folder.
@@ -190,13 +265,28 @@ impl NodeCache {
             }
         }
         progress.phase("fetch", Some(total), Some(missing.len() as u64));
+        if let Some(peers) = &self.peers {
+            let ids: Vec<PackId> = missing.iter().map(|(p, _)| *p).collect();
+            if !ids.is_empty() {
+                peers.locate(&ids).await;
+            }
+        }
         // Futures collected before streaming them: a closure inside the
         // stream made the whole future non-`Send` for tokio::spawn
         // ("FnOnce is not general enough", rust-lang/rust#102211).
         let fetches: Vec<_> = missing
             .iter()
             .map(|(p, n)| async move {
-                let size = self.fetch_pack(repo, p).await?;
+                let size = match self.fetch_from_peers(p).await? {
+                    Some(size) => size,
+                    None => {
+                        let size = self.fetch_pack(repo, p).await?;
+                        if let Some(peers) = &self.peers {
+                            peers.report(PeerEvent::FromStore { bytes: size });
+                        }
+                        size
+                    }
+                };
                 progress.advance(*n, 1);
                 Ok::<_, Error>(size)
             })
@@ -221,6 +311,60 @@ impl NodeCache {
         } else {
             total
         }
+    }
+
+    /// Fetches a pack from the peers that hold it, each pack starting at a
+    /// different one (so a fetch spreads over them), each copy verified
+    /// whole before it is cached; `None` when no peer gave a good copy.
+    async fn fetch_from_peers(&self, id: &PackId) -> Result<Option<u64>> {
+        let Some(peers) = &self.peers else {
+            return Ok(None);
+        };
+        let holders = peers.holders(id);
+        if holders.is_empty() {
+            return Ok(None);
+        }
+        let first = id.as_bytes()[0] as usize % holders.len();
+        for k in 0..holders.len() {
+            let peer = &holders[(first + k) % holders.len()];
+            let bytes = match peers.get(peer, id).await {
+                Ok(b) => b,
+                Err(why) => {
+                    peers.report(PeerEvent::Failed {
+                        peer: peer.clone(),
+                        pack: *id,
+                        why,
+                    });
+                    continue;
+                }
+            };
+            let (pack, dest) = (*id, self.pack_path(id));
+            let checked = blocking(move || {
+                verify_pack_bytes(&bytes, &pack)?;
+                if let Some(dir) = dest.parent() {
+                    std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
+                }
+                write_atomic(&dest, &bytes)?;
+                Ok(bytes.len() as u64)
+            })
+            .await;
+            match checked {
+                Ok(size) => {
+                    peers.report(PeerEvent::FromPeer {
+                        peer: peer.clone(),
+                        bytes: size,
+                    });
+                    return Ok(Some(size));
+                }
+                Err(e @ Error::Corrupt { .. }) => peers.report(PeerEvent::Corrupt {
+                    peer: peer.clone(),
+                    pack: *id,
+                    why: e.to_string(),
+                }),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
     }
 
     /// Fetches one pack, replacing any cached copy; returns its size.

@@ -56,7 +56,7 @@ mod snapshot;
 mod verify;
 
 pub use at::remove_tree;
-pub use cache::{CacheStatus, CachedSnapshot, NodeCache};
+pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::ConditionalWrites;
 pub use error::{Error, Result};

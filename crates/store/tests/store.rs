@@ -1790,3 +1790,121 @@ async fn hard_links_never_reach_outside_the_destination() {
     let err = labsync_store::validate_entries(&mut hostile, "s").unwrap_err();
     assert!(matches!(err, Error::UnsafePath { .. }), "{err}");
 }
+
+/// Peers that hold every pack: `liar` answers with a flipped byte, `gone`
+/// fails, `good` has the real copy (read from the store's folder); whether
+/// `good` is offered at all is up to the test.
+struct ScriptedPeers {
+    store: PathBuf,
+    offer_good: bool,
+    events: std::sync::Mutex<Vec<labsync_store::PeerEvent>>,
+}
+
+impl labsync_store::PackPeers for ScriptedPeers {
+    fn locate<'a>(
+        &'a self,
+        _packs: &'a [labsync_store::PackId],
+    ) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+
+    fn holders(&self, _pack: &labsync_store::PackId) -> Vec<String> {
+        let mut h = vec!["liar".to_string(), "gone".to_string()];
+        if self.offer_good {
+            h.push("good".into());
+        }
+        h
+    }
+
+    fn get<'a>(
+        &'a self,
+        peer: &'a str,
+        pack: &'a labsync_store::PackId,
+    ) -> futures::future::BoxFuture<'a, Result<Vec<u8>, String>> {
+        Box::pin(async move {
+            let real = std::fs::read(self.store.join(labsync_store::pack_key(pack))).unwrap();
+            match peer {
+                "good" => Ok(real),
+                "liar" => {
+                    let mut b = real;
+                    let mid = b.len() / 2;
+                    b[mid] ^= 1;
+                    Ok(b)
+                }
+                _ => Err("connection refused".into()),
+            }
+        })
+    }
+
+    fn report(&self, event: labsync_store::PeerEvent) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+/// A cache with peers takes a pack from the first peer with a good copy,
+/// refuses a corrupt one and goes on past one that fails; with no good
+/// copy at any peer the pack comes from the store. The pull is right
+/// either way.
+#[tokio::test]
+async fn packs_come_from_peers_verified_and_from_the_store_when_no_peer_has_a_good_copy() {
+    use labsync_store::PeerEvent;
+    let dir = tempfile::tempdir().unwrap();
+    let remote = Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap();
+    let env = Env::new(remote).await;
+    let src = env.root.join("src");
+    write_tree(&src, 11);
+    push(&env.repo, &src, &opts("data", &env.cache), np())
+        .await
+        .unwrap();
+    for offer_good in [true, false] {
+        let peers = Arc::new(ScriptedPeers {
+            store: dir.path().to_path_buf(),
+            offer_good,
+            events: Default::default(),
+        });
+        let cache = NodeCache::open(&env.root.join(format!("peer-cache-{offer_good}")), 1 << 30)
+            .unwrap()
+            .with_peers(peers.clone());
+        let dest = env.root.join(format!("out-{offer_good}"));
+        let got = pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np())
+            .await
+            .unwrap();
+        assert_same_tree(&src, &dest);
+        let events = peers.events.lock().unwrap().clone();
+        let count = |f: &dyn Fn(&PeerEvent) -> bool| events.iter().filter(|e| f(e)).count() as u64;
+        let packs = got.packs_fetched;
+        assert!(packs > 0);
+        // With a good copy offered, every pack comes from it (after the
+        // liar and the failing peer, where the rotation starts there); with
+        // none, each pack is refused from the liar, fails at the other and
+        // comes from the store.
+        if offer_good {
+            assert_eq!(
+                count(&|e| matches!(e, PeerEvent::FromPeer { peer, .. } if peer == "good")),
+                packs,
+                "{events:?}"
+            );
+            assert_eq!(
+                count(&|e| matches!(e, PeerEvent::FromStore { .. })),
+                0,
+                "{events:?}"
+            );
+        } else {
+            assert_eq!(
+                count(&|e| matches!(e, PeerEvent::Corrupt { .. })),
+                packs,
+                "{events:?}"
+            );
+            assert_eq!(
+                count(&|e| matches!(e, PeerEvent::Failed { .. })),
+                packs,
+                "{events:?}"
+            );
+            assert_eq!(
+                count(&|e| matches!(e, PeerEvent::FromStore { .. })),
+                packs,
+                "{events:?}"
+            );
+        }
+    }
+}

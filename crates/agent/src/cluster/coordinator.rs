@@ -223,6 +223,35 @@ impl Coordinator {
         Ok(reply)
     }
 
+    /// The nodes that are up, with their addresses.
+    pub fn members_up(&self, now: Millis) -> Vec<(String, String)> {
+        self.tick(now);
+        let v = self.view.lock().expect("coordinator poisoned");
+        v.members
+            .iter()
+            .filter(|(n, _)| v.cluster.node(n).is_some_and(|x| x.is_up()))
+            .map(|(n, m)| (n.to_string(), m.addr.clone()))
+            .collect()
+    }
+
+    /// Who holds each of `packs`, among the up nodes other than `asker`.
+    pub fn locate(&self, asker: &str, packs: &[PackId]) -> crate::proto::Located {
+        let v = self.view.lock().expect("coordinator poisoned");
+        packs
+            .iter()
+            .map(|p| {
+                let holders = v
+                    .cluster
+                    .holders(&PackKey(*p.as_bytes()))
+                    .into_iter()
+                    .filter(|n| n.as_str() != asker)
+                    .filter_map(|n| Some((n.to_string(), v.members.get(n)?.addr.clone())))
+                    .collect();
+                (*p, holders)
+            })
+            .collect()
+    }
+
     /// Marks nodes unheard of for `down_after` down.
     pub fn tick(&self, now: Millis) {
         let mut v = self.view.lock().expect("coordinator poisoned");
@@ -273,6 +302,8 @@ impl Coordinator {
                     })
                     .collect();
                 NodeStatus {
+                    fetched: m.cache.fetched.clone(),
+                    warming: m.cache.warming.clone(),
                     name: name.to_string(),
                     addr: m.addr.clone(),
                     health,

@@ -8,15 +8,19 @@
 mod auth;
 mod coordinator;
 mod jobs;
+mod peers;
 mod queue;
 mod reporter;
+mod warm;
 
 use std::time::Duration;
 
 pub use auth::{AuthError, ClusterKey, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
 pub use coordinator::Coordinator;
+pub use peers::ClusterPeers;
 pub use queue::{ClusterJob, ClusterJobs, Placement};
 pub use reporter::Reporter;
+pub use warm::{WarmAnswer, WarmAsk, WarmOrder, Warming, Warms};
 
 use crate::client::Endpoint;
 

@@ -144,7 +144,11 @@ impl Reporter {
             seq: self.seq,
             gpus,
             jobs,
-            cache: self.current.summary.clone(),
+            cache: CacheSummary {
+                fetched: self.daemon.fetched(),
+                warming: self.daemon.warms().snapshot(),
+                ..self.current.summary.clone()
+            },
             inventory: self.delta(),
         };
         let reply = match &self.local {

@@ -22,7 +22,7 @@ use labsync_store::{NodeCache, Remote, Repo};
 
 use crate::api::ConnLimits;
 use crate::blocking::off_runtime;
-use crate::cluster::{ClusterConfig, Coordinator};
+use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
 use crate::gpu::GpuInventory;
 use crate::leases::JobState;
 use crate::node::{Node, NodeConfig, NodeError};
@@ -133,6 +133,10 @@ pub struct Daemon {
     inventory: String,
     /// The cluster view, on the coordinating node.
     coordinator: Option<Arc<Coordinator>>,
+    /// Where packs come from in a cluster.
+    peers: Option<Arc<ClusterPeers>>,
+    /// `labsync warm` orders under way here.
+    warms: Warms,
     _lock: File,
 }
 
@@ -156,6 +160,18 @@ impl Daemon {
         let repo = open_store(&cfg, &node).await?;
         let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
             .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
+        // In a cluster, packs come from peers that hold them first.
+        let peers = cfg.cluster.as_ref().map(|c| {
+            Arc::new(ClusterPeers::new(
+                &cfg.node_name,
+                c.key.clone(),
+                c.coordinator.clone(),
+            ))
+        });
+        let cache = match &peers {
+            Some(p) => cache.with_peers(p.clone()),
+            None => cache,
+        };
         let trees = Trees::new(&cache).map_err(|e| open_error("the shared trees", &e))?;
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
@@ -207,6 +223,8 @@ impl Daemon {
             tokens,
             inventory: inventory_name,
             coordinator,
+            peers,
+            warms: Warms::default(),
             _lock: lock,
             cfg,
         }))
@@ -295,6 +313,16 @@ impl Daemon {
     /// The node cache.
     pub(crate) fn cache(&self) -> &Arc<NodeCache> {
         &self.cache
+    }
+
+    /// The warms under way here.
+    pub(crate) fn warms(&self) -> &Warms {
+        &self.warms
+    }
+
+    /// Bytes fetched by source (in a cluster).
+    pub(crate) fn fetched(&self) -> crate::proto::FetchCounts {
+        self.peers.as_ref().map(|p| p.counts()).unwrap_or_default()
     }
 
     /// The cluster settings, when in one.

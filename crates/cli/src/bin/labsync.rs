@@ -180,6 +180,31 @@ enum Cmd {
     },
     /// Rebuild the index from the pack footers (after a lost or corrupt index)
     RebuildIndex,
+    /// Admins: fetch a version into cluster nodes' caches now and pin it there
+    #[command(
+        long_about = "Fetch a version into the caches of a cluster's nodes now, and pin it\n\
+        there, ahead of a deadline week: jobs on it then start without waiting for data, and\n\
+        the placer sends them to those nodes. Asks the cluster's coordinator (--labd or\n\
+        LABRUN_LABD, with an admin's LABRUN_TOKEN) and follows each node's progress.\n\n\
+        Examples:\n  labsync warm div2k --nodes gpu3,gpu4\n  labsync warm div2k@v3 --all\n  \
+        labsync warm div2k --unpin --nodes gpu3"
+    )]
+    Warm {
+        /// NAME or NAME@vN
+        name: String,
+        /// The nodes, comma-separated
+        #[arg(long, value_delimiter = ',', value_name = "NODES")]
+        nodes: Vec<String>,
+        /// Every node that is up
+        #[arg(long, conflicts_with = "nodes")]
+        all: bool,
+        /// Release the pin (the data may be evicted again)
+        #[arg(long)]
+        unpin: bool,
+        /// The coordinator: http://host:port
+        #[arg(long, env = "LABRUN_LABD", value_name = "ADDR")]
+        labd: Option<String>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -243,6 +268,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Gc { dry_run, grace } => commands::gc::gc(&ctx, dry_run, grace.as_deref()).await,
         Cmd::Forget { specs } => commands::forget::forget(&ctx, &specs).await,
         Cmd::RebuildIndex => commands::rebuild_index::rebuild_index(&ctx).await,
+        Cmd::Warm {
+            name,
+            nodes,
+            all,
+            unpin,
+            labd,
+        } => {
+            let a = commands::warm::WarmArgs {
+                name,
+                nodes,
+                all,
+                unpin,
+                labd,
+            };
+            commands::warm::warm(&ctx.settings, &ctx.printer, a).await
+        }
         Cmd::Cache { cmd } => match cmd {
             CacheCmd::Status => commands::cache::status(&ctx).await,
             CacheCmd::Pin { name } => commands::cache::pin(&ctx, &name).await,

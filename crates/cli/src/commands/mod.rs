@@ -26,6 +26,7 @@ pub mod pull;
 pub mod push;
 pub mod rebuild_index;
 pub mod verify;
+pub mod warm;
 
 // labrun
 mod job_words;
@@ -70,6 +71,13 @@ impl Printer {
     /// The progress bar, for library calls.
     pub fn progress(&self) -> Arc<dyn Progress> {
         self.bar.clone()
+    }
+
+    /// A line of progress for humans, on stderr (nothing with JSON or quiet).
+    pub fn info(&self, line: &str) {
+        if !self.json && !self.quiet {
+            eprintln!("{line}");
+        }
     }
 
     /// Prints the human text (unless empty or quiet), or the JSON document.
@@ -129,6 +137,11 @@ fn threads(n: Option<usize>) -> usize {
 }
 
 /// labd's refusals as errors; the client's messages already say what to do.
+/// A labd client's error, for a command's result.
+pub(crate) fn explain_client(e: labsync_agent::ClientError) -> anyhow::Error {
+    anyhow::Error::new(e)
+}
+
 fn explain(e: labsync_agent::ClientError) -> anyhow::Error {
     anyhow::Error::new(e)
 }

@@ -79,6 +79,24 @@ fn print_node(n: &NodeStatus, now: u64) {
     }
     print_gpus(&n.gpus, &n.jobs);
     print_counts(&n.jobs);
+    let f = &n.fetched;
+    if f.from_peers + f.from_store > 0 || f.corrupt_from_peers + f.failed_from_peers > 0 {
+        let mut line = format!(
+            "  fetched since labd started: {} from peers, {} from the store",
+            gib(f.from_peers),
+            gib(f.from_store)
+        );
+        if f.corrupt_from_peers > 0 {
+            line += &format!(
+                "; {} corrupt copies from peers refused",
+                f.corrupt_from_peers
+            );
+        }
+        if f.failed_from_peers > 0 {
+            line += &format!("; {} tries at peers failed", f.failed_from_peers);
+        }
+        println!("{line}");
+    }
     if !n.data.is_empty() {
         let data: Vec<String> = n
             .data

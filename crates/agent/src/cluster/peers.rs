@@ -1,0 +1,128 @@
+//! A node's peers as a source of packs ([`labsync_store::PackPeers`]): the
+//! coordinator says who holds what, the packs come from those nodes over
+//! their signed pack route, and the store checks every copy before it is
+//! cached. What came from where is counted for `labrun status`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use labsync_store::{PackId, PackPeers, PeerEvent};
+
+use crate::client::{Client, Endpoint};
+use crate::cluster::ClusterKey;
+use crate::proto::FetchCounts;
+
+/// What the store's trait returns (`futures::future::BoxFuture`).
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// How long one pack may take from a peer (packs are at most 64 MiB).
+const PACK_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the coordinator may take to say who holds what.
+const LOCATE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// This node's peers.
+pub struct ClusterPeers {
+    me: String,
+    key: ClusterKey,
+    coordinator: Endpoint,
+    /// Pack → (node, address) of the peers holding it, as last located.
+    located: Mutex<HashMap<PackId, Vec<(String, String)>>>,
+    counts: Mutex<FetchCounts>,
+}
+
+impl ClusterPeers {
+    /// The peers of node `me`, located through `coordinator`.
+    pub fn new(me: &str, key: ClusterKey, coordinator: Endpoint) -> ClusterPeers {
+        ClusterPeers {
+            me: me.to_string(),
+            key,
+            coordinator,
+            located: Mutex::new(HashMap::new()),
+            counts: Mutex::new(FetchCounts::default()),
+        }
+    }
+
+    /// Bytes fetched by source so far.
+    pub fn counts(&self) -> FetchCounts {
+        self.counts.lock().expect("peers poisoned").clone()
+    }
+
+    fn client(&self, ep: Endpoint) -> Client {
+        Client::for_cluster(ep, self.key.clone(), &self.me)
+    }
+}
+
+impl PackPeers for ClusterPeers {
+    fn locate<'a>(&'a self, packs: &'a [PackId]) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let asked = self.client(self.coordinator.clone());
+            match tokio::time::timeout(LOCATE_TIMEOUT, asked.locate(packs)).await {
+                Ok(Ok(found)) => {
+                    let mut l = self.located.lock().expect("peers poisoned");
+                    for (p, holders) in found {
+                        l.insert(p, holders);
+                    }
+                }
+                // The store has every pack: a coordinator that does not
+                // answer costs speed, not the job.
+                Ok(Err(e)) => tracing::warn!("cannot locate packs at peers: {e}; using the store"),
+                Err(_) => tracing::warn!(
+                    "the coordinator did not say where packs are within {LOCATE_TIMEOUT:?}; using the store"
+                ),
+            }
+        })
+    }
+
+    fn holders(&self, pack: &PackId) -> Vec<String> {
+        let l = self.located.lock().expect("peers poisoned");
+        l.get(pack)
+            .map(|h| h.iter().map(|(n, _)| n.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    fn get<'a>(
+        &'a self,
+        peer: &'a str,
+        pack: &'a PackId,
+    ) -> BoxFuture<'a, Result<Vec<u8>, String>> {
+        Box::pin(async move {
+            let addr = {
+                let l = self.located.lock().expect("peers poisoned");
+                l.get(pack)
+                    .and_then(|h| h.iter().find(|(n, _)| n == peer))
+                    .map(|(_, a)| a.clone())
+            };
+            let ep: Endpoint = addr
+                .ok_or_else(|| format!("{peer} was not located"))?
+                .parse()?;
+            match tokio::time::timeout(PACK_TIMEOUT, self.client(ep).pack(pack)).await {
+                Ok(Ok(b)) => Ok(b.to_vec()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("no whole answer within {PACK_TIMEOUT:?}")),
+            }
+        })
+    }
+
+    fn report(&self, event: PeerEvent) {
+        let mut c = self.counts.lock().expect("peers poisoned");
+        match event {
+            PeerEvent::FromPeer { bytes, .. } => c.from_peers += bytes,
+            PeerEvent::FromStore { bytes } => c.from_store += bytes,
+            PeerEvent::Corrupt { peer, pack, why } => {
+                c.corrupt_from_peers += 1;
+                tracing::warn!(
+                    "refused pack {} from {peer}: {why}; fetching it elsewhere",
+                    pack.short()
+                );
+            }
+            PeerEvent::Failed { peer, pack, why } => {
+                c.failed_from_peers += 1;
+                tracing::warn!(
+                    "pack {} from {peer} failed: {why}; fetching it elsewhere",
+                    pack.short()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! `labsync warm`: an admin has named nodes fetch a dataset's packs into
+//! their caches now and pin them there (ahead of a deadline week), with
+//! each node's progress in its heartbeats; or unpin them again.
+
+use std::sync::{Arc, Mutex};
+
+use labsync_store::{Progress, RefSpec, SnapshotId};
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::{now_ms, Coordinator};
+use crate::daemon::{Caller, Daemon};
+use crate::error::ApiError;
+
+/// What an admin asks of the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmAsk {
+    /// `NAME` or `NAME@vN`.
+    pub name: String,
+    /// The nodes; empty: every node that is up.
+    pub nodes: Vec<String>,
+    /// Release the pin instead.
+    pub unpin: bool,
+}
+
+/// What the coordinator sends each node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmOrder {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot (the node checks the label still names it).
+    pub snapshot: SnapshotId,
+    /// Release the pin instead.
+    pub unpin: bool,
+}
+
+/// The coordinator's answer: which version, sent to which nodes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmAnswer {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot.
+    pub snapshot: SnapshotId,
+    /// The nodes that took the order.
+    pub nodes: Vec<String>,
+}
+
+/// A warm under way on a node, as its heartbeat shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Warming {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot.
+    pub snapshot: Option<SnapshotId>,
+    /// Bytes fetched so far.
+    pub done_bytes: u64,
+    /// Bytes to fetch (known once the missing packs are counted).
+    pub total_bytes: Option<u64>,
+    /// Why it failed, when it did (shown until the next warm of it).
+    pub error: Option<String>,
+}
+
+/// Counts a warm's fetch into its [`Warming`] entry.
+struct Meter(Arc<Mutex<Warming>>);
+
+impl Progress for Meter {
+    fn phase(&self, name: &str, total_bytes: Option<u64>, _: Option<u64>) {
+        if name == "fetch" {
+            let mut w = self.0.lock().expect("warm poisoned");
+            w.total_bytes = total_bytes;
+            w.done_bytes = 0;
+        }
+    }
+
+    fn advance(&self, bytes: u64, _: u64) {
+        self.0.lock().expect("warm poisoned").done_bytes += bytes;
+    }
+
+    fn warn(&self, message: &str) {
+        tracing::warn!("warm: {message}");
+    }
+}
+
+/// The warms of one node.
+#[derive(Default)]
+pub struct Warms {
+    list: Mutex<Vec<Arc<Mutex<Warming>>>>,
+}
+
+impl Warms {
+    /// What heartbeats carry.
+    pub fn snapshot(&self) -> Vec<Warming> {
+        self.list
+            .lock()
+            .expect("warm poisoned")
+            .iter()
+            .map(|w| w.lock().expect("warm poisoned").clone())
+            .collect()
+    }
+}
+
+impl Daemon {
+    /// Starts fetching and pinning `o` on this node (or unpins it); the
+    /// fetch goes on in the background, its progress in the heartbeats.
+    pub async fn warm(self: &Arc<Self>, o: WarmOrder) -> Result<(), ApiError> {
+        let spec: RefSpec = o
+            .label
+            .parse()
+            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", o.label)))?;
+        let cache = self.cache().clone();
+        if o.unpin {
+            let snapshot = o.snapshot;
+            return crate::blocking::off_runtime(move || cache.set_pinned(snapshot, false))
+                .await
+                .map_err(|e| ApiError::Conflict(e.to_string()));
+        }
+        let entry = Arc::new(Mutex::new(Warming {
+            label: o.label.clone(),
+            snapshot: Some(o.snapshot),
+            ..Default::default()
+        }));
+        {
+            let mut list = self.warms().list.lock().expect("warm poisoned");
+            list.retain(|w| w.lock().expect("warm poisoned").label != o.label);
+            list.push(entry.clone());
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let meter: Arc<dyn Progress> = Arc::new(Meter(entry.clone()));
+            let done = labsync_store::warm(me.repo(), &cache, &spec, meter).await;
+            let result = match done {
+                Ok((rec, _, _)) if rec.snapshot != o.snapshot => Err(format!(
+                    "{} is now {}, not the {} asked for",
+                    o.label,
+                    rec.snapshot.short(),
+                    o.snapshot.short()
+                )),
+                Ok((rec, packs, bytes)) => {
+                    let c = cache.clone();
+                    crate::blocking::off_runtime(move || c.set_pinned(rec.snapshot, true))
+                        .await
+                        .map(|()| {
+                            tracing::info!(
+                                "warmed and pinned {}: {packs} packs, {bytes} bytes fetched",
+                                o.label
+                            )
+                        })
+                        .map_err(|e| e.to_string())
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            let mut list = me.warms().list.lock().expect("warm poisoned");
+            match result {
+                Ok(()) => list.retain(|w| !Arc::ptr_eq(w, &entry)),
+                Err(e) => {
+                    tracing::warn!("warm of {} failed: {e}", o.label);
+                    entry.lock().expect("warm poisoned").error = Some(e);
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Coordinator {
+    /// Sends an admin's warm (or unpin) to the nodes named, or to every
+    /// node that is up.
+    pub async fn warm(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        ask: WarmAsk,
+    ) -> Result<WarmAnswer, ApiError> {
+        if !caller.admin {
+            return Err(ApiError::Forbidden(format!(
+                "warming node caches pins data there: admins only ({} is not one)",
+                caller.user
+            )));
+        }
+        let spec: RefSpec = ask
+            .name
+            .parse()
+            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", ask.name)))?;
+        let rec = d
+            .repo()
+            .resolve(&spec)
+            .await
+            .map_err(|e| ApiError::NotFound(e.to_string()))?;
+        let members = self.members_up(now_ms() as u64);
+        let nodes: Vec<(String, String)> = if ask.nodes.is_empty() {
+            members
+        } else {
+            ask.nodes
+                .iter()
+                .map(|n| {
+                    members
+                        .iter()
+                        .find(|(m, _)| m == n)
+                        .cloned()
+                        .ok_or_else(|| {
+                            ApiError::NotFound(format!("no node {n} is up in the cluster"))
+                        })
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let order = WarmOrder {
+            label: rec.label(),
+            snapshot: rec.snapshot,
+            unpin: ask.unpin,
+        };
+        let mut sent = Vec::new();
+        for (name, addr) in nodes {
+            if name == d.node_name() {
+                d.warm(order.clone()).await?;
+            } else {
+                let ep = addr.parse().map_err(ApiError::Internal)?;
+                let key = d
+                    .cluster()
+                    .map(|c| c.key.clone())
+                    .ok_or_else(|| ApiError::Internal("a coordinator without a cluster".into()))?;
+                crate::client::Client::for_cluster(ep, key, d.node_name())
+                    .warm(&order)
+                    .await
+                    .map_err(|e| ApiError::Conflict(format!("{name}: {e}")))?;
+            }
+            sent.push(name);
+        }
+        tracing::info!(
+            "{} {} on {} for {}",
+            if ask.unpin { "unpinning" } else { "warming" },
+            order.label,
+            sent.join(", "),
+            caller.user
+        );
+        Ok(WarmAnswer {
+            label: order.label,
+            snapshot: order.snapshot,
+            nodes: sent,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_meter_counts_the_fetch_phase() {
+        let w = Arc::new(Mutex::new(Warming::default()));
+        let m = Meter(w.clone());
+        m.phase("fetch", Some(100), Some(2));
+        m.advance(30, 1);
+        m.advance(20, 1);
+        let got = w.lock().unwrap().clone();
+        assert_eq!((got.done_bytes, got.total_bytes), (50, Some(100)));
+    }
+}
