@@ -4,7 +4,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use labsync_agent::proto::JobView;
 use labsync_agent::{session_members, JobState};
@@ -26,16 +26,7 @@ pub(crate) struct Node {
     env: Vec<(String, String)>,
 }
 
-pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
+pub(crate) use crate::common::wait_until;
 
 impl Node {
     /// `gpus` like "2x11GiB"; `extra` appended to labd's config.

@@ -3,12 +3,20 @@
 //! 127.0.0.1.
 //!
 //! The binaries are the ones `cargo test --workspace` builds for
-//! labsync-cli beside this test (`target/<profile>/`); see [`bin`].
+//! labsync-cli beside this test (`target/<profile>/`); see [`bin`]. The
+//! cluster's tests are a binary of their own (`tests/cluster/`): cargo runs
+//! test binaries one after the other, so their nine labd processes and
+//! hundreds of jobs never compete with the timing- and memory-sensitive
+//! tests here.
+
+pub(crate) use common::bin;
 
 #[path = "../../crates/store/tests/support/mod.rs"]
 mod support;
 
-mod cluster;
+#[path = "../common/mod.rs"]
+mod common;
+
 mod labrun;
 mod lying;
 mod matrix;
@@ -22,26 +30,6 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use support::{assert_same_tree, write_tree, S3Server};
-
-/// One of labsync-cli's binaries, from the folder cargo put this test in
-/// (`target/<profile>/deps/e2e-*` → `target/<profile>/NAME`).
-/// `cargo test --workspace` builds them before any test runs; a test run
-/// of this package alone does not, and says so here.
-pub(crate) fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps");
-    let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: run the tests with `scripts/test.sh` or `cargo test --workspace` \
-         (which build labsync-cli's binaries), or `cargo build -p labsync-cli --bins` first",
-        path.display()
-    );
-    path
-}
 
 struct Lab {
     dir: tempfile::TempDir,
@@ -88,7 +76,8 @@ impl Lab {
         let o = self.run(args);
         assert!(
             o.status.success(),
-            "labsync {args:?} failed: {}",
+            "labsync {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
         );
         String::from_utf8(o.stdout).unwrap()

@@ -1,6 +1,16 @@
 //! The cluster end to end: three real labd processes on 127.0.0.1, each
 //! with its own state, cache and fake GPUs, one real S3-compatible server
 //! as their store. `gpu0` coordinates and runs GPUs too.
+//!
+//! A test binary of its own, apart from `tests/e2e`: cargo runs test
+//! binaries one after the other, so these clusters never compete for the
+//! CPU with the timing- and memory-sensitive tests there.
+
+#[path = "../../crates/store/tests/support/mod.rs"]
+mod support;
+
+#[path = "../common/mod.rs"]
+mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -11,11 +21,12 @@ use labsync_agent::proto::{ClusterStatus, Heartbeat, JobView, NodeHealth, NodeSt
 use labsync_agent::{Client, ClientError, Endpoint, JobState, Secret};
 use labsync_store::PackId;
 
-use super::labrun::{wait_until, ALICE};
-use super::support::{free_port, write_tree, S3Server};
+use common::{bin, wait_until};
+use support::{free_port, write_tree, S3Server};
 
 const SECRET: &str = "cluster-secret-0123456789abcdef0123456789";
 const ADMIN: &str = "tok-cluster-admin-0123456789";
+const ALICE: &str = "tok-cluster-alice-0123456789";
 
 /// One labd of the cluster.
 struct Member {
@@ -110,7 +121,7 @@ impl Lab {
             .append(true)
             .open(d.join("labd.log"))
             .unwrap();
-        let child = Command::new(crate::bin("labd"))
+        let child = Command::new(bin("labd"))
             .arg("--config")
             .arg(&self.nodes[i].config)
             .env("HOME", d.join("home"))
@@ -155,7 +166,7 @@ impl Lab {
     fn labrun_cmd(&self, args: &[&str]) -> Command {
         let code = self.dir.path().join("code");
         std::fs::create_dir_all(&code).unwrap();
-        let mut c = Command::new(crate::bin("labrun"));
+        let mut c = Command::new(bin("labrun"));
         c.args(args)
             .current_dir(&code)
             .env("HOME", self.home(0))
@@ -221,7 +232,7 @@ impl Lab {
     /// `labsync ARGS` against the store, with node `i`'s cache as its own
     /// (the way a pull on that node fills it).
     fn labsync(&self, i: usize, args: &[&str]) -> String {
-        let o = Command::new(crate::bin("labsync"))
+        let o = Command::new(bin("labsync"))
             .args(args)
             .env("HOME", self.home(i))
             .env("LABSYNC_STORE", &self.store)
@@ -252,7 +263,7 @@ impl Lab {
 
     /// `labsync ARGS` against the coordinator with `token` (warm).
     fn labsync_as(&self, token: &str, args: &[&str]) -> Output {
-        Command::new(crate::bin("labsync"))
+        Command::new(bin("labsync"))
             .args(args)
             .env("HOME", self.home(0))
             .env("LABSYNC_STORE", &self.store)
