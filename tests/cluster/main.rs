@@ -865,6 +865,10 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
         "from the store only the code: {f:?}"
     );
     assert_eq!(f.corrupt_from_peers, 0, "{f:?}");
+    assert!(
+        f.peer_rate.is_some_and(|r| r > 0),
+        "a measured peer rate: {f:?}"
+    );
 
     // 5: every pack of div2k corrupted on both holders (gpu0 and gpu1); the
     // job goes to gpu2, refuses each copy and fetches from the store.

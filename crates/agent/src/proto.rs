@@ -211,6 +211,38 @@ pub struct FetchCounts {
     pub corrupt_from_peers: u64,
     /// Tries at a peer that failed (gone, timed out).
     pub failed_from_peers: u64,
+    /// Measured rate of fetches from peers, bytes per second (an average
+    /// weighted to the latest), once a fetch of 4 MiB or more came from
+    /// them.
+    #[serde(default)]
+    pub peer_rate: Option<u64>,
+    /// The same for fetches from the store.
+    #[serde(default)]
+    pub store_rate: Option<u64>,
+}
+
+impl FetchCounts {
+    /// Takes in a fetch of `bytes` that took `secs`, mostly from peers or
+    /// mostly from the store (a mixed one says nothing of either).
+    pub fn measure(&mut self, from_peers: u64, from_store: u64, secs: f64) {
+        let total = from_peers + from_store;
+        // Smaller fetches measure latency, not rate.
+        if total < 4 << 20 || secs <= 0.0 {
+            return;
+        }
+        let rate = total as f64 / secs;
+        let slot = if from_peers * 10 >= total * 9 {
+            &mut self.peer_rate
+        } else if from_store * 10 >= total * 9 {
+            &mut self.store_rate
+        } else {
+            return;
+        };
+        *slot = Some(match *slot {
+            Some(old) => ((old as f64 + rate) / 2.0) as u64,
+            None => rate as u64,
+        });
+    }
 }
 
 /// Which nodes hold which packs: `(pack, [(node, address)])`.

@@ -75,7 +75,7 @@ pub struct CacheStatus {
 pub type CacheVerify = (u64, u64, Vec<(PackId, String)>);
 
 /// What happened to one pack fetched through [`PackPeers`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum PeerEvent {
     /// Verified and cached, from `peer`.
     FromPeer {
@@ -98,6 +98,16 @@ pub enum PeerEvent {
         pack: PackId,
         /// What was wrong.
         why: String,
+    },
+    /// A whole fetch is done: bytes from each source, and its wall time
+    /// (several packs at a time, so the rates a node can take in).
+    Fetched {
+        /// Bytes from peers.
+        from_peers: u64,
+        /// Bytes from the store.
+        from_store: u64,
+        /// Seconds it took.
+        secs: f64,
     },
     /// `peer` did not deliver it (gone, timed out, no longer has it).
     Failed {
@@ -277,26 +287,36 @@ impl NodeCache {
         let fetches: Vec<_> = missing
             .iter()
             .map(|(p, n)| async move {
-                let size = match self.fetch_from_peers(p).await? {
-                    Some(size) => size,
+                let (size, from_peer) = match self.fetch_from_peers(p).await? {
+                    Some(size) => (size, true),
                     None => {
                         let size = self.fetch_pack(repo, p).await?;
                         if let Some(peers) = &self.peers {
                             peers.report(PeerEvent::FromStore { bytes: size });
                         }
-                        size
+                        (size, false)
                     }
                 };
                 progress.advance(*n, 1);
-                Ok::<_, Error>(size)
+                Ok::<_, Error>((size, from_peer))
             })
             .collect();
+        let started = std::time::Instant::now();
         // What was read, not what the index claims (anyone may write an index).
-        let fetched: Vec<u64> = futures::stream::iter(fetches)
+        let fetched: Vec<(u64, bool)> = futures::stream::iter(fetches)
             .buffer_unordered(4)
             .try_collect()
             .await?;
-        Ok((missing.len() as u64, fetched.iter().sum()))
+        let from_peers: u64 = fetched.iter().filter(|f| f.1).map(|f| f.0).sum();
+        let total: u64 = fetched.iter().map(|f| f.0).sum();
+        if let Some(peers) = self.peers.as_ref().filter(|_| !fetched.is_empty()) {
+            peers.report(PeerEvent::Fetched {
+                from_peers,
+                from_store: total - from_peers,
+                secs: started.elapsed().as_secs_f64(),
+            });
+        }
+        Ok((missing.len() as u64, total))
     }
 
     /// Bytes fetching `total` bytes of packs takes in the cache: none when

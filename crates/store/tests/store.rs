@@ -1878,6 +1878,21 @@ async fn packs_come_from_peers_verified_and_from_the_store_when_no_peer_has_a_go
         // liar and the failing peer, where the rotation starts there); with
         // none, each pack is refused from the liar, fails at the other and
         // comes from the store.
+        // One account of the whole fetch, every byte from one source or the other.
+        let fetched: Vec<(u64, u64)> = events
+            .iter()
+            .filter_map(|e| match e {
+                PeerEvent::Fetched {
+                    from_peers,
+                    from_store,
+                    ..
+                } => Some((*from_peers, *from_store)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fetched.len(), 1, "{events:?}");
+        assert_eq!(fetched[0].0 + fetched[0].1, got.bytes_fetched);
+        assert_eq!(fetched[0].0 == 0, !offer_good);
         if offer_good {
             assert_eq!(
                 count(&|e| matches!(e, PeerEvent::FromPeer { peer, .. } if peer == "good")),

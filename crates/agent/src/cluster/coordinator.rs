@@ -9,7 +9,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use labsync_placer::{Cluster, Gpu, Health, Millis, NodeName, PackKey, Policy, Slot, SnapshotKey};
+use labsync_placer::{
+    Cluster, Gpu, Health, Millis, NodeName, PackKey, Policy, Rates, Slot, SnapshotKey,
+};
 use labsync_store::{PackId, SnapshotId};
 
 use crate::cluster::queue::ClusterJobs;
@@ -169,6 +171,12 @@ impl Coordinator {
         let node = cluster.node_entry(&name);
         node.health = Health::Up;
         node.gpus = hb.gpus.iter().map(slot).collect();
+        // What the node measured, else the defaults.
+        let (measured, default) = (&hb.cache.fetched, Rates::default());
+        node.rates = Rates {
+            peer: measured.peer_rate.map_or(default.peer, |r| r as f64),
+            store: measured.store_rate.map_or(default.store, |r| r as f64),
+        };
         // A promise is kept until the agent reports the GPU leased to
         // that job: a heartbeat sent before the dispatch arrived says free.
         if let Some(p) = promised.get_mut(&name) {
@@ -404,6 +412,33 @@ mod tests {
                 .unwrap()
                 .want_full
         );
+    }
+
+    #[test]
+    fn measured_rates_reach_the_placer_and_defaults_stand_in_until_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
+        let full = InventoryDelta {
+            full: true,
+            ..Default::default()
+        };
+        c.heartbeat("gpu2", hb("gpu2", "i", 1, full), 0).unwrap();
+        let name: NodeName = "gpu2".parse().unwrap();
+        let rates = |c: &Coordinator| c.view.lock().unwrap().cluster.node(&name).unwrap().rates;
+        assert_eq!(rates(&c), Rates::default());
+        let mut measured = hb(
+            "gpu2",
+            "i",
+            2,
+            InventoryDelta {
+                base: 1,
+                ..Default::default()
+            },
+        );
+        measured.cache.fetched.peer_rate = Some(300_000_000);
+        c.heartbeat("gpu2", measured, 1_000).unwrap();
+        let r = rates(&c);
+        assert_eq!((r.peer, r.store), (300e6, Rates::default().store));
     }
 
     #[test]

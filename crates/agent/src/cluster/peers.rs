@@ -109,6 +109,11 @@ impl PackPeers for ClusterPeers {
         match event {
             PeerEvent::FromPeer { bytes, .. } => c.from_peers += bytes,
             PeerEvent::FromStore { bytes } => c.from_store += bytes,
+            PeerEvent::Fetched {
+                from_peers,
+                from_store,
+                secs,
+            } => c.measure(from_peers, from_store, secs),
             PeerEvent::Corrupt { peer, pack, why } => {
                 c.corrupt_from_peers += 1;
                 tracing::warn!(
@@ -124,5 +129,73 @@ impl PackPeers for ClusterPeers {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetches_are_counted_by_source_and_rates_measured() {
+        let p = ClusterPeers::new(
+            "gpu2",
+            ClusterKey::new(&crate::Secret::new("s".repeat(40))).unwrap(),
+            "127.0.0.1:1".parse().unwrap(),
+        );
+        let pack = PackId::from_bytes([1; 32]);
+        p.report(PeerEvent::FromPeer {
+            peer: "gpu1".into(),
+            bytes: 30 << 20,
+        });
+        p.report(PeerEvent::FromStore { bytes: 1 << 20 });
+        p.report(PeerEvent::Corrupt {
+            peer: "gpu3".into(),
+            pack,
+            why: "bad".into(),
+        });
+        p.report(PeerEvent::Failed {
+            peer: "gpu4".into(),
+            pack,
+            why: "gone".into(),
+        });
+        // 31 MiB in 0.5 s, 97% from peers: a peer rate of 65 MB/s.
+        p.report(PeerEvent::Fetched {
+            from_peers: 30 << 20,
+            from_store: 1 << 20,
+            secs: 0.5,
+        });
+        let c = p.counts();
+        assert_eq!((c.from_peers, c.from_store), (30 << 20, 1 << 20));
+        assert_eq!((c.corrupt_from_peers, c.failed_from_peers), (1, 1));
+        assert_eq!(c.peer_rate, Some((31u64 << 20) * 2));
+        assert_eq!(c.store_rate, None);
+        // A second measure is averaged in; a small or mixed fetch is not.
+        p.report(PeerEvent::Fetched {
+            from_peers: 0,
+            from_store: 10 << 20,
+            secs: 1.0,
+        });
+        p.report(PeerEvent::Fetched {
+            from_peers: 0,
+            from_store: 1 << 20,
+            secs: 10.0,
+        });
+        p.report(PeerEvent::Fetched {
+            from_peers: 5 << 20,
+            from_store: 5 << 20,
+            secs: 10.0,
+        });
+        p.report(PeerEvent::Fetched {
+            from_peers: 31 << 20,
+            from_store: 0,
+            secs: 1.0,
+        });
+        let c = p.counts();
+        assert_eq!(c.store_rate, Some(10 << 20));
+        assert_eq!(
+            c.peer_rate,
+            Some((((31u64 << 20) * 2 + (31 << 20)) as f64 / 2.0) as u64)
+        );
     }
 }
