@@ -1,8 +1,12 @@
 //! labd under load: many users submitting at once through `labrun -d`.
 //!
 //! ```text
-//! labd-load [--bin DIR] [--jobs N] [--seconds S] [--clients C] [--users U] [--work DIR] [--out PATH]
+//! labd-load [--bin DIR] [--jobs N] [--seconds S] [--clients C] [--users U] [--nodes K] [--work DIR] [--out PATH]
 //! ```
+//!
+//! With `--nodes K` (K ≥ 2) it starts a cluster instead: K labd processes on
+//! 127.0.0.1 (the first coordinates), 4 fake GPUs each, and the clients
+//! submit to the coordinator, which places every job on a node.
 //!
 //! Starts one labd with 4 fake GPUs on a Unix socket, then `--clients`
 //! threads submit `--jobs` one-GPU jobs with `labrun -d`, paced evenly over
@@ -25,6 +29,7 @@ struct Args {
     seconds: f64,
     clients: usize,
     users: usize,
+    nodes: usize,
     work: PathBuf,
     out: PathBuf,
 }
@@ -36,6 +41,7 @@ fn parse_args() -> Args {
         seconds: 10.0,
         clients: 50,
         users: 10,
+        nodes: 1,
         work: std::env::temp_dir().join("labd-load"),
         out: PathBuf::from("bench/results/labd-load"),
     };
@@ -52,12 +58,13 @@ fn parse_args() -> Args {
             "--seconds" => a.seconds = val().parse().unwrap_or_else(|_| die("--seconds S")),
             "--clients" => a.clients = num(val()).max(1),
             "--users" => a.users = num(val()).max(1),
+            "--nodes" => a.nodes = num(val()).max(1),
             "--work" => a.work = val().into(),
             "--out" => a.out = val().into(),
             "-h" | "--help" => {
                 println!(
                     "labd-load [--bin DIR] [--jobs N] [--seconds S] [--clients C] [--users U] \
-                     [--work DIR] [--out PATH]"
+                     [--nodes K] [--work DIR] [--out PATH]"
                 );
                 std::process::exit(0);
             }
@@ -109,14 +116,17 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// Where the clients reach labd (the coordinator, in a cluster).
+fn address(w: &Path) -> String {
+    std::fs::read_to_string(w.join("address"))
+        .unwrap_or_else(|_| format!("unix://{}", w.join("labd.sock").display()))
+}
+
 fn labrun(bin: &Path, w: &Path, tok: &str) -> Command {
     let mut c = Command::new(bin.join("labrun"));
     c.current_dir(w.join("code"))
         .env("HOME", w.join("home"))
-        .env(
-            "LABRUN_LABD",
-            format!("unix://{}", w.join("labd.sock").display()),
-        )
+        .env("LABRUN_LABD", address(w))
         .env("LABRUN_TOKEN", tok)
         .env(
             "LABSYNC_STORE",
@@ -145,39 +155,97 @@ fn main() {
     std::fs::create_dir_all(w.join("code")).unwrap();
     std::fs::create_dir_all(w.join("home")).unwrap();
     let trace = w.join("trace");
-    let mut config = format!(
-        "listen = \"unix://{sock}\"\nstate_dir = \"{state}\"\nstore = \"file://{store}\"\n\
-         cache_dir = \"{cache}\"\nfake_gpus = \"4x11GiB\"\nrun_as = \"labd\"\n[tokens]\n",
-        sock = w.join("labd.sock").display(),
-        state = w.join("state").display(),
-        store = w.join("store").display(),
-        cache = w.join("cache").display(),
-    );
-    for u in 0..a.users {
-        config += &format!("user{u:02} = \"{}\"\n", token(u));
-    }
-    let cfg = w.join("labd.toml");
-    std::fs::write(&cfg, config).unwrap();
-    std::fs::set_permissions(&cfg, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let log = std::fs::File::create(w.join("labd.log")).unwrap();
-    let mut labd = Command::new(bin.join("labd"))
-        .arg("--config")
-        .arg(&cfg)
-        .env("HOME", w.join("home"))
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
+    // One labd, or a cluster of `nodes` on 127.0.0.1 (the first coordinates);
+    // `labd` is the one the clients talk to.
+    let ports: Vec<u16> = (0..a.nodes)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        })
+        .collect();
+    if a.nodes > 1 {
+        std::fs::write(w.join("address"), format!("http://127.0.0.1:{}", ports[0])).unwrap();
+        std::fs::write(
+            w.join("cluster.secret"),
+            "labd-load-cluster-secret-0123456789abcdef",
+        )
         .unwrap();
+        std::fs::set_permissions(
+            w.join("cluster.secret"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+    }
+    let mut daemons: Vec<std::process::Child> = (0..a.nodes)
+        .map(|i| {
+            let d = if a.nodes > 1 {
+                w.join(format!("gpu{i}"))
+            } else {
+                w.to_path_buf()
+            };
+            std::fs::create_dir_all(&d).unwrap();
+            let listen = if a.nodes > 1 {
+                format!("127.0.0.1:{}", ports[i])
+            } else {
+                format!("unix://{}", w.join("labd.sock").display())
+            };
+            let mut config = format!(
+                "listen = \"{listen}\"\nnode_name = \"gpu{i}\"\nstate_dir = \"{state}\"\n\
+                 store = \"file://{store}\"\ncache_dir = \"{cache}\"\nfake_gpus = \"4x11GiB\"\n\
+                 run_as = \"labd\"\n[tokens]\n",
+                state = d.join("state").display(),
+                store = w.join("store").display(),
+                cache = d.join("cache").display(),
+            );
+            for u in 0..a.users {
+                config += &format!("user{u:02} = \"{}\"\n", token(u));
+            }
+            if a.nodes > 1 {
+                config += &format!(
+                    "[cluster]\ncoordinator = \"http://127.0.0.1:{}\"\ncoordinate = {}\n\
+                     secret_file = \"{}\"\n",
+                    ports[0],
+                    i == 0,
+                    w.join("cluster.secret").display()
+                );
+            }
+            let cfg = d.join("labd.toml");
+            std::fs::write(&cfg, config).unwrap();
+            std::fs::set_permissions(&cfg, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .unwrap();
+            let log = std::fs::File::create(d.join("labd.log")).unwrap();
+            Command::new(bin.join("labd"))
+                .arg("--config")
+                .arg(&cfg)
+                .env("HOME", w.join("home"))
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
     let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(w.join("labd.sock")).is_err() {
+    let up = |i: usize| {
+        if a.nodes > 1 {
+            std::net::TcpStream::connect(("127.0.0.1", ports[i])).is_ok()
+        } else {
+            std::os::unix::net::UnixStream::connect(w.join("labd.sock")).is_ok()
+        }
+    };
+    while !(0..a.nodes).all(up) {
         if t.elapsed() > Duration::from_secs(30) {
             die("labd did not start (see labd.log)");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    let mut labd = daemons.remove(0);
+    // A GPU is a node's GPU: the trace names both.
     let script = format!(
-        "echo s $CUDA_VISIBLE_DEVICES $LABRUN_JOB_ID $(date +%s%N) >> {t}; sleep 0.05; \
-         echo e $CUDA_VISIBLE_DEVICES $LABRUN_JOB_ID $(date +%s%N) >> {t}",
+        "echo s $LABRUN_NODE:$CUDA_VISIBLE_DEVICES $LABRUN_JOB_ID $(date +%s%N) >> {t}; sleep 0.05; \
+         echo e $LABRUN_NODE:$CUDA_VISIBLE_DEVICES $LABRUN_JOB_ID $(date +%s%N) >> {t}",
         t = trace.display()
     );
     let submit_args = ["-d", "--gpus", "1", "--", "bash", "-c", script.as_str()];
@@ -192,7 +260,30 @@ fn main() {
             String::from_utf8_lossy(&warm.stderr)
         ));
     }
-    let admin = std::fs::read_to_string(w.join("state/token")).unwrap();
+    let state = if a.nodes > 1 {
+        w.join("gpu0/state")
+    } else {
+        w.join("state")
+    };
+    let admin = std::fs::read_to_string(state.join("token")).unwrap();
+    if a.nodes > 1 {
+        // Every node's heartbeat in before the clock starts.
+        let t = Instant::now();
+        loop {
+            let o = labrun(&bin, w, admin.trim())
+                .args(["status", "--json"])
+                .output()
+                .unwrap();
+            let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            if st["nodes"].as_array().is_some_and(|n| n.len() == a.nodes) {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                die("the cluster's nodes did not all report");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
     let list = |admin: &str| -> Vec<serde_json::Value> {
         let o = labrun(&bin, w, admin.trim())
             .args(["ps", "--all", "--json"])
@@ -286,7 +377,7 @@ fn main() {
         .collect();
     // From the trace: on each GPU, no job starts before the previous one ended.
     let text = std::fs::read_to_string(&trace).unwrap_or_default();
-    let mut events: Vec<(u32, u128, bool, String)> = text
+    let mut events: Vec<(String, u128, bool, String)> = text
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
@@ -294,22 +385,22 @@ fn main() {
                 return None;
             }
             Some((
-                f[1].parse().ok()?,
+                f[1].to_string(),
                 f[3].parse().ok()?,
                 f[0] == "s",
                 f[2].to_string(),
             ))
         })
         .collect();
-    events.sort_by_key(|e| (e.0, e.1, e.2));
+    events.sort_by(|x, y| (&x.0, x.1, x.2).cmp(&(&y.0, y.1, y.2)));
     let mut overlaps = 0;
-    let mut holder: std::collections::HashMap<u32, String> = Default::default();
+    let mut holder: std::collections::HashMap<String, String> = Default::default();
     for (gpu, _, is_start, job) in &events {
         if *is_start {
             if holder.contains_key(gpu) {
                 overlaps += 1;
             }
-            holder.insert(*gpu, job.clone());
+            holder.insert(gpu.clone(), job.clone());
         } else if holder.get(gpu) == Some(job) {
             holder.remove(gpu);
         }
@@ -345,9 +436,14 @@ fn main() {
     }
     let _ = labd.kill();
     let _ = labd.wait();
+    for mut d in daemons {
+        let _ = d.kill();
+        let _ = d.wait();
+    }
 
     let report = serde_json::json!({
         "jobs": a.jobs, "seconds": a.seconds, "clients": a.clients, "users": a.users,
+        "nodes": a.nodes,
         "accepted": accepted, "submit_wall_s": submit_wall,
         "latency_s": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "max": lat.last()},
         "jobs_ran": ran, "drain_s": drain.as_secs_f64(),
@@ -358,7 +454,7 @@ fn main() {
     });
     let md = format!(
         "# labd under load\n\n{} `labrun -d` submissions of one-GPU jobs, paced over {} s, from {} \
-         concurrent clients as {} users, against one labd with 4 fake GPUs \
+         concurrent clients as {} users, against {} \
          ({} CPUs; `bench/labd-load.sh`).\n\n\
          | what | measured |\n|---|---|\n\
          | accepted | {accepted} of {} |\n\
@@ -373,6 +469,15 @@ fn main() {
         a.seconds,
         a.clients,
         a.users,
+        if a.nodes > 1 {
+            format!(
+                "the coordinator of a cluster of {} labd processes on 127.0.0.1 with 4 fake GPUs \
+                 each (it places every job; labd figures below are the coordinator's)",
+                a.nodes
+            )
+        } else {
+            "one labd with 4 fake GPUs".to_string()
+        },
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         a.jobs,
         percentile(&lat, 0.5) * 1e3,

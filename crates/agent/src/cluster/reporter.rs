@@ -180,16 +180,20 @@ impl Reporter {
         Ok(())
     }
 
-    /// Beats every `heartbeat` until `shutdown`; says when the coordinator
+    /// Beats every `heartbeat`, and at once when a job ends, until
+    /// `shutdown`; says when the coordinator
     /// stops and starts answering, not at every beat.
     pub async fn run(mut self, shutdown: tokio::sync::watch::Receiver<bool>) {
         let mut shutdown = shutdown;
         let mut every = tokio::time::interval(self.cfg.heartbeat);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failing = false;
+        let daemon = self.daemon.clone();
         loop {
             tokio::select! {
                 _ = every.tick() => {}
+                // A job ended: its GPUs are free now, say so now.
+                _ = daemon.beat_now().notified() => {}
                 _ = shutdown.changed() => return,
             }
             match self.beat().await {

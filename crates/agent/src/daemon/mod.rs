@@ -137,6 +137,8 @@ pub struct Daemon {
     peers: Option<Arc<ClusterPeers>>,
     /// `labsync warm` orders under way here.
     warms: Warms,
+    /// Asks for a heartbeat now (a job ended: its GPUs are free).
+    beat_now: tokio::sync::Notify,
     _lock: File,
 }
 
@@ -225,6 +227,7 @@ impl Daemon {
             coordinator,
             peers,
             warms: Warms::default(),
+            beat_now: tokio::sync::Notify::new(),
             _lock: lock,
             cfg,
         }))
@@ -252,11 +255,18 @@ impl Daemon {
                 logs.wake(id, None);
             }
             logs.forget_unfollowed();
-            Ok::<_, NodeError>(active)
+            Ok::<_, NodeError>((active, !ended.is_empty()))
         })
         .await;
         let jobs = match jobs {
-            Ok(j) => j,
+            Ok((j, any_ended)) => {
+                // GPUs just freed: the coordinator hears at once, not at
+                // the next heartbeat.
+                if any_ended {
+                    self.beat_now.notify_one();
+                }
+                j
+            }
             Err(e) => {
                 tracing::error!("job state: {e}");
                 return;
@@ -313,6 +323,11 @@ impl Daemon {
     /// The node cache.
     pub(crate) fn cache(&self) -> &Arc<NodeCache> {
         &self.cache
+    }
+
+    /// Wakes the heartbeat early.
+    pub(crate) fn beat_now(&self) -> &tokio::sync::Notify {
+        &self.beat_now
     }
 
     /// The warms under way here.
