@@ -984,3 +984,63 @@ fn warm_fills_and_pins_the_named_node_and_the_next_job_lands_there() {
             .is_some_and(|d| !d.pinned)
     });
 }
+
+/// 3, with a job on the node: stopped (SIGSTOP of its labd) while its job
+/// runs, the node is down and its job is shown as running there, not
+/// failed; a job submitted meanwhile runs elsewhere; continued, the node
+/// is up, its job ends with its exit status, and its GPU is free again.
+#[test]
+fn a_stopped_node_keeps_its_job_and_jobs_elsewhere_run() {
+    let Some(lab) = Lab::start(3) else { return };
+    let all = |s: &ClusterStatus, node: &str, free: bool| {
+        Lab::node(s, node).is_some_and(|n| {
+            n.gpus
+                .iter()
+                .all(|g| (g.state == labsync_agent::GpuState::Free) == free)
+        })
+    };
+    // Only gpu2 free: the long job goes there.
+    lab.hold_gpus(0, true);
+    lab.hold_gpus(1, true);
+    lab.wait_for("gpu0 and gpu1 held", 20, |s| {
+        all(s, "gpu0", false) && all(s, "gpu1", false)
+    });
+    let long = lab
+        .ok(&["-d", "--gpus", "1", "--", "bash", "-c", "sleep 6; exit 7"])
+        .trim()
+        .to_string();
+    assert_eq!(lab.running(&long), "gpu2");
+    lab.hold_gpus(0, false);
+    lab.hold_gpus(1, false);
+
+    lab.signal(2, "STOP");
+    lab.wait_for("gpu2 down", 20, |s| {
+        matches!(
+            Lab::node(s, "gpu2").map(|n| &n.health),
+            Some(NodeHealth::Down { .. })
+        )
+    });
+    let j = lab.job(&long);
+    assert!(matches!(j.state, JobState::Running { .. }), "{j:?}");
+    assert!(
+        j.why
+            .as_deref()
+            .is_some_and(|w| w.contains("node gpu2 down since")),
+        "{j:?}"
+    );
+    let o = lab.labrun(&["--gpus", "1", "--", "bash", "-c", "echo node=$LABRUN_NODE"]);
+    assert!(o.status.success(), "{o:?}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("node=gpu0") || out.contains("node=gpu1"),
+        "{out}"
+    );
+
+    lab.signal(2, "CONT");
+    lab.wait_for("gpu2 up", 20, |s| {
+        Lab::node(s, "gpu2").is_some_and(|n| n.health == NodeHealth::Up)
+    });
+    wait_until("the long job to end", 30, || lab.job(&long).ended());
+    assert_eq!(lab.job(&long).exit_code(), Some(7));
+    lab.wait_for("gpu2's GPUs free again", 20, |s| all(s, "gpu2", true));
+}
