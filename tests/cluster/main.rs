@@ -869,6 +869,15 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
         f.peer_rate.is_some_and(|r| r > 0),
         "a measured peer rate: {f:?}"
     );
+    // Kept in gpu0's cache folder: `labsync cache status` there says it.
+    let kept: serde_json::Value =
+        serde_json::from_str(&lab.labsync(0, &["cache", "status", "--json"])).unwrap();
+    assert!(
+        kept["fetched"]["from_peers"].as_u64().unwrap() >= total,
+        "{kept}"
+    );
+    let text = lab.labsync(0, &["cache", "status"]);
+    assert!(text.contains("fetched by labd: "), "{text}");
 
     // 5: every pack of div2k corrupted on both holders (gpu0 and gpu1); the
     // job goes to gpu2, refuses each copy and fetches from the store.

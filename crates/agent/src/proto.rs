@@ -192,7 +192,8 @@ pub struct CacheSummary {
     pub max_bytes: u64,
     /// What is cached.
     pub trees: Vec<CachedTree>,
-    /// Where this labd's fetched packs came from since it started.
+    /// Where the packs fetched into this cache came from (kept across
+    /// restarts of labd).
     #[serde(default)]
     pub fetched: FetchCounts,
     /// Warms under way (or failed), with their progress.
@@ -200,7 +201,8 @@ pub struct CacheSummary {
     pub warming: Vec<crate::cluster::Warming>,
 }
 
-/// Bytes of packs a node fetched, by source, since its labd started.
+/// Bytes of packs a node fetched into its cache, by source (labd keeps
+/// them in the cache folder across its restarts).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FetchCounts {
     /// From peers, verified.
@@ -343,7 +345,7 @@ pub struct NodeStatus {
     pub cache_used: u64,
     /// The cap.
     pub cache_max: u64,
-    /// Where its fetched packs came from since its labd started.
+    /// Where the packs fetched into its cache came from.
     #[serde(default)]
     pub fetched: FetchCounts,
     /// Warms under way there (or failed).

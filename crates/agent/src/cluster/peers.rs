@@ -4,6 +4,7 @@
 //! cached. What came from where is counted for `labrun status`.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -21,6 +22,10 @@ const PACK_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the coordinator may take to say who holds what.
 const LOCATE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The file in the node cache's folder that keeps the counts, so they
+/// outlive labd and `labsync cache status` shows them.
+pub const COUNTS_FILE: &str = "fetched-v1.json";
+
 /// This node's peers.
 pub struct ClusterPeers {
     me: String,
@@ -29,17 +34,39 @@ pub struct ClusterPeers {
     /// Pack → (node, address) of the peers holding it, as last located.
     located: Mutex<HashMap<PackId, Vec<(String, String)>>>,
     counts: Mutex<FetchCounts>,
+    /// Where the counts are kept ([`COUNTS_FILE`] in the cache folder).
+    file: PathBuf,
 }
 
 impl ClusterPeers {
-    /// The peers of node `me`, located through `coordinator`.
-    pub fn new(me: &str, key: ClusterKey, coordinator: Endpoint) -> ClusterPeers {
+    /// The peers of node `me`, located through `coordinator`; the counts
+    /// go on from those kept in `cache_dir`.
+    pub fn new(me: &str, key: ClusterKey, coordinator: Endpoint, cache_dir: &Path) -> ClusterPeers {
+        let file = cache_dir.join(COUNTS_FILE);
+        let counts = std::fs::read(&file)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         ClusterPeers {
             me: me.to_string(),
             key,
             coordinator,
             located: Mutex::new(HashMap::new()),
-            counts: Mutex::new(FetchCounts::default()),
+            counts: Mutex::new(counts),
+            file,
+        }
+    }
+
+    /// Writes the counts (whole, then renamed into place).
+    fn keep(&self, c: &FetchCounts) {
+        let tmp = self.file.with_extension("json.tmp");
+        let written = std::fs::write(&tmp, serde_json::to_vec(c).expect("counts serialise"))
+            .and_then(|()| std::fs::rename(&tmp, &self.file));
+        if let Err(e) = written {
+            tracing::warn!(
+                "cannot keep the fetch counts in {}: {e}",
+                self.file.display()
+            );
         }
     }
 
@@ -113,7 +140,11 @@ impl PackPeers for ClusterPeers {
                 from_peers,
                 from_store,
                 secs,
-            } => c.measure(from_peers, from_store, secs),
+            } => {
+                c.measure(from_peers, from_store, secs);
+                // Once per fetch, not per pack.
+                self.keep(&c);
+            }
             PeerEvent::Corrupt { peer, pack, why } => {
                 c.corrupt_from_peers += 1;
                 tracing::warn!(
@@ -138,11 +169,9 @@ mod tests {
 
     #[test]
     fn fetches_are_counted_by_source_and_rates_measured() {
-        let p = ClusterPeers::new(
-            "gpu2",
-            ClusterKey::new(&crate::Secret::new("s".repeat(40))).unwrap(),
-            "127.0.0.1:1".parse().unwrap(),
-        );
+        let dir = tempfile::tempdir().unwrap();
+        let key = || ClusterKey::new(&crate::Secret::new("s".repeat(40))).unwrap();
+        let p = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
         let pack = PackId::from_bytes([1; 32]);
         p.report(PeerEvent::FromPeer {
             peer: "gpu1".into(),
@@ -192,6 +221,9 @@ mod tests {
             secs: 1.0,
         });
         let c = p.counts();
+        // Kept in the cache folder: a new labd goes on from them.
+        let again = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
+        assert_eq!(again.counts(), c);
         assert_eq!(c.store_rate, Some(10 << 20));
         assert_eq!(
             c.peer_rate,

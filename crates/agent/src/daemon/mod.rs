@@ -168,6 +168,7 @@ impl Daemon {
                 &cfg.node_name,
                 c.key.clone(),
                 c.coordinator.clone(),
+                &cfg.cache_dir,
             ))
         });
         let cache = match &peers {

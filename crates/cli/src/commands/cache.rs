@@ -3,18 +3,37 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
+use labsync_agent::proto::FetchCounts;
 use labsync_store::{self as store, CacheStatus};
 use serde_json::json;
 
 use super::StoreContext;
 use crate::{human_bytes, human_time, parse_size};
 
-/// Size, cap and the cached versions.
+/// Size, cap and the cached versions, and (where labd fills this cache in
+/// a cluster) where the fetched packs came from.
 pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
     let s = ctx.cache()?.status()?;
+    let fetched: Option<FetchCounts> =
+        std::fs::read(s.root.join(labsync_agent::cluster::COUNTS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
     ctx.printer.out(
-        || status_text(&s),
-        json!({"command": "cache status", "status": s}),
+        || {
+            let mut t = status_text(&s);
+            if let Some(f) = &fetched {
+                t += &format!(
+                    "\nfetched by labd: {} from peers, {} from the store; {} corrupt copies \
+                     from peers refused, {} tries at peers failed",
+                    human_bytes(f.from_peers),
+                    human_bytes(f.from_store),
+                    f.corrupt_from_peers,
+                    f.failed_from_peers
+                );
+            }
+            t
+        },
+        json!({"command": "cache status", "status": s, "fetched": fetched}),
     );
     Ok(ExitCode::SUCCESS)
 }

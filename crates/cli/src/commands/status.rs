@@ -82,7 +82,7 @@ fn print_node(n: &NodeStatus, now: u64) {
     let f = &n.fetched;
     if f.from_peers + f.from_store > 0 || f.corrupt_from_peers + f.failed_from_peers > 0 {
         let mut line = format!(
-            "  fetched since labd started: {} from peers, {} from the store",
+            "  fetched into its cache: {} from peers, {} from the store",
             gib(f.from_peers),
             gib(f.from_store)
         );
