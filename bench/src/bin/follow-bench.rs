@@ -1,0 +1,497 @@
+//! Data follows the job: how long from `labrun` to the job's first line
+//! when its dataset is cached on a peer but not on the node it runs on.
+//!
+//! ```text
+//! follow-bench [--bin DIR] [--files N] [--reps R] [--work DIR] [--out PATH]
+//! ```
+//!
+//! Writes the benchmark's `sr` data set (`--files` × ~2.5 MB, seeded,
+//! incompressible; 400 ≈ 1 GB), starts `s3s-fs` on 127.0.0.1 as the
+//! object store, pushes the data there, and starts a cluster of three labd
+//! processes on 127.0.0.1 with one fake GPU each: `gpu0` coordinates (its
+//! GPU held by a fake foreign process, so it runs nothing), `gpu1` has the
+//! data in its cache (its GPU held too), `gpu2` runs the job. Timed, each
+//! `--reps` times with gpu2's cache and trees emptied in between:
+//!
+//! - **peer**: `labrun --data sr --gpus 1 -- bash -c 'echo first'` from
+//!   spawn to its first line, the data coming from gpu1;
+//! - **store**: the same with gpu1 stopped (down), the data coming from the
+//!   object store;
+//! - **rsync**: `rsync -a --whole-file` of the same files from an rsync
+//!   daemon on 127.0.0.1 into an empty folder.
+//!
+//! Everything runs on one machine. Before each timed step (untimed) dirty
+//! pages are written back and, as root, the page cache is emptied, so each
+//! step reads its source from the disk; the report says which.
+//! Results: PATH (Markdown) and PATH with `.json`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use labsync_bench::datagen::{generate, DatasetKind};
+
+struct Args {
+    bin: PathBuf,
+    files: usize,
+    reps: usize,
+    work: PathBuf,
+    out: PathBuf,
+}
+
+fn die(msg: &str) -> ! {
+    eprintln!("follow-bench: {msg}");
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        bin: PathBuf::from("target/release"),
+        files: 400,
+        reps: 3,
+        work: std::env::temp_dir().join("follow-bench"),
+        out: PathBuf::from("bench/results/follow"),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || {
+            it.next()
+                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+        };
+        let num = |v: String| v.parse::<usize>().unwrap_or_else(|_| die(&format!("{v}?")));
+        match flag.as_str() {
+            "--bin" => a.bin = val().into(),
+            "--files" => a.files = num(val()).max(1),
+            "--reps" => a.reps = num(val()).max(1),
+            "--work" => a.work = val().into(),
+            "--out" => a.out = val().into(),
+            "-h" | "--help" => {
+                println!(
+                    "follow-bench [--bin DIR] [--files N] [--reps R] [--work DIR] [--out PATH]"
+                );
+                std::process::exit(0)
+            }
+            other => die(&format!("unknown option {other}; try --help")),
+        }
+    }
+    a
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_port(port: u16, what: &str) {
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if t.elapsed() > Duration::from_secs(30) {
+            die(&format!("{what} did not start"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+const KEY: &str = "follow-bench";
+const SECRET_KEY: &str = "follow-bench-secret";
+const TOKEN: &str = "tok-follow-bench-0123456789";
+
+struct Lab {
+    bin: PathBuf,
+    w: PathBuf,
+    s3_port: u16,
+    ports: Vec<u16>,
+    daemons: Vec<Option<Child>>,
+    s3: Child,
+}
+
+impl Lab {
+    fn env(&self, c: &mut Command) {
+        c.env("AWS_ACCESS_KEY_ID", KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", self.s3_port))
+            .env("LABSYNC_STORE", "s3://labsync/follow")
+            .env("HOME", self.w.join("home"));
+    }
+
+    fn node_dir(&self, i: usize) -> PathBuf {
+        self.w.join(format!("gpu{i}"))
+    }
+
+    fn start(&mut self, i: usize) {
+        let d = self.node_dir(i);
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(d.join("labd.log"))
+            .unwrap();
+        let mut c = Command::new(self.bin.join("labd"));
+        c.arg("--config")
+            .arg(d.join("labd.toml"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        self.env(&mut c);
+        self.daemons[i] = Some(c.spawn().unwrap());
+        wait_port(self.ports[i], "labd");
+    }
+
+    fn stop(&mut self, i: usize) {
+        if let Some(mut c) = self.daemons[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn labsync(&self, cache: &Path, args: &[&str]) {
+        let mut c = Command::new(self.bin.join("labsync"));
+        c.args(args)
+            .env("LABSYNC_CACHE", cache)
+            .stdin(Stdio::null());
+        self.env(&mut c);
+        let o = c.output().unwrap();
+        if !o.status.success() {
+            die(&format!(
+                "labsync {args:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
+    }
+
+    fn labrun(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(self.bin.join("labrun"));
+        c.args(args)
+            .current_dir(self.w.join("code"))
+            .env("LABRUN_LABD", format!("http://127.0.0.1:{}", self.ports[0]))
+            .env("LABRUN_TOKEN", TOKEN)
+            .env("LABSYNC_CACHE", self.w.join("client-cache"))
+            .stdin(Stdio::null());
+        self.env(&mut c);
+        c
+    }
+
+    /// Seconds from spawning `labrun` to the first line of the job.
+    fn first_line(&self) -> f64 {
+        use std::io::BufRead;
+        settle();
+        let t = Instant::now();
+        let mut child = self
+            .labrun(&[
+                "--quiet",
+                "--data",
+                "sr",
+                "--gpus",
+                "1",
+                "--",
+                "bash",
+                "-c",
+                "echo first",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        let status = child.wait().unwrap();
+        if line.trim() != "first" || !status.success() {
+            die(&format!(
+                "the job said {line:?} ({status}); see the labd logs in the work folder"
+            ));
+        }
+        secs
+    }
+
+    /// Empties gpu2's cache and materialised trees (labd stopped meanwhile).
+    fn empty_gpu2(&mut self) {
+        self.stop(2);
+        let _ = std::fs::remove_dir_all(self.node_dir(2).join("cache"));
+        self.start(2);
+    }
+
+    /// Waits until the coordinator's status says `f`.
+    fn wait_status(&self, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
+        let t = Instant::now();
+        loop {
+            let o = self.labrun(&["status", "--json"]).output().unwrap();
+            let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            if f(&st) {
+                return;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                die(&format!("timed out waiting for {what}"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for i in 0..self.daemons.len() {
+            self.stop(i);
+        }
+        let _ = self.s3.kill();
+        let _ = self.s3.wait();
+    }
+}
+
+fn node<'a>(st: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    st["nodes"].as_array()?.iter().find(|n| n["name"] == name)
+}
+
+/// Before a timed step (untimed): writes back every dirty page, so no step
+/// pays for the one before it, and empties the page cache where the
+/// machine allows (root), so every step reads its source from the disk as
+/// the first copy of a dataset on a real node does. None waits for its own
+/// writeback.
+fn settle() -> bool {
+    let _ = Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let a = parse_args();
+    let bin = a
+        .bin
+        .canonicalize()
+        .unwrap_or_else(|_| die("no --bin folder"));
+    let s3s = std::env::var_os("LABSYNC_S3S_FS")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/s3s-fs")))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| die("no s3s-fs (cargo install s3s-fs@0.14.1 --features binary)"));
+    let w = a.work.clone();
+    let _ = std::fs::remove_dir_all(&w);
+    for d in ["home", "code", "s3/labsync", "rsync-out"] {
+        std::fs::create_dir_all(w.join(d)).unwrap();
+    }
+    eprintln!("follow-bench: writing {} files of ~2.5 MB", a.files);
+    let data = generate(DatasetKind::Sr, a.files, &w.join("sr")).unwrap();
+
+    let s3_port = free_port();
+    let s3 = Command::new(&s3s)
+        .args(["--host", "127.0.0.1", "--port", &s3_port.to_string()])
+        .args(["--access-key", KEY, "--secret-key", SECRET_KEY])
+        .arg(w.join("s3"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_port(s3_port, "s3s-fs");
+    let secret = w.join("cluster.secret");
+    std::fs::write(&secret, "follow-bench-cluster-secret-0123456789abcdef").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    for (i, port) in ports.iter().enumerate() {
+        let d = w.join(format!("gpu{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("control.toml"), "").unwrap();
+        let cfg = format!(
+            "node_name = \"gpu{i}\"\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{state}\"\n\
+             store = \"s3://labsync/follow\"\ncache_dir = \"{cache}\"\nfake_gpus = \"1x11GiB\"\n\
+             fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\n[tokens]\nbench = \"{TOKEN}\"\n\
+             [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {co}\n\
+             secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1000\n",
+            state = d.join("state").display(),
+            cache = d.join("cache").display(),
+            control = d.join("control.toml").display(),
+            coord = ports[0],
+            co = i == 0,
+            secret = secret.display(),
+        );
+        std::fs::write(d.join("labd.toml"), cfg).unwrap();
+        std::fs::set_permissions(
+            d.join("labd.toml"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+    }
+    let mut lab = Lab {
+        bin,
+        w: w.clone(),
+        s3_port,
+        ports,
+        daemons: vec![None, None, None],
+        s3,
+    };
+    eprintln!("follow-bench: pushing the data to the store");
+    lab.labsync(
+        &w.join("client-cache"),
+        &["push", w.join("sr").to_str().unwrap(), "--name", "sr"],
+    );
+    for i in 0..3 {
+        lab.start(i);
+    }
+    // gpu0 and gpu1 run nothing: their GPUs held by a (fake) foreign process.
+    for i in [0, 1] {
+        std::fs::write(
+            lab.node_dir(i).join("control.toml"),
+            "foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]\n",
+        )
+        .unwrap();
+    }
+    // The code is pushed once, untimed; then gpu1 gets the data.
+    let o = lab
+        .labrun(&["--quiet", "--gpus", "0", "--", "true"])
+        .output()
+        .unwrap();
+    if !o.status.success() {
+        die(&format!(
+            "first job: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ));
+    }
+    lab.labsync(
+        &lab.node_dir(1).join("cache"),
+        &["pull", "sr", w.join("gpu1-copy").to_str().unwrap()],
+    );
+    let _ = std::fs::remove_dir_all(w.join("gpu1-copy"));
+    lab.wait_status("the data on gpu1, gpu0 and gpu1 busy", |st| {
+        let held =
+            |n: &str| node(st, n).is_some_and(|x| x["gpus"][0]["state"]["state"] == "foreign");
+        let cached = node(st, "gpu1").is_some_and(|x| {
+            x["data"].as_array().is_some_and(|d| {
+                d.iter()
+                    .any(|d| d["label"] == "sr@v1" && d["present_bytes"] == d["total_bytes"])
+            })
+        });
+        held("gpu0") && held("gpu1") && cached
+    });
+
+    let mut peer = Vec::new();
+    for r in 0..a.reps {
+        lab.empty_gpu2();
+        lab.wait_status("gpu2 up", |st| {
+            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
+        });
+        let s = lab.first_line();
+        eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
+        peer.push(s);
+    }
+    lab.stop(1);
+    lab.wait_status("gpu1 down", |st| {
+        node(st, "gpu1").is_some_and(|x| x["health"] == "down")
+    });
+    let mut store = Vec::new();
+    for r in 0..a.reps {
+        lab.empty_gpu2();
+        lab.wait_status("gpu2 up", |st| {
+            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
+        });
+        let s = lab.first_line();
+        eprintln!("follow-bench: from the store, run {}: {s:.2} s", r + 1);
+        store.push(s);
+    }
+
+    // rsync of the same files between two loopback endpoints.
+    let rport = free_port();
+    let conf = w.join("rsyncd.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "use chroot = no\n[sr]\npath = {}\nread only = yes\n",
+            w.join("sr").display()
+        ),
+    )
+    .unwrap();
+    let mut rsyncd = Command::new("rsync")
+        .args([
+            "--daemon",
+            "--no-detach",
+            "--port",
+            &rport.to_string(),
+            "--address",
+            "127.0.0.1",
+        ])
+        .arg(format!("--config={}", conf.display()))
+        .spawn()
+        .unwrap_or_else(|e| die(&format!("rsync: {e}")));
+    wait_port(rport, "the rsync daemon");
+    let mut rsync = Vec::new();
+    for r in 0..a.reps {
+        let dest = w.join("rsync-out");
+        let _ = std::fs::remove_dir_all(&dest);
+        settle();
+        let t = Instant::now();
+        let ok = Command::new("rsync")
+            .args([
+                "-a",
+                "--whole-file",
+                &format!("rsync://127.0.0.1:{rport}/sr/"),
+            ])
+            .arg(&dest)
+            .status()
+            .unwrap()
+            .success();
+        let s = t.elapsed().as_secs_f64();
+        if !ok {
+            die("rsync failed");
+        }
+        eprintln!("follow-bench: rsync, run {}: {s:.2} s", r + 1);
+        rsync.push(s);
+    }
+    let _ = rsyncd.kill();
+    let _ = rsyncd.wait();
+    drop(lab);
+
+    let cold = settle();
+    let (p, s, r) = (
+        median(peer.clone()),
+        median(store.clone()),
+        median(rsync.clone()),
+    );
+    let md = format!(
+        "# Data follows the job\n\n{} files, {:.2} GB (the sync benchmark's `sr` set), cached on \
+         a peer (gpu1) and not on the node the job runs on (gpu2); three labd processes, an \
+         s3s-fs object store and an rsync daemon, all on 127.0.0.1 of one {}-CPU machine; before \
+         each timed step dirty pages written back and {}. Median of {} runs (`follow-bench`).\n\n\
+         | what | seconds | runs |\n|---|---|---|\n\
+         | `labrun` → first line, data from the peer | {p:.2} | {:?} |\n\
+         | `labrun` → first line, data from the object store | {s:.2} | {:?} |\n\
+         | `rsync -a --whole-file` from an rsync daemon | {r:.2} | {:?} |\n\n\
+         From the peer against rsync: {:.2}× its time (target ≤ 1); against the store: \
+         {:.2}× faster (target ≥ 1.5). The labrun rows include pushing the (unchanged) code, \
+         placing, fetching, verifying and materialising the data, and starting the job.\n",
+        a.files,
+        data.bytes as f64 / 1e9,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        if cold {
+            "the page cache emptied (every source read from the disk)"
+        } else {
+            "the page cache NOT emptied (not root): the figures are warm"
+        },
+        a.reps,
+        peer,
+        store,
+        rsync,
+        p / r,
+        s / p,
+    );
+    print!("{md}");
+    let json = serde_json::json!({
+        "files": a.files, "bytes": data.bytes, "reps": a.reps, "page_cache_emptied": cold,
+        "peer_s": peer, "store_s": store, "rsync_s": rsync,
+        "median": {"peer": p, "store": s, "rsync": r},
+    });
+    if let Some(dir) = a.out.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(a.out.with_extension("md"), md).unwrap();
+    std::fs::write(
+        a.out.with_extension("json"),
+        serde_json::to_string_pretty(&json).unwrap(),
+    )
+    .unwrap();
+}
