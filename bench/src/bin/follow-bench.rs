@@ -30,6 +30,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use labsync_bench::datagen::{generate, DatasetKind};
+use labsync_bench::runner::drop_caches;
 
 struct Args {
     bin: PathBuf,
@@ -176,7 +177,7 @@ impl Lab {
     /// Seconds from spawning `labrun` to the first line of the job.
     fn first_line(&self) -> f64 {
         use std::io::BufRead;
-        settle();
+        drop_caches();
         let t = Instant::now();
         let mut child = self
             .labrun(&[
@@ -244,16 +245,6 @@ impl Drop for Lab {
 
 fn node<'a>(st: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
     st["nodes"].as_array()?.iter().find(|n| n["name"] == name)
-}
-
-/// Before a timed step (untimed): writes back every dirty page, so no step
-/// pays for the one before it, and empties the page cache where the
-/// machine allows (root), so every step reads its source from the disk as
-/// the first copy of a dataset on a real node does. None waits for its own
-/// writeback.
-fn settle() -> bool {
-    let _ = Command::new("sync").status();
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -423,7 +414,7 @@ fn main() {
     for r in 0..a.reps {
         let dest = w.join("rsync-out");
         let _ = std::fs::remove_dir_all(&dest);
-        settle();
+        drop_caches();
         let t = Instant::now();
         let ok = Command::new("rsync")
             .args([
@@ -446,7 +437,7 @@ fn main() {
     let _ = rsyncd.wait();
     drop(lab);
 
-    let cold = settle();
+    let cold = drop_caches();
     let (p, s, r) = (
         median(peer.clone()),
         median(store.clone()),

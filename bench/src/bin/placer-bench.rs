@@ -275,7 +275,7 @@ fn main() {
         args.snapshots,
         args.jobs,
         cpu_model(),
-        load_average(),
+        labsync_bench::machine::loadavg(),
         args.snapshots
     ));
     md.push_str("| nodes | GPUs | packs in view | packs per job | rank p50 µs | rank p99 µs | rank max µs | plan µs / job |\n");
@@ -319,10 +319,4 @@ fn cpu_model() -> String {
                 .map(|m| m.trim().to_string())
         })
         .unwrap_or_else(|| "an unknown CPU".into())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
 }
