@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -86,9 +86,9 @@ async fn jobs(
     let history = q.history || q.before.is_some();
     if let Some(co) = d.coordinator() {
         return Ok(Json(if history {
-            co.history(&d, q.before, q.limit.unwrap_or(100))?
+            co.history(q.before, q.limit.unwrap_or(100))?
         } else {
-            co.jobs_view(&d)?
+            co.jobs_view()?
         }));
     }
     if history {
@@ -211,35 +211,59 @@ fn member(
         })
 }
 
+/// A request from another node of the cluster without a body, its
+/// signature checked: the signing node.
+struct FromMember(String);
+
+impl axum::extract::FromRequestParts<Arc<Daemon>> for FromMember {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        d: &Arc<Daemon>,
+    ) -> Result<Self, ApiError> {
+        member(d, &parts.method, &parts.uri, &parts.headers, b"").map(FromMember)
+    }
+}
+
+/// A JSON body from another node of the cluster, bounded and parsed only
+/// once its signature is checked; `from` is the signing node.
+struct Signed<T> {
+    from: String,
+    body: T,
+}
+
+impl<T: serde::de::DeserializeOwned> axum::extract::FromRequest<Arc<Daemon>> for Signed<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::to_bytes(body, SIGNED_MAX)
+            .await
+            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", parts.uri.path())))?;
+        let from = member(d, &parts.method, &parts.uri, &parts.headers, &bytes)?;
+        let body = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::BadRequest(format!("{} from {from}: {e}", parts.uri.path())))?;
+        Ok(Signed { from, body })
+    }
+}
+
 /// An agent's heartbeat, on the coordinator.
 async fn heartbeat(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
-    body: Bytes,
+    Signed { from, body }: Signed<Heartbeat>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let node = member(&d, &method, &uri, &h, &body)?;
     let c = d.coordinator().ok_or_else(|| {
         ApiError::Conflict(format!(
-            "{} is not the coordinator: check `coordinator` in {node}'s [cluster] config",
+            "{} is not the coordinator: check `coordinator` in {from}'s [cluster] config",
             d.node_name()
         ))
     })?;
-    let hb: Heartbeat = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("heartbeat from {node}: {e}")))?;
-    Ok(Json(c.heartbeat(&node, hb, now_ms() as u64)?))
+    Ok(Json(c.heartbeat(&from, body, now_ms() as u64)?))
 }
 
 /// A pack from this node's cache, for a peer (which verifies it).
-async fn pack(
-    State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
-    member(&d, &method, &uri, &h, b"")?;
+async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
         .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
@@ -285,45 +309,27 @@ async fn warm_ask(
 /// The coordinator's warm order, on a node.
 async fn warm_order(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
-    body: Bytes,
+    Signed { body, .. }: Signed<crate::cluster::WarmOrder>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let from = member(&d, &method, &uri, &h, &body)?;
-    let order: crate::cluster::WarmOrder = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("warm from {from}: {e}")))?;
-    d.warm(order).await?;
+    d.warm(body).await?;
     Ok(Json(serde_json::json!({})))
 }
 
 /// Who holds which packs, on the coordinator.
 async fn locate(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
-    body: Bytes,
+    Signed { from, body }: Signed<Vec<labsync_store::PackId>>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let from = member(&d, &method, &uri, &h, &body)?;
     let co = coordinator(&d, "locating packs")?;
-    let packs: Vec<labsync_store::PackId> = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("locate from {from}: {e}")))?;
-    Ok(Json(co.locate(&from, &packs)))
+    Ok(Json(co.locate(&from, &body)))
 }
 
 /// A job the coordinator placed here.
 async fn dispatch(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
-    body: Bytes,
+    Signed { body, .. }: Signed<Dispatch>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let from = member(&d, &method, &uri, &h, &body)?;
-    let req: Dispatch = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("dispatch from {from}: {e}")))?;
-    Ok(Json(d.submit_placed(req).await))
+    Ok(Json(d.submit_placed(body).await))
 }
 
 /// The coordinator acts for a user it has checked: as an admin here.
@@ -336,42 +342,34 @@ fn for_coordinator(from: String) -> Caller {
 
 async fn placed_job(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
+    _: FromMember,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    member(&d, &method, &uri, &h, b"")?;
     Ok(Json(d.job(&id).await?))
 }
 
 async fn placed_kill(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
+    FromMember(from): FromMember,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let from = member(&d, &method, &uri, &h, b"")?;
     Ok(Json(d.kill(&for_coordinator(from), &id).await?))
 }
 
 async fn placed_log(
     State(d): D,
-    method: Method,
-    uri: Uri,
-    h: HeaderMap,
+    FromMember(from): FromMember,
     Path(id): Path<String>,
     Query(q): Query<LogQuery>,
 ) -> Result<Response, ApiError> {
-    let from = member(&d, &method, &uri, &h, b"")?;
     let wait = Duration::from_millis(q.wait_ms);
     log_response(d.log(&for_coordinator(from), &id, q.offset, wait).await?)
 }
 
-/// A full inventory of a large cache (a pack id and size is about 80 bytes
-/// of JSON) fits; read before the signature is checked, so bounded.
-const HEARTBEAT_MAX: usize = 64 << 20;
+/// The largest body of a request between nodes: a full inventory of a
+/// large cache (a pack id and size is about 80 bytes of JSON) fits; read
+/// before the signature is checked, so bounded.
+const SIGNED_MAX: usize = 64 << 20;
 
 /// The longest a request may take, body included: a log follower's wait is
 /// at most 30 s; a client that trickles a body (read before its token is
@@ -398,22 +396,13 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/jobs/{id}/log", get(log))
         .route("/v1/jobs/{id}/kill", post(kill))
         .route("/v1/cluster/status", get(cluster_status))
-        .route(
-            "/v1/cluster/heartbeat",
-            post(heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
-        )
+        .route("/v1/cluster/heartbeat", post(heartbeat))
         .route("/v1/cluster/packs/{id}", get(pack))
         .route("/v1/cluster/explain", post(explain))
         .route("/v1/warm", post(warm_ask))
         .route("/v1/cluster/warm", post(warm_order))
-        .route(
-            "/v1/cluster/locate",
-            post(locate).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
-        )
-        .route(
-            "/v1/cluster/jobs",
-            post(dispatch).layer(DefaultBodyLimit::max(HEARTBEAT_MAX)),
-        )
+        .route("/v1/cluster/locate", post(locate))
+        .route("/v1/cluster/jobs", post(dispatch))
         .route("/v1/cluster/jobs/{id}", get(placed_job))
         .route("/v1/cluster/jobs/{id}/log", get(placed_log))
         .route("/v1/cluster/jobs/{id}/kill", post(placed_kill))

@@ -231,14 +231,14 @@ impl Coordinator {
         Ok(reply)
     }
 
-    /// The nodes that are up, with their addresses.
-    pub fn members_up(&self, now: Millis) -> Vec<(String, String)> {
+    /// The nodes that are up.
+    pub fn members_up(&self, now: Millis) -> Vec<String> {
         self.tick(now);
         let v = self.view.lock().expect("coordinator poisoned");
         v.members
-            .iter()
-            .filter(|(n, _)| v.cluster.node(n).is_some_and(|x| x.is_up()))
-            .map(|(n, m)| (n.to_string(), m.addr.clone()))
+            .keys()
+            .filter(|n| v.cluster.node(n).is_some_and(|x| x.is_up()))
+            .map(NodeName::to_string)
             .collect()
     }
 

@@ -132,7 +132,7 @@ impl Coordinator {
             .map_err(db)?;
         tracing::info!("job {} of {} queued in the cluster", job.id, job.user);
         self.wake.notify_one();
-        Ok(self.view_of(d, &job))
+        Ok(self.view_of(&job))
     }
 
     /// One scheduling pass: dispatches sent again where unanswered, queued
@@ -268,7 +268,7 @@ impl Coordinator {
     }
 
     /// A client of `node`'s agent, from its last heartbeat.
-    fn client_of(&self, d: &Arc<Daemon>, node: &str) -> Option<Client> {
+    pub(super) fn client_of(&self, d: &Arc<Daemon>, node: &str) -> Option<Client> {
         let addr = {
             let v = self.view.lock().expect("coordinator poisoned");
             let name: NodeName = node.parse().ok()?;
@@ -422,7 +422,7 @@ impl Coordinator {
     /// The job's record from its node; kept here once it has ended.
     async fn fetch(&self, d: &Arc<Daemon>, j: &ClusterJob) -> Result<JobView, ClientError> {
         let Placement::Dispatched { node, .. } = &j.placement else {
-            return Ok(self.view_of(d, j));
+            return Ok(self.view_of(j));
         };
         let view = if node == d.node_name() {
             d.job(&j.id).await.map_err(|e| ClientError::Status {
@@ -481,7 +481,7 @@ impl Coordinator {
 
     /// The job as `labrun ps` shows it, from what the coordinator knows
     /// (its node's last heartbeat for a dispatched job).
-    fn view_of(&self, _d: &Arc<Daemon>, j: &ClusterJob) -> JobView {
+    fn view_of(&self, j: &ClusterJob) -> JobView {
         match &j.placement {
             Placement::Queued { why } => self.synthesized(j, why.clone()),
             Placement::Ended { view } => (**view).clone(),
@@ -518,16 +518,16 @@ impl Coordinator {
     }
 
     /// Every live job and those that ended in the last day.
-    pub fn jobs_view(&self, d: &Arc<Daemon>) -> Result<Vec<JobView>, ApiError> {
+    pub fn jobs_view(&self) -> Result<Vec<JobView>, ApiError> {
         let mut out: Vec<(u64, JobView)> = self
             .jobs
             .live()
             .iter()
-            .map(|j| (j.number(), self.view_of(d, j)))
+            .map(|j| (j.number(), self.view_of(j)))
             .collect();
         let day_ago = unix_now().saturating_sub(86_400);
         for j in self.jobs.ended_since(day_ago).map_err(db)? {
-            out.push((j.number(), self.view_of(d, &j)));
+            out.push((j.number(), self.view_of(&j)));
         }
         out.sort_by_key(|(n, _)| *n);
         Ok(out.into_iter().map(|(_, v)| v).collect())
@@ -548,9 +548,9 @@ impl Coordinator {
                 confirmed: true, ..
             } => match self.fetch(d, &j).await {
                 Ok(v) => Ok(v),
-                Err(_) => Ok(self.view_of(d, &j)),
+                Err(_) => Ok(self.view_of(&j)),
             },
-            _ => Ok(self.view_of(d, &j)),
+            _ => Ok(self.view_of(&j)),
         }
     }
 
@@ -580,7 +580,7 @@ impl Coordinator {
             }
             Placement::Queued { .. } => {
                 self.end(&j, format!("killed by {} while queued", caller.user));
-                Ok(self.view_of(d, &self.get(id)?))
+                Ok(self.view_of(&self.get(id)?))
             }
             Placement::Dispatched { node, .. } => {
                 let admin = Caller {
@@ -672,17 +672,12 @@ impl Coordinator {
     }
 
     /// Ended jobs numbered below `before`, newest first.
-    pub fn history(
-        &self,
-        d: &Arc<Daemon>,
-        before: Option<u64>,
-        limit: usize,
-    ) -> Result<Vec<JobView>, ApiError> {
+    pub fn history(&self, before: Option<u64>, limit: usize) -> Result<Vec<JobView>, ApiError> {
         let mut ended = self.jobs.ended_since(0).map_err(db)?;
         ended.retain(|j| before.is_none_or(|b| j.number() < b));
         ended.sort_by_key(|j| std::cmp::Reverse(j.number()));
         ended.truncate(limit.clamp(1, 1000));
-        Ok(ended.iter().map(|j| self.view_of(d, j)).collect())
+        Ok(ended.iter().map(|j| self.view_of(j)).collect())
     }
 }
 

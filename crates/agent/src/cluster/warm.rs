@@ -186,19 +186,15 @@ impl Coordinator {
             .await
             .map_err(|e| ApiError::NotFound(e.to_string()))?;
         let members = self.members_up(now_ms() as u64);
-        let nodes: Vec<(String, String)> = if ask.nodes.is_empty() {
+        let nodes: Vec<String> = if ask.nodes.is_empty() {
             members
         } else {
             ask.nodes
                 .iter()
                 .map(|n| {
-                    members
-                        .iter()
-                        .find(|(m, _)| m == n)
-                        .cloned()
-                        .ok_or_else(|| {
-                            ApiError::NotFound(format!("no node {n} is up in the cluster"))
-                        })
+                    members.iter().find(|m| *m == n).cloned().ok_or_else(|| {
+                        ApiError::NotFound(format!("no node {n} is up in the cluster"))
+                    })
                 })
                 .collect::<Result<_, _>>()?
         };
@@ -208,17 +204,14 @@ impl Coordinator {
             unpin: ask.unpin,
         };
         let mut sent = Vec::new();
-        for (name, addr) in nodes {
+        for name in nodes {
             if name == d.node_name() {
                 d.warm(order.clone()).await?;
             } else {
-                let ep = addr.parse().map_err(ApiError::Internal)?;
-                let key = d
-                    .cluster()
-                    .map(|c| c.key.clone())
-                    .ok_or_else(|| ApiError::Internal("a coordinator without a cluster".into()))?;
-                crate::client::Client::for_cluster(ep, key, d.node_name())
-                    .warm(&order)
+                let c = self
+                    .client_of(d, &name)
+                    .ok_or_else(|| ApiError::Conflict(format!("{name} is unknown; try again")))?;
+                c.warm(&order)
                     .await
                     .map_err(|e| ApiError::Conflict(format!("{name}: {e}")))?;
             }
