@@ -525,8 +525,8 @@ impl Coordinator {
             .iter()
             .map(|j| (j.number(), self.view_of(j)))
             .collect();
-        let day_ago = unix_now().saturating_sub(86_400);
-        for j in self.jobs.ended_since(day_ago).map_err(db)? {
+        let day_ago = unix_now().saturating_sub(super::queue::RECENT_SECS);
+        for j in self.jobs.ended_since(day_ago) {
             out.push((j.number(), self.view_of(&j)));
         }
         out.sort_by_key(|(n, _)| *n);
@@ -673,7 +673,7 @@ impl Coordinator {
 
     /// Ended jobs numbered below `before`, newest first.
     pub fn history(&self, before: Option<u64>, limit: usize) -> Result<Vec<JobView>, ApiError> {
-        let mut ended = self.jobs.ended_since(0).map_err(db)?;
+        let mut ended = self.jobs.ended().map_err(db)?;
         ended.retain(|j| before.is_none_or(|b| j.number() < b));
         ended.sort_by_key(|j| std::cmp::Reverse(j.number()));
         ended.truncate(limit.clamp(1, 1000));

@@ -69,12 +69,28 @@ impl ClusterJob {
     }
 }
 
-/// The coordinator's job database, with every job not ended in memory.
+/// How long an ended job stays in `labrun ps`'s default listing.
+pub const RECENT_SECS: u64 = 86_400;
+
+/// The coordinator's job database, with every job not ended, and those
+/// ended in the last [`RECENT_SECS`], in memory: `labrun ps` reads no
+/// record from the disk, however long the history.
 pub struct ClusterJobs {
     db: Database,
     path: PathBuf,
     /// Jobs not ended, by number: the queue in order.
     live: Mutex<BTreeMap<u64, ClusterJob>>,
+    /// Jobs ended lately, by number (pruned as they age).
+    recent: Mutex<BTreeMap<u64, ClusterJob>>,
+}
+
+/// Whether an ended job ended at or after `since` (one with no end time
+/// counts as recent).
+fn ended_after(job: &ClusterJob, since: u64) -> bool {
+    match &job.placement {
+        Placement::Ended { view } => view.ended_at.is_none_or(|t| t >= since),
+        _ => false,
+    }
 }
 
 impl ClusterJobs {
@@ -87,6 +103,8 @@ impl ClusterJobs {
         let db = Database::create(path).map_err(|e| err(&e))?;
         let txn = db.begin_write().map_err(|e| err(&e))?;
         let mut live = BTreeMap::new();
+        let mut recent = BTreeMap::new();
+        let day_ago = crate::leases::unix_now().saturating_sub(RECENT_SECS);
         {
             let jobs = txn.open_table(JOBS).map_err(|e| err(&e))?;
             txn.open_table(META).map_err(|e| err(&e))?;
@@ -95,6 +113,8 @@ impl ClusterJobs {
                 let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| err(&e))?;
                 if !matches!(job.placement, Placement::Ended { .. }) {
                     live.insert(job.number(), job);
+                } else if ended_after(&job, day_ago) {
+                    recent.insert(job.number(), job);
                 }
             }
         }
@@ -104,6 +124,7 @@ impl ClusterJobs {
             db,
             path: path.to_path_buf(),
             live: Mutex::new(live),
+            recent: Mutex::new(recent),
         })
     }
 
@@ -181,6 +202,7 @@ impl ClusterJobs {
         txn.commit().map_err(|e| self.err(e))?;
         if matches!(job.placement, Placement::Ended { .. }) {
             live.remove(&job.number());
+            (self.recent.lock().expect("jobs poisoned")).insert(job.number(), job.clone());
         } else {
             live.insert(job.number(), job.clone());
         }
@@ -245,18 +267,29 @@ impl ClusterJobs {
         }
     }
 
-    /// Ended jobs whose record says they ended at or after `since`.
-    pub fn ended_since(&self, since: u64) -> Result<Vec<ClusterJob>, LeaseError> {
+    /// Ended jobs that ended at or after `since`, which is at most
+    /// [`RECENT_SECS`] ago (older ones have left memory: [`Self::ended`]).
+    pub fn ended_since(&self, since: u64) -> Vec<ClusterJob> {
+        let mut recent = self.recent.lock().expect("jobs poisoned");
+        let day_ago = crate::leases::unix_now().saturating_sub(RECENT_SECS);
+        recent.retain(|_, j| ended_after(j, day_ago));
+        recent
+            .values()
+            .filter(|j| ended_after(j, since))
+            .cloned()
+            .collect()
+    }
+
+    /// Every ended job, from the database (history pages).
+    pub fn ended(&self) -> Result<Vec<ClusterJob>, LeaseError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
         let jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
         let mut out = Vec::new();
         for r in jobs.iter().map_err(|e| self.err(e))? {
             let (_, v) = r.map_err(|e| self.err(e))?;
             let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| self.err(e))?;
-            if let Placement::Ended { view } = &job.placement {
-                if view.ended_at.is_none_or(|t| t >= since) {
-                    out.push(job);
-                }
+            if matches!(job.placement, Placement::Ended { .. }) {
+                out.push(job);
             }
         }
         Ok(out)
@@ -279,6 +312,61 @@ mod tests {
             gpus: 1,
             ..Default::default()
         }
+    }
+
+    fn ended(db: &ClusterJobs, ended_at: Option<u64>) -> ClusterJob {
+        let mut j = db.create("alice", req(), 1, 0).unwrap();
+        let view = crate::proto::JobView {
+            id: j.id.clone(),
+            node: None,
+            user: j.user.clone(),
+            argv: vec!["true".into()],
+            gpus_wanted: 1,
+            gpus: vec![],
+            state: crate::leases::JobState::Failed {
+                reason: "killed".into(),
+            },
+            why: None,
+            submitted_at: 1,
+            started_at: None,
+            ended_at,
+            meta: Default::default(),
+        };
+        j.placement = Placement::Ended {
+            view: Box::new(view),
+        };
+        db.put(&j).unwrap();
+        j
+    }
+
+    #[test]
+    fn recently_ended_jobs_are_listed_from_memory_and_old_ones_only_in_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster-v1.redb");
+        let now = crate::leases::unix_now();
+        let (fresh, old) = {
+            let db = ClusterJobs::open(&path).unwrap();
+            let fresh = ended(&db, Some(now));
+            let old = ended(&db, Some(now - RECENT_SECS - 10));
+            let ids: Vec<String> = db
+                .ended_since(now - RECENT_SECS)
+                .into_iter()
+                .map(|j| j.id)
+                .collect();
+            assert_eq!(ids, vec![fresh.id.clone()]);
+            assert!(db.live().is_empty());
+            (fresh, old)
+        };
+        let db = ClusterJobs::open(&path).unwrap();
+        let ids: Vec<String> = db
+            .ended_since(now - RECENT_SECS)
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(ids, vec![fresh.id.clone()], "loaded again at open");
+        let mut all: Vec<String> = db.ended().unwrap().into_iter().map(|j| j.id).collect();
+        all.sort();
+        assert_eq!(all, vec![fresh.id, old.id]);
     }
 
     #[test]
