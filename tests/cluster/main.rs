@@ -261,6 +261,26 @@ impl Lab {
         std::fs::write(control, text).unwrap();
     }
 
+    /// A seeded tree written to `name` in the lab's folder and pushed as
+    /// `name`; the folder.
+    fn dataset(&self, name: &str, seed: u64) -> PathBuf {
+        let tree = self.dir.path().join(name);
+        write_tree(&tree, seed);
+        self.labsync(0, &["push", tree.to_str().unwrap(), "--name", name]);
+        tree
+    }
+
+    /// Pulls `name` on node `i` (filling its cache) and waits until the
+    /// coordinator knows it is there.
+    fn cache_on(&self, i: usize, name: &str) {
+        let out = self.dir.path().join(format!("out-{name}-{i}"));
+        self.labsync(i, &["pull", name, out.to_str().unwrap()]);
+        let (node, label) = (format!("gpu{i}"), format!("{name}@v1"));
+        self.wait_for(&format!("{label} on {node}"), 20, |s| {
+            present(s, &node, &label).is_some()
+        });
+    }
+
     /// `labsync ARGS` against the coordinator with `token` (warm).
     fn labsync_as(&self, token: &str, args: &[&str]) -> Output {
         Command::new(bin("labsync"))
@@ -399,16 +419,8 @@ fn status_shows_every_node_its_gpus_and_what_it_has_cached() {
 #[test]
 fn a_stopped_node_is_down_and_rejoins() {
     let Some(mut lab) = Lab::start(3) else { return };
-    let tree = lab.dir.path().join("data");
-    write_tree(&tree, 3);
-    lab.labsync(0, &["push", tree.to_str().unwrap(), "--name", "data"]);
-    lab.labsync(
-        2,
-        &["pull", "data", lab.dir.path().join("out").to_str().unwrap()],
-    );
-    lab.wait_for("data on gpu2", 20, |s| {
-        present(s, "gpu2", "data@v1").is_some()
-    });
+    lab.dataset("data", 3);
+    lab.cache_on(2, "data");
 
     lab.signal(2, "STOP");
     lab.wait_for("gpu2 down", 20, |s| {
@@ -461,13 +473,8 @@ fn a_stopped_node_is_down_and_rejoins() {
 #[test]
 fn requests_without_the_cluster_secret_are_refused() {
     let Some(lab) = Lab::start(2) else { return };
-    let tree = lab.dir.path().join("data");
-    write_tree(&tree, 4);
-    lab.labsync(0, &["push", tree.to_str().unwrap(), "--name", "data"]);
-    lab.labsync(
-        1,
-        &["pull", "data", lab.dir.path().join("out").to_str().unwrap()],
-    );
+    lab.dataset("data", 4);
+    lab.cache_on(1, "data");
     // A pack gpu1 has cached.
     let packs_dir = lab.cache(1).join("packs-v1");
     let pack_file = std::fs::read_dir(&packs_dir)
@@ -551,20 +558,8 @@ fn requests_without_the_cluster_secret_are_refused() {
 #[test]
 fn jobs_go_where_their_data_is_and_the_data_follows_them() {
     let Some(lab) = Lab::start(3) else { return };
-    let div2k = lab.dir.path().join("div2k");
-    write_tree(&div2k, 5);
-    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
-    lab.labsync(
-        1,
-        &[
-            "pull",
-            "div2k",
-            lab.dir.path().join("out1").to_str().unwrap(),
-        ],
-    );
-    lab.wait_for("div2k on gpu1", 20, |s| {
-        present(s, "gpu1", "div2k@v1").is_some()
-    });
+    lab.dataset("div2k", 5);
+    lab.cache_on(1, "div2k");
 
     // 1 and 8: explained, then placed where explained.
     let table = lab.ok(&["--explain", "--data", "div2k", "--gpus", "1", "--", "true"]);
@@ -806,20 +801,8 @@ fn two_hundred_submissions_from_twenty_clients_never_double_book() {
 #[test]
 fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
     let Some(lab) = Lab::start(3) else { return };
-    let div2k = lab.dir.path().join("div2k");
-    write_tree(&div2k, 6);
-    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
-    lab.labsync(
-        1,
-        &[
-            "pull",
-            "div2k",
-            lab.dir.path().join("out1").to_str().unwrap(),
-        ],
-    );
-    lab.wait_for("div2k on gpu1", 20, |s| {
-        present(s, "gpu1", "div2k@v1").is_some()
-    });
+    let div2k = lab.dataset("div2k", 6);
+    lab.cache_on(1, "div2k");
     let total = present(&lab.status(), "gpu1", "div2k@v1").unwrap().1;
     // The job compares what it reads with the original, byte for byte.
     let script = format!(
@@ -930,9 +913,7 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
 #[test]
 fn warm_fills_and_pins_the_named_node_and_the_next_job_lands_there() {
     let Some(lab) = Lab::start(3) else { return };
-    let div2k = lab.dir.path().join("div2k");
-    write_tree(&div2k, 7);
-    lab.labsync(0, &["push", div2k.to_str().unwrap(), "--name", "div2k"]);
+    lab.dataset("div2k", 7);
 
     let o = lab.labsync_as(ALICE, &["warm", "div2k", "--nodes", "gpu2"]);
     assert!(!o.status.success());
