@@ -27,6 +27,7 @@ use support::{free_port, write_tree, S3Server};
 const SECRET: &str = "cluster-secret-0123456789abcdef0123456789";
 const ADMIN: &str = "tok-cluster-admin-0123456789";
 const ALICE: &str = "tok-cluster-alice-0123456789";
+const BOB: &str = "tok-cluster-bob-0123456789";
 
 /// One labd of the cluster.
 struct Member {
@@ -69,7 +70,7 @@ impl Lab {
                          state_dir = \"{state}\"\nstore = \"{store}\"\ncache_dir = \"{cache}\"\n\
                          tick_ms = 50\ninventory_deadline_ms = 300\nfake_gpus = \"2x11GiB\"\n\
                          fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\nadmins = [\"admin\"]\n\
-                         [tokens]\nalice = \"{ALICE}\"\nadmin = \"{ADMIN}\"\n\
+                         [tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\nadmin = \"{ADMIN}\"\n\
                          [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
                          secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n",
                         port = ports[i],
@@ -181,6 +182,14 @@ impl Lab {
             .envs(self.s3.env())
             .stdin(Stdio::null());
         c
+    }
+
+    /// `labrun ARGS` as bob.
+    fn labrun_as_bob(&self, args: &[&str]) -> Output {
+        self.labrun_cmd(args)
+            .env("LABRUN_TOKEN", BOB)
+            .output()
+            .unwrap()
     }
 
     /// `labrun ARGS` that must succeed; its stdout.
@@ -1033,4 +1042,54 @@ fn a_stopped_node_keeps_its_job_and_jobs_elsewhere_run() {
     wait_until("the long job to end", 30, || lab.job(&long).ended());
     assert_eq!(lab.job(&long).exit_code(), Some(7));
     lab.wait_for("gpu2's GPUs free again", 20, |s| all(s, "gpu2", true));
+}
+
+/// As another user: through the coordinator bob can neither kill nor read
+/// alice's job on its node, ps shows him none of her environment, and his
+/// token opens none of the routes between nodes.
+#[test]
+fn another_users_job_is_neither_killed_nor_read_through_the_coordinator() {
+    let Some(lab) = Lab::start(2) else { return };
+    let id = lab
+        .labrun_cmd(&[
+            "-d",
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            "echo private-output; sleep 60",
+        ])
+        .env("ALICES_SECRET", "hunter2-in-alices-env")
+        .output()
+        .unwrap();
+    assert!(id.status.success(), "{id:?}");
+    let id = String::from_utf8(id.stdout).unwrap().trim().to_string();
+    let node = lab.running(&id);
+    for args in [vec!["kill", id.as_str()], vec!["logs", id.as_str()]] {
+        let o = lab.labrun_as_bob(&args);
+        assert!(!o.status.success(), "bob {args:?}: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("only they or an admin"), "bob {args:?}: {err}");
+        assert!(!String::from_utf8_lossy(&o.stdout).contains("private-output"));
+    }
+    let ps = lab.labrun_as_bob(&["ps", "--all", "--json"]);
+    let ps = String::from_utf8_lossy(&ps.stdout);
+    assert!(ps.contains(&id), "bob sees the job exists: {ps}");
+    assert!(!ps.contains("hunter2"), "but none of its environment: {ps}");
+    // Straight to the agent with his token: the routes between nodes refuse it.
+    let i = if node == "gpu0" { 0 } else { 1 };
+    let ep: Endpoint = format!("http://127.0.0.1:{}", lab.nodes[i].port)
+        .parse()
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    match rt.block_on(Client::new(ep, Some(Secret::new(BOB))).cluster_kill(&id)) {
+        Err(ClientError::Status { status: 401, .. }) => {}
+        other => panic!("bob's token at {node}'s kill route: {other:?}"),
+    }
+    assert!(
+        matches!(lab.job(&id).state, JobState::Running { .. }),
+        "still running"
+    );
+    lab.ok(&["kill", &id]);
 }

@@ -58,9 +58,18 @@ impl ClusterPeers {
     }
 
     /// Writes the counts (whole, then renamed into place).
+    ///
+    /// labd runs as root: the temporary file is made anew (`O_EXCL`), so
+    /// a symlink planted in its place is never followed, only refused.
     fn keep(&self, c: &FetchCounts) {
+        use std::io::Write;
         let tmp = self.file.with_extension("json.tmp");
-        let written = std::fs::write(&tmp, serde_json::to_vec(c).expect("counts serialise"))
+        let _ = std::fs::remove_file(&tmp);
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(&serde_json::to_vec(c).expect("counts serialise")))
             .and_then(|()| std::fs::rename(&tmp, &self.file));
         if let Err(e) = written {
             tracing::warn!(
@@ -225,6 +234,19 @@ mod tests {
         let again = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
         assert_eq!(again.counts(), c);
         assert_eq!(c.store_rate, Some(10 << 20));
+        // A symlink planted where the temporary file goes is not written
+        // through (labd is root; the cache folder could be someone's).
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "keep me").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("fetched-v1.json.tmp")).unwrap();
+        p.report(PeerEvent::Fetched {
+            from_peers: 0,
+            from_store: 10 << 20,
+            secs: 1.0,
+        });
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+        let kept = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
+        assert_eq!(kept.counts(), p.counts(), "the counts were still kept");
         assert_eq!(
             c.peer_rate,
             Some((((31u64 << 20) * 2 + (31 << 20)) as f64 / 2.0) as u64)
