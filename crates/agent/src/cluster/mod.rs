@@ -18,7 +18,7 @@ use std::time::Duration;
 pub use auth::{AuthError, ClusterKey, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
 pub use coordinator::Coordinator;
 pub use peers::{ClusterPeers, COUNTS_FILE};
-pub use queue::{ClusterJob, ClusterJobs, Placement};
+pub use queue::{ClusterJob, ClusterJobs, Placement, RECENT_SECS};
 pub use reporter::Reporter;
 pub use warm::{WarmAnswer, WarmAsk, WarmOrder, Warming, Warms};
 
