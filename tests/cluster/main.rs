@@ -43,11 +43,42 @@ struct Lab {
     s3: S3Server,
     store: String,
     nodes: Vec<Member>,
+    /// With TLS: the lab's CA (PEM); every address is then `https://`.
+    ca: Option<PathBuf>,
+}
+
+/// A lab CA and, for each node, a certificate for 127.0.0.1 it signed
+/// and its key, written to `dir`: `ca.pem`, `gpuN.pem`, `gpuN.key` (600).
+fn certificates(dir: &std::path::Path, n: usize) -> PathBuf {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    for i in 0..n {
+        let key = KeyPair::generate().unwrap();
+        let params = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        std::fs::write(dir.join(format!("gpu{i}.pem")), cert.pem()).unwrap();
+        let k = dir.join(format!("gpu{i}.key"));
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, ca_cert.pem()).unwrap();
+    ca
 }
 
 impl Lab {
     /// `None` when no S3 server is installed (outside CI only).
     fn start(n: usize) -> Option<Lab> {
+        Lab::start_with(n, false)
+    }
+
+    /// With `tls`, every node has a certificate from the lab's CA and
+    /// speaks only TLS.
+    fn start_with(n: usize, tls: bool) -> Option<Lab> {
         let s3 = S3Server::start()?;
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -56,6 +87,8 @@ impl Lab {
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
         let store = "s3://labsync/cluster".to_string();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let ca = tls.then(|| certificates(dir.path(), n));
+        let scheme = if tls { "https" } else { "http" };
         let nodes = (0..n)
             .map(|i| {
                 let name = format!("gpu{i}");
@@ -71,8 +104,8 @@ impl Lab {
                          tick_ms = 50\ninventory_deadline_ms = 300\nfake_gpus = \"2x11GiB\"\n\
                          fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\nadmins = [\"admin\"]\n\
                          [tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\nadmin = \"{ADMIN}\"\n\
-                         [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
-                         secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n",
+                         [cluster]\ncoordinator = \"{scheme}://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
+                         secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n{tls}",
                         port = ports[i],
                         state = d.join("state").display(),
                         cache = d.join("cache").display(),
@@ -80,6 +113,15 @@ impl Lab {
                         coord = ports[0],
                         coordinate = i == 0,
                         secret = secret.display(),
+                        tls = match &ca {
+                            Some(ca) => format!(
+                                "[tls]\ncert = \"{dir}/{name}.pem\"\nkey = \"{dir}/{name}.key\"\n\
+                                 ca = \"{ca}\"\n",
+                                dir = dir.path().display(),
+                                ca = ca.display(),
+                            ),
+                            None => String::new(),
+                        },
                     ),
                 )
                 .unwrap();
@@ -97,6 +139,7 @@ impl Lab {
             s3,
             store,
             nodes,
+            ca,
         };
         for i in 0..n {
             lab.restart(i);
@@ -105,6 +148,12 @@ impl Lab {
             s.nodes.len() == n && s.nodes.iter().all(|x| x.health == NodeHealth::Up)
         });
         Some(lab)
+    }
+
+    /// Node `i`'s address, `http://` or, with TLS, `https://`.
+    fn url(&self, i: usize) -> String {
+        let scheme = if self.ca.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.nodes[i].port)
     }
 
     fn home(&self, i: usize) -> PathBuf {
@@ -173,10 +222,8 @@ impl Lab {
             .env("HOME", self.home(0))
             .env_remove("XDG_CONFIG_HOME")
             .env_remove("XDG_STATE_HOME")
-            .env(
-                "LABRUN_LABD",
-                format!("http://127.0.0.1:{}", self.nodes[0].port),
-            )
+            .env("LABRUN_LABD", self.url(0))
+            .env("LABRUN_CA", self.ca.clone().unwrap_or_default())
             .env("LABRUN_TOKEN", ALICE)
             .env("LABSYNC_CACHE", self.dir.path().join("client-cache"))
             .envs(self.s3.env())
@@ -297,10 +344,8 @@ impl Lab {
             .env("HOME", self.home(0))
             .env("LABSYNC_STORE", &self.store)
             .env("LABSYNC_CACHE", self.dir.path().join("client-cache"))
-            .env(
-                "LABRUN_LABD",
-                format!("http://127.0.0.1:{}", self.nodes[0].port),
-            )
+            .env("LABRUN_LABD", self.url(0))
+            .env("LABRUN_CA", self.ca.clone().unwrap_or_default())
             .env("LABRUN_TOKEN", token)
             .envs(self.s3.env())
             .stdin(Stdio::null())
@@ -309,10 +354,9 @@ impl Lab {
     }
 
     fn client(&self, i: usize, key: ClusterKey, as_node: &str) -> Client {
-        let ep: Endpoint = format!("http://127.0.0.1:{}", self.nodes[i].port)
-            .parse()
-            .unwrap();
-        Client::for_cluster(ep, key, as_node)
+        let ep: Endpoint = self.url(i).parse().unwrap();
+        let tls = (self.ca.as_deref()).map(|ca| labsync_agent::tls::client(Some(ca)).unwrap());
+        Client::for_cluster(ep, key, as_node).with_tls(tls)
     }
 }
 
@@ -1092,4 +1136,71 @@ fn another_users_job_is_neither_killed_nor_read_through_the_coordinator() {
         "still running"
     );
     lab.ok(&["kill", &id]);
+}
+
+/// With `[tls]` every node speaks only TLS: the cluster forms, a job's data
+/// comes from a peer over it, and neither a client in clear nor one that
+/// trusts another CA gets an answer.
+#[test]
+fn with_tls_nodes_speak_only_tls() {
+    let Some(lab) = Lab::start_with(3, true) else {
+        return;
+    };
+    let div2k = lab.dataset("div2k", 9);
+    lab.cache_on(1, "div2k");
+    let total = present(&lab.status(), "gpu1", "div2k@v1").unwrap().1;
+    lab.hold_gpus(1, true);
+    lab.wait_for("gpu1 busy", 20, |s| {
+        Lab::node(s, "gpu1").is_some_and(|x| {
+            x.gpus
+                .iter()
+                .all(|g| g.state != labsync_agent::GpuState::Free)
+        })
+    });
+    let script = format!(
+        "cmp $LABRUN_DATA/big.bin {} && echo same; echo node=$LABRUN_NODE",
+        div2k.join("big.bin").display()
+    );
+    let out = lab.ok(&["--data", "div2k", "--", "bash", "-c", &script]);
+    assert!(out.contains("same"), "the job read the right bytes: {out}");
+    let node = out
+        .lines()
+        .find_map(|l| l.strip_prefix("node="))
+        .unwrap()
+        .to_string();
+    assert_ne!(node, "gpu1", "{out}");
+    lab.wait_for("packs from gpu1, over TLS", 20, |s| {
+        Lab::node(s, &node).is_some_and(|n| n.fetched.from_peers >= total)
+    });
+
+    // In clear, to a TLS port: no answer.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let key = ClusterKey::new(&Secret::new(SECRET)).unwrap();
+    let plain: Endpoint = format!("http://127.0.0.1:{}", lab.nodes[1].port)
+        .parse()
+        .unwrap();
+    let clear = Client::for_cluster(plain, key.clone(), "gpu0");
+    let e = rt.block_on(clear.locate(&[])).unwrap_err();
+    assert!(
+        matches!(e, ClientError::Protocol { .. }),
+        "no HTTP answer in clear: {e}"
+    );
+    // A client trusting another CA: refused in the handshake, and said so.
+    let other = tempfile::tempdir().unwrap();
+    let other_ca = certificates(other.path(), 1);
+    let ep: Endpoint = lab.url(0).parse().unwrap();
+    let stranger = Client::for_cluster(ep, key, "gpu1")
+        .with_tls(Some(labsync_agent::tls::client(Some(&other_ca)).unwrap()));
+    let e = rt.block_on(stranger.cluster_status()).unwrap_err();
+    assert!(matches!(e, ClientError::Tls { .. }), "{e}");
+    let o = lab
+        .labrun_cmd(&["status"])
+        .env("LABRUN_CA", &other_ca)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("no TLS with labd"),
+        "{err}"
+    );
 }

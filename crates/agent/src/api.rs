@@ -24,6 +24,8 @@ pub enum Listener {
     Unix(tokio::net::UnixListener),
     /// TCP.
     Tcp(tokio::net::TcpListener),
+    /// TCP, every connection TLS with this configuration (nothing in clear).
+    Tls(tokio::net::TcpListener, Arc<crate::tls::ServerConfig>),
 }
 
 impl IntoResponse for ApiError {
@@ -509,6 +511,10 @@ pub async fn serve(
     let mut conns = tokio::task::JoinSet::new();
     let mut stop = stop_rx.clone();
     let mut refused_at: Option<std::time::Instant> = None;
+    let tls = match &listener {
+        Listener::Tls(_, config) => Some(tokio_rustls::TlsAcceptor::from(config.clone())),
+        _ => None,
+    };
     loop {
         let accepted = tokio::select! {
             a = accept(&listener) => a,
@@ -548,9 +554,27 @@ pub async fn serve(
             }
             continue;
         };
-        let (app, mut stop) = (app.clone(), stop_rx.clone());
+        let (app, mut stop, tls) = (app.clone(), stop_rx.clone(), tls.clone());
         conns.spawn(async move {
             let _slot = slot;
+            // The handshake runs here, not in the accept loop: a client that
+            // stalls in it holds only its own slot, for the header timeout.
+            let io = match (io, tls) {
+                (Io::Tcp(s), Some(acceptor)) => {
+                    match tokio::time::timeout(limits.header_timeout, acceptor.accept(s)).await {
+                        Ok(Ok(s)) => Io::Tls(Box::new(s)),
+                        Ok(Err(e)) => {
+                            tracing::debug!("TLS handshake with {peer:?}: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!("TLS handshake with {peer:?}: timed out");
+                            return;
+                        }
+                    }
+                }
+                (io, _) => io,
+            };
             let svc = hyper_util::service::TowerToHyperService::new(app);
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(hyper_util::rt::TokioTimer::new())
@@ -558,6 +582,7 @@ pub async fn serve(
             let conn = match io {
                 Io::Unix(s) => serve_one(&http, s, svc, &mut stop).await,
                 Io::Tcp(s) => serve_one(&http, s, svc, &mut stop).await,
+                Io::Tls(s) => serve_one(&http, s, svc, &mut stop).await,
             };
             if let Err(e) = conn {
                 tracing::debug!("connection from {peer:?}: {e}");
@@ -574,6 +599,7 @@ pub async fn serve(
 enum Io {
     Unix(tokio::net::UnixStream),
     Tcp(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
 }
 
 async fn accept(listener: &Listener) -> std::io::Result<(Io, Peer)> {
@@ -583,7 +609,7 @@ async fn accept(listener: &Listener) -> std::io::Result<(Io, Peer)> {
             let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
             Ok((Io::Unix(s), peer))
         }
-        Listener::Tcp(l) => {
+        Listener::Tcp(l) | Listener::Tls(l, _) => {
             let (s, addr) = l.accept().await?;
             Ok((Io::Tcp(s), Peer::of(addr.ip())))
         }

@@ -2,6 +2,7 @@
 //! Unix socket or TCP.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,6 +19,7 @@ use crate::proto::{
 };
 use crate::secret::Secret;
 use crate::status::GpuStatus;
+use crate::tls::ClientConfig;
 
 /// Where a labd listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +28,8 @@ pub enum Endpoint {
     Unix(PathBuf),
     /// TCP (`http://gpu3:7420` or `gpu3:7420`).
     Tcp(String),
+    /// TCP with TLS (`https://gpu3:7420`).
+    Tls(String),
 }
 
 impl std::str::FromStr for Endpoint {
@@ -38,17 +42,25 @@ impl std::str::FromStr for Endpoint {
         if s.starts_with('/') || s.starts_with('.') {
             return Ok(Endpoint::Unix(s.into()));
         }
-        let hostport = s
+        let (tls, rest) = match s.strip_prefix("https://") {
+            Some(r) => (true, r),
+            None => (false, s),
+        };
+        let hostport = rest
             .strip_prefix("http://")
             .or_else(|| s.strip_prefix("tcp://"))
-            .unwrap_or(s)
+            .unwrap_or(rest)
             .trim_end_matches('/');
         match hostport.rsplit_once(':') {
+            Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() && tls => {
+                Ok(Endpoint::Tls(hostport.into()))
+            }
             Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {
                 Ok(Endpoint::Tcp(hostport.into()))
             }
             _ => Err(format!(
-                "labd address {s:?}: write unix:///path/labd.sock, /path/labd.sock or http://host:port"
+                "labd address {s:?}: write unix:///path/labd.sock, /path/labd.sock, \
+                 http://host:port or https://host:port"
             )),
         }
     }
@@ -59,6 +71,7 @@ impl std::fmt::Display for Endpoint {
         match self {
             Endpoint::Unix(p) => write!(f, "unix://{}", p.display()),
             Endpoint::Tcp(a) => write!(f, "http://{a}"),
+            Endpoint::Tls(a) => write!(f, "https://{a}"),
         }
     }
 }
@@ -70,6 +83,8 @@ pub struct Client {
     token: Option<Secret>,
     /// Requests between nodes are signed with the cluster key, as `node`.
     signer: Option<(ClusterKey, String)>,
+    /// For an `https://` endpoint: whom to trust (the system's roots without it).
+    tls: Option<Arc<ClientConfig>>,
 }
 
 /// A piece of a job's log.
@@ -90,7 +105,15 @@ impl Client {
             endpoint,
             token,
             signer: None,
+            tls: None,
         }
+    }
+
+    /// Checks an `https://` labd's certificate with `tls` (its CA) rather
+    /// than the system's roots; `None` keeps the roots.
+    pub fn with_tls(mut self, tls: Option<Arc<ClientConfig>>) -> Client {
+        self.tls = tls;
+        self
     }
 
     /// A client of another node of the cluster: every request is signed
@@ -100,6 +123,7 @@ impl Client {
             endpoint,
             token: None,
             signer: Some((key, node.to_string())),
+            tls: None,
         }
     }
 
@@ -146,6 +170,23 @@ impl Client {
             Endpoint::Tcp(a) => {
                 let s = tokio::net::TcpStream::connect(a).await.map_err(connect)?;
                 let _ = s.set_nodelay(true);
+                self.send(s, req).await
+            }
+            Endpoint::Tls(a) => {
+                let config = match &self.tls {
+                    Some(c) => c.clone(),
+                    None => crate::tls::system_client().map_err(|e| self.protocol(e))?,
+                };
+                let name = crate::tls::server_name(a).map_err(|e| self.protocol(e))?;
+                let s = tokio::net::TcpStream::connect(a).await.map_err(connect)?;
+                let _ = s.set_nodelay(true);
+                let s = tokio_rustls::TlsConnector::from(config)
+                    .connect(name, s)
+                    .await
+                    .map_err(|e| ClientError::Tls {
+                        endpoint: self.endpoint.to_string(),
+                        detail: e.to_string(),
+                    })?;
                 self.send(s, req).await
             }
         }
@@ -406,6 +447,10 @@ mod tests {
             Ok(Endpoint::Tcp("gpu3:7420".into()))
         );
         assert_eq!("gpu3:7420".parse(), Ok(Endpoint::Tcp("gpu3:7420".into())));
+        let tls: Endpoint = "https://gpu3:7420/".parse().unwrap();
+        assert_eq!(tls, Endpoint::Tls("gpu3:7420".into()));
+        assert_eq!(tls.to_string(), "https://gpu3:7420");
         assert!("gpu3".parse::<Endpoint>().is_err());
+        assert!("https://gpu3".parse::<Endpoint>().is_err());
     }
 }

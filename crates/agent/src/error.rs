@@ -133,6 +133,19 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// The TLS handshake failed: an unknown or wrong certificate, or a
+    /// labd that does not speak TLS on that port.
+    #[error(
+        "no TLS with labd at {endpoint}: {detail} (labd's certificate must name that host and be \
+         signed by the CA this side trusts: [tls] ca for labd, LABRUN_CA for labrun; and labd \
+         must have [tls] set)"
+    )]
+    Tls {
+        /// Where.
+        endpoint: String,
+        /// Why, as rustls says it.
+        detail: String,
+    },
     /// labd answered with an error.
     #[error("labd: {message}")]
     Status {

@@ -44,6 +44,7 @@ pub mod proto;
 mod runner;
 mod secret;
 mod status;
+pub mod tls;
 mod trees;
 mod users;
 mod watchdog;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use labsync_agent::cluster::{ClusterConfig, ClusterKey};
+use labsync_agent::tls::{ClientConfig, ServerConfig};
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
 };
@@ -46,6 +47,8 @@ pub struct LabdSettings {
     pub listen: Endpoint,
     /// Its GPUs.
     pub inventory: Arc<dyn GpuInventory>,
+    /// TLS on its TCP listener (`[tls]`).
+    pub tls: Option<Arc<ServerConfig>>,
 }
 
 /// labd's config file.
@@ -94,6 +97,35 @@ pub(crate) struct LabdFile {
     max_queued_per_user: Option<usize>,
     /// Membership of a cluster.
     cluster: Option<ClusterFile>,
+    /// TLS on the TCP listener and towards the other nodes.
+    tls: Option<TlsFile>,
+}
+
+/// `[tls]` of labd's config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TlsFile {
+    /// This node's certificate chain (PEM, its own certificate first).
+    cert: PathBuf,
+    /// Its private key (PEM, mode 600).
+    key: PathBuf,
+    /// The CA the other nodes' certificates are checked against (PEM;
+    /// default: the system's roots).
+    ca: Option<PathBuf>,
+}
+
+/// `[tls]`, read and checked.
+struct Tls {
+    server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+}
+
+fn tls_config(t: TlsFile) -> Result<Tls> {
+    check_private(&t.key, true).context("[tls] key")?;
+    Ok(Tls {
+        server: labsync_agent::tls::server(&t.cert, &t.key).map_err(anyhow::Error::msg)?,
+        client: labsync_agent::tls::client(t.ca.as_deref()).map_err(anyhow::Error::msg)?,
+    })
 }
 
 /// `[cluster]` of labd's config file.
@@ -119,7 +151,7 @@ struct ClusterFile {
 
 /// Reads the config file (if any) and resolves everything with the flags.
 pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
-    let file = match &flags.config {
+    let mut file = match &flags.config {
         Some(p) => read_file(p)?,
         None => LabdFile::default(),
     };
@@ -140,17 +172,32 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         Some(d) => LocalLabd::at(&d),
         None => LocalLabd::for_user()?,
     };
+    let tls = file.tls.take().map(tls_config).transpose()?;
     let listen = match flags.listen.clone().or(file.listen.clone()) {
         Some(l) => l.parse::<Endpoint>().map_err(anyhow::Error::msg)?,
         None => Endpoint::Unix(local.socket()),
     };
+    // With [tls] the TCP listener speaks only TLS; without it, none.
+    let listen = match (listen, &tls) {
+        (Endpoint::Tcp(a) | Endpoint::Tls(a), Some(_)) => Endpoint::Tls(a),
+        (Endpoint::Tls(a), None) => bail!(
+            "listen = \"https://{a}\" needs a certificate: set [tls] cert and key (or listen on \
+             http://{a})"
+        ),
+        (Endpoint::Unix(p), Some(_)) => bail!(
+            "[tls] is set but labd listens on the Unix socket {}: TLS is for a TCP listener \
+             (listen = \"0.0.0.0:7420\")",
+            p.display()
+        ),
+        (l, None) => l,
+    };
     let fake_gpus = flags.fake_gpus.clone().or(file.fake_gpus.clone());
     let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
-    let mut file = file;
     let cluster_file = file.cluster.take();
     let mut config = daemon_config(file, settings, &local)?;
     if let Some(c) = cluster_file {
-        config.cluster = Some(cluster_config(c, &config.node_name, &listen)?);
+        let client = tls.as_ref().map(|t| t.client.clone());
+        config.cluster = Some(cluster_config(c, &config.node_name, &listen, client)?);
     }
     let inventory: Arc<dyn GpuInventory> = match fake_gpus {
         Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
@@ -160,6 +207,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         config,
         listen,
         inventory,
+        tls: tls.map(|t| t.server),
     })
 }
 
@@ -263,8 +311,16 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
 }
 
 /// The `[cluster]` section, checked: a TCP listener others can reach, a
-/// node name the cluster can show, a long secret no other user can read.
-fn cluster_config(c: ClusterFile, node_name: &str, listen: &Endpoint) -> Result<ClusterConfig> {
+/// node name the cluster can show, a long secret no other user can read;
+/// with TLS (`tls`, whom to trust), every address `https://`, without it
+/// none.
+fn cluster_config(
+    c: ClusterFile,
+    node_name: &str,
+    listen: &Endpoint,
+    tls: Option<Arc<ClientConfig>>,
+) -> Result<ClusterConfig> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
     node_name.parse::<labsync_placer::NodeName>().map_err(|e| {
         anyhow::anyhow!("node_name: {e} (in a cluster every node needs one; set node_name)")
     })?;
@@ -272,13 +328,23 @@ fn cluster_config(c: ClusterFile, node_name: &str, listen: &Endpoint) -> Result<
         .coordinator
         .parse()
         .map_err(|e: String| anyhow::anyhow!("[cluster] coordinator: {e}"))?;
-    if !matches!(coordinator, Endpoint::Tcp(_)) {
-        bail!(
-            "[cluster] coordinator = {:?}: nodes reach it over TCP; write http://host:port",
+    match (&coordinator, &tls) {
+        (Endpoint::Tcp(_), None) | (Endpoint::Tls(_), Some(_)) => {}
+        (Endpoint::Unix(_), _) => bail!(
+            "[cluster] coordinator = {:?}: nodes reach it over TCP; write {scheme}://host:port",
             c.coordinator
-        );
+        ),
+        (Endpoint::Tcp(_), Some(_)) => bail!(
+            "[cluster] coordinator = {:?}: with [tls] every node speaks TLS; write https://host:port",
+            c.coordinator
+        ),
+        (Endpoint::Tls(_), None) => bail!(
+            "[cluster] coordinator = {:?} speaks TLS: set [tls] (cert, key and the lab's ca) on \
+             this node too",
+            c.coordinator
+        ),
     }
-    let Endpoint::Tcp(addr) = listen else {
+    let (Endpoint::Tcp(addr) | Endpoint::Tls(addr)) = listen else {
         bail!(
             "labd listens on {listen}, which other nodes cannot reach: in a cluster set \
              listen = \"0.0.0.0:7420\" (or the address of this node)"
@@ -286,13 +352,20 @@ fn cluster_config(c: ClusterFile, node_name: &str, listen: &Endpoint) -> Result<
     };
     let advertise = match c.advertise {
         Some(a) => match a.parse::<Endpoint>() {
-            Ok(Endpoint::Tcp(hp)) => format!("http://{hp}"),
-            _ => bail!("[cluster] advertise = {a:?}: write http://host:port, how other nodes reach this one"),
+            Ok(Endpoint::Tcp(hp)) if tls.is_none() => format!("http://{hp}"),
+            Ok(Endpoint::Tls(hp)) if tls.is_some() => format!("https://{hp}"),
+            _ => bail!(
+                "[cluster] advertise = {a:?}: write {scheme}://host:port, how other nodes reach \
+                 this one"
+            ),
         },
         None => {
             let (host, port) = addr.rsplit_once(':').expect("a TCP endpoint has a port");
             let wildcard = ["0.0.0.0", "[::]", "::", ""].contains(&host);
-            format!("http://{}:{port}", if wildcard { node_name } else { host })
+            format!(
+                "{scheme}://{}:{port}",
+                if wildcard { node_name } else { host }
+            )
         }
     };
     let secret = match (c.secret, c.secret_file) {
@@ -323,6 +396,7 @@ fn cluster_config(c: ClusterFile, node_name: &str, listen: &Endpoint) -> Result<
         key,
         heartbeat,
         down_after,
+        tls,
     })
 }
 
@@ -377,7 +451,7 @@ mod tests {
 
     #[test]
     fn a_cluster_node_is_reachable_named_and_keyed() {
-        let c = cluster_config(cluster(""), "gpu2", &tcp("0.0.0.0:7420")).unwrap();
+        let c = cluster_config(cluster(""), "gpu2", &tcp("0.0.0.0:7420"), None).unwrap();
         assert_eq!(
             c.advertise, "http://gpu2:7420",
             "a wildcard listener advertises the name"
@@ -388,14 +462,20 @@ mod tests {
             (c.heartbeat.as_millis(), c.down_after.as_millis()),
             (1000, 10_000)
         );
-        let c =
-            cluster_config(cluster("coordinate = true"), "gpu2", &tcp("10.0.0.2:7420")).unwrap();
+        let c = cluster_config(
+            cluster("coordinate = true"),
+            "gpu2",
+            &tcp("10.0.0.2:7420"),
+            None,
+        )
+        .unwrap();
         assert_eq!(c.advertise, "http://10.0.0.2:7420");
         assert!(c.coordinate);
         let c = cluster_config(
             cluster("advertise = \"http://gpu2.lab:7420\""),
             "gpu2",
             &tcp("0.0.0.0:7420"),
+            None,
         )
         .unwrap();
         assert_eq!(c.advertise, "http://gpu2.lab:7420");
@@ -404,7 +484,9 @@ mod tests {
     #[test]
     fn cluster_mistakes_are_named() {
         let err = |c: ClusterFile, name: &str, listen: Endpoint| {
-            cluster_config(c, name, &listen).unwrap_err().to_string()
+            cluster_config(c, name, &listen, None)
+                .unwrap_err()
+                .to_string()
         };
         let unix = Endpoint::Unix("/run/labd.sock".into());
         assert!(err(cluster(""), "gpu2", unix).contains("other nodes cannot reach"));
@@ -431,6 +513,74 @@ mod tests {
     }
 
     #[test]
+    fn with_tls_every_address_is_https_and_without_it_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let made = rcgen::generate_simple_self_signed(vec!["gpu1".to_string()]).unwrap();
+        std::fs::write(&ca, made.cert.pem()).unwrap();
+        let tls = || Some(labsync_agent::tls::client(Some(&ca)).unwrap());
+        let https = |extra: &str| -> ClusterFile {
+            toml::from_str(&format!(
+                "coordinator = \"https://10.0.0.1:7420\"\nsecret = \"{}\"\n{extra}",
+                "s".repeat(40)
+            ))
+            .unwrap()
+        };
+        let c = cluster_config(https(""), "gpu2", &tcp("https://0.0.0.0:7420"), tls()).unwrap();
+        assert_eq!(c.advertise, "https://gpu2:7420");
+        assert_eq!(c.coordinator, tcp("https://10.0.0.1:7420"));
+        assert!(c.tls.is_some());
+        let err = |c: ClusterFile, tls| {
+            cluster_config(c, "gpu2", &tcp("https://0.0.0.0:7420"), tls)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(cluster(""), tls()).contains("with [tls] every node speaks TLS"));
+        assert!(err(https(""), None).contains("set [tls]"));
+        let plain_advertise = https("advertise = \"http://gpu2.lab:7420\"");
+        assert!(err(plain_advertise, tls()).contains("write https://host:port"));
+    }
+
+    #[test]
+    fn tls_mistakes_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["gpu1".to_string()]).unwrap();
+        let (cert, key) = (dir.path().join("gpu1.pem"), dir.path().join("gpu1.key"));
+        std::fs::write(&cert, made.cert.pem()).unwrap();
+        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let file = |listen: &str| {
+            let config = dir.path().join("labd.toml");
+            std::fs::write(
+                &config,
+                format!(
+                    "listen = \"{listen}\"\nstate_dir = \"{}\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+                    dir.path().join("state").display(),
+                    cert.display(),
+                    key.display()
+                ),
+            )
+            .unwrap();
+            let flags = LabdFlags {
+                config: Some(config),
+                fake_gpus: Some("1x1GiB".into()),
+                ..Default::default()
+            };
+            resolve(&flags).map(|s| (s.listen, s.tls.is_some()))
+        };
+        let e = file("127.0.0.1:7420").unwrap_err();
+        assert!(
+            format!("{e:#}").contains("readable by other users"),
+            "{e:#}"
+        );
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let (listen, tls) = file("127.0.0.1:7420").unwrap();
+        assert_eq!((listen, tls), (tcp("https://127.0.0.1:7420"), true));
+        let e = file(&dir.path().join("labd.sock").display().to_string()).unwrap_err();
+        assert!(e.to_string().contains("TLS is for a TCP listener"), "{e}");
+    }
+
+    #[test]
     fn a_secret_file_others_can_read_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("cluster.secret");
@@ -441,7 +591,7 @@ mod tests {
             f.display()
         ))
         .unwrap();
-        let e = cluster_config(c, "gpu2", &tcp("0.0.0.0:1"))
+        let e = cluster_config(c, "gpu2", &tcp("0.0.0.0:1"), None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("readable by other users"), "{e}");

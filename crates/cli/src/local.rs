@@ -137,8 +137,7 @@ pub async fn connect(
         .map(Secret::from)
         .or(s.token.clone());
     if let Some(addr) = labd.or(s.labd.clone()) {
-        let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
-        return Ok((Client::new(ep, token), None));
+        return Ok((client_of(&addr, token, s)?, None));
     }
     if Path::new(SYSTEM_SOCKET).exists() {
         return Ok((
@@ -161,6 +160,20 @@ pub async fn connect(
     };
     let client = Client::new(Endpoint::Unix(local.socket()), Some(token));
     Ok((client, Some(local)))
+}
+
+/// A client of the labd at `addr` (`http://`, `https://` or a socket); an
+/// `https://` one's certificate is checked against the settings' CA, or the
+/// system's roots.
+pub fn client_of(addr: &str, token: Option<Secret>, s: &Settings) -> Result<Client> {
+    let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
+    let tls = match (&ep, &s.labd_ca) {
+        (Endpoint::Tls(_), Some(ca)) => {
+            Some(labsync_agent::tls::client(Some(ca)).map_err(anyhow::Error::msg)?)
+        }
+        _ => None,
+    };
+    Ok(Client::new(ep, token).with_tls(tls))
 }
 
 /// Starts the personal labd in the background and waits until it answers.

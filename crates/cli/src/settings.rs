@@ -25,6 +25,9 @@ pub struct FileConfig {
     pub labd: Option<String>,
     /// `labrun`'s token for that labd.
     pub token: Option<Secret>,
+    /// For an `https://` labd: the lab's CA file (PEM) its certificate is
+    /// checked against; the system's roots without it.
+    pub labd_ca: Option<PathBuf>,
     /// How pushes compress compressible chunks: `lz4` (default) or `zstd`.
     pub compression: Option<String>,
 }
@@ -63,6 +66,9 @@ pub struct Settings {
     pub labd: Option<String>,
     /// labrun's token from the config file.
     pub token: Option<Secret>,
+    /// The CA an `https://` labd's certificate is checked against
+    /// (`LABRUN_CA`, else the config file's `labd_ca`).
+    pub labd_ca: Option<PathBuf>,
     /// How pushes compress compressible chunks.
     pub compression: Codec,
 }
@@ -79,6 +85,7 @@ impl std::fmt::Debug for Settings {
             .field("cache_max", &self.cache_max)
             .field("labd", &self.labd)
             .field("token", &self.token)
+            .field("labd_ca", &self.labd_ca)
             .field("compression", &self.compression)
             .finish()
     }
@@ -153,6 +160,11 @@ impl Settings {
             cache_max,
             labd: file.labd,
             token: file.token,
+            labd_ca: env
+                .iter()
+                .find(|(k, v)| k == "LABRUN_CA" && !v.is_empty())
+                .map(|(_, v)| PathBuf::from(v))
+                .or(file.labd_ca),
         })
     }
 }

@@ -275,8 +275,8 @@ impl Coordinator {
             v.members.get(&name)?.addr.clone()
         };
         let ep: Endpoint = addr.parse().ok()?;
-        let key = d.cluster()?.key.clone();
-        Some(Client::for_cluster(ep, key, d.node_name()))
+        let cfg = d.cluster()?;
+        Some(Client::for_cluster(ep, cfg.key.clone(), d.node_name()).with_tls(cfg.tls.clone()))
     }
 
     /// Sends a dispatched job to its node (in the background; one at a

@@ -40,6 +40,9 @@ pub struct ClusterConfig {
     /// A node without a heartbeat for this long is down (the coordinator's
     /// setting).
     pub down_after: Duration,
+    /// With TLS (`[tls]`): whom to trust when reaching the other nodes, the
+    /// lab's CA. Every address is then `https://`.
+    pub tls: Option<std::sync::Arc<crate::tls::ClientConfig>>,
 }
 
 /// The wall clock in Unix milliseconds: signatures and heartbeats carry it.

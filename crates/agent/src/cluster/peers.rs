@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use labsync_store::{PackId, PackPeers, PeerEvent};
@@ -13,6 +13,7 @@ use labsync_store::{PackId, PackPeers, PeerEvent};
 use crate::client::{Client, Endpoint};
 use crate::cluster::ClusterKey;
 use crate::proto::FetchCounts;
+use crate::tls::ClientConfig;
 
 /// What the store's trait returns (`futures::future::BoxFuture`).
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -30,6 +31,7 @@ pub const COUNTS_FILE: &str = "fetched-v1.json";
 pub struct ClusterPeers {
     me: String,
     key: ClusterKey,
+    tls: Option<Arc<ClientConfig>>,
     coordinator: Endpoint,
     /// Pack → (node, address) of the peers holding it, as last located.
     located: Mutex<HashMap<PackId, Vec<(String, String)>>>,
@@ -39,9 +41,16 @@ pub struct ClusterPeers {
 }
 
 impl ClusterPeers {
-    /// The peers of node `me`, located through `coordinator`; the counts
-    /// go on from those kept in `cache_dir`.
-    pub fn new(me: &str, key: ClusterKey, coordinator: Endpoint, cache_dir: &Path) -> ClusterPeers {
+    /// The peers of node `me`, located through `coordinator`, reached with
+    /// `tls` when the cluster has it; the counts go on from those kept in
+    /// `cache_dir`.
+    pub fn new(
+        me: &str,
+        key: ClusterKey,
+        tls: Option<Arc<ClientConfig>>,
+        coordinator: Endpoint,
+        cache_dir: &Path,
+    ) -> ClusterPeers {
         let file = cache_dir.join(COUNTS_FILE);
         let counts = std::fs::read(&file)
             .ok()
@@ -50,6 +59,7 @@ impl ClusterPeers {
         ClusterPeers {
             me: me.to_string(),
             key,
+            tls,
             coordinator,
             located: Mutex::new(HashMap::new()),
             counts: Mutex::new(counts),
@@ -85,7 +95,7 @@ impl ClusterPeers {
     }
 
     fn client(&self, ep: Endpoint) -> Client {
-        Client::for_cluster(ep, self.key.clone(), &self.me)
+        Client::for_cluster(ep, self.key.clone(), &self.me).with_tls(self.tls.clone())
     }
 }
 
@@ -180,7 +190,13 @@ mod tests {
     fn fetches_are_counted_by_source_and_rates_measured() {
         let dir = tempfile::tempdir().unwrap();
         let key = || ClusterKey::new(&crate::Secret::new("s".repeat(40))).unwrap();
-        let p = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
+        let p = ClusterPeers::new(
+            "gpu2",
+            key(),
+            None,
+            "127.0.0.1:1".parse().unwrap(),
+            dir.path(),
+        );
         let pack = PackId::from_bytes([1; 32]);
         p.report(PeerEvent::FromPeer {
             peer: "gpu1".into(),
@@ -231,7 +247,13 @@ mod tests {
         });
         let c = p.counts();
         // Kept in the cache folder: a new labd goes on from them.
-        let again = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
+        let again = ClusterPeers::new(
+            "gpu2",
+            key(),
+            None,
+            "127.0.0.1:1".parse().unwrap(),
+            dir.path(),
+        );
         assert_eq!(again.counts(), c);
         assert_eq!(c.store_rate, Some(10 << 20));
         // A symlink planted where the temporary file goes is not written
@@ -245,7 +267,13 @@ mod tests {
             secs: 1.0,
         });
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
-        let kept = ClusterPeers::new("gpu2", key(), "127.0.0.1:1".parse().unwrap(), dir.path());
+        let kept = ClusterPeers::new(
+            "gpu2",
+            key(),
+            None,
+            "127.0.0.1:1".parse().unwrap(),
+            dir.path(),
+        );
         assert_eq!(kept.counts(), p.counts(), "the counts were still kept");
         assert_eq!(
             c.peer_rate,

@@ -160,7 +160,8 @@ impl Reporter {
                     self.cfg.coordinator.clone(),
                     self.cfg.key.clone(),
                     self.daemon.node_name(),
-                );
+                )
+                .with_tls(self.cfg.tls.clone());
                 // A stopped coordinator accepts connections and never
                 // answers: the next beat must not wait behind this one.
                 tokio::time::timeout(

@@ -167,6 +167,7 @@ impl Daemon {
             Arc::new(ClusterPeers::new(
                 &cfg.node_name,
                 c.key.clone(),
+                c.tls.clone(),
                 c.coordinator.clone(),
                 &cfg.cache_dir,
             ))

@@ -48,7 +48,16 @@ and names the coordinator and a shared secret; one of them coordinates:
   heartbeat_ms = 1000
   down_after_ms = 10000                     # no heartbeat this long: node down
 
-labrun status against the coordinator then shows every node.";
+labrun status against the coordinator then shows every node. With TLS, the
+TCP port speaks only TLS and every address is https:// (coordinator too):
+
+  [tls]
+  cert = \"/etc/labsync/tls/gpu2.pem\"        # this node's certificate
+  key = \"/etc/labsync/tls/gpu2.key\"         # its key, mode 600
+  ca = \"/etc/labsync/tls/lab-ca.pem\"        # checks the other nodes
+
+Without [tls], tokens, jobs, heartbeats and pack bytes cross the network in
+clear (the cluster secret never does).";
 
 #[derive(Parser, Debug)]
 #[command(name = "labd", version, about = "The labsync node daemon", long_about = LONG_ABOUT)]

@@ -44,7 +44,9 @@ without submitting, and ps, logs, kill and status cover every node.
 labd is found at --labd, LABRUN_LABD, `labd` in the config file, the system
 socket /run/labsync/labd.sock, or else a personal labd that labrun starts in
 the background (state in ~/.local/state/labsync/labd). A shared labd needs
-your token: LABRUN_TOKEN or `token` in ~/.config/labsync/config.toml.
+your token: LABRUN_TOKEN or `token` in ~/.config/labsync/config.toml. An
+https:// labd's certificate is checked against LABRUN_CA (the lab's CA file,
+or `labd_ca` in the config file), else the system's roots.
 
 Exit codes: the job's own; 128+N if a signal N ended it; 1 if it could not
 run or labrun failed; 2 for a usage error.";
@@ -68,7 +70,7 @@ struct Cli {
 
 #[derive(Args, Debug, Clone)]
 struct Global {
-    /// labd to use: unix:///path/labd.sock or http://host:port
+    /// labd to use: unix:///path/labd.sock, http://host:port or https://host:port
     #[arg(long, global = true, env = "LABRUN_LABD", value_name = "ADDR")]
     labd: Option<String>,
     /// Config file [default: ~/.config/labsync/config.toml]

@@ -2,15 +2,22 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use labsync_agent::tls::ServerConfig;
 use labsync_agent::{euid, serve, Daemon, Endpoint, Listener};
 
 use crate::labd_config::LabdSettings;
 
 /// Listens on `endpoint`: a Unix socket (stale ones replaced, mode 0666 for a
-/// `shared` root labd, else 0600) or TCP (with a warning off loopback).
-async fn bind(endpoint: &Endpoint, shared: bool) -> Result<Listener> {
+/// `shared` root labd, else 0600) or TCP: TLS with `tls`, else in clear
+/// (with a warning off loopback).
+async fn bind(
+    endpoint: &Endpoint,
+    shared: bool,
+    tls: Option<&Arc<ServerConfig>>,
+) -> Result<Listener> {
     match endpoint {
         Endpoint::Unix(path) => {
             if let Some(dir) = path.parent() {
@@ -32,19 +39,22 @@ async fn bind(endpoint: &Endpoint, shared: bool) -> Result<Listener> {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
             Ok(Listener::Unix(l))
         }
-        Endpoint::Tcp(addr) => {
+        Endpoint::Tcp(addr) | Endpoint::Tls(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?;
+            if let Some(config) = tls {
+                return Ok(Listener::Tls(l, config.clone()));
+            }
             let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
             if !matches!(host, "127.0.0.1" | "localhost" | "[::1]") {
                 tracing::warn!(
-                    "listening on {addr} without TLS: tokens and job environments cross the \
-                     network in clear; keep it on a trusted lab network or tunnel it (ssh -L)"
+                    "listening on {addr} without TLS: tokens, job environments and packs cross \
+                     the network in clear; set [tls] (cert, key, ca), or keep it on a trusted lab \
+                     network"
                 );
             }
-            Ok(Listener::Tcp(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("cannot listen on {addr}"))?,
-            ))
+            Ok(Listener::Tcp(l))
         }
     }
 }
@@ -56,6 +66,7 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
         config: cfg,
         listen,
         inventory,
+        tls,
     } = s;
     tracing::info!(
         "labd {} on {}: store {}, cache {}, GPUs: {}",
@@ -66,7 +77,7 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
         inventory.describe()
     );
     let daemon = Daemon::open(cfg, inventory).await?;
-    let listener = bind(&listen, euid() == 0).await?;
+    let listener = bind(&listen, euid() == 0, tls.as_ref()).await?;
     tracing::info!("listening on {listen}");
     let shutdown = async {
         use tokio::signal::unix::{signal, SignalKind};

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use labsync_agent::cluster::WarmAsk;
-use labsync_agent::{Client, Endpoint};
 use serde_json::json;
 
 use super::{explain_client, Printer};
@@ -48,12 +47,11 @@ pub async fn warm(s: &Settings, printer: &Printer, a: WarmArgs) -> Result<ExitCo
              http://HOST:PORT (or LABRUN_LABD, or `labd` in the config file)"
         );
     };
-    let ep: Endpoint = addr.parse().map_err(anyhow::Error::msg)?;
     let token = std::env::var("LABRUN_TOKEN")
         .ok()
         .map(labsync_agent::Secret::from)
         .or(s.token.clone());
-    let client = Client::new(ep, token);
+    let client = crate::local::client_of(&addr, token, s)?;
     let ask = WarmAsk {
         name: a.name.clone(),
         nodes: a.nodes.clone(),
