@@ -25,6 +25,71 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     written
 }
 
+/// [`write_atomic`] with `O_DIRECT` where the file system allows it: the
+/// bytes go to the disk from an aligned buffer, not through the page cache.
+/// For packs a pull has just fetched and uses from memory: copying them into
+/// the page cache as well cost a third of the CPU of a pull from a peer.
+pub(crate) fn write_atomic_direct(path: &Path, data: &[u8]) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    if let Some(done) = write_direct(path, data) {
+        return done;
+    }
+    write_atomic(path, data)
+}
+
+/// `None` where `O_DIRECT` cannot be used (the caller writes buffered).
+#[cfg(target_os = "linux")]
+fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    /// Bytes copied to the aligned buffer and written at a time.
+    const PIECE: usize = 4 << 20;
+    thread_local! {
+        static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if let Some(dir) = path.parent() {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            return Some(Err(Error::io("create directory", dir)(e)));
+        }
+    }
+    let tmp = tmp_name(path);
+    let f = match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&tmp)
+    {
+        Ok(f) => f,
+        Err(_) => {
+            let _ = std::fs::remove_file(&tmp);
+            return None;
+        }
+    };
+    let written = BOUNCE.with(|b| {
+        let mut b = b.borrow_mut();
+        let start = aligned_window(&mut b, PIECE)
+            .ok_or_else(|| std::io::Error::other("no aligned buffer"))?;
+        for (k, piece) in data.chunks(PIECE).enumerate() {
+            let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
+            let w = &mut b[start..start + padded];
+            w[..piece.len()].copy_from_slice(piece);
+            w[piece.len()..].fill(0);
+            f.write_all_at(w, (k * PIECE) as u64)?;
+        }
+        // The last piece was padded to the alignment.
+        f.set_len(data.len() as u64)
+    });
+    drop(f);
+    match written {
+        Ok(()) => Some(std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))),
+        Err(_) => {
+            // Refused for this file (an odd file system, a full disk): the
+            // buffered write says which.
+            let _ = std::fs::remove_file(&tmp);
+            None
+        }
+    }
+}
+
 /// Bytes an unprivileged writer may still use on the file system of `path`
 /// (the nearest existing folder above it); `None` if it cannot be asked.
 #[allow(unsafe_code)]
@@ -169,4 +234,29 @@ pub(crate) fn open_direct(path: &Path) -> Option<std::fs::File> {
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn open_direct(_: &Path) -> Option<std::fs::File> {
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn direct_writes_keep_every_byte_whatever_the_size() {
+        let dir = tempfile::tempdir().unwrap();
+        for (k, len) in [0usize, 1, 4095, 4096, 4097, (4 << 20) + 17, 9 << 20]
+            .into_iter()
+            .enumerate()
+        {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
+            let path = dir.path().join("sub").join(format!("f{k}"));
+            write_atomic_direct(&path, &data).unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), data, "{len} bytes");
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("sub"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().contains("tmp"))
+            .collect();
+        assert!(left.is_empty(), "no temporary file left: {left:?}");
+    }
 }

@@ -34,6 +34,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod arrive;
 mod at;
 mod cache;
 mod chunker;

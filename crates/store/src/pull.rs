@@ -20,6 +20,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::arrive::Arrivals;
 use crate::at::{self, Tree};
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
@@ -149,14 +150,33 @@ pub async fn pull_with(
     // Recorded before fetching, so packs of an interrupted pull stay owned.
     let (id, label, store) = (record.snapshot, record.label(), &repo.config().id);
     cache.touch(id, &label, store, plan.packs.clone())?;
-    let (packs_fetched, bytes_fetched) = cache.fetch_packs(&repo, &plan.packs, &progress).await?;
 
+    // Files are written while the packs they need arrive (see `arrive`);
+    // the progress shown is the files written.
+    let order = spread_over_folders(&entries, &plan.files);
+    let (fetch_order, arrivals) = arrivals_for(cache, &entries, &index, &order, &plan.packs);
+    let arrivals = Arc::new(arrivals);
     progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
     let entries = Arc::new(entries);
-    let written = write_verified(
-        &repo, cache, &entries, index, &plan, &tree, threads, &progress,
+    let fetch = async {
+        let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
+        let fetched = cache
+            .fetch_packs_then(&repo, &fetch_order, &quiet, Some(&arrivals))
+            .await;
+        // Done or failed, no writer waits any longer: a pack that turned
+        // up in the cache meanwhile is read there.
+        match &fetched {
+            Ok(_) => arrivals.finished(),
+            Err(_) => arrivals.fail(),
+        }
+        fetched
+    };
+    let write = write_verified(
+        &repo, cache, &entries, index, order, &tree, threads, &progress, &arrivals,
     );
-    let written = written.await?;
+    let (fetched, written) = tokio::join!(fetch, write);
+    let (packs_fetched, bytes_fetched) = fetched?;
+    let written = written?;
     make_links(&tree, &entries)?;
     // Into an empty folder nothing extra can be there: no walk.
     let (extra, deleted) = if empty {
@@ -362,23 +382,25 @@ async fn write_verified(
     cache: &NodeCache,
     entries: &Arc<Vec<Entry>>,
     index: Index,
-    plan: &Plan,
+    order: Vec<usize>,
     tree: &Arc<Tree>,
     threads: usize,
     progress: &Arc<dyn Progress>,
+    arrivals: &Arc<Arrivals>,
 ) -> Result<u64> {
     let mut index = Arc::new(index);
     let mut corrected = HashSet::new();
     let mut refetched = HashSet::new();
     let mut attempt = 0;
     loop {
-        let (e2, i2, c2, d2, p2, f2) = (
+        let (e2, i2, c2, d2, p2, f2, a2) = (
             entries.clone(),
             index.clone(),
             cache.clone(),
             tree.clone(),
             progress.clone(),
-            plan.files.clone(),
+            order.clone(),
+            arrivals.clone(),
         );
         let retry = attempt > 0;
         attempt += 1;
@@ -389,7 +411,7 @@ async fn write_verified(
             } else {
                 f2
             };
-            write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref())
+            write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref(), &a2)
         })
         .await;
         let (what, detail) = match res {
@@ -423,9 +445,64 @@ async fn write_verified(
         progress.warn(&format!(
             "pack {p} failed verification ({detail}); fetching it again"
         ));
+        arrivals.forget(&p);
         cache.forget_pack(&p);
         cache.fetch_pack(repo, &p).await?;
     }
+}
+
+/// Passes on warnings only: while files are written, their progress is
+/// the one shown.
+struct WarningsOnly(Arc<dyn Progress>);
+
+impl Progress for WarningsOnly {
+    fn phase(&self, _: &str, _: Option<u64>, _: Option<u64>) {}
+    fn advance(&self, _: u64, _: u64) {}
+    fn warn(&self, message: &str) {
+        self.0.warn(message);
+    }
+}
+
+/// The packs of `e`'s chunks, each once, in order of first use; chunks
+/// the index does not know are left out (the writer reports them).
+fn packs_of(e: &Entry, index: &Index) -> Vec<PackId> {
+    let mut packs: Vec<PackId> = Vec::new();
+    for c in &e.chunks {
+        if let Some((p, _)) = index.get(c) {
+            if !packs.contains(&p) {
+                packs.push(p);
+            }
+        }
+    }
+    packs
+}
+
+/// The packs to fetch, in the order the writers first need them (files in
+/// `order`), and what the writers wait for: those not in the cache.
+fn arrivals_for(
+    cache: &NodeCache,
+    entries: &[Entry],
+    index: &Index,
+    order: &[usize],
+    packs: &[(PackId, u64)],
+) -> (Vec<(PackId, u64)>, Arrivals) {
+    let sizes: std::collections::HashMap<PackId, u64> = packs.iter().copied().collect();
+    let mut seen = HashSet::new();
+    let mut fetch = Vec::with_capacity(packs.len());
+    for &i in order {
+        for p in packs_of(&entries[i], index) {
+            if seen.insert(p) {
+                fetch.push((p, sizes.get(&p).copied().unwrap_or(0)));
+            }
+        }
+    }
+    let missing = fetch
+        .iter()
+        .filter(|(p, _)| !cache.pack_path(p).exists())
+        .map(|(p, _)| *p);
+    let uses = order.iter().map(|&i| packs_of(&entries[i], index));
+    let arrivals = Arrivals::new(missing, uses);
+    (fetch, arrivals)
 }
 
 /// True when `index` places a chunk of `own` (a pack's footer) elsewhere in
@@ -588,23 +665,24 @@ fn finish(tree: &Tree, entries: &[Entry]) -> Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn write_files(
     entries: &[Entry],
-    files: &[usize],
+    order: &[usize],
     index: &Index,
     cache: &NodeCache,
     tree: &Tree,
     threads: usize,
     progress: &dyn Progress,
+    arrivals: &Arrivals,
 ) -> Result<u64> {
-    let order = spread_over_folders(entries, files);
     let next = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
     let err: Mutex<Option<Error>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
-                let mut reader = PackReader::new(cache);
+                let mut reader = PackReader::new(cache).with_fresh(arrivals);
                 let mut buf = Vec::new();
                 let mut dirs = at::Dirs::for_writer(threads);
                 loop {
@@ -614,8 +692,16 @@ fn write_files(
                         break;
                     }
                     let e = &entries[i];
+                    let packs = packs_of(e, index);
+                    if arrivals.wait_for(&packs).is_err() {
+                        // The fetch failed; its error is the one reported.
+                        let failed = Error::not_found("packs (the fetch failed)");
+                        err.lock().expect("poisoned").get_or_insert(failed);
+                        break;
+                    }
                     match write_one(e, tree, &mut dirs, index, &mut reader, &mut buf) {
                         Ok(()) => {
+                            arrivals.done_with(&packs);
                             bytes.fetch_add(e.size, Ordering::Relaxed);
                             progress.advance(e.size, 1);
                         }
@@ -731,11 +817,11 @@ fn write_one(
             let (pack, entry) = index
                 .get(c)
                 .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
-            let stored = reader.read(&pack, entry.offset, entry.stored_len, buf)?;
             // Verified before a single byte reaches the file.
-            let plain = entry.decode(stored, &pack)?;
-            write_data(&w, &plain, n).map_err(Error::io("write", shown()))?;
-            n += plain.len() as u64;
+            n += reader.with_plain(&pack, &entry, buf, |plain| {
+                write_data(&w, plain, n).map_err(Error::io("write", shown()))?;
+                Ok(plain.len() as u64)
+            })?;
         }
         if n != e.size {
             return Err(Error::corrupt(

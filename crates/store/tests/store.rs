@@ -1820,16 +1820,16 @@ impl labsync_store::PackPeers for ScriptedPeers {
         &'a self,
         peer: &'a str,
         pack: &'a labsync_store::PackId,
-    ) -> futures::future::BoxFuture<'a, Result<Vec<u8>, String>> {
+    ) -> futures::future::BoxFuture<'a, Result<bytes::Bytes, String>> {
         Box::pin(async move {
             let real = std::fs::read(self.store.join(labsync_store::pack_key(pack))).unwrap();
             match peer {
-                "good" => Ok(real),
+                "good" => Ok(real.into()),
                 "liar" => {
                     let mut b = real;
                     let mid = b.len() / 2;
                     b[mid] ^= 1;
-                    Ok(b)
+                    Ok(b.into())
                 }
                 _ => Err("connection refused".into()),
             }
@@ -1922,4 +1922,54 @@ async fn packs_come_from_peers_verified_and_from_the_store_when_no_peer_has_a_go
             );
         }
     }
+}
+
+/// Files are written while packs arrive; a pack the store lost fails the
+/// pull with its name, and no writer waits for it forever. With the pack
+/// back, the same pull completes the tree.
+#[tokio::test]
+async fn a_pack_the_store_lost_fails_the_pull_by_name_and_nothing_waits_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote = Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap();
+    let env = Env::new(remote).await;
+    let src = env.root.join("src");
+    write_tree(&src, 12);
+    push(&env.repo, &src, &opts("data", &env.cache), np())
+        .await
+        .unwrap();
+    let packs: Vec<PathBuf> = files_under(&dir.path().join("packs"));
+    assert!(packs.len() > 1, "the tree spans several packs");
+    let lost = &packs[packs.len() / 2];
+    let kept = env.root.join("kept-pack");
+    std::fs::rename(lost, &kept).unwrap();
+    let cache = NodeCache::open(&env.root.join("fresh-cache"), 1 << 30).unwrap();
+    let dest = env.root.join("out");
+    let pulled = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np()),
+    )
+    .await
+    .expect("the pull ends");
+    let err = pulled.unwrap_err().to_string();
+    let name = lost.file_name().unwrap().to_str().unwrap();
+    assert!(err.contains(name), "{err}");
+    std::fs::rename(&kept, lost).unwrap();
+    pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np())
+        .await
+        .unwrap();
+    assert_same_tree(&src, &dest);
+}
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
 }

@@ -131,7 +131,7 @@ impl PackPeers for ClusterPeers {
         &'a self,
         peer: &'a str,
         pack: &'a PackId,
-    ) -> BoxFuture<'a, Result<Vec<u8>, String>> {
+    ) -> BoxFuture<'a, Result<bytes::Bytes, String>> {
         Box::pin(async move {
             let addr = {
                 let l = self.located.lock().expect("peers poisoned");
@@ -143,7 +143,7 @@ impl PackPeers for ClusterPeers {
                 .ok_or_else(|| format!("{peer} was not located"))?
                 .parse()?;
             match tokio::time::timeout(PACK_TIMEOUT, self.client(ep).pack(pack)).await {
-                Ok(Ok(b)) => Ok(b.to_vec()),
+                Ok(Ok(b)) => Ok(b),
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err(format!("no whole answer within {PACK_TIMEOUT:?}")),
             }

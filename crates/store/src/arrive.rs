@@ -1,0 +1,226 @@
+//! Packs arriving while a pull writes files: the two overlap.
+//!
+//! A pull used to fetch every missing pack, then write every file. Now
+//! writers start at once and each file waits only for its own packs. The
+//! packs are fetched in the order the writers first need them, and a pack
+//! fetched whole into memory is kept there for its files (up to
+//! [`FRESH_MAX`] bytes), so they are read from memory rather than from
+//! the cache's copy just written. Chunks read from memory are verified like
+//! those read from the cache: nothing unverified reaches a file.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex};
+
+use crate::cache::Fresh;
+use crate::id::PackId;
+
+/// Bytes of fetched packs kept in memory for the files still to write.
+/// Past it a pack goes to the cache only, and its files read it there.
+pub(crate) const FRESH_MAX: u64 = 256 << 20;
+
+/// The packs a pull waits for, and those in memory.
+pub(crate) struct Arrivals {
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// Not yet in the cache.
+    waiting: HashSet<PackId>,
+    /// In memory, for the files that still need it.
+    fresh: HashMap<PackId, Arc<Fresh>>,
+    fresh_bytes: u64,
+    /// Files still to write, per pack.
+    users: HashMap<PackId, usize>,
+    /// The fetch gave up: waiting is over.
+    failed: bool,
+}
+
+/// The fetch gave up; the writer stops (the fetch's error is the one
+/// reported).
+#[derive(Debug)]
+pub(crate) struct FetchFailed;
+
+impl Arrivals {
+    /// Waiting for `missing`; `uses` lists, per file to write, the packs it
+    /// needs (each once).
+    pub(crate) fn new(
+        missing: impl IntoIterator<Item = PackId>,
+        uses: impl IntoIterator<Item = Vec<PackId>>,
+    ) -> Arrivals {
+        let mut users: HashMap<PackId, usize> = HashMap::new();
+        for packs in uses {
+            for p in packs {
+                *users.entry(p).or_default() += 1;
+            }
+        }
+        Arrivals {
+            state: Mutex::new(State {
+                waiting: missing.into_iter().collect(),
+                users,
+                ..State::default()
+            }),
+            arrived: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("arrivals poisoned")
+    }
+
+    /// All of `pack`, fetched and not yet in the cache: kept in memory
+    /// while files need it and there is room, and then no longer awaited.
+    pub(crate) fn offer(&self, pack: PackId, fresh: Fresh) {
+        let mut s = self.lock();
+        let size = fresh.bytes.len() as u64;
+        let needed = s.users.get(&pack).is_some_and(|&n| n > 0);
+        if !needed || s.fresh_bytes + size > FRESH_MAX || s.fresh.contains_key(&pack) {
+            return;
+        }
+        s.fresh_bytes += size;
+        s.fresh.insert(pack, Arc::new(fresh));
+        s.waiting.remove(&pack);
+        drop(s);
+        self.arrived.notify_all();
+    }
+
+    /// `pack` is in the cache.
+    pub(crate) fn arrived(&self, pack: PackId) {
+        self.lock().waiting.remove(&pack);
+        self.arrived.notify_all();
+    }
+
+    /// The fetch is over: whatever is still awaited is read from the cache
+    /// (it was there already, or its absence is reported).
+    pub(crate) fn finished(&self) {
+        self.lock().waiting.clear();
+        self.arrived.notify_all();
+    }
+
+    /// The fetch failed: nothing more will arrive.
+    pub(crate) fn fail(&self) {
+        self.lock().failed = true;
+        self.arrived.notify_all();
+    }
+
+    /// Blocks until every pack in `packs` is in the cache.
+    pub(crate) fn wait_for(&self, packs: &[PackId]) -> Result<(), FetchFailed> {
+        let mut s = self.lock();
+        loop {
+            if !packs.iter().any(|p| s.waiting.contains(p)) {
+                return Ok(());
+            }
+            if s.failed {
+                return Err(FetchFailed);
+            }
+            s = self.arrived.wait(s).expect("arrivals poisoned");
+        }
+    }
+
+    /// The pack, when it is in memory.
+    pub(crate) fn fresh(&self, pack: &PackId) -> Option<Arc<Fresh>> {
+        self.lock().fresh.get(pack).cloned()
+    }
+
+    /// A file that needed `packs` is written: a pack no file needs any
+    /// more leaves memory.
+    pub(crate) fn done_with(&self, packs: &[PackId]) {
+        let mut s = self.lock();
+        for p in packs {
+            let left = match s.users.get_mut(p) {
+                Some(n) => {
+                    *n = n.saturating_sub(1);
+                    *n
+                }
+                None => 0,
+            };
+            if left == 0 {
+                if let Some(f) = s.fresh.remove(p) {
+                    s.fresh_bytes -= f.bytes.len() as u64;
+                }
+            }
+        }
+    }
+
+    /// A pack found corrupt is fetched again: its copy in memory goes.
+    pub(crate) fn forget(&self, pack: &PackId) {
+        let mut s = self.lock();
+        if let Some(f) = s.fresh.remove(pack) {
+            s.fresh_bytes -= f.bytes.len() as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn bytes(b: Bytes) -> Fresh {
+        Fresh {
+            bytes: b,
+            verified: None,
+        }
+    }
+
+    fn id(n: u8) -> PackId {
+        PackId::of(&[n])
+    }
+
+    #[test]
+    fn a_writer_waits_for_its_own_packs_only() {
+        let (a, b) = (id(1), id(2));
+        let uses = [vec![a], vec![b]];
+        let arr = std::sync::Arc::new(Arrivals::new([a, b], uses));
+        let waiter = {
+            let arr = arr.clone();
+            std::thread::spawn(move || arr.wait_for(&[b]))
+        };
+        arr.offer(a, bytes(Bytes::from_static(b"pack a")));
+        assert!(arr.wait_for(&[a]).is_ok(), "a is there");
+        assert_eq!(arr.fresh(&a).unwrap().bytes, &b"pack a"[..]);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(!waiter.is_finished(), "b has not arrived");
+        arr.arrived(b);
+        assert!(waiter.join().unwrap().is_ok());
+        assert!(arr.fresh(&b).is_none(), "b came without its bytes");
+        arr.done_with(&[a]);
+        assert!(arr.fresh(&a).is_none(), "no file needs a any more");
+    }
+
+    #[test]
+    fn a_failed_fetch_ends_every_wait() {
+        let a = id(1);
+        let uses = [vec![a]];
+        let arr = std::sync::Arc::new(Arrivals::new([a], uses));
+        let waiter = {
+            let arr = arr.clone();
+            std::thread::spawn(move || arr.wait_for(&[a]))
+        };
+        arr.fail();
+        assert!(waiter.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn memory_is_bounded_and_a_corrupt_copy_forgotten() {
+        let (a, b) = (id(1), id(2));
+        let uses = [vec![a], vec![b]];
+        let arr = Arrivals::new([a, b], uses);
+        let big = Bytes::from(vec![0u8; FRESH_MAX as usize - 10]);
+        arr.offer(a, bytes(big));
+        arr.offer(b, bytes(Bytes::from(vec![1u8; 100])));
+        assert!(arr.fresh(&a).is_some());
+        assert!(
+            arr.fresh(&b).is_none(),
+            "over the cap: b is read from the cache"
+        );
+        assert!(
+            arr.lock().waiting.contains(&b),
+            "and awaited until it is there"
+        );
+        arr.forget(&a);
+        assert!(arr.fresh(&a).is_none());
+        assert_eq!(arr.lock().fresh_bytes, 0);
+    }
+}
