@@ -264,25 +264,50 @@ async fn heartbeat(
     Ok(Json(c.heartbeat(&from, body, now_ms() as u64)?))
 }
 
-/// A pack from this node's cache, for a peer (which verifies it).
+/// A pack from this node's cache, for a peer (which verifies it), sent as
+/// it is read: the disk and the network work side by side.
 async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
         .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
     let path = d.cache().pack_path(&id);
-    let bytes = off_runtime(move || std::fs::read(path))
-        .await
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ApiError::NotFound(format!(
-                "pack {} is not cached on {}",
-                id.short(),
-                d.node_name()
-            )),
-            _ => ApiError::Internal(format!("pack {}: {e}", id.short())),
-        })?;
+    let opened = off_runtime(move || {
+        let f = std::fs::File::open(path)?;
+        let len = f.metadata()?.len();
+        // The whole pack is read ahead while the first pieces go out.
+        let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::WillNeed);
+        Ok::<_, std::io::Error>((f, len))
+    });
+    let (file, len) = opened.await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ApiError::NotFound(format!(
+            "pack {} is not cached on {}",
+            id.short(),
+            d.node_name()
+        )),
+        _ => ApiError::Internal(format!("pack {}: {e}", id.short())),
+    })?;
+    /// Bytes read and sent at a time.
+    const PIECE: usize = 1 << 20;
+    let pieces = futures::stream::unfold(Some(file), |file| async move {
+        let mut f = file?;
+        let read = off_runtime(move || {
+            use std::io::Read;
+            let mut buf = vec![0u8; PIECE];
+            let n = f.read(&mut buf)?;
+            buf.truncate(n);
+            Ok::<_, std::io::Error>((f, buf))
+        })
+        .await;
+        match read {
+            Ok((_, buf)) if buf.is_empty() => None,
+            Ok((f, buf)) => Some((Ok(bytes::Bytes::from(buf)), Some(f))),
+            Err(e) => Some((Err(e), None)),
+        }
+    });
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
-        .body(Body::from(bytes))
+        .header(header::CONTENT_LENGTH, len)
+        .body(Body::from_stream(pieces))
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 

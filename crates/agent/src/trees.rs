@@ -119,6 +119,15 @@ impl Trees {
             shared: true,
         };
         let got = pull_with(repo, cache, &spec, &tmp, opts, Arc::new(NoProgress)).await?;
+        tracing::info!(
+            "materialised {} in {:.2} s: {} files, {} bytes; {} packs ({} bytes) fetched",
+            tree.label,
+            got.seconds,
+            got.files_written,
+            got.bytes_written,
+            got.packs_fetched,
+            got.bytes_fetched
+        );
         if got.record.snapshot.to_string() != tree.snapshot {
             return Err(PrepareError::Moved {
                 label: tree.label.clone(),

@@ -615,12 +615,10 @@ impl Coordinator {
         offset: u64,
         wait: Duration,
     ) -> Result<LogRead, ApiError> {
-        let j = self.get(id)?;
-        Self::own(caller, &j, "read the log of")?;
         let wait = wait.min(Duration::from_secs(30));
         // A job that ran has its log on its node, ended or not (kept there
         // `work_keep_s`).
-        let ran_on = match &j.placement {
+        let ran_on = |j: &ClusterJob| match &j.placement {
             Placement::Dispatched {
                 node,
                 confirmed: true,
@@ -629,7 +627,21 @@ impl Coordinator {
             Placement::Ended { view } => view.node.clone(),
             _ => None,
         };
-        match (&j.placement, ran_on) {
+        let mut j = self.get(id)?;
+        Self::own(caller, &j, "read the log of")?;
+        // Not started anywhere yet: looked at again every 50 ms for up to a
+        // second, so a follower neither spins nor misses the job's first
+        // line by the rest of a second.
+        let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(1));
+        while ran_on(&j).is_none()
+            && !matches!(j.placement, Placement::Ended { .. })
+            && tokio::time::Instant::now() < until
+        {
+            self.wake.notify_one();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            j = self.get(id)?;
+        }
+        match (&j.placement, ran_on(&j)) {
             (_, Some(node)) => {
                 let admin = Caller {
                     user: caller.user.clone(),
@@ -658,10 +670,7 @@ impl Coordinator {
                 done: true,
             }),
             _ => {
-                // Not started anywhere yet: wait a little so followers do
-                // not spin, then say nothing new.
-                self.wake.notify_one();
-                tokio::time::sleep(wait.min(Duration::from_secs(1))).await;
+                // Still not started: nothing new.
                 Ok(LogRead {
                     bytes: Vec::new(),
                     next: offset,

@@ -413,18 +413,24 @@ impl Daemon {
         req: &SubmitRequest,
         submit: &mut Submit,
     ) -> Result<(), PrepareError> {
-        let code = match &req.code {
-            Some(t) => Some(self.trees.get(&self.repo, &self.cache, t).await?),
-            None => None,
+        // Code and every data set at once: each waits on its own packs.
+        let code = async {
+            match &req.code {
+                Some(t) => self.trees.get(&self.repo, &self.cache, t).await.map(Some),
+                None => Ok(None),
+            }
         };
+        let data = futures::future::try_join_all(
+            (req.data.iter()).map(|d| self.trees.get(&self.repo, &self.cache, &d.tree)),
+        );
+        let (code, data) = futures::future::try_join(code, data).await?;
         let mut env: Vec<(String, String)> = req
             .env
             .iter()
             .filter(|(k, _)| k != "LABRUN_TOKEN" && !k.starts_with("LABRUN_DATA"))
             .cloned()
             .collect();
-        for (i, d) in req.data.iter().enumerate() {
-            let path = self.trees.get(&self.repo, &self.cache, &d.tree).await?;
+        for (i, (d, path)) in req.data.iter().zip(data).enumerate() {
             let path = path.display().to_string();
             if i == 0 {
                 env.push(("LABRUN_DATA".into(), path.clone()));
