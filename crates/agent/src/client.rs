@@ -21,6 +21,9 @@ use crate::secret::Secret;
 use crate::status::GpuStatus;
 use crate::tls::ClientConfig;
 
+/// The largest answer a client takes in, bytes.
+const MAX_ANSWER: usize = 96 << 20;
+
 /// Where a labd listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -167,6 +170,9 @@ impl Client {
                 let s = tokio::net::UnixStream::connect(p).await.map_err(connect)?;
                 self.send(s, req).await
             }
+            Endpoint::Tcp(_) if self.tls.is_some() => Err(self.protocol(
+                "this side speaks TLS with its labd peers and refuses an http:// address",
+            )),
             Endpoint::Tcp(a) => {
                 let s = tokio::net::TcpStream::connect(a).await.map_err(connect)?;
                 let _ = s.set_nodelay(true);
@@ -216,7 +222,9 @@ impl Client {
             .await
             .map_err(|e| self.protocol(e))?;
         let (parts, body) = resp.into_parts();
-        let bytes = body
+        // Whoever answers (a peer holding the cluster secret included) may
+        // send no more than this: a pack is at most 64 MiB and a chunk.
+        let bytes = http_body_util::Limited::new(body, MAX_ANSWER)
             .collect()
             .await
             .map_err(|e| self.protocol(e))?

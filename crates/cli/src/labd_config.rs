@@ -120,8 +120,20 @@ struct Tls {
     client: Arc<ClientConfig>,
 }
 
-fn tls_config(t: TlsFile) -> Result<Tls> {
+fn tls_config(t: TlsFile, in_cluster: bool) -> Result<Tls> {
     check_private(&t.key, true).context("[tls] key")?;
+    // Whoever can change the certificate or the CA could stand in for a
+    // node: neither may be writable by other users.
+    check_private(&t.cert, false).context("[tls] cert")?;
+    match &t.ca {
+        Some(ca) => check_private(ca, false).context("[tls] ca")?,
+        None if in_cluster => bail!(
+            "[tls] ca is not set: in a cluster each node checks the others' certificates \
+             against the lab's CA; give its file (the system's roots would accept any \
+             certificate a public CA issued for a node's name)"
+        ),
+        None => {}
+    }
     Ok(Tls {
         server: labsync_agent::tls::server(&t.cert, &t.key).map_err(anyhow::Error::msg)?,
         client: labsync_agent::tls::client(t.ca.as_deref()).map_err(anyhow::Error::msg)?,
@@ -172,7 +184,10 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         Some(d) => LocalLabd::at(&d),
         None => LocalLabd::for_user()?,
     };
-    let tls = file.tls.take().map(tls_config).transpose()?;
+    let in_cluster = file.cluster.is_some();
+    let tls = (file.tls.take())
+        .map(|t| tls_config(t, in_cluster))
+        .transpose()?;
     let listen = match flags.listen.clone().or(file.listen.clone()) {
         Some(l) => l.parse::<Endpoint>().map_err(anyhow::Error::msg)?,
         None => Endpoint::Unix(local.socket()),
@@ -425,7 +440,7 @@ fn check_private(path: &Path, holds_tokens: bool) -> Result<()> {
     }
     if holds_tokens && mode & 0o044 != 0 {
         bail!(
-            "{} holds tokens and is readable by other users (mode {:o}): chmod 600 it",
+            "{} holds tokens or a key and is readable by other users (mode {:o}): chmod 600 it",
             path.display(),
             mode & 0o777
         );
@@ -578,6 +593,34 @@ mod tests {
         assert_eq!((listen, tls), (tcp("https://127.0.0.1:7420"), true));
         let e = file(&dir.path().join("labd.sock").display().to_string()).unwrap_err();
         assert!(e.to_string().contains("TLS is for a TCP listener"), "{e}");
+        // A certificate others may change is refused.
+        std::fs::set_permissions(&cert, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = file("127.0.0.1:7420").unwrap_err();
+        assert!(format!("{e:#}").contains("[tls] cert"), "{e:#}");
+        std::fs::set_permissions(&cert, std::fs::Permissions::from_mode(0o644)).unwrap();
+        // In a cluster the lab's CA is required.
+        let config = dir.path().join("cluster.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:7420\"\nnode_name = \"gpu1\"\nstate_dir = \"{}\"\n\
+                 [tls]\ncert = \"{}\"\nkey = \"{}\"\n[cluster]\ncoordinator = \"https://gpu1:7420\"\n\
+                 secret = \"{}\"\n",
+                dir.path().join("state").display(),
+                cert.display(),
+                key.display(),
+                "s".repeat(40)
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let flags = LabdFlags {
+            config: Some(config),
+            fake_gpus: Some("1x1GiB".into()),
+            ..Default::default()
+        };
+        let e = resolve(&flags).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("[tls] ca is not set"), "{e}");
     }
 
     #[test]

@@ -7,16 +7,36 @@
 //! [`FRESH_MAX`] bytes), so they are read from memory rather than from
 //! the cache's copy just written. Chunks read from memory are verified like
 //! those read from the cache: nothing unverified reaches a file.
+//!
+//! The memory bound holds for the whole process: several pulls at once (a
+//! job's code and data, several jobs) share [`FRESH_MAX`].
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::Fresh;
 use crate::id::PackId;
 
-/// Bytes of fetched packs kept in memory for the files still to write.
-/// Past it a pack goes to the cache only, and its files read it there.
+/// Bytes of fetched packs kept in memory for the files still to write, by
+/// every pull of the process together. Past it a pack goes to the cache
+/// only, and its files read it there.
 pub(crate) const FRESH_MAX: u64 = 256 << 20;
+
+/// Bytes held in memory now, every pull together.
+static HELD: AtomicU64 = AtomicU64::new(0);
+
+/// Takes `n` bytes of the process's allowance; false when they do not fit.
+fn take(n: u64) -> bool {
+    HELD.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+        (h + n <= FRESH_MAX).then_some(h + n)
+    })
+    .is_ok()
+}
+
+fn give_back(n: u64) {
+    HELD.fetch_sub(n, Ordering::AcqRel);
+}
 
 /// The packs a pull waits for, and those in memory.
 pub(crate) struct Arrivals {
@@ -26,8 +46,10 @@ pub(crate) struct Arrivals {
 
 #[derive(Default)]
 struct State {
-    /// Not yet in the cache.
+    /// Neither in memory nor in the cache yet: writers wait for these.
     waiting: HashSet<PackId>,
+    /// Not yet in the cache (possibly in memory).
+    unwritten: HashSet<PackId>,
     /// In memory, for the files that still need it.
     fresh: HashMap<PackId, Arc<Fresh>>,
     fresh_bytes: u64,
@@ -55,9 +77,11 @@ impl Arrivals {
                 *users.entry(p).or_default() += 1;
             }
         }
+        let waiting: HashSet<PackId> = missing.into_iter().collect();
         Arrivals {
             state: Mutex::new(State {
-                waiting: missing.into_iter().collect(),
+                unwritten: waiting.clone(),
+                waiting,
                 users,
                 ..State::default()
             }),
@@ -75,7 +99,7 @@ impl Arrivals {
         let mut s = self.lock();
         let size = fresh.bytes.len() as u64;
         let needed = s.users.get(&pack).is_some_and(|&n| n > 0);
-        if !needed || s.fresh_bytes + size > FRESH_MAX || s.fresh.contains_key(&pack) {
+        if !needed || s.fresh.contains_key(&pack) || !take(size) {
             return;
         }
         s.fresh_bytes += size;
@@ -87,14 +111,28 @@ impl Arrivals {
 
     /// `pack` is in the cache.
     pub(crate) fn arrived(&self, pack: PackId) {
-        self.lock().waiting.remove(&pack);
+        let mut s = self.lock();
+        s.waiting.remove(&pack);
+        s.unwritten.remove(&pack);
+        drop(s);
         self.arrived.notify_all();
+    }
+
+    /// Blocks until `pack` is in the cache, or the fetch is over.
+    pub(crate) fn wait_in_cache(&self, pack: &PackId) {
+        let mut s = self.lock();
+        while s.unwritten.contains(pack) && !s.failed {
+            s = self.arrived.wait(s).expect("arrivals poisoned");
+        }
     }
 
     /// The fetch is over: whatever is still awaited is read from the cache
     /// (it was there already, or its absence is reported).
     pub(crate) fn finished(&self) {
-        self.lock().waiting.clear();
+        let mut s = self.lock();
+        s.waiting.clear();
+        s.unwritten.clear();
+        drop(s);
         self.arrived.notify_all();
     }
 
@@ -138,6 +176,7 @@ impl Arrivals {
             if left == 0 {
                 if let Some(f) = s.fresh.remove(p) {
                     s.fresh_bytes -= f.bytes.len() as u64;
+                    give_back(f.bytes.len() as u64);
                 }
             }
         }
@@ -148,7 +187,16 @@ impl Arrivals {
         let mut s = self.lock();
         if let Some(f) = s.fresh.remove(pack) {
             s.fresh_bytes -= f.bytes.len() as u64;
+            give_back(f.bytes.len() as u64);
         }
+    }
+}
+
+impl Drop for Arrivals {
+    /// What this pull still holds goes back to the process's allowance.
+    fn drop(&mut self) {
+        let held = self.state.get_mut().map_or(0, |s| s.fresh_bytes);
+        give_back(held);
     }
 }
 

@@ -276,11 +276,16 @@ impl NodeCache {
         progress: &Arc<dyn Progress>,
         arrivals: Option<&Arrivals>,
     ) -> Result<(u64, u64)> {
-        let missing: Vec<(PackId, u64)> = packs
+        let (missing, present): (Vec<_>, Vec<_>) = packs
             .iter()
-            .filter(|(p, _)| !self.pack_path(p).exists())
             .copied()
-            .collect();
+            .partition(|(p, _)| !self.pack_path(p).exists());
+        // Cached since the caller looked (another pull's): there already.
+        if let Some(a) = arrivals {
+            for (p, _) in &present {
+                a.arrived(*p);
+            }
+        }
         let total: u64 = missing.iter().map(|(_, n)| *n).fold(0, u64::saturating_add);
         let needed = self.space_for_packs(repo, total);
         if let Some(available) = crate::fsutil::free_space(&self.root) {
@@ -305,6 +310,7 @@ impl NodeCache {
         let fetches: Vec<_> = missing
             .iter()
             .map(|(p, n)| async move {
+                let _slot = FETCHING.acquire().await.expect("never closed");
                 let (size, from_peer) = match self.fetch_from_peers(p, arrivals).await? {
                     Some(size) => (size, true),
                     None => {
@@ -708,6 +714,11 @@ pub(crate) struct PackReader<'a> {
 
 /// Packs fetched at once by a pull or a warm (at most 64 MiB each).
 const FETCHES_AT_ONCE: usize = 8;
+
+/// Packs in flight in the whole process, every pull and warm together:
+/// what labd holds of them in memory stays bounded whatever number of jobs
+/// and data sets are being prepared at once.
+static FETCHING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
 
 /// Chunks at least this large are read with `O_DIRECT`.
 const DIRECT_READ_MIN: u32 = 128 << 10;

@@ -156,6 +156,9 @@ pub async fn pull_with(
     let order = spread_over_folders(&entries, &plan.files);
     let (fetch_order, arrivals) = arrivals_for(cache, &entries, &index, &order, &plan.packs);
     let arrivals = Arc::new(arrivals);
+    // A pull dropped half way (its caller gave up) must not leave writers
+    // waiting in their threads for packs that will never come.
+    let _release = FailOnDrop(arrivals.clone());
     progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
     let entries = Arc::new(entries);
     let fetch = async {
@@ -175,8 +178,14 @@ pub async fn pull_with(
         &repo, cache, &entries, index, order, &tree, threads, &progress, &arrivals,
     );
     let (fetched, written) = tokio::join!(fetch, write);
+    // A writer's own error says more than the fetch's, unless the writer
+    // only stopped because the fetch failed.
+    let written = match written {
+        Err(Error::NotFound { what, .. }) if what == FETCH_FAILED => None,
+        w => Some(w?),
+    };
     let (packs_fetched, bytes_fetched) = fetched?;
-    let written = written?;
+    let written = written.ok_or_else(|| Error::not_found(FETCH_FAILED))?;
     make_links(&tree, &entries)?;
     // Into an empty folder nothing extra can be there: no walk.
     let (extra, deleted) = if empty {
@@ -426,6 +435,15 @@ async fn write_verified(
         else {
             return Err(Error::Corrupt { what, detail });
         };
+        // The pack may have been read from memory while the fetch still
+        // writes it to the cache: its footer is read, and the pack
+        // replaced, only once that is done.
+        let a = arrivals.clone();
+        blocking(move || {
+            a.wait_in_cache(&p);
+            Ok(())
+        })
+        .await?;
         if !corrected.contains(&p) {
             if let Some(own) = cache.footer_record(&p) {
                 if index_disagrees(&index, &own) {
@@ -448,6 +466,19 @@ async fn write_verified(
         arrivals.forget(&p);
         cache.forget_pack(&p);
         cache.fetch_pack(repo, &p).await?;
+    }
+}
+
+/// What a writer reports when the fetch it waited on failed (the fetch's
+/// error is the one returned).
+const FETCH_FAILED: &str = "packs (the fetch failed)";
+
+/// Ends every wait of a pull's writers when the pull is dropped.
+struct FailOnDrop(Arc<Arrivals>);
+
+impl Drop for FailOnDrop {
+    fn drop(&mut self) {
+        self.0.fail();
     }
 }
 
@@ -695,7 +726,7 @@ fn write_files(
                     let packs = packs_of(e, index);
                     if arrivals.wait_for(&packs).is_err() {
                         // The fetch failed; its error is the one reported.
-                        let failed = Error::not_found("packs (the fetch failed)");
+                        let failed = Error::not_found(FETCH_FAILED);
                         err.lock().expect("poisoned").get_or_insert(failed);
                         break;
                     }

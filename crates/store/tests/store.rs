@@ -1973,3 +1973,62 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// A peer that holds every pack and never answers.
+struct SilentPeer;
+
+impl labsync_store::PackPeers for SilentPeer {
+    fn locate<'a>(
+        &'a self,
+        _packs: &'a [labsync_store::PackId],
+    ) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+
+    fn holders(&self, _pack: &labsync_store::PackId) -> Vec<String> {
+        vec!["silent".into()]
+    }
+
+    fn get<'a>(
+        &'a self,
+        _peer: &'a str,
+        _pack: &'a labsync_store::PackId,
+    ) -> futures::future::BoxFuture<'a, Result<bytes::Bytes, String>> {
+        Box::pin(std::future::pending())
+    }
+
+    fn report(&self, _event: labsync_store::PeerEvent) {}
+}
+
+/// A pull its caller gives up on (here a timeout; in labd another tree of
+/// the job failing) leaves no writer thread waiting for packs: the
+/// runtime, which waits for its blocking threads when dropped, shuts down.
+#[test]
+fn a_pull_given_up_leaves_no_writer_waiting() {
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+            let src = env.root.join("src");
+            write_tree(&src, 13);
+            push(&env.repo, &src, &opts("data", &env.cache), np())
+                .await
+                .unwrap();
+            let cache = NodeCache::open(&env.root.join("peer-cache"), 1 << 30)
+                .unwrap()
+                .with_peers(Arc::new(SilentPeer));
+            let dest = env.root.join("out");
+            let spec = "data".parse().unwrap();
+            let pulling = pull(&env.repo, &cache, &spec, &dest, 2, np());
+            let given_up = tokio::time::timeout(std::time::Duration::from_millis(300), pulling);
+            assert!(given_up.await.is_err(), "the silent peer holds the pull");
+        });
+        drop(rt);
+        done.send(()).unwrap();
+    });
+    ended
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the runtime shut down: no writer was left waiting");
+}

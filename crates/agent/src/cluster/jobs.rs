@@ -633,11 +633,13 @@ impl Coordinator {
         // second, so a follower neither spins nor misses the job's first
         // line by the rest of a second.
         let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(1));
+        if ran_on(&j).is_none() {
+            self.wake.notify_one();
+        }
         while ran_on(&j).is_none()
             && !matches!(j.placement, Placement::Ended { .. })
             && tokio::time::Instant::now() < until
         {
-            self.wake.notify_one();
             tokio::time::sleep(Duration::from_millis(50)).await;
             j = self.get(id)?;
         }

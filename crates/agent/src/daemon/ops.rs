@@ -18,6 +18,9 @@ use crate::status::GpuStatus;
 use crate::trees::{check_outputs, make_workdir};
 use crate::users;
 
+/// Data sets of one job materialised at once (the code beside them).
+const TREES_AT_ONCE: usize = 4;
+
 /// How long an ended job stays in the default listing (`labrun ps`).
 const RECENT: Duration = Duration::from_secs(86_400);
 
@@ -414,16 +417,26 @@ impl Daemon {
         submit: &mut Submit,
     ) -> Result<(), PrepareError> {
         // Code and every data set at once: each waits on its own packs.
+        // Each runs to its end even when another fails (a pull dropped half
+        // way would waste what it fetched); the first error is reported.
         let code = async {
             match &req.code {
                 Some(t) => self.trees.get(&self.repo, &self.cache, t).await.map(Some),
                 None => Ok(None),
             }
         };
-        let data = futures::future::try_join_all(
-            (req.data.iter()).map(|d| self.trees.get(&self.repo, &self.cache, &d.tree)),
-        );
-        let (code, data) = futures::future::try_join(code, data).await?;
+        use futures::StreamExt;
+        // Futures made before they are streamed: a closure inside the
+        // stream made the spawned future non-`Send` (rust-lang/rust#102211).
+        let trees: Vec<_> = (req.data.iter())
+            .map(|d| self.trees.get(&self.repo, &self.cache, &d.tree))
+            .collect();
+        let data = futures::stream::iter(trees)
+            .buffered(TREES_AT_ONCE)
+            .collect::<Vec<_>>();
+        let (code, data) = futures::future::join(code, data).await;
+        let code = code?;
+        let data = data.into_iter().collect::<Result<Vec<_>, _>>()?;
         let mut env: Vec<(String, String)> = req
             .env
             .iter()
