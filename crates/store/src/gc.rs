@@ -116,8 +116,7 @@ pub async fn gc(
     let deleted = run.sweep_packs(&records, &packs, &marked, &mut out).await?;
     run.sweep_snapshots(&marked, &mut out).await?;
     run.sweep_staging(&mut out).await?;
-    run.rewrite_index(&index, &index_keys, &packs, &deleted)
-        .await?;
+    run.rewrite_index(&index, &index_keys, &deleted).await?;
     Ok(out)
 }
 
@@ -334,13 +333,21 @@ impl Run<'_> {
         &self,
         index: &crate::index::Index,
         index_keys: &[String],
-        packs: &HashMap<PackId, (u64, i64)>,
         deleted: &HashSet<PackId>,
     ) -> Result<()> {
         if self.dry_run || (deleted.is_empty() && index_keys.len() <= 1) {
             return Ok(());
         }
-        let recs = index.to_records(|p| packs.contains_key(p) && !deleted.contains(p));
+        // Packs listed again, now: the listing above was made before the
+        // index was read, and a push may have written packs and the index
+        // object naming them in between. Filtered by that first listing,
+        // those packs were dropped from the consolidated index, the object
+        // naming them deleted, and the version the push committed named
+        // chunks no index had. A push writes its packs before the index
+        // object naming them, so every pack of a loaded index object is in
+        // this listing unless it is gone.
+        let now_listed = list_packs(self.repo).await?;
+        let recs = index.to_records(|p| now_listed.contains_key(p) && !deleted.contains(p));
         let new_key = self.repo.write_index(&recs).await?;
         self.repo.remote().sync().await?;
         for k in index_keys {

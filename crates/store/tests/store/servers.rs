@@ -393,3 +393,62 @@ async fn a_config_claiming_honoured_on_an_ignoring_server_loses_no_version() {
     );
     race_ten(&repo, dir.path(), "a lying config").await;
 }
+
+/// gc next to a push, in the order that lost a version's index entries:
+/// gc lists the packs, a push then writes its packs, its index object and
+/// its version, and only then does gc go on (the listing is held). The
+/// pushed version stays readable and `verify --remote` finds nothing
+/// wrong. (gc read the index after listing the packs, so it took in the
+/// push's index object, dropped its packs, absent from the listing, from
+/// the consolidated index, and deleted that object.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_while_gc_lists_the_packs_keeps_its_chunks_indexed() {
+    let Some((_s3, proxy)) = server_behind(Fault::HoldPackListing).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = Repo::open(remote_via(&proxy, "gc-race"), None)
+        .await
+        .unwrap();
+    let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+    // Two index objects: gc consolidates them (and deletes the old ones).
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        let src = dir.path().join(name);
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("f"), random_bytes(200_000, i as u64)).unwrap();
+        push(&repo, &src, &plain_opts(name), np()).await.unwrap();
+    }
+    let gc = {
+        let repo = repo.clone();
+        tokio::spawn(async move {
+            labsync_store::gc(&repo, false, None, &labsync_store::NoProgress).await
+        })
+    };
+    let t = Instant::now();
+    while !proxy.holding() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "gc never listed the packs"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let src = dir.path().join("c");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("f"), random_bytes(300_000, 7)).unwrap();
+    push(&repo, &src, &plain_opts("c"), np()).await.unwrap();
+    assert!(
+        proxy.holding(),
+        "the push ended while gc's listing was held"
+    );
+    gc.await.unwrap().unwrap();
+    let report = verify(&repo, &cache, None, true, np()).await.unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    let out = dir.path().join("c-out");
+    labsync_store::pull(&repo, &cache, &"c".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(out.join("f")).unwrap(),
+        random_bytes(300_000, 7)
+    );
+}

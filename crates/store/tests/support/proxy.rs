@@ -28,6 +28,10 @@ pub enum Fault {
     RefuseConditions,
     /// Answers `503 SlowDown` (with `Retry-After: 1`) to one request in twenty.
     SlowDown,
+    /// Holds the answer to the first listing of `packs/` for two seconds,
+    /// after the server made it: what a gc lists then is already stale
+    /// when it goes on ([`Proxy::holding`] says when it is held).
+    HoldPackListing,
 }
 
 /// A running proxy; stops when dropped.
@@ -47,9 +51,19 @@ struct State {
     passed: Mutex<Vec<(Instant, String)>>,
     /// Conditional requests answered `501`.
     refused: AtomicU64,
+    /// The first listing of `packs/` was made and is being held.
+    holding: std::sync::atomic::AtomicBool,
+    /// A listing of `packs/` was held already.
+    held: std::sync::atomic::AtomicBool,
 }
 
 impl Proxy {
+    /// True while the first listing of `packs/` is held
+    /// ([`Fault::HoldPackListing`]).
+    pub fn holding(&self) -> bool {
+        self.state.holding.load(Ordering::SeqCst)
+    }
+
     /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
     pub async fn start(upstream: SocketAddr, fault: Fault) -> Proxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -141,6 +155,7 @@ async fn handle(
         req.method(),
         req.uri().path_and_query().map_or("", |p| p.as_str())
     );
+    let pack_listing = what.contains("list-type=2") && what.contains("packs%2F");
     let conditional =
         req.headers().contains_key("if-none-match") || req.headers().contains_key("if-match");
     match fault {
@@ -183,5 +198,10 @@ async fn handle(
         .await?;
     let (parts, body) = resp.into_parts();
     let body = body.collect().await?.to_bytes();
+    if fault == Fault::HoldPackListing && pack_listing && !st.held.swap(true, Ordering::SeqCst) {
+        st.holding.store(true, Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        st.holding.store(false, Ordering::SeqCst);
+    }
     Ok(Response::from_parts(parts, Full::new(body)))
 }
