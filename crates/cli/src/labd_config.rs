@@ -110,7 +110,7 @@ struct TlsFile {
     /// Its private key (PEM, mode 600).
     key: PathBuf,
     /// The CA the other nodes' certificates are checked against (PEM;
-    /// default: the system's roots).
+    /// required in a cluster; without one, the system's roots).
     ca: Option<PathBuf>,
 }
 
