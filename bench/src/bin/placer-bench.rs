@@ -22,7 +22,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use labsync_placer::{
-    plan, rank, Cluster, Gpu, Job, NodeName, PackKey, Policy, Queued, Rates, Slot, SnapshotKey,
+    plan, rank, Cluster, Gpu, Job, Ladder, NodeName, PackKey, Pass, Policy, Queued, Rates, Slot,
+    SnapshotKey, Tier, Usage,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -229,13 +230,25 @@ fn measure(nodes: usize, snapshots: usize, jobs: usize) -> Row {
         .map(|(i, j)| Queued {
             id: format!("j{i}"),
             job: j.clone(),
+            user: format!("u{}", i % 30),
+            tier: Tier(2),
+            submitted: i as u64,
+            preemptible: false,
         })
         .collect();
+    let (usage, ladder) = (Usage::default(), Ladder::default());
     let mut planned = 0usize;
     let t = Instant::now();
     for chunk in queue.chunks(100) {
         let mut view = cluster.clone();
-        planned += plan(&mut view, chunk, 0, &policy).len();
+        let pass = Pass {
+            queue: chunk,
+            running: &[],
+            usage: &usage,
+            ladder: &ladder,
+            now: 0,
+        };
+        planned += plan(&mut view, &pass, &policy).len();
     }
     // One clone per pass is counted: a coordinator plans on its live view,
     // so this is an upper bound.

@@ -10,11 +10,17 @@
 //! - [`rank`]: for one [`Job`], every node's start estimate
 //!   `max(GPU wait, fetch time)` and the choice, with the reasons `labrun
 //!   --explain` prints ([`Ranking`]).
-//! - [`plan`]: one pass over the queue, first come first served, where a
-//!   job that cannot start does not block those behind it ([`Decision`]).
+//! - [`plan`]: one pass over the queue in the lab's [`order`] (tier, fair
+//!   share by decaying GPU time, submit time), where a job that cannot
+//!   start does not block those behind it, a user's GPUs may be capped, and
+//!   a higher tier's job may stop preemptible ones ([`Decision`]).
+//! - [`Members`]: the tier [`Ladder`], who stands where, paper-deadline
+//!   grants that lapse; [`Usage`]: the decaying GPU time.
+//! - [`prefetch`]: what to warm where while jobs wait; [`idle_holds`]:
+//!   held GPUs to give back.
 //!
 //! ```
-//! use labsync_placer::{plan, Cluster, Decision, Gpu, Job, NodeName, PackKey, Policy, Queued, SnapshotKey};
+//! use labsync_placer::{plan, Cluster, Decision, Gpu, Job, Ladder, NodeName, PackKey, Pass, Policy, Queued, SnapshotKey, Tier, Usage};
 //!
 //! let mut c = Cluster::new();
 //! let (gpu1, gpu2): (NodeName, NodeName) = ("gpu1".parse().unwrap(), "gpu2".parse().unwrap());
@@ -26,7 +32,9 @@
 //! c.set_cached(&gpu2, PackKey([1; 32]), 3 << 30, true);
 //!
 //! let job = Job { gpus: 1, gpu_mem: 0, needs: vec![div2k], expected_secs: None };
-//! let d = plan(&mut c, &[Queued { id: "j1".into(), job }], 0, &Policy::default());
+//! let queue = [Queued { id: "j1".into(), job, user: "alice".into(), tier: Tier(2), submitted: 0, preemptible: false }];
+//! let pass = Pass { queue: &queue, running: &[], usage: &Usage::default(), ladder: &Ladder::default(), now: 0 };
+//! let d = plan(&mut c, &pass, &Policy::default());
 //! let Decision::Start { choice, .. } = &d[0] else { panic!() };
 //! assert_eq!(choice.node, gpu2); // GPUs free on both; the data is on gpu2
 //! ```
@@ -34,12 +42,16 @@
 
 mod bitset;
 mod cluster;
+mod lab;
 mod place;
+mod prefetch;
 mod queue;
 
 pub use cluster::{
     BadNodeName, Cluster, Gpu, Health, Millis, NodeName, NodeView, PackKey, Rates, Slot,
     SnapshotKey,
 };
+pub use lab::{BadLadder, Ladder, Member, Members, Tier, TierRefused, Usage};
 pub use place::{rank, Choice, GpuWait, Job, Policy, Ranking, Row, Verdict};
-pub use queue::{plan, reserve, Decision, Queued};
+pub use prefetch::{idle_holds, prefetch, Hold, Warm};
+pub use queue::{before, order, plan, reserve, Decision, Pass, Queued, Running};

@@ -31,11 +31,31 @@ pub struct Policy {
     /// measured rates and expected ends, so a smaller difference means
     /// nothing.
     pub tie_secs: f64,
+    /// GPUs one user may have running at once (`None`: no cap).
+    pub user_gpu_cap: Option<u32>,
+    /// Whether a job no free node can take may stop preemptible jobs of
+    /// lower tiers.
+    pub preemption: bool,
+    /// A GPU held without a command (`labrun --hold`) that shows no
+    /// utilisation for this long is released.
+    pub idle_hold_secs: u64,
+    /// A dataset wanted by this many queued jobs is warmed on that many
+    /// nodes (up to [`Policy::replicas_max`]); one job's data is warmed on
+    /// the node it most likely gets.
+    pub replicas_max: usize,
 }
 
 impl Default for Policy {
+    /// Ties within 2 s, no cap, preemption on, idle holds released after
+    /// 30 minutes, hot data warmed on up to 3 nodes.
     fn default() -> Self {
-        Policy { tie_secs: 2.0 }
+        Policy {
+            tie_secs: 2.0,
+            user_gpu_cap: None,
+            preemption: true,
+            idle_hold_secs: 30 * 60,
+            replicas_max: 3,
+        }
     }
 }
 
@@ -162,6 +182,31 @@ pub struct Ranking {
     /// everywhere (the caller adds them with [`Cluster::add_snapshot`]).
     #[serde(skip)]
     pub unpriced: Vec<SnapshotKey>,
+}
+
+impl Ranking {
+    /// The best node whose GPUs are free now (the earliest start there, that
+    /// is the quickest fetch; ties to the one left least fragmented), where
+    /// the choice may be a busy node.
+    pub fn best_free_now(&self) -> Option<Choice> {
+        self.rows
+            .iter()
+            .filter(|r| r.gpu_wait == GpuWait::Now && r.start_secs.is_some())
+            .min_by(|a, b| {
+                a.start_secs
+                    .unwrap_or(f64::INFINITY)
+                    .total_cmp(&b.start_secs.unwrap_or(f64::INFINITY))
+                    .then(a.idle_left.cmp(&b.idle_left))
+                    .then(a.node.cmp(&b.node))
+            })
+            .map(|r| Choice {
+                node: r.node.clone(),
+                gpus: r.gpus.clone(),
+                start_secs: r.start_secs.unwrap_or(0.0),
+                gpus_free_now: true,
+                fetch_bytes: r.missing_bytes,
+            })
+    }
 }
 
 /// GiB for messages.

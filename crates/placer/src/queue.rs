@@ -1,18 +1,66 @@
-//! One scheduling pass over the queue: first come, first served, and a job
-//! that cannot start yet does not hold back the ones behind it that can.
+//! One scheduling pass over the queue, in the lab's order: tier first,
+//! then fair share (least decayed GPU time first), then submit time. A job
+//! that cannot start yet does not hold back the ones behind it that can
+//! (the same rule for every policy the simulator compares).
+
+use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
 use crate::cluster::{Cluster, Millis, NodeName, Slot};
+use crate::lab::{span, Ladder, Tier, Usage};
 use crate::place::{rank, Choice, GpuWait, Job, Policy, Verdict};
 
-/// A job waiting in the queue, oldest first.
+/// A job waiting in the queue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Queued {
     /// Its id.
     pub id: String,
     /// What it needs.
     pub job: Job,
+    /// Whose it is.
+    pub user: String,
+    /// The tier it runs at (settled at submit: see
+    /// [`crate::Members::tier_for`]).
+    pub tier: Tier,
+    /// When it was submitted (or requeued).
+    pub submitted: Millis,
+    /// Whether a higher tier's job may stop it (it is requeued).
+    pub preemptible: bool,
+}
+
+/// A job holding GPUs now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Running {
+    /// Its id.
+    pub id: String,
+    /// Whose it is.
+    pub user: String,
+    /// Its tier.
+    pub tier: Tier,
+    /// Where.
+    pub node: NodeName,
+    /// Its GPUs there.
+    pub gpus: Vec<u32>,
+    /// Whether a higher tier's job may stop it.
+    pub preemptible: bool,
+    /// Told to stop for another job: its GPUs free once it has.
+    pub stopping: bool,
+}
+
+/// What one pass looks at besides the cluster view.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass<'a> {
+    /// Every queued job, any order.
+    pub queue: &'a [Queued],
+    /// Every job holding GPUs.
+    pub running: &'a [Running],
+    /// Each user's decayed GPU time.
+    pub usage: &'a Usage,
+    /// The tiers' names, for the reasons given.
+    pub ladder: &'a Ladder,
+    /// Now.
+    pub now: Millis,
 }
 
 /// What a pass decided for one queued job.
@@ -27,11 +75,23 @@ pub enum Decision {
         /// Where, on which GPUs.
         choice: Choice,
     },
+    /// Stop these preemptible jobs of lower tiers: once they have, their
+    /// GPUs on `node` are this job's (it stays queued until then).
+    Preempt {
+        /// The job.
+        id: String,
+        /// Where the GPUs are freed.
+        node: NodeName,
+        /// The jobs to stop (and requeue).
+        victims: Vec<String>,
+        /// In one line, for `labrun ps`.
+        why: String,
+    },
     /// It stays queued.
     Wait {
         /// The job.
         id: String,
-        /// Why, for `labrun ps`.
+        /// Why, for `labrun ps` and `labrun explain`.
         why: String,
         /// The node it waits for, when one is expected to free up first
         /// (where its data could be prefetched).
@@ -46,77 +106,356 @@ pub enum Decision {
     },
 }
 
-/// Decides every queued job in order, and records each start in `cluster`
-/// (its GPUs busy, its packs present at the node) so later jobs of the
-/// same pass, and passes before the agents report back, see them: the
-/// same GPU is never offered twice. An agent that finds a GPU taken after
-/// all refuses the start, and the next heartbeat corrects the view.
-pub fn plan(
+impl Decision {
+    /// The job decided on.
+    pub fn id(&self) -> &str {
+        match self {
+            Decision::Start { id, .. }
+            | Decision::Preempt { id, .. }
+            | Decision::Wait { id, .. }
+            | Decision::Never { id, .. } => id,
+        }
+    }
+}
+
+/// The queue in the order a pass takes it: tier, then the user's decayed
+/// GPU time (least first), then submit time, then id (shorter first, so
+/// `j9` comes before `j10`).
+pub fn order<'q>(queue: &'q [Queued], usage: &Usage) -> Vec<&'q Queued> {
+    let mut standing: HashMap<&str, f64> = HashMap::new();
+    for q in queue {
+        standing
+            .entry(q.user.as_str())
+            .or_insert_with(|| usage.standing(&q.user));
+    }
+    let mut order: Vec<&Queued> = queue.iter().collect();
+    order.sort_by(|a, b| before(a, standing[a.user.as_str()], b, standing[b.user.as_str()]));
+    order
+}
+
+/// Whether `a` (its user standing at `sa`, [`Usage::standing`]) goes
+/// before `b`: the comparison [`order`] sorts by, for callers that keep
+/// the queue sorted themselves (the simulator).
+pub fn before(a: &Queued, sa: f64, b: &Queued, sb: f64) -> std::cmp::Ordering {
+    a.tier
+        .cmp(&b.tier)
+        .then(sa.total_cmp(&sb))
+        .then(a.submitted.cmp(&b.submitted))
+        // `j9` before `j10`.
+        .then(a.id.len().cmp(&b.id.len()))
+        .then(a.id.cmp(&b.id))
+}
+
+/// Decides every queued job, in [`order`], and records each start in
+/// `cluster` (its GPUs busy, its packs present at the node) so later jobs
+/// of the same pass, and passes before the agents report back, see them:
+/// the same GPU is never offered twice. An agent that finds a GPU taken
+/// after all refuses the start, and the next heartbeat corrects the view.
+///
+/// - A user with [`Policy::user_gpu_cap`] GPUs running waits.
+/// - A job whose best node is busy waits for it ([`rank`]: the GPUs there
+///   are expected free sooner than its data could be fetched elsewhere),
+///   but never longer than that fetch: once it has waited as long, it
+///   starts on the best node free now.
+/// - A job no free node can take may stop preemptible jobs of lower tiers
+///   ([`Policy::preemption`]): on the node where the fewest jobs, then the
+///   fewest GPUs, are stopped. GPUs of jobs already stopping count as
+///   coming free, so one job never stops more than it needs.
+///
+/// Decisions come in the pass's order.
+pub fn plan(cluster: &mut Cluster, pass: &Pass, policy: &Policy) -> Vec<Decision> {
+    let mut in_use: HashMap<&str, u32> = HashMap::new();
+    for r in pass.running {
+        *in_use.entry(r.user.as_str()).or_default() += r.gpus.len() as u32;
+    }
+    // Victims already given to a job of this pass.
+    let mut claimed: HashSet<&str> = HashSet::new();
+    // Jobs ahead that did not start, by tier.
+    let mut ahead: Vec<u32> = Vec::new();
+    let mut out = Vec::with_capacity(pass.queue.len());
+    for q in order(pass.queue, pass.usage) {
+        let d = decide(cluster, pass, policy, q, &mut in_use, &mut claimed, &ahead);
+        if !matches!(d, Decision::Start { .. }) {
+            let t = q.tier.0 as usize;
+            if ahead.len() <= t {
+                ahead.resize(t + 1, 0);
+            }
+            ahead[t] += 1;
+        }
+        out.push(d);
+    }
+    out
+}
+
+fn decide<'p>(
     cluster: &mut Cluster,
-    queue: &[Queued],
-    now: Millis,
+    pass: &Pass<'p>,
     policy: &Policy,
-) -> Vec<Decision> {
-    queue
-        .iter()
-        .map(|q| {
-            let ranking = rank(cluster, &q.job, now, policy);
-            match ranking.choice {
-                Some(choice) if choice.gpus_free_now => {
-                    reserve(cluster, &q.job, &choice, now);
-                    Decision::Start {
-                        id: q.id.clone(),
-                        choice,
+    q: &'p Queued,
+    in_use: &mut HashMap<&'p str, u32>,
+    claimed: &mut HashSet<&'p str>,
+    ahead: &[u32],
+) -> Decision {
+    let now = pass.now;
+    let id = q.id.clone();
+    let used = in_use.get(q.user.as_str()).copied().unwrap_or(0);
+    if let Some(cap) = policy.user_gpu_cap {
+        if q.job.gpus > 0 && used + q.job.gpus > cap {
+            return Decision::Wait {
+                id,
+                why: format!(
+                    "{}; {} has {used} GPU(s) running and the lab's cap is {cap} per user{}",
+                    needs(&q.job),
+                    q.user,
+                    ahead_of(ahead, q.tier, pass.ladder)
+                ),
+                likely: None,
+            };
+        }
+    }
+    let ranking = rank(cluster, &q.job, now, policy);
+    let waited = now.saturating_sub(q.submitted) as f64 / 1000.0;
+    let start = match &ranking.choice {
+        Some(c) if c.gpus_free_now => Some(c.clone()),
+        // Waiting for the data's node is bounded by the fetch elsewhere.
+        Some(_) => ranking
+            .best_free_now()
+            .filter(|free| waited >= free.start_secs),
+        None => None,
+    };
+    if let Some(choice) = start {
+        reserve(cluster, &q.job, &choice, now);
+        *in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
+        return Decision::Start { id, choice };
+    }
+    if policy.preemption {
+        if let Some(d) = preempt(cluster, pass, q, claimed, ahead) {
+            return d;
+        }
+    }
+    match ranking.choice {
+        Some(choice) => {
+            let holders: Vec<String> = pass
+                .running
+                .iter()
+                .filter(|r| r.node == choice.node)
+                .map(|r| format!("{}, {}", r.id, r.user))
+                .collect();
+            let by = if holders.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", holders.join("; "))
+            };
+            Decision::Wait {
+                id,
+                why: format!(
+                    "{}; {} frees in ~{}{by}{}",
+                    needs(&q.job),
+                    choice.node,
+                    span(choice.start_secs.ceil() as u64),
+                    ahead_of(ahead, q.tier, pass.ladder)
+                ),
+                likely: Some(choice.node),
+            }
+        }
+        None => {
+            // Down nodes count with the GPUs they last reported.
+            let never = !ranking.rows.is_empty()
+                && ranking
+                    .rows
+                    .iter()
+                    .all(|r| matches!(r.gpu_wait, GpuWait::Never { .. }));
+            let why = ranking
+                .rows
+                .iter()
+                .map(|r| match (&r.verdict, &r.gpu_wait) {
+                    (Verdict::Down { .. }, _) => format!("{}: down", r.node),
+                    (_, GpuWait::Never { why } | GpuWait::Unknown { why }) => {
+                        format!("{}: {why}", r.node)
                     }
-                }
-                Some(choice) => Decision::Wait {
-                    id: q.id.clone(),
+                    _ => format!("{}: no start estimate", r.node),
+                })
+                .collect::<Vec<_>>()
+                .join("; ");
+            let why = if ranking.rows.is_empty() {
+                "no node has joined the cluster".to_string()
+            } else {
+                why
+            };
+            if never {
+                Decision::Never { id, why }
+            } else {
+                Decision::Wait {
+                    id,
                     why: format!(
-                        "waits for {}, expected to start there in {:.0} s",
-                        choice.node, choice.start_secs
+                        "{}; {why}{}",
+                        needs(&q.job),
+                        ahead_of(ahead, q.tier, pass.ladder)
                     ),
-                    likely: Some(choice.node),
-                },
-                None => {
-                    // Down nodes count with the GPUs they last reported.
-                    let never = !ranking.rows.is_empty()
-                        && ranking
-                            .rows
-                            .iter()
-                            .all(|r| matches!(r.gpu_wait, GpuWait::Never { .. }));
-                    let why = ranking
-                        .rows
-                        .iter()
-                        .map(|r| match (&r.verdict, &r.gpu_wait) {
-                            (Verdict::Down { .. }, _) => format!("{}: down", r.node),
-                            (_, GpuWait::Never { why } | GpuWait::Unknown { why }) => {
-                                format!("{}: {why}", r.node)
-                            }
-                            _ => format!("{}: no start estimate", r.node),
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; ");
-                    let why = if ranking.rows.is_empty() {
-                        "no node has joined the cluster".to_string()
-                    } else {
-                        why
-                    };
-                    if never {
-                        Decision::Never {
-                            id: q.id.clone(),
-                            why,
-                        }
-                    } else {
-                        Decision::Wait {
-                            id: q.id.clone(),
-                            why,
-                            likely: None,
-                        }
-                    }
+                    likely: None,
                 }
             }
-        })
-        .collect()
+        }
+    }
+}
+
+/// `needs 2 GPU(s) with 10.0 GiB`.
+fn needs(job: &Job) -> String {
+    if job.gpu_mem > 0 {
+        format!(
+            "needs {} GPU(s) with {:.1} GiB",
+            job.gpus,
+            job.gpu_mem as f64 / (1u64 << 30) as f64
+        )
+    } else {
+        format!("needs {} GPU(s)", job.gpus)
+    }
+}
+
+/// `; 3 deadline-tier job(s) ahead` for the jobs of the same or higher
+/// tiers ahead of this one that did not start.
+fn ahead_of(ahead: &[u32], tier: Tier, ladder: &Ladder) -> String {
+    let parts: Vec<String> = ahead
+        .iter()
+        .enumerate()
+        .take(tier.0 as usize + 1)
+        .filter(|(_, &n)| n > 0)
+        .map(|(t, n)| format!("{n} {}-tier job(s) ahead", ladder.name(Tier(t as u8))))
+        .collect();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", parts.join(", "))
+    }
+}
+
+/// A node where stopping jobs frees enough GPUs: (jobs that must be told
+/// to stop, GPUs they free, the node's index, the jobs, the GPUs the job
+/// would get).
+type Freed<'p> = (usize, u32, usize, Vec<&'p Running>, Vec<u32>);
+
+/// Stops preemptible jobs of lower tiers for `q`, where that frees enough
+/// GPUs; or waits for jobs already stopping. `None`: nothing to stop.
+fn preempt<'p>(
+    cluster: &mut Cluster,
+    pass: &Pass<'p>,
+    q: &Queued,
+    claimed: &mut HashSet<&'p str>,
+    ahead: &[u32],
+) -> Option<Decision> {
+    let job = &q.job;
+    if job.gpus == 0 {
+        return None;
+    }
+    let mut best: Option<Freed<'p>> = None;
+    for (i, node) in cluster.nodes().iter().enumerate() {
+        if !node.is_up() {
+            continue;
+        }
+        let fits = |index: u32| {
+            node.gpus
+                .iter()
+                .any(|g| g.index == index && g.memory_total >= job.gpu_mem)
+        };
+        let mut gpus: Vec<u32> = node
+            .gpus
+            .iter()
+            .filter(|g| g.slot == Slot::Free && g.memory_free >= job.gpu_mem)
+            .map(|g| g.index)
+            .collect();
+        // Stopping ones first (free already), then the lowest tiers, then
+        // the smallest.
+        let mut candidates: Vec<&'p Running> = pass
+            .running
+            .iter()
+            .filter(|r| {
+                &r.node == node.name()
+                    && !claimed.contains(r.id.as_str())
+                    && (r.stopping || (r.preemptible && r.tier > q.tier))
+            })
+            .collect();
+        candidates.sort_by(|a, b| {
+            b.stopping
+                .cmp(&a.stopping)
+                .then(b.tier.cmp(&a.tier))
+                .then(a.gpus.len().cmp(&b.gpus.len()))
+                .then(a.id.cmp(&b.id))
+        });
+        let mut victims = Vec::new();
+        for r in candidates {
+            if gpus.len() >= job.gpus as usize {
+                break;
+            }
+            let usable: Vec<u32> = r.gpus.iter().copied().filter(|&g| fits(g)).collect();
+            if usable.is_empty() {
+                continue;
+            }
+            gpus.extend(usable);
+            victims.push(r);
+        }
+        if gpus.len() < job.gpus as usize {
+            continue;
+        }
+        let told = victims.iter().filter(|r| !r.stopping).count();
+        let freed: u32 = victims.iter().map(|r| r.gpus.len() as u32).sum();
+        if best
+            .as_ref()
+            .is_none_or(|(t, f, ..)| (told, freed) < (*t, *f))
+        {
+            best = Some((told, freed, i, victims, gpus));
+        }
+    }
+    let (told, _, i, victims, gpus) = best?;
+    if victims.is_empty() {
+        return None;
+    }
+    let node = cluster.nodes()[i].name().clone();
+    for r in &victims {
+        claimed.insert(r.id.as_str());
+    }
+    // Its GPUs are spoken for: later jobs of the pass do not take the free
+    // ones it counted on.
+    for g in cluster.nodes_mut()[i].gpus.iter_mut() {
+        if gpus.contains(&g.index) {
+            g.slot = Slot::Busy { until: None };
+            g.memory_free = 0;
+        }
+    }
+    let names: Vec<String> = victims
+        .iter()
+        .map(|r| format!("{} ({}, {})", r.id, r.user, pass.ladder.name(r.tier)))
+        .collect();
+    let stopping: Vec<String> = victims
+        .iter()
+        .filter(|r| r.stopping)
+        .map(|r| r.id.clone())
+        .collect();
+    if told == 0 {
+        return Some(Decision::Wait {
+            id: q.id.clone(),
+            why: format!(
+                "{}; waits for {} to stop on {node} (preempted){}",
+                needs(job),
+                stopping.join(", "),
+                ahead_of(ahead, q.tier, pass.ladder)
+            ),
+            likely: Some(node),
+        });
+    }
+    Some(Decision::Preempt {
+        id: q.id.clone(),
+        why: format!(
+            "{}; stops preemptible {} on {node}",
+            needs(job),
+            names.join(", ")
+        ),
+        node,
+        victims: victims
+            .iter()
+            .filter(|r| !r.stopping)
+            .map(|r| r.id.clone())
+            .collect(),
+    })
 }
 
 /// Marks a start in the view: the GPUs busy until the job's expected end,
@@ -141,17 +480,36 @@ pub fn reserve(cluster: &mut Cluster, job: &Job, choice: &Choice, now: Millis) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::HashSet;
 
     use proptest::prelude::*;
 
     use super::*;
-    use crate::place::tests::{job, n, node, snapshot, GIB};
+    use crate::place::tests::{cache, job, n, node, snapshot, GIB};
     use crate::{Gpu, Health, PackKey, Rates, SnapshotKey};
 
     fn q(id: &str, job: Job) -> Queued {
-        Queued { id: id.into(), job }
+        Queued {
+            id: id.into(),
+            job,
+            user: "u".into(),
+            tier: Tier(2),
+            submitted: 0,
+            preemptible: false,
+        }
+    }
+
+    /// A pass of `queue` alone: one user, nothing running.
+    fn fcfs(c: &mut Cluster, queue: &[Queued], now: Millis, policy: &Policy) -> Vec<Decision> {
+        let pass = Pass {
+            queue,
+            running: &[],
+            usage: &Usage::default(),
+            ladder: &Ladder::default(),
+            now,
+        };
+        plan(c, &pass, policy)
     }
 
     #[test]
@@ -159,7 +517,7 @@ mod tests {
         let mut c = Cluster::new();
         node(&mut c, "a", 2, 2);
         node(&mut c, "b", 2, 2);
-        let d = plan(
+        let d = fcfs(
             &mut c,
             &[q("j1", job(4, &[])), q("j2", job(1, &[]))],
             0,
@@ -180,7 +538,7 @@ mod tests {
         node(&mut c, "a", 4, 0);
         node(&mut c, "b", 4, 0);
         c.node_mut(&n("b")).unwrap().health = Health::Down { since: 1 };
-        let d = plan(&mut c, &[q("j1", job(8, &[]))], 0, &Policy::default());
+        let d = fcfs(&mut c, &[q("j1", job(8, &[]))], 0, &Policy::default());
         let Decision::Never { why, .. } = &d[0] else {
             panic!("{:?}", d[0])
         };
@@ -188,14 +546,14 @@ mod tests {
             why.contains("a: has 4 GPU(s) (of 4); the job asks for 8"),
             "{why}"
         );
-        let d = plan(
+        let d = fcfs(
             &mut Cluster::new(),
             &[q("j1", job(1, &[]))],
             0,
             &Policy::default(),
         );
         assert!(
-            matches!(&d[0], Decision::Wait { why, .. } if why == "no node has joined the cluster")
+            matches!(&d[0], Decision::Wait { why, .. } if why == "needs 1 GPU(s); no node has joined the cluster")
         );
     }
 
@@ -205,7 +563,7 @@ mod tests {
         node(&mut c, "a", 2, 0);
         node(&mut c, "b", 2, 0);
         let queue: Vec<Queued> = (0..5).map(|i| q(&format!("j{i}"), job(1, &[]))).collect();
-        let d = plan(&mut c, &queue, 0, &Policy::default());
+        let d = fcfs(&mut c, &queue, 0, &Policy::default());
         let mut taken = HashSet::new();
         for x in &d[..4] {
             let Decision::Start { choice, .. } = x else {
@@ -215,7 +573,7 @@ mod tests {
         }
         assert!(matches!(&d[4], Decision::Wait { .. }));
         // The view remembers: a second pass before any heartbeat starts nothing.
-        let d = plan(&mut c, &[q("j9", job(1, &[]))], 0, &Policy::default());
+        let d = fcfs(&mut c, &[q("j9", job(1, &[]))], 0, &Policy::default());
         assert!(matches!(&d[0], Decision::Wait { .. }));
     }
 
@@ -226,7 +584,7 @@ mod tests {
         node(&mut c, "b", 2, 0);
         node(&mut c, "c", 2, 0);
         let data = snapshot(&mut c, 1, 1, 4);
-        let d = plan(
+        let d = fcfs(
             &mut c,
             &[q("j1", job(1, &[data])), q("j2", job(1, &[data]))],
             0,
@@ -247,14 +605,241 @@ mod tests {
         node(&mut c, "a", 1, 0);
         let mut j = job(1, &[]);
         j.expected_secs = Some(60);
-        plan(&mut c, &[q("j1", j.clone())], 1_000, &Policy::default());
-        let d = plan(&mut c, &[q("j2", j)], 1_000, &Policy::default());
+        fcfs(&mut c, &[q("j1", j.clone())], 1_000, &Policy::default());
+        let d = fcfs(&mut c, &[q("j2", j)], 1_000, &Policy::default());
         assert!(
             matches!(&d[0], Decision::Wait { why, likely: Some(x), .. }
-                if x.as_str() == "a" && why.contains("in 60 s")),
+                if x.as_str() == "a" && why.contains("a frees in ~60 s")),
             "{:?}",
             d[0]
         );
+    }
+
+    pub(crate) fn running(
+        id: &str,
+        user: &str,
+        tier: u8,
+        node: &str,
+        gpus: &[u32],
+        preemptible: bool,
+    ) -> Running {
+        Running {
+            id: id.into(),
+            user: user.into(),
+            tier: Tier(tier),
+            node: n(node),
+            gpus: gpus.to_vec(),
+            preemptible,
+            stopping: false,
+        }
+    }
+
+    pub(crate) fn of(id: &str, user: &str, tier: u8, submitted: Millis, job: Job) -> Queued {
+        Queued {
+            id: id.into(),
+            job,
+            user: user.into(),
+            tier: Tier(tier),
+            submitted,
+            preemptible: false,
+        }
+    }
+
+    pub(crate) fn pass<'a>(
+        queue: &'a [Queued],
+        running: &'a [Running],
+        usage: &'a Usage,
+        now: Millis,
+    ) -> Pass<'a> {
+        Pass {
+            queue,
+            running,
+            usage,
+            ladder: Box::leak(Box::new(Ladder::default())),
+            now,
+        }
+    }
+
+    #[test]
+    fn tiers_go_first_then_the_least_used_then_the_oldest() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 1, 0);
+        let mut usage = Usage::default();
+        usage.add("carol", 3600.0, 0);
+        let queue = [
+            of("bob1", "bob", 3, 0, job(1, &[])),
+            of("carol1", "carol", 2, 1_000, job(1, &[])),
+            of("alice1", "alice", 2, 5_000, job(1, &[])),
+            of("alice2", "alice", 2, 6_000, job(1, &[])),
+        ];
+        let ids: Vec<&str> = order(&queue, &usage)
+            .iter()
+            .map(|q| q.id.as_str())
+            .collect();
+        assert_eq!(ids, ["alice1", "alice2", "carol1", "bob1"]);
+        let d = plan(
+            &mut c,
+            &pass(&queue, &[], &usage, 10_000),
+            &Policy::default(),
+        );
+        let got: Vec<&str> = d.iter().map(|d| d.id()).collect();
+        assert_eq!(got, ids);
+        assert!(matches!(&d[0], Decision::Start { .. }), "{:?}", d[0]);
+        let Decision::Wait { why, .. } = &d[3] else {
+            panic!("{:?}", d[3])
+        };
+        assert!(
+            why.starts_with("needs 1 GPU(s); a: 1 of 1 GPU(s) busy"),
+            "{why}"
+        );
+        assert!(why.ends_with("; 2 phd-tier job(s) ahead"), "{why}");
+    }
+
+    #[test]
+    fn a_user_at_the_cap_waits_and_others_do_not() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 3, 1);
+        let run = [running("r1", "alice", 2, "a", &[3], false)];
+        let queue = [
+            of("big", "alice", 2, 0, job(2, &[])),
+            of("small", "alice", 2, 1, job(1, &[])),
+            of("other", "bob", 2, 2, job(2, &[])),
+        ];
+        let policy = Policy {
+            user_gpu_cap: Some(2),
+            ..Policy::default()
+        };
+        let d = plan(&mut c, &pass(&queue, &run, &Usage::default(), 0), &policy);
+        let Decision::Wait { why, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert!(
+            why.contains("alice has 1 GPU(s) running and the lab's cap is 2 per user"),
+            "{why}"
+        );
+        assert!(
+            matches!(&d[1], Decision::Start { id, .. } if id == "small"),
+            "{:?}",
+            d[1]
+        );
+        assert!(
+            matches!(&d[2], Decision::Start { id, .. } if id == "other"),
+            "{:?}",
+            d[2]
+        );
+    }
+
+    #[test]
+    fn preemption_stops_only_preemptible_jobs_of_lower_tiers() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 0, 2);
+        node(&mut c, "b", 0, 1);
+        let mut run = vec![
+            running("r1", "bob", 3, "a", &[0], true),
+            running("r2", "carol", 3, "a", &[1], false),
+            running("r3", "dave", 1, "b", &[0], true),
+        ];
+        let usage = Usage::default();
+        // A deadline-tier job: only r1 may go (r3 is of its own tier).
+        let queue = [of("dl", "erin", 1, 0, job(1, &[]))];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &run, &usage, 0),
+            &Policy::default(),
+        );
+        let Decision::Preempt {
+            node, victims, why, ..
+        } = &d[0]
+        else {
+            panic!("{:?}", d[0])
+        };
+        assert_eq!(
+            (node.as_str(), victims.as_slice()),
+            ("a", &["r1".to_string()][..])
+        );
+        assert!(
+            why.contains("stops preemptible r1 (bob, master) on a"),
+            "{why}"
+        );
+        // Two GPUs would need r2, which is not preemptible: it waits.
+        let queue2 = [of("dl2", "erin", 1, 0, job(2, &[]))];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue2, &run, &usage, 0),
+            &Policy::default(),
+        );
+        assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
+        // A job of bob's own tier stops nothing.
+        let queue3 = [of("m", "frank", 3, 0, job(1, &[]))];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue3, &run, &usage, 0),
+            &Policy::default(),
+        );
+        assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
+        // Preemption off: nothing stops.
+        let off = Policy {
+            preemption: false,
+            ..Policy::default()
+        };
+        let d = plan(&mut c.clone(), &pass(&queue, &run, &usage, 0), &off);
+        assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
+        // Once r1 is stopping, the next pass waits for it rather than
+        // stopping another job.
+        run[0].stopping = true;
+        let d = plan(&mut c, &pass(&queue, &run, &usage, 0), &Policy::default());
+        let Decision::Wait { why, likely, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert!(
+            why.contains("waits for r1 to stop on a (preempted)"),
+            "{why}"
+        );
+        assert_eq!(likely.as_ref().map(|n| n.as_str()), Some("a"));
+    }
+
+    #[test]
+    fn a_wait_for_the_datas_node_ends_when_the_fetch_elsewhere_would_have() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 0, 1);
+        node(&mut c, "b", 1, 0);
+        c.node_mut(&n("a")).unwrap().gpus[0].slot = Slot::Busy {
+            until: Some(300_000),
+        };
+        let data = snapshot(&mut c, 1, 1, 10);
+        cache(&mut c, "a", 1, 10);
+        // From a peer at 100 MB/s, 10 GiB take 107 s on b; a frees at 300 s.
+        let usage = Usage::default();
+        let queue = [of("j", "alice", 2, 200_000, job(1, &[data]))];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &[], &usage, 200_000),
+            &Policy::default(),
+        );
+        let Decision::Wait { likely, why, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert_eq!(likely.as_ref().map(|n| n.as_str()), Some("a"), "{why}");
+        assert!(why.contains("a frees in ~100 s"), "{why}");
+        // Submitted 106 s before: still within the bound.
+        let queue = [of("j", "alice", 2, 94_000, job(1, &[data]))];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &[], &usage, 200_000),
+            &Policy::default(),
+        );
+        assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
+        // Waited 108 s, more than the 107 s the fetch to b takes: b.
+        let queue = [of("j", "alice", 2, 92_000, job(1, &[data]))];
+        let d = plan(
+            &mut c,
+            &pass(&queue, &[], &usage, 200_000),
+            &Policy::default(),
+        );
+        let Decision::Start { choice, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert_eq!((choice.node.as_str(), choice.fetch_bytes), ("b", 10 * GIB));
     }
 
     /// A random cluster: up to 6 nodes of up to 4 GPUs in random states, up
@@ -352,7 +937,7 @@ mod tests {
             for (x, qd) in queue.iter().enumerate() {
                 let before = view.clone();
                 let r = rank(&before, &qd.job, 0, &policy);
-                let d = plan(&mut view, std::slice::from_ref(qd), 0, &policy);
+                let d = fcfs(&mut view, std::slice::from_ref(qd), 0, &policy);
                 match &d[0] {
                     Decision::Start { choice, .. } => {
                         let v = before.node(&choice.node).unwrap();
@@ -377,6 +962,8 @@ mod tests {
                     Decision::Wait { .. } => {
                         prop_assert!(r.choice.as_ref().is_none_or(|c| !c.gpus_free_now));
                     }
+                    // Nothing runs in this view.
+                    Decision::Preempt { .. } => prop_assert!(false, "{:?}", d[0]),
                 }
             }
         }

@@ -10,7 +10,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use labsync_placer::{
-    Cluster, Gpu, Health, Millis, NodeName, PackKey, Policy, Rates, Slot, SnapshotKey,
+    Cluster, Gpu, Health, Ladder, Millis, NodeName, PackKey, Policy, Rates, Slot, SnapshotKey,
+    Usage,
 };
 use labsync_store::{PackId, SnapshotId};
 
@@ -68,6 +69,10 @@ pub struct Coordinator {
     /// When ended jobs were last looked for.
     pub(super) collected: Mutex<Option<std::time::Instant>>,
     pub(super) policy: Policy,
+    /// The tiers (one ladder for now: every job at its lowest tier).
+    pub(super) ladder: Ladder,
+    /// Each user's decaying GPU time (none recorded yet).
+    pub(super) usage: Usage,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -111,6 +116,8 @@ impl Coordinator {
             wake: tokio::sync::Notify::new(),
             collected: Mutex::new(None),
             policy: Policy::default(),
+            ladder: Ladder::default(),
+            usage: Usage::default(),
         })
     }
 

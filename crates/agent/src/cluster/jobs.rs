@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use labsync_placer::{plan, rank, Decision, Job, NodeName, Queued, Ranking, Slot, SnapshotKey};
+use labsync_placer::{
+    plan, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Slot, SnapshotKey,
+};
 use labsync_store::SnapshotId;
 
 use crate::client::{Client, Endpoint};
@@ -159,6 +161,12 @@ impl Coordinator {
                     Ok(needs) => queue.push(Queued {
                         id: j.id.clone(),
                         job: placer_job(&j.req, &needs),
+                        user: j.user.clone(),
+                        // One tier and no usage yet: the coordinator
+                        // keeps first come, first served.
+                        tier: self.ladder.lowest(),
+                        submitted: j.submitted_at.saturating_mul(1000),
+                        preemptible: false,
                     }),
                     Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
                 },
@@ -184,7 +192,14 @@ impl Coordinator {
         let decisions = {
             let mut v = self.view.lock().expect("coordinator poisoned");
             let mut scratch = v.planning();
-            let decisions = plan(&mut scratch, &queue, now, &self.policy);
+            let pass = Pass {
+                queue: &queue,
+                running: &[],
+                usage: &self.usage,
+                ladder: &self.ladder,
+                now,
+            };
+            let decisions = plan(&mut scratch, &pass, &self.policy);
             for dec in &decisions {
                 if let Decision::Start { id, choice } = dec {
                     let promised = v.promised.entry(choice.node.clone()).or_default();
@@ -221,7 +236,9 @@ impl Coordinator {
                         Err(e) => tracing::error!("cluster jobs: {e}"),
                     }
                 }
-                Decision::Wait { id, why, .. } => {
+                // No job is preemptible yet, and the pass is given no
+                // running jobs: nothing is ever stopped.
+                Decision::Wait { id, why, .. } | Decision::Preempt { id, why, .. } => {
                     let r = self.jobs.update(&id, |j| {
                         let changed = j.placement
                             != Placement::Queued {
