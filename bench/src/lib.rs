@@ -16,4 +16,5 @@ pub mod fsutil;
 pub mod machine;
 pub mod report;
 pub mod runner;
+pub mod sim;
 pub mod tools;
