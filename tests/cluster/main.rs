@@ -79,6 +79,11 @@ impl Lab {
     /// With `tls`, every node has a certificate from the lab's CA and
     /// speaks only TLS.
     fn start_with(n: usize, tls: bool) -> Option<Lab> {
+        Lab::start_full(n, tls, "")
+    }
+
+    /// With `extra` at the end of every node's config (a `[lab]` section).
+    fn start_full(n: usize, tls: bool, extra: &str) -> Option<Lab> {
         let s3 = S3Server::start()?;
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -105,7 +110,7 @@ impl Lab {
                          fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\nadmins = [\"admin\"]\n\
                          [tokens]\nalice = \"{ALICE}\"\nbob = \"{BOB}\"\nadmin = \"{ADMIN}\"\n\
                          [cluster]\ncoordinator = \"{scheme}://127.0.0.1:{coord}\"\ncoordinate = {coordinate}\n\
-                         secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n{tls}",
+                         secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1500\n{tls}{extra}",
                         port = ports[i],
                         state = d.join("state").display(),
                         cache = d.join("cache").display(),
@@ -1203,4 +1208,86 @@ fn with_tls_nodes_speak_only_tls() {
         !o.status.success() && err.contains("no TLS with labd"),
         "{err}"
     );
+}
+
+/// Issue 13: the coordinator's queue goes by the lab's tiers (a deadline
+/// grant lifts a user's job above earlier ones), a tier a user may not
+/// have is refused at submit, and no user runs more GPUs than the cap;
+/// `labrun ps` says why a job waits.
+#[test]
+fn tiers_grants_and_the_gpu_cap_order_the_cluster_queue() {
+    let lab_rules =
+        "[lab]\nmax_gpus_per_user = 1\n[lab.users]\nalice = \"phd\"\nbob = \"master\"\n\
+                     [lab.grants]\nbob = \"2099-12-31\"\n";
+    let Some(lab) = Lab::start_full(1, false, lab_rules) else {
+        return;
+    };
+    let until = |name: &str| {
+        let f = lab.dir.path().join(name);
+        format!("while [ ! -e {} ]; do sleep 0.05; done", f.display())
+    };
+    let release = |name: &str| std::fs::write(lab.dir.path().join(name), "").unwrap();
+    let id = |o: Output| {
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    // Each user holds one of gpu0's two GPUs: both are at the cap.
+    let xa = id(lab.labrun(&["-d", "--gpus", "1", "--", "bash", "-c", &until("xa")]));
+    let xb = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &until("xb")]));
+    lab.running(&xa);
+    lab.running(&xb);
+    let b1 = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &until("b1")]));
+    let a1 = id(lab.labrun(&["-d", "--gpus", "1", "--", "true"]));
+    let b2 = id(lab.labrun_as_bob(&[
+        "-d",
+        "--priority",
+        "deadline",
+        "--gpus",
+        "1",
+        "--",
+        "bash",
+        "-c",
+        &until("b2"),
+    ]));
+    // Tiers a user may not have are refused, saying why.
+    let o = lab.labrun(&["-d", "--priority", "deadline", "--gpus", "1", "--", "true"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("alice has no deadline grant"), "{err}");
+    let o = lab.labrun_as_bob(&["-d", "--priority", "lead", "--", "true"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("bob's tier is master"),
+        "{err}"
+    );
+    let why = |id: &str| lab.job(id).why.unwrap_or_default();
+    wait_until("the cap to be given as the reason", 20, || {
+        why(&b1).contains("bob has 1 GPU(s) running and the lab's cap is 1 per user")
+    });
+    // alice's GPU comes free: her job goes, bob's stay (bob is at the cap).
+    release("xa");
+    wait_until("a1 to run and end", 60, || lab.job(&a1).ended());
+    let queued = |id: &str| matches!(lab.job(id).state, JobState::Queued);
+    assert!(
+        queued(&b1) && queued(&b2),
+        "{:?} {:?}",
+        lab.job(&b1),
+        lab.job(&b2)
+    );
+    // bob's comes free: his deadline job goes before his earlier one,
+    // which waits for it (the cap).
+    release("xb");
+    lab.running(&b2);
+    assert!(queued(&b1), "{:?}", lab.job(&b1));
+    assert!(
+        why(&b1).contains("the lab's cap is 1 per user"),
+        "{}",
+        why(&b1)
+    );
+    release("b2");
+    lab.running(&b1);
+    release("b1");
+    wait_until("every job to end", 60, || {
+        [&xa, &xb, &a1, &b1, &b2].iter().all(|j| lab.job(j).ended())
+    });
 }

@@ -84,6 +84,10 @@ pub struct SubmitRequest {
     pub outputs: Option<String>,
     /// Seconds between pushes of the outputs; `None`: labd's default.
     pub outputs_every_s: Option<u64>,
+    /// The tier asked for (`labrun --priority deadline`); `None`: the
+    /// user's own. Only a cluster's coordinator orders its queue by tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<String>,
 }
 
 /// A job as `labrun ps` shows it. Its own type, not the stored

@@ -156,3 +156,23 @@ async fn listings_read_the_gpus_once_and_the_queue_is_capped_per_user() {
         let _ = d.kill(&me, id).await;
     }
 }
+
+/// Issue 13: one labd has no tiers; a job asking for one is refused at
+/// submit, saying so, instead of being taken first come, first served as
+/// if the tier had been granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_priority_asked_of_a_single_labd_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let d = Daemon::open(config(dir.path()), inv).await.unwrap();
+    let mut req = bash("true", 0);
+    req.priority = Some("deadline".into());
+    let err = d.submit(&alice(), req).await.unwrap_err();
+    assert_eq!(err.status(), 400);
+    assert!(
+        err.to_string()
+            .contains("--priority deadline: tiers order a cluster's queue"),
+        "{err}"
+    );
+    assert!(d.jobs().await.unwrap().is_empty());
+}

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use labsync_agent::cluster::{ClusterConfig, ClusterKey};
+use labsync_agent::cluster::{ClusterConfig, ClusterKey, LabConfig};
 use labsync_agent::tls::{ClientConfig, ServerConfig};
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
 };
+use labsync_placer::{Ladder, Member, Members};
 use serde::Deserialize;
 
 use crate::local::{hostname, load_or_create_token, LocalLabd};
@@ -97,6 +98,8 @@ pub(crate) struct LabdFile {
     max_queued_per_user: Option<usize>,
     /// Membership of a cluster.
     cluster: Option<ClusterFile>,
+    /// The lab's rules for the cluster's queue (the coordinator's).
+    lab: Option<LabFile>,
     /// TLS on the TCP listener and towards the other nodes.
     tls: Option<TlsFile>,
 }
@@ -209,10 +212,20 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
     let fake_gpus = flags.fake_gpus.clone().or(file.fake_gpus.clone());
     let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
     let cluster_file = file.cluster.take();
+    let lab_file = file.lab.take();
     let mut config = daemon_config(file, settings, &local)?;
     if let Some(c) = cluster_file {
         let client = tls.as_ref().map(|t| t.client.clone());
         config.cluster = Some(cluster_config(c, &config.node_name, &listen, client)?);
+    }
+    if let Some(l) = lab_file {
+        let Some(c) = config.cluster.as_mut() else {
+            bail!(
+                "[lab] orders a cluster's queue (tiers, grants, caps), and this labd has no \
+                 [cluster]; one labd runs its jobs first come, first served"
+            );
+        };
+        c.lab = lab_config(l)?;
     }
     let inventory: Arc<dyn GpuInventory> = match fake_gpus {
         Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
@@ -412,7 +425,141 @@ fn cluster_config(
         heartbeat,
         down_after,
         tls,
+        lab: LabConfig::default(),
     })
+}
+
+/// `[lab]` of labd's config file: the coordinator's queue rules.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LabFile {
+    /// Tier names, highest first (default lead, deadline, phd, master,
+    /// undergrad).
+    tiers: Option<Vec<String>>,
+    /// The tier only grants give (default `deadline` where the ladder has
+    /// it; `""`: none).
+    deadline_tier: Option<String>,
+    /// User → tier; users not named stand at the lowest tier.
+    #[serde(default)]
+    users: BTreeMap<String, String>,
+    /// User → last day (`YYYY-MM-DD`, UTC) of a paper-deadline grant.
+    #[serde(default)]
+    grants: BTreeMap<String, String>,
+    /// GPUs one user may have running at once.
+    max_gpus_per_user: Option<u32>,
+    /// GPU time used counts half after this many days (default 7).
+    fair_share_half_life_days: Option<f64>,
+}
+
+/// `[lab]`, checked: every tier named exists, grants are dates.
+fn lab_config(l: LabFile) -> Result<LabConfig> {
+    let names = l
+        .tiers
+        .unwrap_or_else(|| Ladder::default().names().to_vec());
+    let deadline = match l.deadline_tier.as_deref() {
+        Some("") => None,
+        Some(d) => Some(d.to_string()),
+        None => names
+            .iter()
+            .any(|n| n == "deadline")
+            .then(|| "deadline".to_string()),
+    };
+    let ladder =
+        Ladder::new(names, deadline.as_deref()).map_err(|e| anyhow::anyhow!("[lab] {e}"))?;
+    let mut members = Members {
+        ladder,
+        members: Default::default(),
+    };
+    for (user, tier) in &l.users {
+        let t = members.ladder.tier(tier).ok_or_else(|| {
+            anyhow::anyhow!(
+                "[lab.users] {user} = {tier:?}: no such tier; the tiers are {}",
+                members.ladder.names().join(", ")
+            )
+        })?;
+        if Some(t) == members.ladder.deadline() {
+            bail!(
+                "[lab.users] {user} = {tier:?}: that tier comes from a grant with an end date; \
+                 give {user} their own tier here and a grant in [lab.grants]"
+            );
+        }
+        members.members.insert(
+            user.clone(),
+            Member {
+                tier: t,
+                deadline_until: None,
+            },
+        );
+    }
+    if !l.grants.is_empty() && members.ladder.deadline().is_none() {
+        bail!("[lab.grants] needs a deadline tier (deadline_tier) to grant");
+    }
+    for (user, day) in &l.grants {
+        let until = end_of_day_ms(day).ok_or_else(|| {
+            anyhow::anyhow!(
+                "[lab.grants] {user} = {day:?}: write the grant's last day as YYYY-MM-DD (UTC)"
+            )
+        })?;
+        let lowest = members.ladder.lowest();
+        members
+            .members
+            .entry(user.clone())
+            .or_insert(Member {
+                tier: lowest,
+                deadline_until: None,
+            })
+            .deadline_until = Some(until);
+    }
+    let half_life = match l.fair_share_half_life_days {
+        None => Duration::from_secs(7 * 86_400),
+        Some(d) if d.is_finite() && d > 0.0 && d <= 3650.0 => Duration::from_secs_f64(d * 86_400.0),
+        Some(d) => bail!("[lab] fair_share_half_life_days = {d}: give a number of days, above 0"),
+    };
+    if l.max_gpus_per_user == Some(0) {
+        bail!("[lab] max_gpus_per_user = 0 would stop every GPU job; leave it out for no cap");
+    }
+    Ok(LabConfig {
+        members,
+        user_gpu_cap: l.max_gpus_per_user,
+        half_life,
+    })
+}
+
+/// Unix milliseconds of the midnight (UTC) after the day `YYYY-MM-DD`.
+fn end_of_day_ms(day: &str) -> Option<u64> {
+    let mut it = day.split('-');
+    let (y, m, d) = (it.next()?, it.next()?, it.next()?);
+    if it.next().is_some() || y.len() != 4 || m.len() != 2 || d.len() != 2 {
+        return None;
+    }
+    let (y, m, d): (i64, i64, i64) = (y.parse().ok()?, m.parse().ok()?, d.parse().ok()?);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let days_in = [
+        31,
+        if leap { 29 } else { 28 },
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ];
+    if !(1970..=9999).contains(&y) || !(1..=12).contains(&m) || d < 1 || d > days_in[m as usize - 1]
+    {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let (yy, mm) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * mm + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(((days + 1) * 86_400_000) as u64)
 }
 
 /// Refuses a file others could change (they could give themselves a token,
@@ -462,6 +609,53 @@ mod tests {
 
     fn tcp(a: &str) -> Endpoint {
         a.parse().unwrap()
+    }
+
+    fn lab(text: &str) -> Result<LabConfig> {
+        lab_config(toml::from_str(text).unwrap())
+    }
+
+    #[test]
+    fn the_lab_section_gives_tiers_grants_and_caps() {
+        let l = lab(r#"
+            max_gpus_per_user = 8
+            fair_share_half_life_days = 3
+            [users]
+            carol = "lead"
+            alice = "phd"
+            [grants]
+            alice = "2026-12-20"
+            dave = "2024-02-29"
+        "#)
+        .unwrap();
+        assert_eq!(l.user_gpu_cap, Some(8));
+        assert_eq!(l.half_life, Duration::from_secs(3 * 86_400));
+        let m = &l.members;
+        // 2026-12-20 is day 20807 since 1970: the grant runs to its end.
+        let end = 20_808 * 86_400_000;
+        assert_eq!(m.tier_for("alice", Some("deadline"), end - 1).unwrap().0, 1);
+        assert!(m.tier_for("alice", Some("deadline"), end).is_err());
+        assert_eq!(m.tier_for("carol", None, 0).unwrap().0, 0);
+        // Granted but not listed: the lowest tier of their own.
+        assert_eq!(m.tier_for("dave", None, 0).unwrap().0, 4);
+        assert_eq!(end_of_day_ms("1970-01-01"), Some(86_400_000));
+        assert_eq!(end_of_day_ms("2024-02-29"), Some(19_783 * 86_400_000));
+    }
+
+    #[test]
+    fn lab_mistakes_are_named() {
+        let e = |t: &str| format!("{:#}", lab(t).unwrap_err());
+        assert!(
+            e("[users]\nbob = \"postdoc\"").contains("[lab.users] bob = \"postdoc\": no such tier")
+        );
+        assert!(e("[users]\nbob = \"deadline\"").contains("comes from a grant with an end date"));
+        assert!(e("[grants]\nbob = \"20/12/2026\"")
+            .contains("write the grant's last day as YYYY-MM-DD"));
+        assert!(e("[grants]\nbob = \"2026-02-30\"").contains("YYYY-MM-DD"));
+        assert!(e("tiers = [\"a\", \"a\"]").contains("named twice"));
+        assert!(e("max_gpus_per_user = 0").contains("would stop every GPU job"));
+        assert!(e("deadline_tier = \"\"\n[grants]\nbob = \"2026-12-20\"")
+            .contains("needs a deadline tier"));
     }
 
     #[test]

@@ -10,12 +10,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use labsync_placer::{
-    Cluster, Gpu, Health, Ladder, Millis, NodeName, PackKey, Policy, Rates, Slot, SnapshotKey,
+    Cluster, Gpu, Health, Members, Millis, NodeName, PackKey, Policy, Rates, Slot, SnapshotKey,
     Usage,
 };
 use labsync_store::{PackId, SnapshotId};
 
 use crate::cluster::queue::ClusterJobs;
+use crate::cluster::LabConfig;
 use crate::error::{ApiError, LeaseError};
 use crate::proto::{
     CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
@@ -69,10 +70,10 @@ pub struct Coordinator {
     /// When ended jobs were last looked for.
     pub(super) collected: Mutex<Option<std::time::Instant>>,
     pub(super) policy: Policy,
-    /// The tiers (one ladder for now: every job at its lowest tier).
-    pub(super) ladder: Ladder,
-    /// Each user's decaying GPU time (none recorded yet).
-    pub(super) usage: Usage,
+    /// Who stands in which tier, and the grants.
+    pub(super) members: Members,
+    /// Each user's decaying GPU time (fair share), saved with the jobs.
+    pub(super) usage: Mutex<Usage>,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -100,7 +101,13 @@ impl Coordinator {
         name: &str,
         down_after: Duration,
         state_dir: &Path,
+        lab: &LabConfig,
     ) -> Result<Coordinator, LeaseError> {
+        let jobs = ClusterJobs::open(&state_dir.join("cluster-v1.redb"))?;
+        let mut usage = Usage::new(lab.half_life.as_millis().max(1) as Millis);
+        for (user, gpu_secs, at) in jobs.usage()? {
+            usage.restore(&user, gpu_secs, at);
+        }
         Ok(Coordinator {
             name: name.to_string(),
             down_after,
@@ -110,14 +117,17 @@ impl Coordinator {
                 labels: HashMap::new(),
                 promised: BTreeMap::new(),
             }),
-            jobs: ClusterJobs::open(&state_dir.join("cluster-v1.redb"))?,
+            jobs,
             floor: AtomicU64::new(0),
             inflight: Mutex::new(HashSet::new()),
             wake: tokio::sync::Notify::new(),
             collected: Mutex::new(None),
-            policy: Policy::default(),
-            ladder: Ladder::default(),
-            usage: Usage::default(),
+            policy: Policy {
+                user_gpu_cap: lab.user_gpu_cap,
+                ..Policy::default()
+            },
+            members: lab.members.clone(),
+            usage: Mutex::new(usage),
         })
     }
 
@@ -362,10 +372,15 @@ mod tests {
         PackId::from_bytes([i; 32])
     }
 
+    /// gpu1's coordinator with the default lab rules, its jobs in `dir`.
+    fn coordinator(dir: &Path) -> Coordinator {
+        Coordinator::new("gpu1", Duration::from_secs(10), dir, &LabConfig::default()).unwrap()
+    }
+
     #[test]
     fn deltas_apply_in_order_and_a_gap_asks_for_everything() {
         let dir = tempfile::tempdir().unwrap();
-        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
+        let c = coordinator(dir.path());
         let snap = SnapshotId::from_bytes([9; 32]);
         let full = InventoryDelta {
             full: true,
@@ -424,7 +439,7 @@ mod tests {
     #[test]
     fn measured_rates_reach_the_placer_and_defaults_stand_in_until_then() {
         let dir = tempfile::tempdir().unwrap();
-        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
+        let c = coordinator(dir.path());
         let full = InventoryDelta {
             full: true,
             ..Default::default()
@@ -451,7 +466,7 @@ mod tests {
     #[test]
     fn a_silent_node_is_down_until_it_speaks_again() {
         let dir = tempfile::tempdir().unwrap();
-        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
+        let c = coordinator(dir.path());
         let full = InventoryDelta {
             full: true,
             ..Default::default()
@@ -471,7 +486,7 @@ mod tests {
     #[test]
     fn a_node_speaks_for_itself_only() {
         let dir = tempfile::tempdir().unwrap();
-        let c = Coordinator::new("gpu1", Duration::from_secs(10), dir.path()).unwrap();
+        let c = coordinator(dir.path());
         let e = c
             .heartbeat("gpu3", hb("gpu2", "i", 1, InventoryDelta::default()), 0)
             .unwrap_err();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use labsync_placer::{
-    plan, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Slot, SnapshotKey,
+    plan, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Running, Slot, SnapshotKey, Tier,
 };
 use labsync_store::SnapshotId;
 
@@ -100,6 +100,10 @@ impl Coordinator {
         req: SubmitRequest,
     ) -> Result<JobView, ApiError> {
         check_request(&req)?;
+        // A tier the user may not have is refused now, not at placing.
+        self.members
+            .tier_for(&caller.user, req.priority.as_deref(), now_ms() as u64)
+            .map_err(|e| ApiError::Forbidden(format!("--priority: {e}")))?;
         let queued = self.jobs.queued_of(&caller.user);
         if queued >= d.max_queued_per_user() {
             return Err(ApiError::TooMany(format!(
@@ -155,6 +159,7 @@ impl Coordinator {
             due
         };
         let mut queue = Vec::new();
+        let mut running = Vec::new();
         for j in &live {
             match &j.placement {
                 Placement::Queued { .. } => match self.price(d, &j.req).await {
@@ -162,14 +167,29 @@ impl Coordinator {
                         id: j.id.clone(),
                         job: placer_job(&j.req, &needs),
                         user: j.user.clone(),
-                        // One tier and no usage yet: the coordinator
-                        // keeps first come, first served.
-                        tier: self.ladder.lowest(),
+                        tier: self.tier_of(j, now),
                         submitted: j.submitted_at.saturating_mul(1000),
                         preemptible: false,
                     }),
                     Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
                 },
+                Placement::Dispatched { node, gpus, .. } => {
+                    if let Ok(node) = node.parse() {
+                        running.push(Running {
+                            id: j.id.clone(),
+                            user: j.user.clone(),
+                            tier: self.tier_of(j, now),
+                            node,
+                            gpus: gpus.clone(),
+                            preemptible: false,
+                            stopping: false,
+                        });
+                    }
+                }
+                Placement::Ended { .. } => {}
+            }
+            match &j.placement {
+                Placement::Queued { .. } | Placement::Ended { .. } => {}
                 Placement::Dispatched {
                     confirmed: false,
                     at,
@@ -183,7 +203,6 @@ impl Coordinator {
                 }
                 Placement::Dispatched { .. } if collect => self.collect_if_ended(d, j).await,
                 Placement::Dispatched { .. } => {}
-                Placement::Ended { .. } => {}
             }
         }
         if queue.is_empty() {
@@ -192,11 +211,12 @@ impl Coordinator {
         let decisions = {
             let mut v = self.view.lock().expect("coordinator poisoned");
             let mut scratch = v.planning();
+            let usage = self.usage.lock().expect("coordinator poisoned");
             let pass = Pass {
                 queue: &queue,
-                running: &[],
-                usage: &self.usage,
-                ladder: &self.ladder,
+                running: &running,
+                usage: &usage,
+                ladder: &self.members.ladder,
                 now,
             };
             let decisions = plan(&mut scratch, &pass, &self.policy);
@@ -236,8 +256,7 @@ impl Coordinator {
                         Err(e) => tracing::error!("cluster jobs: {e}"),
                     }
                 }
-                // No job is preemptible yet, and the pass is given no
-                // running jobs: nothing is ever stopped.
+                // No job is preemptible yet: nothing is ever stopped.
                 Decision::Wait { id, why, .. } | Decision::Preempt { id, why, .. } => {
                     let r = self.jobs.update(&id, |j| {
                         let changed = j.placement
@@ -257,6 +276,36 @@ impl Coordinator {
                     }
                 }
             }
+        }
+    }
+
+    /// The tier `j` runs at now: the one it asked for while the user may
+    /// have it (a deadline grant lapses by itself), else the user's own.
+    fn tier_of(&self, j: &ClusterJob, now: u64) -> Tier {
+        self.members
+            .tier_for(&j.user, j.req.priority.as_deref(), now)
+            .or_else(|_| self.members.tier_for(&j.user, None, now))
+            .unwrap_or(self.members.ladder.lowest())
+    }
+
+    /// Charges a job that ran to its user's fair-share usage: its GPUs
+    /// times how long it ran.
+    fn charge(&self, j: &ClusterJob, view: &JobView) {
+        let (Some(start), Some(end)) = (view.started_at, view.ended_at) else {
+            return;
+        };
+        let gpu_secs = view.gpus.len() as f64 * end.saturating_sub(start) as f64;
+        if gpu_secs <= 0.0 {
+            return;
+        }
+        let now = now_ms() as u64;
+        let (v, at) = {
+            let mut u = self.usage.lock().expect("coordinator poisoned");
+            u.add(&j.user, gpu_secs, now);
+            (u.of(&j.user, now), now)
+        };
+        if let Err(e) = self.jobs.put_usage(&j.user, v, at) {
+            tracing::error!("cluster usage: {e}");
         }
     }
 
@@ -461,12 +510,22 @@ impl Coordinator {
                 })?
         };
         if view.ended() && !view.meta.outputs_pending {
-            let mut ended = j.clone();
-            ended.placement = Placement::Ended {
-                view: Box::new(view.clone()),
-            };
-            if let Err(e) = self.jobs.put(&ended) {
-                tracing::error!("cluster jobs: {e}");
+            // Once: two fetches of one ended job charge it once.
+            let mut first = false;
+            let r = self.jobs.update(&j.id, |x| {
+                if matches!(x.placement, Placement::Ended { .. }) {
+                    return false;
+                }
+                x.placement = Placement::Ended {
+                    view: Box::new(view.clone()),
+                };
+                first = true;
+                true
+            });
+            match r {
+                Ok(_) if first => self.charge(j, &view),
+                Ok(_) => {}
+                Err(e) => tracing::error!("cluster jobs: {e}"),
             }
         }
         Ok(view)

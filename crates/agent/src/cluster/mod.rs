@@ -43,6 +43,31 @@ pub struct ClusterConfig {
     /// With TLS (`[tls]`): whom to trust when reaching the other nodes, the
     /// lab's CA. Every address is then `https://`.
     pub tls: Option<std::sync::Arc<crate::tls::ClientConfig>>,
+    /// The lab's rules for the queue (`[lab]`; the coordinator's setting).
+    pub lab: LabConfig,
+}
+
+/// The lab's rules for the coordinator's queue: who stands in which tier,
+/// paper-deadline grants, the per-user GPU cap, the fair-share half-life.
+#[derive(Clone, Debug)]
+pub struct LabConfig {
+    /// The tier ladder and each user's tier and grant.
+    pub members: labsync_placer::Members,
+    /// GPUs one user may have running at once (`None`: no cap).
+    pub user_gpu_cap: Option<u32>,
+    /// GPU time used counts half after this long (fair share).
+    pub half_life: Duration,
+}
+
+impl Default for LabConfig {
+    /// The default ladder, everyone at its lowest tier, no cap, 7 days.
+    fn default() -> Self {
+        LabConfig {
+            members: labsync_placer::Members::default(),
+            user_gpu_cap: None,
+            half_life: Duration::from_secs(7 * 86_400),
+        }
+    }
 }
 
 /// The wall clock in Unix milliseconds: signatures and heartbeats carry it.

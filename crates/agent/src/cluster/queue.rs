@@ -17,6 +17,9 @@ use crate::proto::{JobView, SubmitRequest};
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("cluster-jobs-v1");
 const META: TableDefinition<&str, u64> = TableDefinition::new("cluster-meta-v1");
+/// Each user's fair-share usage: decayed GPU-seconds as of a Unix
+/// millisecond.
+const USAGE: TableDefinition<&str, (f64, u64)> = TableDefinition::new("cluster-usage-v1");
 
 /// Where a job of the cluster is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +111,7 @@ impl ClusterJobs {
         {
             let jobs = txn.open_table(JOBS).map_err(|e| err(&e))?;
             txn.open_table(META).map_err(|e| err(&e))?;
+            txn.open_table(USAGE).map_err(|e| err(&e))?;
             for r in jobs.iter().map_err(|e| err(&e))? {
                 let (_, v) = r.map_err(|e| err(&e))?;
                 let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| err(&e))?;
@@ -126,6 +130,29 @@ impl ClusterJobs {
             live: Mutex::new(live),
             recent: Mutex::new(recent),
         })
+    }
+
+    /// Every user's saved usage: (user, decayed GPU-seconds, as of).
+    pub fn usage(&self) -> Result<Vec<(String, f64, u64)>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = txn.open_table(USAGE).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for r in t.iter().map_err(|e| self.err(e))? {
+            let (k, v) = r.map_err(|e| self.err(e))?;
+            let (gpu_secs, at) = v.value();
+            out.push((k.value().to_string(), gpu_secs, at));
+        }
+        Ok(out)
+    }
+
+    /// Saves one user's usage.
+    pub fn put_usage(&self, user: &str, gpu_secs: f64, at: u64) -> Result<(), LeaseError> {
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut t = txn.open_table(USAGE).map_err(|e| self.err(e))?;
+            t.insert(user, (gpu_secs, at)).map_err(|e| self.err(e))?;
+        }
+        txn.commit().map_err(|e| self.err(e))
     }
 
     fn err(&self, e: impl std::fmt::Display) -> LeaseError {
@@ -337,6 +364,29 @@ mod tests {
         };
         db.put(&j).unwrap();
         j
+    }
+
+    #[test]
+    fn usage_is_kept_across_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.redb");
+        {
+            let db = ClusterJobs::open(&path).unwrap();
+            assert!(db.usage().unwrap().is_empty());
+            db.put_usage("alice", 7200.0, 1_000).unwrap();
+            db.put_usage("alice", 3600.5, 2_000).unwrap();
+            db.put_usage("bob", 60.0, 3_000).unwrap();
+        }
+        let db = ClusterJobs::open(&path).unwrap();
+        let mut u = db.usage().unwrap();
+        u.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            u,
+            [
+                ("alice".to_string(), 3600.5, 2_000),
+                ("bob".to_string(), 60.0, 3_000)
+            ]
+        );
     }
 
     #[test]

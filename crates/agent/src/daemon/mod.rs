@@ -187,7 +187,7 @@ impl Daemon {
             .collect();
         let coordinator = match cfg.cluster.as_ref().filter(|c| c.coordinate) {
             Some(c) => {
-                let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir)
+                let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir, &c.lab)
                     .map_err(|e| open_error("the cluster's jobs", &e))?;
                 if let Some(n) = highest_run(&repo).await? {
                     co.ids_above(n);

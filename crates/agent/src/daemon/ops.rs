@@ -262,6 +262,12 @@ impl Daemon {
             )));
         }
         check_request(&req)?;
+        if let Some(p) = &req.priority {
+            return Err(ApiError::BadRequest(format!(
+                "--priority {p}: tiers order a cluster's queue, and this labd is not a cluster's \
+                 coordinator (its jobs start first come, first served); leave --priority out"
+            )));
+        }
         let run_as = self.run_as(caller).await?;
         let mut submit = Submit {
             user: caller.user.clone(),

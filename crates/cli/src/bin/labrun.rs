@@ -24,7 +24,9 @@ as data/USER/FOLDER); the job sees it read-only at $LABRUN_DATA (the first)
 and $LABRUN_DATA_<NAME> (each), shared with every other job on the same
 version. The job sees only
 its leased GPUs in CUDA_VISIBLE_DEVICES, and LABRUN_JOB_ID. If not enough
-GPUs are free it waits, first come first served; `labrun ps` says why.
+GPUs are free it waits; `labrun ps` says why. One labd serves first come,
+first served; a cluster's coordinator goes by the lab's tiers (--priority),
+then by who used the least GPU time lately, then first come.
 
 A script that is a file runs with its interpreter (train.py: python3, x.sh:
 bash, an executable: itself); after `--`, any command runs as given.
@@ -118,6 +120,12 @@ struct RunArgs {
     /// Submit, print the job id and return without streaming
     #[arg(short, long)]
     detach: bool,
+    /// Run at this tier of the lab's ladder (lead, deadline, phd, master,
+    /// undergrad by default): your own or a lower one, or `deadline` while
+    /// an admin's grant runs [default: your own tier]. A cluster's
+    /// coordinator orders its queue by tier, then by GPU time used lately
+    #[arg(long, value_name = "TIER")]
+    priority: Option<String>,
     /// Submit nothing: print where the cluster's coordinator would place
     /// the job and, per node, when it could start there and why not there
     /// (GPU wait, bytes to fetch from peers and the store)
@@ -190,6 +198,7 @@ impl RunArgs {
             explain: self.explain,
             command: self.command,
             as_given,
+            priority: self.priority,
         }
     }
 }

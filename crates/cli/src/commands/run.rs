@@ -42,6 +42,8 @@ pub struct RunRequest {
     pub command: Vec<String>,
     /// The command came after `--`: run as given, with no interpreter picked.
     pub as_given: bool,
+    /// The tier to run at (a cluster's; default the user's own).
+    pub priority: Option<String>,
 }
 
 /// The labd a command talks to: its client, and the personal labd when
@@ -118,6 +120,7 @@ pub async fn run(
             .unwrap_or(0),
         outputs: a.outputs.clone(),
         outputs_every_s: a.outputs_every.as_deref().map(parse_duration).transpose()?,
+        priority: a.priority.clone(),
     };
     if a.explain {
         let ranking = client.explain(&req).await.map_err(explain)?;
