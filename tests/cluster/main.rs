@@ -79,11 +79,12 @@ impl Lab {
     /// With `tls`, every node has a certificate from the lab's CA and
     /// speaks only TLS.
     fn start_with(n: usize, tls: bool) -> Option<Lab> {
-        Lab::start_full(n, tls, "")
+        Lab::start_full(n, tls, "", "")
     }
 
-    /// With `extra` at the end of every node's config (a `[lab]` section).
-    fn start_full(n: usize, tls: bool, extra: &str) -> Option<Lab> {
+    /// With `top` at the start of every node's config (top-level keys) and
+    /// `extra` at its end (a `[lab]` section).
+    fn start_full(n: usize, tls: bool, top: &str, extra: &str) -> Option<Lab> {
         let s3 = S3Server::start()?;
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -104,7 +105,7 @@ impl Lab {
                 std::fs::write(
                     &config,
                     format!(
-                        "node_name = \"{name}\"\nlisten = \"127.0.0.1:{port}\"\n\
+                        "{top}node_name = \"{name}\"\nlisten = \"127.0.0.1:{port}\"\n\
                          state_dir = \"{state}\"\nstore = \"{store}\"\ncache_dir = \"{cache}\"\n\
                          tick_ms = 50\ninventory_deadline_ms = 300\nfake_gpus = \"2x11GiB\"\n\
                          fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\nadmins = [\"admin\"]\n\
@@ -1219,7 +1220,7 @@ fn tiers_grants_and_the_gpu_cap_order_the_cluster_queue() {
     let lab_rules =
         "[lab]\nmax_gpus_per_user = 1\n[lab.users]\nalice = \"phd\"\nbob = \"master\"\n\
                      [lab.grants]\nbob = \"2099-12-31\"\n";
-    let Some(lab) = Lab::start_full(1, false, lab_rules) else {
+    let Some(lab) = Lab::start_full(1, false, "", lab_rules) else {
         return;
     };
     let until = |name: &str| {
@@ -1290,4 +1291,55 @@ fn tiers_grants_and_the_gpu_cap_order_the_cluster_queue() {
     wait_until("every job to end", 60, || {
         [&xa, &xb, &a1, &b1, &b2].iter().all(|j| lab.job(j).ended())
     });
+}
+
+/// Issue 13: `labrun --hold` leases GPUs with no command and says which;
+/// while they compute the hold is kept, and once they show no utilisation
+/// for labd's idle time (2 s here) they are given back, the holder told why
+/// in `labrun ps` and the hold's log.
+#[test]
+fn an_idle_hold_is_given_back_and_a_busy_one_kept() {
+    let Some(lab) = Lab::start_full(1, false, "idle_hold_s = 2\n", "") else {
+        return;
+    };
+    let control = lab.dir.path().join("gpu0").join("control.toml");
+    std::fs::write(
+        &control,
+        "utilization = [{ gpu = 0, percent = 60 }, { gpu = 1, percent = 60 }]\n",
+    )
+    .unwrap();
+    let o = lab.labrun(&["--hold", "1h", "--gpus", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with("held on gpu0: export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES="),
+        "{out}"
+    );
+    let hold = lab
+        .jobs()
+        .into_iter()
+        .find(|j| j.meta.hold_s == Some(3600))
+        .expect("the hold in labrun ps");
+    assert!(matches!(hold.state, JobState::Running { .. }), "{hold:?}");
+    assert_eq!(hold.gpus.len(), 1);
+    // Computing: kept well past the idle time.
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    let j = lab.job(&hold.id);
+    assert!(matches!(j.state, JobState::Running { .. }), "{j:?}");
+    // Idle: given back, saying why.
+    std::fs::write(&control, "").unwrap();
+    wait_until("the idle hold to be given back", 30, || {
+        lab.job(&hold.id).ended()
+    });
+    let j = lab.job(&hold.id);
+    let why = j.why.clone().unwrap_or_default();
+    assert!(
+        why.contains("released: 1 GPU(s) on gpu0 held by alice showed no utilisation for"),
+        "{j:?}"
+    );
+    let log = lab.ok(&["logs", &hold.id]);
+    assert!(log.contains("labd: released: 1 GPU(s) on gpu0"), "{log}");
+    // Its GPU is free for the next job.
+    let o = lab.labrun(&["--gpus", "2", "--", "true"]);
+    assert!(o.status.success(), "{o:?}");
 }

@@ -6,6 +6,7 @@
 //! ```toml
 //! hang = true                                        # every call blocks until this is false again
 //! foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]    # a process labd did not start
+//! utilization = [{ gpu = 1, percent = 80 }]          # computing (default 0%)
 //! ```
 //! The hang is real: the calling thread blocks, exactly like a wedged driver.
 
@@ -35,6 +36,16 @@ struct Control {
     /// Processes to report as running on a GPU (e.g. a job's own pid).
     #[serde(default)]
     processes: Vec<Foreign>,
+    /// GPUs to report busy computing.
+    #[serde(default)]
+    utilization: Vec<Busy>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Busy {
+    gpu: u32,
+    percent: u32,
 }
 
 #[derive(Debug, Deserialize)]
@@ -118,6 +129,13 @@ impl GpuInventory for FakeGpus {
                 processes: Vec::new(),
             })
             .collect();
+        for b in &ctl.utilization {
+            let n = gpus.len();
+            let g = gpus.get_mut(b.gpu as usize).ok_or_else(|| {
+                InventoryError::BadSpec(format!("utilization of GPU {} but only {n} GPUs", b.gpu))
+            })?;
+            g.utilization = Some(b.percent.min(100));
+        }
         for f in ctl.foreign.iter().chain(&ctl.processes) {
             let g = gpus.get_mut(f.gpu as usize).ok_or_else(|| {
                 InventoryError::BadSpec(format!(

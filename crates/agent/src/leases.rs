@@ -147,6 +147,12 @@ pub struct JobMeta {
     /// The uid/gid it runs as, when not labd's own: its outputs are read as them.
     #[serde(default)]
     pub run_as: Option<(u32, u32)>,
+    /// A hold (`labrun --hold`) of this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_s: Option<u64>,
+    /// Why labd gave a hold's GPUs back early.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<String>,
 }
 
 /// Now, in Unix seconds.

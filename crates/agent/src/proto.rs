@@ -88,6 +88,11 @@ pub struct SubmitRequest {
     /// user's own. Only a cluster's coordinator orders its queue by tier.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<String>,
+    /// A hold (`labrun --hold`): GPUs leased for this many seconds with no
+    /// command of the user's (`argv` is `sleep` for that long), given back
+    /// early once they show no utilisation for labd's `idle_hold_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_s: Option<u64>,
 }
 
 /// A job as `labrun ps` shows it. Its own type, not the stored

@@ -41,6 +41,7 @@ fn config(dir: &Path) -> DaemonConfig {
         foreign_limit: 256 << 20,
         inventory_deadline: Duration::from_secs(2),
         kill_grace: Duration::from_millis(200),
+        idle_hold: Duration::from_secs(1800),
         outputs_every: Duration::from_secs(300),
         outputs_retry: Duration::from_secs(10),
         work_keep: Duration::from_secs(86_400),

@@ -6,6 +6,7 @@
 //! ([`ops`]); the HTTP layer ([`crate::serve`]) only authenticates and
 //! translates.
 
+mod holds;
 mod housekeeping;
 mod logs;
 mod ops;
@@ -61,6 +62,9 @@ pub struct DaemonConfig {
     pub inventory_deadline: Duration,
     /// SIGTERM → SIGKILL grace of `labrun kill`.
     pub kill_grace: Duration,
+    /// A hold (`labrun --hold`) whose GPUs show no utilisation for this
+    /// long is given back.
+    pub idle_hold: Duration,
     /// Default time between pushes of a job's outputs.
     pub outputs_every: Duration,
     /// First wait before a failed final outputs push is tried again; it
@@ -139,6 +143,9 @@ pub struct Daemon {
     warms: Warms,
     /// Asks for a heartbeat now (a job ended: its GPUs are free).
     beat_now: tokio::sync::Notify,
+    /// Running holds: since when each has shown no utilisation (Unix ms;
+    /// `None`: busy at the last reading).
+    hold_idle: std::sync::Mutex<std::collections::HashMap<String, Option<u64>>>,
     _lock: File,
 }
 
@@ -230,6 +237,7 @@ impl Daemon {
             peers,
             warms: Warms::default(),
             beat_now: tokio::sync::Notify::new(),
+            hold_idle: Default::default(),
             _lock: lock,
             cfg,
         }))
@@ -274,6 +282,7 @@ impl Daemon {
                 return;
             }
         };
+        self.release_idle_holds(&jobs).await;
         self.housekeeping.start_if_due();
         self.outputs.start_due(jobs);
     }

@@ -76,11 +76,28 @@ impl From<NodeError> for ApiError {
     }
 }
 
+/// The longest hold: a week.
+pub const MAX_HOLD_S: u64 = 7 * 86_400;
+
 /// A request labd refuses before reserving anything: no command, an
 /// outputs folder outside the code, a data variable that is not one.
 pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     if req.argv.is_empty() {
         return Err(ApiError::BadRequest("no command to run".into()));
+    }
+    if let Some(s) = req.hold_s {
+        if s == 0 || s > MAX_HOLD_S {
+            return Err(ApiError::BadRequest(format!(
+                "--hold of {s} s: hold GPUs for 1 s to {} days",
+                MAX_HOLD_S / 86_400
+            )));
+        }
+        if req.argv != ["sleep".to_string(), s.to_string()] {
+            return Err(ApiError::BadRequest(
+                "a hold runs no command of its own (its command is `sleep` for the hold's length)"
+                    .into(),
+            ));
+        }
     }
     if let Some(o) = &req.outputs {
         check_outputs(o).map_err(ApiError::BadRequest)?;
@@ -158,7 +175,7 @@ impl Daemon {
                 let why = match (&rec.state, &rec.meta.preparing, &gpus) {
                     (JobState::Queued, Some(p), _) => Some(p.clone()),
                     (JobState::Queued, None, Some(g)) => self.node.why_waiting(&rec.id, g),
-                    _ => None,
+                    _ => rec.meta.released.clone(),
                 };
                 JobView {
                     node: Some(self.cfg.node_name.clone()),
@@ -383,6 +400,8 @@ impl Daemon {
             log_cut: None,
             preparing: Some("materialising code and data".into()),
             run_as,
+            hold_s: req.hold_s,
+            released: None,
             trees: req
                 .code
                 .iter()

@@ -120,6 +120,11 @@ struct RunArgs {
     /// Submit, print the job id and return without streaming
     #[arg(short, long)]
     detach: bool,
+    /// Hold GPUs for your own shell this long (2h, 30m), with no command:
+    /// prints the node and CUDA_VISIBLE_DEVICES; GPUs that show no
+    /// utilisation for labd's idle time (30 min) are given back early
+    #[arg(long, value_name = "DURATION")]
+    hold: Option<String>,
     /// Run at this tier of the lab's ladder (lead, deadline, phd, master,
     /// undergrad by default): your own or a lower one, or `deadline` while
     /// an admin's grant runs [default: your own tier]. A cluster's
@@ -199,6 +204,7 @@ impl RunArgs {
             command: self.command,
             as_given,
             priority: self.priority,
+            hold: self.hold,
         }
     }
 }

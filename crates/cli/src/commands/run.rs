@@ -44,6 +44,20 @@ pub struct RunRequest {
     pub as_given: bool,
     /// The tier to run at (a cluster's; default the user's own).
     pub priority: Option<String>,
+    /// Hold GPUs this long (`2h`) with no command.
+    pub hold: Option<String>,
+}
+
+impl RunRequest {
+    /// `--gpu-mem` in bytes (0: any).
+    fn gpu_mem_bytes(&self) -> Result<u64> {
+        Ok(self
+            .gpu_mem
+            .as_deref()
+            .map(parse_size)
+            .transpose()?
+            .unwrap_or(0))
+    }
 }
 
 /// The labd a command talks to: its client, and the personal labd when
@@ -69,6 +83,9 @@ pub async fn run(
 ) -> Result<ExitCode> {
     let client = labd.client;
     let info = client.info().await.map_err(explain)?;
+    if let Some(h) = &a.hold {
+        return hold(client, &info, h, &a, quiet, json).await;
+    }
     check_store(s, labd, store_given, &info)?;
     let code = a.code.clone().unwrap_or_else(|| PathBuf::from("."));
     let code = code
@@ -112,15 +129,11 @@ pub async fn run(
         code: Some(code_ref.clone()),
         data,
         gpus,
-        gpu_mem: a
-            .gpu_mem
-            .as_deref()
-            .map(parse_size)
-            .transpose()?
-            .unwrap_or(0),
+        gpu_mem: a.gpu_mem_bytes()?,
         outputs: a.outputs.clone(),
         outputs_every_s: a.outputs_every.as_deref().map(parse_duration).transpose()?,
         priority: a.priority.clone(),
+        hold_s: None,
     };
     if a.explain {
         let ranking = client.explain(&req).await.map_err(explain)?;
@@ -152,6 +165,74 @@ pub async fn run(
         );
     }
     follow(client, &job.id, quiet, true).await
+}
+
+/// `labrun --hold 2h`: leases GPUs with no command, waits until they are
+/// the user's and says which, for the user's own shell.
+async fn hold(
+    client: &Client,
+    info: &Info,
+    length: &str,
+    a: &RunRequest,
+    quiet: bool,
+    json: bool,
+) -> Result<ExitCode> {
+    if !a.command.is_empty() || !a.data.is_empty() || a.outputs.is_some() || a.explain {
+        bail!(
+            "--hold leases GPUs for your own shell: give no command, --data, --outputs or \
+             --explain with it (labrun --hold 2h --gpus 1)"
+        );
+    }
+    let secs = parse_duration(length)?;
+    let gpus = a.gpus.unwrap_or(1);
+    if gpus == 0 {
+        bail!("--hold --gpus 0 would hold nothing; ask for 1 or more GPUs");
+    }
+    let req = SubmitRequest {
+        argv: vec!["sleep".into(), secs.to_string()],
+        gpus,
+        gpu_mem: a.gpu_mem_bytes()?,
+        priority: a.priority.clone(),
+        hold_s: Some(secs),
+        ..Default::default()
+    };
+    let job = client.submit(&req).await.map_err(explain)?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !quiet {
+        eprintln!("labrun: hold {} queued; waiting for {gpus} GPU(s)…", job.id);
+    }
+    let job = loop {
+        let j = client.job(&job.id).await.map_err(explain)?;
+        match j.state {
+            labsync_agent::JobState::Running { .. } => break j,
+            _ if j.ended() => bail!("hold {} ended before it started: {:?}", j.id, j.state),
+            _ => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+        }
+    };
+    let node = job.node.clone().unwrap_or_else(|| info.node.clone());
+    let list = job
+        .gpus
+        .iter()
+        .map(|g| g.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    if json {
+        println!("{}", serde_json::to_string_pretty(&job)?);
+    } else {
+        println!("held on {node}: export CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={list}");
+    }
+    if !quiet {
+        eprintln!(
+            "labrun: hold {} has GPU(s) {list} of {node} for {length}; GPUs that show no \
+             utilisation for labd's idle time (30 min unless the lab set otherwise) are given \
+             back; `labrun kill {}` gives them back now",
+            job.id, job.id
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The placer's answer as a table: one row per node, the chosen first.
