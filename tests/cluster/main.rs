@@ -1343,3 +1343,85 @@ fn an_idle_hold_is_given_back_and_a_busy_one_kept() {
     let o = lab.labrun(&["--gpus", "2", "--", "true"]);
     assert!(o.status.success(), "{o:?}");
 }
+
+/// Issue 13: a higher tier's job stops a lower tier's preemptible job
+/// (never a job that is not preemptible): SIGTERM, its outputs pushed to
+/// the store, then it is requeued and runs again later with
+/// LABRUN_RESTARTS=1 and LABRUN_RESUME_FROM naming those outputs.
+#[test]
+fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
+    let rules = "[lab]\n[lab.users]\nalice = \"phd\"\nbob = \"undergrad\"\n";
+    let Some(lab) = Lab::start_full(1, false, "", rules) else {
+        return;
+    };
+    let id = |o: Output| {
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let release = lab.dir.path().join("release");
+    let keep = format!("while [ ! -e {} ]; do sleep 0.05; done", release.display());
+    let preemptible = "trap 'echo saved-at-$LABRUN_RESTARTS > out/ckpt; exit 0' TERM; \
+                       echo \"restarts=$LABRUN_RESTARTS resume=${LABRUN_RESUME_FROM:-none}\"; \
+                       [ \"$LABRUN_RESTARTS\" = 0 ] || exit 0; \
+                       while true; do sleep 0.05; done";
+    // bob's two undergraduate jobs fill gpu0; only one may be stopped.
+    let n = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &keep]));
+    lab.running(&n);
+    let p = id(lab.labrun_as_bob(&[
+        "-d",
+        "--preemptible",
+        "--outputs",
+        "out",
+        "--gpus",
+        "1",
+        "--",
+        "bash",
+        "-c",
+        preemptible,
+    ]));
+    lab.running(&p);
+    // alice (PhD) needs a GPU: bob's preemptible job makes way.
+    let a = id(lab.labrun(&["-d", "--gpus", "1", "--", "echo", "alice-ran"]));
+    wait_until("the preempted job to end", 60, || lab.job(&p).ended());
+    let why = lab.job(&p).why.unwrap_or_default();
+    assert!(
+        why.contains(&format!("preempted for {a}; requeued as j")),
+        "{why}"
+    );
+    let again = why
+        .rsplit("requeued as ")
+        .next()
+        .unwrap()
+        .trim()
+        .to_string();
+    wait_until("alice's job to run and end", 60, || lab.job(&a).ended());
+    assert!(
+        matches!(lab.job(&a).state, JobState::Exited { code: Some(0), .. }),
+        "{:?}",
+        lab.job(&a)
+    );
+    // The job that is not preemptible was never stopped.
+    assert!(
+        matches!(lab.job(&n).state, JobState::Running { .. }),
+        "{:?}",
+        lab.job(&n)
+    );
+    // The stopped run's outputs are in the store.
+    let dest = lab.dir.path().join("pulled");
+    lab.labsync(0, &["pull", &format!("runs/{p}"), dest.to_str().unwrap()]);
+    let ckpt = std::fs::read_to_string(dest.join("ckpt")).unwrap();
+    assert_eq!(ckpt.trim(), "saved-at-0");
+    // The requeued run: its restart count and where its outputs went.
+    wait_until("the requeued job to run and end", 60, || {
+        lab.job(&again).ended()
+    });
+    let o = lab.labrun_as_bob(&["logs", &again]);
+    assert!(o.status.success(), "{o:?}");
+    let log = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        log.contains(&format!("restarts=1 resume=runs/{p}@")),
+        "{log}"
+    );
+    std::fs::write(&release, "").unwrap();
+    wait_until("bob's other job to end", 60, || lab.job(&n).ended());
+}

@@ -93,6 +93,22 @@ pub struct SubmitRequest {
     /// early once they show no utilisation for labd's `idle_hold_s`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_s: Option<u64>,
+    /// A higher tier's job may stop it (SIGTERM, its outputs pushed) and
+    /// requeue it (`labrun --preemptible`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preemptible: bool,
+    /// Times it was preempted and requeued (`LABRUN_RESTARTS`); set by the
+    /// coordinator only.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restarts: u32,
+    /// The outputs its last run saved (`runs/j12@v3`, `LABRUN_RESUME_FROM`);
+    /// set by the coordinator only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A job as `labrun ps` shows it. Its own type, not the stored

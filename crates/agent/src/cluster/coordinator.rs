@@ -74,6 +74,8 @@ pub struct Coordinator {
     pub(super) members: Members,
     /// Each user's decaying GPU time (fair share), saved with the jobs.
     pub(super) usage: Mutex<Usage>,
+    /// Held while an ended job is recorded (charged, requeued): once.
+    pub(super) ending: Mutex<()>,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -128,6 +130,7 @@ impl Coordinator {
             },
             members: lab.members.clone(),
             usage: Mutex::new(usage),
+            ending: Mutex::new(()),
         })
     }
 

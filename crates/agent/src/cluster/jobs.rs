@@ -16,7 +16,7 @@ use labsync_store::SnapshotId;
 use crate::client::{Client, Endpoint};
 use crate::cluster::queue::{ClusterJob, Placement};
 use crate::cluster::{now_ms, Coordinator};
-use crate::daemon::{check_request, Caller, Daemon, LogRead};
+use crate::daemon::{check_user_request, Caller, Daemon, LogRead};
 use crate::error::{ApiError, ClientError};
 use crate::leases::{unix_now, JobState};
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
@@ -99,7 +99,7 @@ impl Coordinator {
         caller: &Caller,
         req: SubmitRequest,
     ) -> Result<JobView, ApiError> {
-        check_request(&req)?;
+        check_user_request(&req)?;
         // A tier the user may not have is refused now, not at placing.
         self.members
             .tier_for(&caller.user, req.priority.as_deref(), now_ms() as u64)
@@ -169,7 +169,7 @@ impl Coordinator {
                         user: j.user.clone(),
                         tier: self.tier_of(j, now),
                         submitted: j.submitted_at.saturating_mul(1000),
-                        preemptible: false,
+                        preemptible: j.req.preemptible,
                     }),
                     Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
                 },
@@ -181,8 +181,8 @@ impl Coordinator {
                             tier: self.tier_of(j, now),
                             node,
                             gpus: gpus.clone(),
-                            preemptible: false,
-                            stopping: false,
+                            preemptible: j.req.preemptible,
+                            stopping: j.preempted.is_some(),
                         });
                     }
                 }
@@ -256,26 +256,34 @@ impl Coordinator {
                         Err(e) => tracing::error!("cluster jobs: {e}"),
                     }
                 }
-                // No job is preemptible yet: nothing is ever stopped.
-                Decision::Wait { id, why, .. } | Decision::Preempt { id, why, .. } => {
-                    let r = self.jobs.update(&id, |j| {
-                        let changed = j.placement
-                            != Placement::Queued {
-                                why: Some(why.clone()),
-                            };
-                        j.placement = Placement::Queued { why: Some(why) };
-                        changed
-                    });
-                    if let Err(e) = r {
-                        tracing::error!("cluster jobs: {e}");
-                    }
+                Decision::Preempt {
+                    id, why, victims, ..
+                } => {
+                    self.preempt(d, &id, &victims);
+                    self.set_why(&id, why);
                 }
+                Decision::Wait { id, why, .. } => self.set_why(&id, why),
                 Decision::Never { id, why } => {
                     if let Ok(Some(j)) = self.jobs.get(&id) {
                         self.end(&j, format!("no node of the cluster can run it: {why}"));
                     }
                 }
             }
+        }
+    }
+
+    /// Records why a queued job waits (written only when it changed).
+    fn set_why(&self, id: &str, why: String) {
+        let r = self.jobs.update(id, |j| {
+            let changed = j.placement
+                != Placement::Queued {
+                    why: Some(why.clone()),
+                };
+            j.placement = Placement::Queued { why: Some(why) };
+            changed
+        });
+        if let Err(e) = r {
+            tracing::error!("cluster jobs: {e}");
         }
     }
 
@@ -510,22 +518,31 @@ impl Coordinator {
                 })?
         };
         if view.ended() && !view.meta.outputs_pending {
-            // Once: two fetches of one ended job charge it once.
-            let mut first = false;
-            let r = self.jobs.update(&j.id, |x| {
-                if matches!(x.placement, Placement::Ended { .. }) {
-                    return false;
+            // Once: two fetches of one ended job charge (and requeue) it once.
+            let _one = self.ending.lock().expect("coordinator poisoned");
+            // As it is now: it may have been preempted since `j` was read.
+            let now = match self.jobs.get(&j.id) {
+                Ok(Some(x)) if !matches!(x.placement, Placement::Ended { .. }) => Some(x),
+                _ => None,
+            };
+            if let Some(j) = now.as_ref() {
+                let mut ended = view.clone();
+                if let Some(reason) = &j.preempted {
+                    ended.why = Some(match self.requeue(j, &view) {
+                        Some(n) => format!("{reason}; requeued as {n}"),
+                        None => format!("{reason}; could not be requeued (see labd's log)"),
+                    });
                 }
-                x.placement = Placement::Ended {
-                    view: Box::new(view.clone()),
-                };
-                first = true;
-                true
-            });
-            match r {
-                Ok(_) if first => self.charge(j, &view),
-                Ok(_) => {}
-                Err(e) => tracing::error!("cluster jobs: {e}"),
+                let r = self.jobs.update(&j.id, |x| {
+                    x.placement = Placement::Ended {
+                        view: Box::new(ended.clone()),
+                    };
+                    true
+                });
+                match r {
+                    Ok(_) => self.charge(j, &view),
+                    Err(e) => tracing::error!("cluster jobs: {e}"),
+                }
             }
         }
         Ok(view)
@@ -659,25 +676,90 @@ impl Coordinator {
                 Ok(self.view_of(&self.get(id)?))
             }
             Placement::Dispatched { node, .. } => {
-                let admin = Caller {
-                    user: caller.user.clone(),
-                    admin: true,
-                };
-                let view = if node == d.node_name() {
-                    d.kill(&admin, id).await?
-                } else {
-                    let c = self.client_of(d, node).ok_or_else(|| {
-                        ApiError::Conflict(format!("{node} is unknown; try again"))
-                    })?;
-                    tokio::time::timeout(FORWARD, c.cluster_kill(id))
-                        .await
-                        .map_err(|_| {
-                            ApiError::Conflict(format!("{node} did not answer; try again"))
-                        })?
-                        .map_err(|e| forwarded(node, e))?
-                };
+                let view = self.kill_on(d, node, id, &caller.user).await?;
                 tracing::info!("job {id} killed by {} on {node}", caller.user);
                 Ok(view)
+            }
+        }
+    }
+
+    /// Kills job `id` on `node` (SIGTERM, SIGKILL after the node's grace;
+    /// its outputs pushed), on behalf of `by`.
+    async fn kill_on(
+        &self,
+        d: &Arc<Daemon>,
+        node: &str,
+        id: &str,
+        by: &str,
+    ) -> Result<JobView, ApiError> {
+        if node == d.node_name() {
+            let admin = Caller {
+                user: by.to_string(),
+                admin: true,
+            };
+            return d.kill(&admin, id).await;
+        }
+        let c = self
+            .client_of(d, node)
+            .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown; try again")))?;
+        tokio::time::timeout(FORWARD, c.cluster_kill(id))
+            .await
+            .map_err(|_| ApiError::Conflict(format!("{node} did not answer; try again")))?
+            .map_err(|e| forwarded(node, e))
+    }
+
+    /// Stops `victims` for job `id` (in the background): each is marked,
+    /// so passes count its GPUs as coming free and it is requeued once it
+    /// has ended, then killed on its node.
+    fn preempt(self: &Arc<Self>, d: &Arc<Daemon>, id: &str, victims: &[String]) {
+        for v in victims {
+            let reason = format!("preempted for {id}");
+            let mut marked = None;
+            let r = self.jobs.update(v, |j| match (&j.placement, &j.preempted) {
+                (Placement::Dispatched { node, .. }, None) => {
+                    marked = Some(node.clone());
+                    j.preempted = Some(reason.clone());
+                    true
+                }
+                _ => false,
+            });
+            if let Err(e) = r {
+                tracing::error!("cluster jobs: {e}");
+                continue;
+            }
+            let Some(node) = marked else { continue };
+            tracing::info!("job {v} on {node} {reason}");
+            let (me, d, v) = (self.clone(), d.clone(), v.clone());
+            tokio::spawn(async move {
+                if let Err(e) = me.kill_on(&d, &node, &v, "labd").await {
+                    // The next pass sees it still running and stopping;
+                    // a later kill (or its end) settles it.
+                    tracing::warn!("preempting {v} on {node}: {e}");
+                    let _ = me.jobs.update(&v, |j| {
+                        j.preempted = None;
+                        true
+                    });
+                }
+            });
+        }
+    }
+
+    /// Requeues a preempted job that has ended: a new job of the same
+    /// request, user and submit time, with `LABRUN_RESTARTS` one more and
+    /// `LABRUN_RESUME_FROM` its last saved outputs. Returns the new id.
+    fn requeue(&self, j: &ClusterJob, view: &JobView) -> Option<String> {
+        let mut req = j.req.clone();
+        req.restarts += 1;
+        req.resume_from = view.meta.outputs_saved.clone().or(req.resume_from);
+        let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
+        match self.jobs.create(&j.user, req, j.submitted_at, floor) {
+            Ok(n) => {
+                self.wake.notify_one();
+                Some(n.id)
+            }
+            Err(e) => {
+                tracing::error!("requeueing {}: {e}", j.id);
+                None
             }
         }
     }

@@ -63,6 +63,9 @@ pub struct ClusterJob {
     pub submitted_at: u64,
     /// Where it is.
     pub placement: Placement,
+    /// Told to stop for a higher tier's job (why): requeued once it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted: Option<String>,
 }
 
 impl ClusterJob {
@@ -195,6 +198,7 @@ impl ClusterJobs {
                 req,
                 submitted_at: now,
                 placement: Placement::Queued { why: None },
+                preempted: None,
             };
             let bytes = serde_json::to_vec(&job).expect("job serialises");
             jobs.insert(job.id.as_str(), bytes.as_slice())

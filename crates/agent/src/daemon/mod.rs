@@ -12,7 +12,7 @@ mod logs;
 mod ops;
 mod outputs;
 
-pub(crate) use ops::check_request;
+pub(crate) use ops::check_user_request;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

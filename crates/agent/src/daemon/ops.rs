@@ -76,6 +76,19 @@ impl From<NodeError> for ApiError {
     }
 }
 
+/// [`check_request`] for a user's own submission: what only the
+/// coordinator sets when it requeues a preempted job is refused.
+pub(crate) fn check_user_request(req: &SubmitRequest) -> Result<(), ApiError> {
+    if req.restarts != 0 || req.resume_from.is_some() {
+        return Err(ApiError::BadRequest(
+            "restarts and resume_from are set by the coordinator when it requeues a preempted \
+             job, not by a submission"
+                .into(),
+        ));
+    }
+    check_request(req)
+}
+
 /// The longest hold: a week.
 pub const MAX_HOLD_S: u64 = 7 * 86_400;
 
@@ -278,7 +291,7 @@ impl Daemon {
                 self.cfg.node_name, c.coordinator, c.coordinator
             )));
         }
-        check_request(&req)?;
+        check_user_request(&req)?;
         if let Some(p) = &req.priority {
             return Err(ApiError::BadRequest(format!(
                 "--priority {p}: tiers order a cluster's queue, and this labd is not a cluster's \
@@ -465,7 +478,12 @@ impl Daemon {
         let mut env: Vec<(String, String)> = req
             .env
             .iter()
-            .filter(|(k, _)| k != "LABRUN_TOKEN" && !k.starts_with("LABRUN_DATA"))
+            .filter(|(k, _)| {
+                !matches!(
+                    k.as_str(),
+                    "LABRUN_TOKEN" | "LABRUN_RESTARTS" | "LABRUN_RESUME_FROM"
+                ) && !k.starts_with("LABRUN_DATA")
+            })
             .cloned()
             .collect();
         for (i, (d, path)) in req.data.iter().zip(data).enumerate() {
@@ -476,6 +494,10 @@ impl Daemon {
             env.push((d.env.clone(), path));
         }
         env.push(("LABRUN_NODE".into(), self.cfg.node_name.clone()));
+        env.push(("LABRUN_RESTARTS".into(), req.restarts.to_string()));
+        if let Some(r) = &req.resume_from {
+            env.push(("LABRUN_RESUME_FROM".into(), r.clone()));
+        }
         submit.env = env;
         let (work, outputs, owner) = (submit.cwd.clone(), req.outputs.clone(), submit.run_as);
         off_runtime(move || make_workdir(code.as_deref(), &work, outputs.as_deref(), owner))

@@ -125,6 +125,12 @@ struct RunArgs {
     /// utilisation for labd's idle time (30 min) are given back early
     #[arg(long, value_name = "DURATION")]
     hold: Option<String>,
+    /// A higher tier's job may stop this one (SIGTERM, then SIGKILL after
+    /// labd's grace; --outputs pushed as always) and requeue it: the new
+    /// run sees LABRUN_RESTARTS (1, 2, …) and LABRUN_RESUME_FROM (the
+    /// outputs saved, runs/JOB@vN) to resume from its checkpoint
+    #[arg(long)]
+    preemptible: bool,
     /// Run at this tier of the lab's ladder (lead, deadline, phd, master,
     /// undergrad by default): your own or a lower one, or `deadline` while
     /// an admin's grant runs [default: your own tier]. A cluster's
@@ -205,6 +211,7 @@ impl RunArgs {
             as_given,
             priority: self.priority,
             hold: self.hold,
+            preemptible: self.preemptible,
         }
     }
 }

@@ -46,6 +46,8 @@ pub struct RunRequest {
     pub priority: Option<String>,
     /// Hold GPUs this long (`2h`) with no command.
     pub hold: Option<String>,
+    /// A higher tier's job may stop and requeue it.
+    pub preemptible: bool,
 }
 
 impl RunRequest {
@@ -134,6 +136,9 @@ pub async fn run(
         outputs_every_s: a.outputs_every.as_deref().map(parse_duration).transpose()?,
         priority: a.priority.clone(),
         hold_s: None,
+        preemptible: a.preemptible,
+        restarts: 0,
+        resume_from: None,
     };
     if a.explain {
         let ranking = client.explain(&req).await.map_err(explain)?;
