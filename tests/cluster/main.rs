@@ -1425,3 +1425,47 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
     std::fs::write(&release, "").unwrap();
     wait_until("bob's other job to end", 60, || lab.job(&n).ended());
 }
+
+/// Issue 13: while a job waits for GPUs, the coordinator has its data
+/// fetched into the cache of the node it will likely run on (not pinned),
+/// so it starts there without the fetch.
+#[test]
+fn a_waiting_jobs_data_is_prefetched_where_it_will_likely_run() {
+    let Some(lab) = Lab::start(2) else { return };
+    lab.dataset("pf", 7);
+    let release = lab.dir.path().join("release");
+    let keep = format!("while [ ! -e {} ]; do sleep 0.05; done", release.display());
+    let id = |o: Output| {
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let blockers: Vec<String> = (0..4)
+        .map(|_| id(lab.labrun(&["-d", "--gpus", "1", "--", "bash", "-c", &keep])))
+        .collect();
+    for b in &blockers {
+        lab.running(b);
+    }
+    let cached = |s: &ClusterStatus| {
+        ["gpu0", "gpu1"]
+            .into_iter()
+            .filter(|n| matches!(present(s, n, "pf@v1"), Some((h, t)) if t > 0 && h == t))
+            .count()
+    };
+    assert_eq!(cached(&lab.status()), 0, "pf is cached nowhere yet");
+    let j = id(lab.labrun(&["-d", "--data", "pf", "--gpus", "1", "--", "true"]));
+    lab.wait_for("pf to be prefetched while the job waits", 30, |s| {
+        cached(s) == 1
+    });
+    assert!(
+        matches!(lab.job(&j).state, JobState::Queued),
+        "{:?}",
+        lab.job(&j)
+    );
+    std::fs::write(&release, "").unwrap();
+    wait_until("the job to run and end", 60, || lab.job(&j).ended());
+    assert!(
+        matches!(lab.job(&j).state, JobState::Exited { code: Some(0), .. }),
+        "{:?}",
+        lab.job(&j)
+    );
+}

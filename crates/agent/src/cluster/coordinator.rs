@@ -76,6 +76,8 @@ pub struct Coordinator {
     pub(super) usage: Mutex<Usage>,
     /// Held while an ended job is recorded (charged, requeued): once.
     pub(super) ending: Mutex<()>,
+    /// Prefetches sent: (node, snapshot) → when.
+    pub(super) prefetched: Mutex<HashMap<(String, SnapshotId), std::time::Instant>>,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -131,6 +133,7 @@ impl Coordinator {
             members: lab.members.clone(),
             usage: Mutex::new(usage),
             ending: Mutex::new(()),
+            prefetched: Mutex::new(HashMap::new()),
         })
     }
 

@@ -4,18 +4,19 @@
 //! and answers `labrun ps | logs | kill` for the whole cluster, forwarding
 //! to the node that runs a job.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use labsync_placer::{
-    plan, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Running, Slot, SnapshotKey, Tier,
+    plan, prefetch, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Running, Slot,
+    SnapshotKey, Tier, Warm,
 };
 use labsync_store::SnapshotId;
 
 use crate::client::{Client, Endpoint};
 use crate::cluster::queue::{ClusterJob, Placement};
-use crate::cluster::{now_ms, Coordinator};
+use crate::cluster::{now_ms, Coordinator, WarmOrder};
 use crate::daemon::{check_user_request, Caller, Daemon, LogRead};
 use crate::error::{ApiError, ClientError};
 use crate::leases::{unix_now, JobState};
@@ -26,6 +27,10 @@ const FORWARD: Duration = Duration::from_secs(10);
 
 /// How often an unanswered dispatch is sent again.
 const RESEND: Duration = Duration::from_secs(2);
+
+/// The same snapshot is prefetched on the same node again after this long
+/// at the soonest (a fetch under way, or data evicted since).
+const PREFETCH_AGAIN: Duration = Duration::from_secs(600);
 
 fn db(e: impl std::fmt::Display) -> ApiError {
     ApiError::Internal(e.to_string())
@@ -228,8 +233,12 @@ impl Coordinator {
                     }
                 }
             }
-            decisions
+            // While jobs wait, their data goes where they likely start.
+            let warms = prefetch(&scratch, &queue, &decisions, now, &self.policy);
+            (decisions, warms)
         };
+        let (decisions, warms) = decisions;
+        self.send_prefetches(d, &live, warms);
         for dec in decisions {
             match dec {
                 Decision::Start { id, choice } => {
@@ -269,6 +278,64 @@ impl Coordinator {
                     }
                 }
             }
+        }
+    }
+
+    /// Sends each node the data to warm for the jobs waiting (not pinned:
+    /// it is cache like any other), at most once in [`PREFETCH_AGAIN`] per
+    /// node and snapshot.
+    fn send_prefetches(self: &Arc<Self>, d: &Arc<Daemon>, live: &[ClusterJob], warms: Vec<Warm>) {
+        if warms.is_empty() {
+            return;
+        }
+        // The labels of the snapshots queued jobs read.
+        let mut labels: HashMap<SnapshotKey, (String, SnapshotId)> = HashMap::new();
+        for j in live {
+            for t in j.req.code.iter().chain(j.req.data.iter().map(|x| &x.tree)) {
+                if let Ok(id) = t.snapshot.parse::<SnapshotId>() {
+                    labels.insert(SnapshotKey(*id.as_bytes()), (t.label.clone(), id));
+                }
+            }
+        }
+        let now = std::time::Instant::now();
+        for w in warms {
+            let Some((label, snapshot)) = labels.get(&w.snapshot).cloned() else {
+                continue;
+            };
+            let node = w.node.to_string();
+            {
+                let mut sent = self.prefetched.lock().expect("coordinator poisoned");
+                sent.retain(|_, at| now.duration_since(*at) < PREFETCH_AGAIN);
+                if sent.contains_key(&(node.clone(), snapshot)) {
+                    continue;
+                }
+                sent.insert((node.clone(), snapshot), now);
+            }
+            tracing::info!(
+                "prefetching {label} ({} bytes missing) on {node} for {}",
+                w.missing,
+                w.for_jobs.join(", ")
+            );
+            let order = WarmOrder {
+                label,
+                snapshot,
+                unpin: false,
+                pin: false,
+            };
+            let (me, d) = (self.clone(), d.clone());
+            tokio::spawn(async move {
+                let r = if node == d.node_name() {
+                    d.warm(order).await.map_err(|e| e.to_string())
+                } else {
+                    match me.client_of(&d, &node) {
+                        Some(c) => c.warm(&order).await.map_err(|e| e.to_string()),
+                        None => Err(format!("{node} is unknown")),
+                    }
+                };
+                if let Err(e) = r {
+                    tracing::warn!("prefetch on {node}: {e}");
+                }
+            });
         }
     }
 

@@ -31,6 +31,14 @@ pub struct WarmOrder {
     pub snapshot: SnapshotId,
     /// Release the pin instead.
     pub unpin: bool,
+    /// Pin it once fetched (an admin's warm); a prefetch for queued jobs
+    /// does not.
+    #[serde(default = "yes")]
+    pub pin: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The coordinator's answer: which version, sent to which nodes.
@@ -134,6 +142,13 @@ impl Daemon {
                     rec.snapshot.short(),
                     o.snapshot.short()
                 )),
+                Ok((_, packs, bytes)) if !o.pin => {
+                    tracing::info!(
+                        "prefetched {} for queued jobs: {packs} packs, {bytes} bytes fetched",
+                        o.label
+                    );
+                    Ok(())
+                }
                 Ok((rec, packs, bytes)) => {
                     let c = cache.clone();
                     crate::blocking::off_runtime(move || c.set_pinned(rec.snapshot, true))
@@ -202,6 +217,7 @@ impl Coordinator {
             label: rec.label(),
             snapshot: rec.snapshot,
             unpin: ask.unpin,
+            pin: true,
         };
         let mut sent = Vec::new();
         for name in nodes {
