@@ -1265,6 +1265,15 @@ fn tiers_grants_and_the_gpu_cap_order_the_cluster_queue() {
     wait_until("the cap to be given as the reason", 20, || {
         why(&b1).contains("bob has 1 GPU(s) running and the lab's cap is 1 per user")
     });
+    // labrun explain: the reason in one line, then every node's row.
+    let out = lab.ok(&["explain", &b1]);
+    assert!(
+        out.starts_with(&format!(
+            "{b1} (bob): queued (needs 1 GPU(s); bob has 1 GPU(s) running and the lab's cap"
+        )),
+        "{out}"
+    );
+    assert!(out.lines().skip(1).any(|l| l.contains("gpu0")), "{out}");
     // alice's GPU comes free: her job goes, bob's stay (bob is at the cap).
     release("xa");
     wait_until("a1 to run and end", 60, || lab.job(&a1).ended());
@@ -1394,6 +1403,11 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
         .unwrap()
         .trim()
         .to_string();
+    let ps = lab.ok(&["ps", "--all"]);
+    assert!(
+        ps.contains(&format!("preempted for {a}; requeued as {again}")),
+        "{ps}"
+    );
     wait_until("alice's job to run and end", 60, || lab.job(&a).ended());
     assert!(
         matches!(lab.job(&a).state, JobState::Exited { code: Some(0), .. }),

@@ -125,6 +125,22 @@ async fn job(
     }
 }
 
+/// `labrun explain JOB`.
+async fn job_explain(
+    State(d): D,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    caller(&d, &h)?;
+    match d.coordinator() {
+        Some(co) => Ok(Json(co.explain_job(&d, &id).await?)),
+        None => Ok(Json(crate::proto::JobExplain {
+            job: d.job(&id).await?,
+            ranking: None,
+        })),
+    }
+}
+
 async fn kill(
     State(d): D,
     h: HeaderMap,
@@ -422,6 +438,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/log", get(log))
         .route("/v1/jobs/{id}/kill", post(kill))
+        .route("/v1/jobs/{id}/explain", get(job_explain))
         .route("/v1/cluster/status", get(cluster_status))
         .route("/v1/cluster/heartbeat", post(heartbeat))
         .route("/v1/cluster/packs/{id}", get(pack))

@@ -327,6 +327,12 @@ impl Client {
         Ok(resp.into_body())
     }
 
+    /// `GET /v1/jobs/{id}/explain`: why job `id` waits, per node.
+    pub async fn explain_job(&self, id: &str) -> Result<crate::proto::JobExplain, ClientError> {
+        self.json(hyper::Method::GET, &format!("/v1/jobs/{id}/explain"), None)
+            .await
+    }
+
     /// Where a job would go and why (`labrun --explain`; the coordinator).
     pub async fn explain(
         &self,

@@ -14,6 +14,7 @@
 //! | GET | `/v1/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
 //! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |
+//! | GET | `/v1/jobs/{id}/explain` | → [`JobExplain`]: the job, and per node why not there (queued, in a cluster) |
 //! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
 //! | POST | `/v1/warm` | [`crate::cluster::WarmAsk`] → [`crate::cluster::WarmAnswer`] (the coordinator; admins) |
 //!
@@ -109,6 +110,16 @@ pub struct SubmitRequest {
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+/// `labrun explain JOB`: the job, and for one queued in a cluster the
+/// placer's table of every node for it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobExplain {
+    /// The job as `labrun ps` shows it (`why` says why it waits).
+    pub job: JobView,
+    /// Per node: when it could start there and why not there.
+    pub ranking: Option<labsync_placer::Ranking>,
 }
 
 /// A job as `labrun ps` shows it. Its own type, not the stored

@@ -714,6 +714,24 @@ impl Coordinator {
         }
     }
 
+    /// `labrun explain JOB`: the job and, while it is queued, every node's
+    /// row for it (as `labrun --explain` gives before submitting).
+    pub async fn explain_job(
+        &self,
+        d: &Arc<Daemon>,
+        id: &str,
+    ) -> Result<crate::proto::JobExplain, ApiError> {
+        let j = self.get(id)?;
+        let ranking = match &j.placement {
+            Placement::Queued { .. } => Some(self.explain(d, &j.req).await?),
+            _ => None,
+        };
+        Ok(crate::proto::JobExplain {
+            job: self.job(d, id).await?,
+            ranking,
+        })
+    }
+
     fn own(caller: &Caller, j: &ClusterJob, what: &str) -> Result<(), ApiError> {
         if caller.admin || caller.user == j.user {
             Ok(())

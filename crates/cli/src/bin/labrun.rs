@@ -174,6 +174,12 @@ enum Cmd {
     },
     /// Every GPU: free, leased (job, user), foreign process (pid, user, memory), unknown
     Status,
+    /// Why a job waits, in one line, and in a cluster every node's row for
+    /// it: when it could start there, bytes to fetch, why not there
+    Explain {
+        /// Job id
+        job: String,
+    },
 }
 
 fn settings(g: &Global) -> Result<Settings> {
@@ -235,6 +241,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Cmd::Logs { job, follow }) => commands::logs::logs(&client, &job, follow).await,
         Some(Cmd::Kill { job }) => commands::kill::kill(&client, g.json, g.quiet, &job).await,
         Some(Cmd::Status) => commands::status::status(&client, g.json).await,
+        Some(Cmd::Explain { job }) => commands::explain::explain(&client, g.json, &job).await,
     }
 }
 

@@ -14,8 +14,17 @@ pub(super) fn state_words(j: &JobView) -> String {
     words
 }
 
-/// `queued (why)`, `running on GPUs 0,1`, `exited (3)`, ...
+/// `queued (why)`, `running on GPUs 0,1`, `exited (3)`, ... and, for an
+/// ended job labd stopped (a preempted job, a hold given back), why.
 fn job_state_words(j: &JobView) -> String {
+    let words = base_words(j);
+    match (&j.why, j.ended()) {
+        (Some(w), true) => format!("{words}: {w}"),
+        _ => words,
+    }
+}
+
+fn base_words(j: &JobView) -> String {
     match &j.state {
         JobState::Queued => match &j.why {
             Some(w) => format!("queued ({w})"),

@@ -29,6 +29,7 @@ pub mod verify;
 pub mod warm;
 
 // labrun
+pub mod explain;
 mod job_words;
 pub mod kill;
 pub mod logs;
