@@ -15,6 +15,10 @@ use crate::leases::{JobRecord, JobState};
 use crate::node::NodeError;
 use crate::status::GpuStatus;
 
+/// How often the GPUs of running holds are read (a fresh NVML reading
+/// each time, not on every tick).
+const CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Whether any of `gpus` was computing at this reading. A GPU without a
 /// utilisation reading counts as busy: a hold is never released on what
 /// labd could not see.
@@ -38,10 +42,19 @@ impl Daemon {
             .iter()
             .filter(|j| j.meta.hold_s.is_some() && matches!(j.state, JobState::Running { .. }))
             .collect();
+        if holds.is_empty() {
+            self.hold_idle.lock().expect("holds poisoned").clear();
+            return;
+        }
+        {
+            let mut last = self.hold_checked.lock().expect("holds poisoned");
+            if last.is_some_and(|t| t.elapsed() < CHECK_EVERY) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
         let now = now_ms() as u64;
-        let reading = if holds.is_empty() {
-            Vec::new()
-        } else {
+        let reading = {
             let node = self.node.clone();
             match off_runtime(move || node.gpus()).await {
                 Ok(r) => r,

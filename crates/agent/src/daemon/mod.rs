@@ -146,6 +146,8 @@ pub struct Daemon {
     /// Running holds: since when each has shown no utilisation (Unix ms;
     /// `None`: busy at the last reading).
     hold_idle: std::sync::Mutex<std::collections::HashMap<String, Option<u64>>>,
+    /// When the holds' GPUs were last read.
+    hold_checked: std::sync::Mutex<Option<std::time::Instant>>,
     _lock: File,
 }
 
@@ -238,6 +240,7 @@ impl Daemon {
             warms: Warms::default(),
             beat_now: tokio::sync::Notify::new(),
             hold_idle: Default::default(),
+            hold_checked: Default::default(),
             _lock: lock,
             cfg,
         }))
