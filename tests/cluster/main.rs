@@ -1255,6 +1255,12 @@ fn tiers_grants_and_the_gpu_cap_order_the_cluster_queue() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("alice has no deadline grant"), "{err}");
+    let o = lab.labrun_as_bob(&["-d", "--gpus", "2", "--", "true"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("asks for 2 GPUs and the lab's cap is 1 per user"),
+        "{err}"
+    );
     let o = lab.labrun_as_bob(&["-d", "--priority", "lead", "--", "true"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -1331,8 +1337,9 @@ fn an_idle_hold_is_given_back_and_a_busy_one_kept() {
         .expect("the hold in labrun ps");
     assert!(matches!(hold.state, JobState::Running { .. }), "{hold:?}");
     assert_eq!(hold.gpus.len(), 1);
-    // Computing: kept well past the idle time.
-    std::thread::sleep(std::time::Duration::from_secs(4));
+    // Computing: kept well past the idle time (labd reads a hold's GPUs
+    // four times per idle time: some 16 readings here).
+    std::thread::sleep(std::time::Duration::from_secs(8));
     let j = lab.job(&hold.id);
     assert!(matches!(j.state, JobState::Running { .. }), "{j:?}");
     // Idle: given back, saying why.
@@ -1360,7 +1367,7 @@ fn an_idle_hold_is_given_back_and_a_busy_one_kept() {
 #[test]
 fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
     let rules = "[lab]\n[lab.users]\nalice = \"phd\"\nbob = \"undergrad\"\n";
-    let Some(lab) = Lab::start_full(1, false, "", rules) else {
+    let Some(lab) = Lab::start_full(2, false, "", rules) else {
         return;
     };
     let id = |o: Output| {
@@ -1369,13 +1376,19 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
     };
     let release = lab.dir.path().join("release");
     let keep = format!("while [ ! -e {} ]; do sleep 0.05; done", release.display());
-    let preemptible = "trap 'echo saved-at-$LABRUN_RESTARTS > out/ckpt; exit 0' TERM; \
+    // It takes a second to save on SIGTERM, as a training script would.
+    let preemptible = "trap 'sleep 1; echo saved-at-$LABRUN_RESTARTS > out/ckpt; exit 0' TERM; \
                        echo \"restarts=$LABRUN_RESTARTS resume=${LABRUN_RESUME_FROM:-none}\"; \
                        [ \"$LABRUN_RESTARTS\" = 0 ] || exit 0; \
                        while true; do sleep 0.05; done";
-    // bob's two undergraduate jobs fill gpu0; only one may be stopped.
-    let n = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &keep]));
-    lab.running(&n);
+    // bob's undergraduate jobs fill both nodes; only one may be stopped,
+    // and it runs on gpu1, not on the coordinator's node.
+    let mut others = Vec::new();
+    for _ in 0..2 {
+        let n = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &keep]));
+        assert_eq!(lab.running(&n), "gpu0");
+        others.push(n);
+    }
     let p = id(lab.labrun_as_bob(&[
         "-d",
         "--preemptible",
@@ -1388,7 +1401,10 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
         "-c",
         preemptible,
     ]));
-    lab.running(&p);
+    assert_eq!(lab.running(&p), "gpu1");
+    let n = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "bash", "-c", &keep]));
+    lab.running(&n);
+    others.push(n);
     // alice (PhD) needs a GPU: bob's preemptible job makes way.
     let a = id(lab.labrun(&["-d", "--gpus", "1", "--", "echo", "alice-ran"]));
     wait_until("the preempted job to end", 60, || lab.job(&p).ended());
@@ -1414,12 +1430,14 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
         "{:?}",
         lab.job(&a)
     );
-    // The job that is not preemptible was never stopped.
-    assert!(
-        matches!(lab.job(&n).state, JobState::Running { .. }),
-        "{:?}",
-        lab.job(&n)
-    );
+    // The jobs that are not preemptible were never stopped.
+    for o in &others {
+        assert!(
+            matches!(lab.job(o).state, JobState::Running { .. }),
+            "{:?}",
+            lab.job(o)
+        );
+    }
     // The stopped run's outputs are in the store.
     let dest = lab.dir.path().join("pulled");
     lab.labsync(0, &["pull", &format!("runs/{p}"), dest.to_str().unwrap()]);
@@ -1437,7 +1455,9 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
         "{log}"
     );
     std::fs::write(&release, "").unwrap();
-    wait_until("bob's other job to end", 60, || lab.job(&n).ended());
+    wait_until("bob's other jobs to end", 60, || {
+        others.iter().all(|o| lab.job(o).ended())
+    });
 }
 
 /// Issue 13: while a job waits for GPUs, the coordinator has its data

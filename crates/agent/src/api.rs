@@ -399,6 +399,16 @@ async fn placed_kill(
     Ok(Json(d.kill(&for_coordinator(from), &id).await?))
 }
 
+/// The coordinator stops a preemptible job here (answered at once).
+async fn placed_preempt(
+    State(d): D,
+    Path(id): Path<String>,
+    Signed { body, .. }: Signed<crate::proto::PreemptOrder>,
+) -> Result<impl IntoResponse, ApiError> {
+    d.stop_for(&id, &body.for_job).await?;
+    Ok(Json(serde_json::json!({})))
+}
+
 async fn placed_log(
     State(d): D,
     FromMember(from): FromMember,
@@ -450,6 +460,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/cluster/jobs/{id}", get(placed_job))
         .route("/v1/cluster/jobs/{id}/log", get(placed_log))
         .route("/v1/cluster/jobs/{id}/kill", post(placed_kill))
+        .route("/v1/cluster/jobs/{id}/preempt", post(placed_preempt))
         .layer(axum::middleware::from_fn(time_limit))
         .with_state(daemon)
 }

@@ -383,6 +383,23 @@ impl Client {
             .await
     }
 
+    /// Stops a preemptible job on the node that runs it, for `for_job`
+    /// (a cluster client; answered once SIGTERM is on its way).
+    pub async fn cluster_preempt(&self, id: &str, for_job: &str) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(&crate::proto::PreemptOrder {
+            for_job: for_job.to_string(),
+        })
+        .expect("order serialises");
+        let _: serde_json::Value = self
+            .json(
+                hyper::Method::POST,
+                &format!("/v1/cluster/jobs/{id}/preempt"),
+                Some(body),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Kills a job on the node that runs it (a cluster client).
     pub async fn cluster_kill(&self, id: &str) -> Result<JobView, ClientError> {
         self.json(

@@ -153,6 +153,10 @@ pub struct JobMeta {
     /// Why labd gave a hold's GPUs back early.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub released: Option<String>,
+    /// Stopped by the coordinator for a higher tier's job (which): it is
+    /// to be requeued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_for: Option<String>,
 }
 
 /// Now, in Unix seconds.

@@ -14,6 +14,7 @@
 //! | GET | `/v1/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
 //! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |
+//! | POST | `/v1/cluster/jobs/{id}/preempt` | [`PreemptOrder`] → `{}`: stop a preemptible job to requeue it (signed) |
 //! | GET | `/v1/jobs/{id}/explain` | → [`JobExplain`]: the job, and per node why not there (queued, in a cluster) |
 //! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
 //! | POST | `/v1/warm` | [`crate::cluster::WarmAsk`] → [`crate::cluster::WarmAnswer`] (the coordinator; admins) |
@@ -110,6 +111,14 @@ pub struct SubmitRequest {
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+/// The coordinator's order to stop a preemptible job (`POST
+/// /v1/cluster/jobs/{id}/preempt`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreemptOrder {
+    /// The job it makes way for.
+    pub for_job: String,
 }
 
 /// `labrun explain JOB`: the job, and for one queued in a cluster the

@@ -155,15 +155,16 @@ impl Members {
                 self.ladder.names.join(", ")
             ))
         })?;
-        if Some(tier) == self.ladder.deadline && tier != own {
+        // The deadline tier needs a grant only to rise to it.
+        if Some(tier) == self.ladder.deadline && tier < own {
             return match member.and_then(|m| m.deadline_until) {
                 Some(until) if until > now => Ok(tier),
                 Some(until) => Err(TierRefused(format!(
-                    "{user}'s {asked} grant lapsed {} ago; an admin grants it again with `labd grant {user} {asked} --until DATE`",
+                    "{user}'s {asked} grant lapsed {} ago; an admin grants it again in [lab.grants] of the coordinator's labd.toml",
                     span((now - until) / 1000)
                 ))),
                 None => Err(TierRefused(format!(
-                    "{user} has no {asked} grant; an admin gives one with `labd grant {user} {asked} --until DATE`"
+                    "{user} has no {asked} grant; an admin gives one in [lab.grants] of the coordinator's labd.toml"
                 ))),
             };
         }
@@ -325,6 +326,8 @@ mod tests {
         let up = m.tier_for("bob", Some("phd"), 0).unwrap_err();
         assert!(up.0.contains("bob's tier is master"), "{up}");
         assert_eq!(m.tier_for("lead", Some("lead"), 0), Ok(Tier(0)));
+        // Stepping down to the deadline tier needs no grant.
+        assert_eq!(m.tier_for("lead", Some("deadline"), 0), Ok(Tier(1)));
         // Strangers stand at the bottom.
         assert_eq!(m.tier_for("eve", None, 0), Ok(Tier(4)));
         let bad = m.tier_for("bob", Some("vip"), 0).unwrap_err();
@@ -342,7 +345,7 @@ mod tests {
         assert_eq!(u.of("bob", DAY), 0.0);
         // Standings order users as their usage does, whenever compared.
         u.add("bob", 30.0, 3 * DAY);
-        u.add("carol", 200.0, 0);
+        u.add("carol", 300.0, 0);
         for at in [3 * DAY, 5 * DAY, 40 * DAY] {
             let mut by_usage = ["alice", "bob", "carol", "dave"];
             by_usage.sort_by(|a, b| u.of(a, at).total_cmp(&u.of(b, at)));

@@ -39,8 +39,8 @@ pub fn prefetch(
     policy: &Policy,
 ) -> Vec<Warm> {
     let by_id: HashMap<&str, &Queued> = queue.iter().map(|q| (q.id.as_str(), q)).collect();
-    // Per snapshot: the jobs that want it and their nodes, best first.
-    let mut wanted: Vec<(SnapshotKey, Vec<String>, Vec<NodeName>)> = Vec::new();
+    // Per snapshot: the jobs that want it and, per job, its nodes best first.
+    let mut wanted: Vec<(SnapshotKey, Vec<String>, Vec<Vec<NodeName>>)> = Vec::new();
     for d in decisions {
         let Some(q) = by_id.get(d.id()) else {
             continue;
@@ -70,24 +70,22 @@ pub fn prefetch(
                     wanted.len() - 1
                 }
             };
-            let (_, jobs, targets) = &mut wanted[i];
+            let (_, jobs, per_job) = &mut wanted[i];
             jobs.push(q.id.clone());
-            // The job's own best node first, then its others after every
-            // job's first.
-            if let Some(n) = nodes.first() {
-                if !targets.contains(n) {
-                    targets.push(n.clone());
-                }
-            }
-            for n in nodes.iter().skip(1) {
-                if !targets.contains(n) {
-                    targets.push(n.clone());
-                }
-            }
+            per_job.push(nodes.clone());
         }
     }
     let mut out = Vec::new();
-    for (snapshot, jobs, targets) in wanted {
+    for (snapshot, jobs, per_job) in wanted {
+        // Every job's best node first, in queue order, then their others.
+        let mut targets: Vec<NodeName> = Vec::new();
+        let firsts = per_job.iter().filter_map(|n| n.first());
+        let rest = per_job.iter().flat_map(|n| n.iter().skip(1));
+        for n in firsts.chain(rest) {
+            if !targets.contains(n) {
+                targets.push(n.clone());
+            }
+        }
         let copies = jobs.len().min(policy.replicas_max.max(1));
         for node in targets.into_iter().take(copies) {
             let Some((have, total)) = cluster.presence(&node, &snapshot) else {

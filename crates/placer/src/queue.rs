@@ -230,6 +230,9 @@ fn decide<'p>(
     }
     if policy.preemption {
         if let Some(d) = preempt(cluster, pass, q, claimed, ahead) {
+            // The GPUs it stops jobs for are the user's from now on (their
+            // cap holds for their other jobs in this pass).
+            *in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
             return d;
         }
     }
@@ -386,7 +389,10 @@ fn preempt<'p>(
             if gpus.len() >= job.gpus as usize {
                 break;
             }
-            let usable: Vec<u32> = r.gpus.iter().copied().filter(|&g| fits(g)).collect();
+            // A GPU counts once: a stopping job's may read free already.
+            let usable: Vec<u32> = (r.gpus.iter().copied())
+                .filter(|&g| fits(g) && !gpus.contains(&g))
+                .collect();
             if usable.is_empty() {
                 continue;
             }
@@ -796,6 +802,57 @@ pub(crate) mod tests {
             "{why}"
         );
         assert_eq!(likely.as_ref().map(|n| n.as_str()), Some("a"));
+    }
+
+    #[test]
+    fn a_gpu_a_stopping_job_already_freed_counts_once() {
+        let mut c = Cluster::new();
+        // GPU 0 is free (its stopping job let go of it), GPU 1 is busy.
+        node(&mut c, "a", 1, 1);
+        let mut stopping = running("r1", "bob", 4, "a", &[0], true);
+        stopping.stopping = true;
+        let run = [stopping, running("r2", "carol", 4, "a", &[1], true)];
+        let queue = [of("big", "erin", 1, 0, job(2, &[]))];
+        let d = plan(
+            &mut c,
+            &pass(&queue, &run, &Usage::default(), 0),
+            &Policy::default(),
+        );
+        let Decision::Preempt { victims, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert_eq!(victims, &["r2".to_string()]);
+    }
+
+    #[test]
+    fn stopping_jobs_for_a_user_counts_against_their_cap() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 0, 2);
+        let run = [
+            running("r1", "bob", 4, "a", &[0], true),
+            running("r2", "bob", 4, "a", &[1], true),
+        ];
+        let queue = [
+            of("q1", "alice", 1, 0, job(1, &[])),
+            of("q2", "alice", 1, 1, job(1, &[])),
+        ];
+        let capped = Policy {
+            user_gpu_cap: Some(1),
+            ..Policy::default()
+        };
+        let d = plan(&mut c, &pass(&queue, &run, &Usage::default(), 0), &capped);
+        assert!(
+            matches!(&d[0], Decision::Preempt { victims, .. } if victims.len() == 1),
+            "{:?}",
+            d[0]
+        );
+        let Decision::Wait { why, .. } = &d[1] else {
+            panic!("{:?}", d[1])
+        };
+        assert!(
+            why.contains("alice has 1 GPU(s) running and the lab's cap is 1"),
+            "{why}"
+        );
     }
 
     #[test]

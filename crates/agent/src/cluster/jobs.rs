@@ -32,6 +32,10 @@ const RESEND: Duration = Duration::from_secs(2);
 /// at the soonest (a fetch under way, or data evicted since).
 const PREFETCH_AGAIN: Duration = Duration::from_secs(600);
 
+/// A preempted job still running this long after its node was told to stop
+/// it is told again (the node may not have heard).
+const PREEMPT_AGAIN: Duration = Duration::from_secs(60);
+
 fn db(e: impl std::fmt::Display) -> ApiError {
     ApiError::Internal(e.to_string())
 }
@@ -109,6 +113,13 @@ impl Coordinator {
         self.members
             .tier_for(&caller.user, req.priority.as_deref(), now_ms() as u64)
             .map_err(|e| ApiError::Forbidden(format!("--priority: {e}")))?;
+        if let Some(cap) = self.policy.user_gpu_cap.filter(|&c| req.gpus > c) {
+            return Err(ApiError::Conflict(format!(
+                "asks for {} GPUs and the lab's cap is {cap} per user ([lab] \
+                 max_gpus_per_user): it could never start",
+                req.gpus
+            )));
+        }
         let queued = self.jobs.queued_of(&caller.user);
         if queued >= d.max_queued_per_user() {
             return Err(ApiError::TooMany(format!(
@@ -204,6 +215,21 @@ impl Coordinator {
                     let due = unix_now().saturating_sub(*at) >= RESEND.as_secs();
                     if due && self.is_up(node) {
                         self.send(d, j.clone());
+                    }
+                }
+                Placement::Dispatched { node, .. }
+                    if j.preempted.is_some()
+                        && unix_now().saturating_sub(j.preempted_at) >= PREEMPT_AGAIN.as_secs() =>
+                {
+                    let for_job = j.preempted.as_deref().unwrap_or_default();
+                    let for_job = for_job.trim_start_matches("preempted for ").to_string();
+                    let _ = self.jobs.update(&j.id, |x| {
+                        x.preempted_at = unix_now();
+                        true
+                    });
+                    self.send_stop(d, node, &j.id, &for_job);
+                    if collect {
+                        self.collect_if_ended(d, j).await;
                     }
                 }
                 Placement::Dispatched { .. } if collect => self.collect_if_ended(d, j).await,
@@ -594,7 +620,13 @@ impl Coordinator {
             };
             if let Some(j) = now.as_ref() {
                 let mut ended = view.clone();
-                if let Some(reason) = &j.preempted {
+                // Requeued only if its node stopped it for that: not a job
+                // that ended by itself meanwhile, nor one its owner killed.
+                let stopped = j
+                    .preempted
+                    .as_ref()
+                    .filter(|_| view.meta.stopped_for.is_some());
+                if let Some(reason) = stopped {
                     ended.why = Some(match self.requeue(j, &view) {
                         Some(n) => format!("{reason}; requeued as {n}"),
                         None => format!("{reason}; could not be requeued (see labd's log)"),
@@ -761,6 +793,16 @@ impl Coordinator {
                 Ok(self.view_of(&self.get(id)?))
             }
             Placement::Dispatched { node, .. } => {
+                // Killed by its owner (or an admin): not to be requeued,
+                // even if it was being preempted.
+                if j.preempted.is_some() {
+                    self.jobs
+                        .update(id, |x| {
+                            x.preempted = None;
+                            true
+                        })
+                        .map_err(|e| ApiError::Internal(e.to_string()))?;
+                }
                 let view = self.kill_on(d, node, id, &caller.user).await?;
                 tracing::info!("job {id} killed by {} on {node}", caller.user);
                 Ok(view)
@@ -793,9 +835,9 @@ impl Coordinator {
             .map_err(|e| forwarded(node, e))
     }
 
-    /// Stops `victims` for job `id` (in the background): each is marked,
-    /// so passes count its GPUs as coming free and it is requeued once it
-    /// has ended, then killed on its node.
+    /// Stops `victims` for job `id`: each is marked (passes count its
+    /// GPUs as coming free, so no more jobs are stopped than needed), then
+    /// its node is told to stop it, in the background.
     fn preempt(self: &Arc<Self>, d: &Arc<Daemon>, id: &str, victims: &[String]) {
         for v in victims {
             let reason = format!("preempted for {id}");
@@ -804,6 +846,7 @@ impl Coordinator {
                 (Placement::Dispatched { node, .. }, None) => {
                     marked = Some(node.clone());
                     j.preempted = Some(reason.clone());
+                    j.preempted_at = unix_now();
                     true
                 }
                 _ => false,
@@ -814,19 +857,35 @@ impl Coordinator {
             }
             let Some(node) = marked else { continue };
             tracing::info!("job {v} on {node} {reason}");
-            let (me, d, v) = (self.clone(), d.clone(), v.clone());
-            tokio::spawn(async move {
-                if let Err(e) = me.kill_on(&d, &node, &v, "labd").await {
-                    // The next pass sees it still running and stopping;
-                    // a later kill (or its end) settles it.
-                    tracing::warn!("preempting {v} on {node}: {e}");
-                    let _ = me.jobs.update(&v, |j| {
-                        j.preempted = None;
-                        true
-                    });
-                }
-            });
+            self.send_stop(d, &node, v, id);
         }
+    }
+
+    /// Tells `node` to stop `victim` for `for_job` (in the background). A
+    /// node that does not answer is told again by a later pass
+    /// ([`PREEMPT_AGAIN`]); the mark stays, so the victim is never run
+    /// twice at once and the job it makes way for keeps waiting for it.
+    fn send_stop(self: &Arc<Self>, d: &Arc<Daemon>, node: &str, victim: &str, for_job: &str) {
+        let (me, d) = (self.clone(), d.clone());
+        let (node, victim, for_job) = (node.to_string(), victim.to_string(), for_job.to_string());
+        tokio::spawn(async move {
+            let r = if node == d.node_name() {
+                d.stop_for(&victim, &for_job)
+                    .await
+                    .map_err(|e| e.to_string())
+            } else {
+                match me.client_of(&d, &node) {
+                    Some(c) => tokio::time::timeout(FORWARD, c.cluster_preempt(&victim, &for_job))
+                        .await
+                        .map_err(|_| format!("{node} did not answer"))
+                        .and_then(|r| r.map_err(|e| e.to_string())),
+                    None => Err(format!("{node} is unknown")),
+                }
+            };
+            if let Err(e) = r {
+                tracing::warn!("preempting {victim} on {node}: {e}");
+            }
+        });
     }
 
     /// Requeues a preempted job that has ended: a new job of the same

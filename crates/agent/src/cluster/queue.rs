@@ -63,9 +63,13 @@ pub struct ClusterJob {
     pub submitted_at: u64,
     /// Where it is.
     pub placement: Placement,
-    /// Told to stop for a higher tier's job (why): requeued once it ended.
+    /// Told to stop for a higher tier's job (why): requeued once it ended
+    /// if its node stopped it for that.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preempted: Option<String>,
+    /// When the stop was last sent (Unix seconds).
+    #[serde(default)]
+    pub preempted_at: u64,
 }
 
 impl ClusterJob {
@@ -199,6 +203,7 @@ impl ClusterJobs {
                 submitted_at: now,
                 placement: Placement::Queued { why: None },
                 preempted: None,
+                preempted_at: 0,
             };
             let bytes = serde_json::to_vec(&job).expect("job serialises");
             jobs.insert(job.id.as_str(), bytes.as_slice())

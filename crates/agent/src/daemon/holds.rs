@@ -16,8 +16,14 @@ use crate::node::NodeError;
 use crate::status::GpuStatus;
 
 /// How often the GPUs of running holds are read (a fresh NVML reading
-/// each time, not on every tick).
-const CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// each time, not on every tick): four times per idle time, at most every
+/// 5 s.
+fn check_every(idle_hold: std::time::Duration) -> std::time::Duration {
+    (idle_hold / 4).clamp(
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_secs(5),
+    )
+}
 
 /// Whether any of `gpus` was computing at this reading. A GPU without a
 /// utilisation reading counts as busy: a hold is never released on what
@@ -48,7 +54,7 @@ impl Daemon {
         }
         {
             let mut last = self.hold_checked.lock().expect("holds poisoned");
-            if last.is_some_and(|t| t.elapsed() < CHECK_EVERY) {
+            if last.is_some_and(|t| t.elapsed() < check_every(self.cfg.idle_hold)) {
                 return;
             }
             *last = Some(std::time::Instant::now());

@@ -415,6 +415,7 @@ impl Daemon {
             run_as,
             hold_s: req.hold_s,
             released: None,
+            stopped_for: None,
             trees: req
                 .code
                 .iter()
@@ -528,6 +529,35 @@ impl Daemon {
         tracing::info!("job {id} killed by {}", caller.user);
         self.tick().await;
         self.job(id).await
+    }
+
+    /// The coordinator stops a preemptible job for `for_job`: the mark is
+    /// kept on the job (so it is requeued once it has ended), then it is
+    /// killed in the background (SIGTERM, SIGKILL after the grace) and the
+    /// answer comes at once. A job that ends by itself before the kill
+    /// reaches it loses the mark: it is not run again.
+    pub async fn stop_for(self: &Arc<Self>, id: &str, for_job: &str) -> Result<(), ApiError> {
+        let (me, job) = (self.clone(), id.to_string());
+        let rec = off_runtime(move || me.record(&job)).await?;
+        if matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
+            return Err(ApiError::Conflict(format!("job {id} has already ended")));
+        }
+        let (node, job, reason) = (self.node.clone(), id.to_string(), for_job.to_string());
+        off_runtime(move || node.update_meta(&job, |m| m.stopped_for = Some(reason))).await?;
+        let (me, job) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            let labd = Caller {
+                user: "labd (preemption)".into(),
+                admin: true,
+            };
+            if let Err(e) = me.kill(&labd, &job).await {
+                tracing::info!("preempting {job}: {e}; not to be requeued");
+                let node = me.node.clone();
+                let j = job.clone();
+                let _ = off_runtime(move || node.update_meta(&j, |m| m.stopped_for = None)).await;
+            }
+        });
+        Ok(())
     }
 
     /// The job's log from `offset`, waiting up to `wait` for new bytes.
