@@ -1,7 +1,7 @@
 //! The discrete-event cluster: nodes × GPUs, a bounded LRU cache of packs
 //! per node, a link per node and a shared object store, and one placement
-//! policy. labsync's policies run `labsync-placer` itself ([`plan`],
-//! [`prefetch`], [`idle_holds`]).
+//! policy. labsync's policies run `labsync-placer` itself
+//! ([`placer::plan`], [`placer::prefetch`], [`placer::idle_holds`]).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};

@@ -48,6 +48,17 @@ and names the coordinator and a shared secret; one of them coordinates:
   heartbeat_ms = 1000
   down_after_ms = 10000                     # no heartbeat this long: node down
 
+The coordinator orders its queue by the lab's rules (all optional):
+
+  [lab]
+  max_gpus_per_user = 8                     # GPUs one user may run at once
+  fair_share_half_life_days = 7             # GPU time used counts half after this
+  [lab.users]                               # tiers: lead, deadline, phd, master, undergrad
+  carol = \"lead\"                            # (anyone not named: the lowest)
+  alice = \"phd\"
+  [lab.grants]                              # labrun --priority deadline until the end
+  alice = \"2026-12-20\"                      # of that day (UTC); then it lapses
+
 labrun status against the coordinator then shows every node. With TLS, the
 TCP port speaks only TLS and every address is https:// (coordinator too):
 
