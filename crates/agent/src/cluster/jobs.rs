@@ -176,6 +176,14 @@ impl Coordinator {
         };
         let mut queue = Vec::new();
         let mut running = Vec::new();
+        // Jobs their nodes report ended, still saving their outputs: no
+        // longer holding GPUs (not counted for the cap, never preempted).
+        let ended_on_nodes: HashSet<String> = {
+            let v = self.view.lock().expect("coordinator poisoned");
+            (v.members.values())
+                .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
+                .collect()
+        };
         for j in &live {
             match &j.placement {
                 Placement::Queued { .. } => match self.price(d, &j.req).await {
@@ -189,7 +197,7 @@ impl Coordinator {
                     }),
                     Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
                 },
-                Placement::Dispatched { node, gpus, .. } => {
+                Placement::Dispatched { node, gpus, .. } if !ended_on_nodes.contains(&j.id) => {
                     if let Ok(node) = node.parse() {
                         running.push(Running {
                             id: j.id.clone(),
@@ -202,7 +210,7 @@ impl Coordinator {
                         });
                     }
                 }
-                Placement::Ended { .. } => {}
+                Placement::Dispatched { .. } | Placement::Ended { .. } => {}
             }
             match &j.placement {
                 Placement::Queued { .. } | Placement::Ended { .. } => {}
