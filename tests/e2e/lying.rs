@@ -24,6 +24,12 @@ const PEAK_RSS_LIMIT_KB: i64 = 100 * 1024;
 #[allow(clippy::zombie_processes)] // reaped by wait4 below, which also gives its rusage
 fn run_measured(mut cmd: Command) -> (std::process::ExitStatus, i64, String) {
     let err = tempfile::NamedTempFile::new().unwrap();
+    // A child spawned with vfork (as std does) takes its parent's peak RSS
+    // into its own ru_maxrss at exec: this test process's peak, which other
+    // tests running in it may have raised far above what labsync uses
+    // (CI once read 333 MB for a verify that needs 20). Reset our peak to
+    // what we hold now (proc(5), clear_refs "5") before spawning.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
     let child = cmd
         .stdout(Stdio::null())
         .stderr(err.reopen().unwrap())
