@@ -177,3 +177,66 @@ async fn a_priority_asked_of_a_single_labd_is_refused() {
     );
     assert!(d.jobs().await.unwrap().is_empty());
 }
+
+/// Issue 13, as an attacker: what only the coordinator may set when it
+/// requeues a preempted job (restarts, resume_from) is refused from a
+/// submission; a "hold" that runs a command of its own is refused; and a
+/// LABRUN_RESTARTS in the submitter's environment does not reach the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_fields_and_fake_holds_cannot_be_submitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let d = Daemon::open(config(dir.path()), inv).await.unwrap();
+    let refused = |req: SubmitRequest, why: &'static str| {
+        let d = d.clone();
+        async move {
+            let err = d.submit(&alice(), req).await.unwrap_err();
+            assert_eq!(err.status(), 400, "{err}");
+            assert!(err.to_string().contains(why), "{err}");
+        }
+    };
+    let mut r = bash("true", 0);
+    r.restarts = 3;
+    refused(r, "set by the coordinator").await;
+    let mut r = bash("true", 0);
+    r.resume_from = Some("runs/j1@v1".into());
+    refused(r, "set by the coordinator").await;
+    let mut r = bash("touch /tmp/pwned", 0);
+    r.hold_s = Some(60);
+    refused(r, "a hold runs no command of its own").await;
+    let mut r = SubmitRequest {
+        argv: vec!["sleep".into(), "999999999".into()],
+        hold_s: Some(999_999_999),
+        ..Default::default()
+    };
+    r.gpus = 0;
+    refused(r, "hold GPUs for 1 s to 7 days").await;
+    assert!(d.jobs().await.unwrap().is_empty());
+    // The submitter's environment cannot fake a restart.
+    let mut r = bash(
+        "test \"$LABRUN_RESTARTS\" = 0 && test -z \"$LABRUN_RESUME_FROM\"",
+        0,
+    );
+    r.env = vec![
+        ("LABRUN_RESTARTS".into(), "7".into()),
+        ("LABRUN_RESUME_FROM".into(), "runs/j9@v1".into()),
+    ];
+    let id = d.submit(&alice(), r).await.unwrap().id;
+    let ended = async {
+        loop {
+            d.tick().await;
+            let j = d.job(&id).await.unwrap();
+            if j.ended() {
+                break j;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let j = tokio::time::timeout(Duration::from_secs(30), ended)
+        .await
+        .expect("the job to end");
+    assert!(
+        matches!(j.state, JobState::Exited { code: Some(0), .. }),
+        "{j:?}"
+    );
+}
