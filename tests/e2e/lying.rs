@@ -69,7 +69,7 @@ async fn replace_index(repo: &Repo, recs: &[IndexPack]) {
         .into_iter()
         .map(|o| o.key)
         .collect();
-    let new = repo.write_index(recs).await.unwrap();
+    let new = repo.write_index(recs).await.unwrap().map(|(k, _)| k);
     for k in old {
         if Some(&k) != new.as_ref() {
             repo.remote().delete(&k).await.unwrap();

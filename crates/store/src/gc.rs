@@ -348,7 +348,7 @@ impl Run<'_> {
         // this listing unless it is gone.
         let now_listed = list_packs(self.repo).await?;
         let recs = index.to_records(|p| now_listed.contains_key(p) && !deleted.contains(p));
-        let new_key = self.repo.write_index(&recs).await?;
+        let new_key = self.repo.write_index(&recs).await?.map(|(k, _)| k);
         self.repo.remote().sync().await?;
         for k in index_keys {
             if Some(k) != new_key.as_ref() {

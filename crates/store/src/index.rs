@@ -6,6 +6,7 @@
 //! Losing them all is recoverable: `rebuild-index` reads the pack footers.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
 use serde::{Deserialize, Serialize};
 
@@ -87,26 +88,80 @@ pub fn decode(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
     Ok(packs)
 }
 
-/// Where a chunk lives.
+/// One chunk of the index: its id and where it lives, 56 bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Location {
+struct Slot {
+    id: ChunkId,
+    offset: u64,
     /// Position of the pack in [`Index::packs`].
-    pub pack: u32,
-    /// The footer entry.
-    pub entry: PackEntry,
+    pack: u32,
+    stored_len: u32,
+    raw_len: u32,
+    flags: u8,
+}
+
+impl Slot {
+    fn entry(&self) -> PackEntry {
+        PackEntry {
+            id: self.id,
+            offset: self.offset,
+            stored_len: self.stored_len,
+            raw_len: self.raw_len,
+            flags: self.flags,
+        }
+    }
 }
 
 /// The in-memory index of a whole store.
-#[derive(Default, Clone, Debug)]
+///
+/// Chunks sit in one dense vector and a table of their positions, hashed
+/// with a per-process key (index objects come from any lab member, and
+/// chunk ids they list need not be real hashes): about 66 bytes per chunk,
+/// where a map from id to location took about 200 (id twice, padding, and a
+/// table twice the entries at unlucky sizes). A store of a million files
+/// has at least a million chunks, and every push and pull holds its index.
+#[derive(Default, Clone)]
 pub struct Index {
     packs: Vec<(PackId, u64)>,
     pack_pos: HashMap<PackId, u32>,
-    chunks: HashMap<ChunkId, Location>,
+    slots: Vec<Slot>,
+    table: hashbrown::HashTable<u32>,
+    hasher: std::collections::hash_map::RandomState,
     /// Index objects left out, and why.
     refused: Vec<(String, String)>,
 }
 
+impl std::fmt::Debug for Index {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Index")
+            .field("packs", &self.packs.len())
+            .field("chunks", &self.slots.len())
+            .field("refused", &self.refused)
+            .finish()
+    }
+}
+
 impl Index {
+    fn hash(&self, id: &ChunkId) -> u64 {
+        self.hasher.hash_one(id)
+    }
+
+    fn position(&self, id: &ChunkId) -> Option<usize> {
+        let slots = &self.slots;
+        self.table
+            .find(self.hash(id), |&i| slots[i as usize].id == *id)
+            .map(|&i| i as usize)
+    }
+
+    /// Makes room for `chunks` more chunks at once (a load knows about how
+    /// many it will add; growing by doubling would briefly hold both copies).
+    pub fn reserve(&mut self, chunks: usize) {
+        self.slots.reserve_exact(chunks);
+        let (slots, hasher) = (&self.slots, &self.hasher);
+        self.table
+            .reserve(chunks, |&i| hasher.hash_one(slots[i as usize].id));
+    }
+
     /// Adds a pack's entries. A chunk already known keeps its first location.
     pub fn add(&mut self, rec: &IndexPack) {
         let pos = *self.pack_pos.entry(rec.pack).or_insert_with(|| {
@@ -114,16 +169,24 @@ impl Index {
             (self.packs.len() - 1) as u32
         });
         for &(id, offset, stored_len, raw_len, flags) in &rec.chunks {
-            self.chunks.entry(id).or_insert(Location {
-                pack: pos,
-                entry: PackEntry {
+            let hash = self.hash(&id);
+            let (slots, hasher) = (&mut self.slots, &self.hasher);
+            let found = self.table.entry(
+                hash,
+                |&i| slots[i as usize].id == id,
+                |&i| hasher.hash_one(slots[i as usize].id),
+            );
+            if let hashbrown::hash_table::Entry::Vacant(v) = found {
+                v.insert(slots.len() as u32);
+                slots.push(Slot {
                     id,
                     offset,
+                    pack: pos,
                     stored_len,
                     raw_len,
                     flags,
-                },
-            });
+                });
+            }
         }
     }
 
@@ -136,15 +199,11 @@ impl Index {
         };
         self.packs[pos as usize].1 = rec.size;
         for &(id, offset, stored_len, raw_len, flags) in &rec.chunks {
-            if let Some(l) = self.chunks.get_mut(&id) {
-                if l.pack == pos {
-                    l.entry = PackEntry {
-                        id,
-                        offset,
-                        stored_len,
-                        raw_len,
-                        flags,
-                    };
+            if let Some(i) = self.position(&id) {
+                let s = &mut self.slots[i];
+                if s.pack == pos {
+                    (s.offset, s.stored_len, s.raw_len, s.flags) =
+                        (offset, stored_len, raw_len, flags);
                 }
             }
         }
@@ -164,24 +223,25 @@ impl Index {
 
     /// Looks a chunk up.
     pub fn get(&self, id: &ChunkId) -> Option<(PackId, PackEntry)> {
-        self.chunks
-            .get(id)
-            .map(|l| (self.packs[l.pack as usize].0, l.entry))
+        self.position(id).map(|i| {
+            let s = &self.slots[i];
+            (self.packs[s.pack as usize].0, s.entry())
+        })
     }
 
     /// True if the chunk is stored.
     pub fn contains(&self, id: &ChunkId) -> bool {
-        self.chunks.contains_key(id)
+        self.position(id).is_some()
     }
 
     /// Number of chunks.
     pub fn len(&self) -> usize {
-        self.chunks.len()
+        self.slots.len()
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.chunks.is_empty()
+        self.slots.is_empty()
     }
 
     /// Every pack and its size.
@@ -205,11 +265,10 @@ impl Index {
                 chunks: Vec::new(),
             })
             .collect();
-        for loc in self.chunks.values() {
-            let e = loc.entry;
-            recs[loc.pack as usize]
+        for s in &self.slots {
+            recs[s.pack as usize]
                 .chunks
-                .push((e.id, e.offset, e.stored_len, e.raw_len, e.flags));
+                .push((s.id, s.offset, s.stored_len, s.raw_len, s.flags));
         }
         recs.retain(|r| keep(&r.pack) && !r.chunks.is_empty());
         for r in &mut recs {

@@ -372,6 +372,9 @@ impl Repo {
     /// gc refuses to run) and the chunks only it described are missing.
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
         let objects = self.remote.list("index/").await?;
+        // About 43 encoded bytes per chunk (id, three varints, flags): room
+        // for all of them at once, so the table never grows by doubling.
+        let room = objects.iter().map(|o| o.size / 43).sum::<u64>();
         let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
         // Futures are collected before streaming them (see NodeCache::fetch_packs).
         let reads: Vec<_> = keys
@@ -384,13 +387,12 @@ impl Repo {
                 }
             })
             .collect();
-        let loaded: Vec<std::result::Result<Vec<IndexPack>, (String, String)>> =
-            futures::stream::iter(reads)
-                .buffer_unordered(8)
-                .try_collect()
-                .await?;
+        // Each object is added as it arrives and then dropped: a million
+        // chunks decoded all at once would double what the index holds.
+        let mut loaded = futures::stream::iter(reads).buffer_unordered(8);
         let mut idx = Index::default();
-        for r in loaded {
+        idx.reserve(usize::try_from(room).unwrap_or(0).min(1 << 26));
+        while let Some(r) = loaded.try_next().await? {
             match r {
                 Ok(recs) => recs.iter().for_each(|r| idx.add(r)),
                 Err((key, why)) => {
@@ -399,18 +401,23 @@ impl Repo {
                 }
             }
         }
+        drop(loaded);
         Ok((idx, keys))
     }
 
-    /// Writes an index object for `packs` (which must already be durable).
-    pub async fn write_index(&self, packs: &[IndexPack]) -> Result<Option<String>> {
+    /// Writes an index object for `packs` (which must already be durable);
+    /// returns its key and size.
+    pub async fn write_index(&self, packs: &[IndexPack]) -> Result<Option<(String, u64)>> {
         if packs.is_empty() {
             return Ok(None);
         }
         let bytes = index::encode(packs);
-        let key = format!("index/{}", blake3::hash(&bytes).to_hex());
+        let (key, n) = (
+            format!("index/{}", blake3::hash(&bytes).to_hex()),
+            bytes.len() as u64,
+        );
         self.remote.put(&key, bytes.into()).await?;
-        Ok(Some(key))
+        Ok(Some((key, n)))
     }
 
     /// Reads chunks (any mix of packs), verifying each against its id.
@@ -494,29 +501,42 @@ impl Repo {
                 format!("its tree segments claim {claimed} bytes, more than {MAX_TREE_BYTES}"),
             ));
         }
-        let ids: Vec<ChunkId> = snap.segments.iter().map(|s| s.id).collect();
-        let segs = self.read_chunks(index, &ids).await?;
         // Sized by what is decoded, never by the counts the object claims.
         let mut entries = Vec::new();
-        for s in &snap.segments {
-            let bytes = segs
-                .get(&s.id)
-                .expect("read_chunks returns every id or fails");
-            let seg = snapshot::decode_segment(bytes, &s.id)?;
-            if seg.len() != s.entries as usize {
-                return Err(Error::corrupt(
-                    format!("snapshot {id}"),
-                    format!(
-                        "tree segment {} holds {} entries, the snapshot says {}",
-                        s.id.short(),
-                        seg.len(),
-                        s.entries
-                    ),
-                ));
+        // A batch of segments at a time: a million entries' encoded bytes
+        // are never held beside the entries decoded from them.
+        for batch in snap.segments.chunks(4096) {
+            let ids: Vec<ChunkId> = batch.iter().map(|s| s.id).collect();
+            let segs = self.read_chunks(index, &ids).await?;
+            for s in batch {
+                entries.extend(Self::decoded_segment(id, s, &segs)?);
             }
-            entries.extend(seg);
         }
         Ok((snap, entries))
+    }
+
+    /// Segment `s` of snapshot `id`, from `segs`, checked against its count.
+    fn decoded_segment(
+        id: &SnapshotId,
+        s: &crate::snapshot::SegmentRef,
+        segs: &HashMap<ChunkId, Vec<u8>>,
+    ) -> Result<Vec<Entry>> {
+        let bytes = segs
+            .get(&s.id)
+            .expect("read_chunks returns every id or fails");
+        let seg = snapshot::decode_segment(bytes, &s.id)?;
+        if seg.len() != s.entries as usize {
+            return Err(Error::corrupt(
+                format!("snapshot {id}"),
+                format!(
+                    "tree segment {} holds {} entries, the snapshot says {}",
+                    s.id.short(),
+                    seg.len(),
+                    s.entries
+                ),
+            ));
+        }
+        Ok(seg)
     }
 
     async fn version_keys(&self, name: &str) -> Result<Vec<String>> {
@@ -716,7 +736,7 @@ impl Repo {
             .await?;
         let chunks = recs.iter().map(|r| r.chunks.len()).sum();
         let n = recs.len();
-        let new_key = self.write_index(&recs).await?;
+        let new_key = self.write_index(&recs).await?.map(|(k, _)| k);
         self.remote.sync().await?;
         for k in old {
             if Some(&k) != new_key.as_ref() {

@@ -1289,7 +1289,7 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
     // footer can tell.
     rec.chunks.sort_by_key(|c| c.1);
     rec.chunks[0].1 += 1;
-    let lying = env.repo.write_index(&recs).await.unwrap().unwrap();
+    let lying = env.repo.write_index(&recs).await.unwrap().unwrap().0;
     for k in &keys {
         env.repo.remote().delete(k).await.unwrap();
     }
