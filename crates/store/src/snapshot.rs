@@ -148,19 +148,27 @@ pub fn decode_segment(bytes: &[u8], id: &ChunkId) -> Result<Vec<Entry>> {
     }
 }
 
-/// Splits sorted entries into segments; a boundary follows every entry whose
-/// path hash has its low bits clear. Depends on paths only, never on content.
+/// Splits sorted entries into segments as a push streaming them cuts them
+/// ([`ends_segment`], and the last entry ends the last segment).
+#[cfg(test)]
 pub fn split_segments(entries: &[Entry]) -> Vec<&[Entry]> {
     let mut out = Vec::new();
     let mut start = 0;
     for (i, e) in entries.iter().enumerate() {
-        let boundary = blake3::hash(&e.path).as_bytes()[0] & BOUNDARY_MASK == 0;
-        if boundary || i + 1 - start >= MAX_SEGMENT_ENTRIES || i + 1 == entries.len() {
+        if ends_segment(e, i + 1 - start) || i + 1 == entries.len() {
             out.push(&entries[start..=i]);
             start = i + 1;
         }
     }
     out
+}
+
+/// True when a segment holding `len` entries, the last `e`, ends there: a
+/// boundary follows every entry whose path hash has its low bits clear, and
+/// a segment holds at most 512 entries. Depends on paths only, never on
+/// content, so editing a few files rewrites only the segments that hold them.
+pub fn ends_segment(e: &Entry, len: usize) -> bool {
+    blake3::hash(&e.path).as_bytes()[0] & BOUNDARY_MASK == 0 || len >= MAX_SEGMENT_ENTRIES
 }
 
 /// The mode bits a tree may carry for an entry of `kind`: permissions, and
@@ -284,6 +292,16 @@ pub struct Changes {
     pub modified: Vec<String>,
 }
 
+/// True when two entries of one path differ in kind, content, mode or link
+/// target (mtime alone is not a modification).
+pub fn modified(a: &Entry, b: &Entry) -> bool {
+    a.kind != b.kind
+        || a.chunks != b.chunks
+        || a.mode != b.mode
+        || a.target != b.target
+        || a.size != b.size
+}
+
 /// Compares two entry lists sorted by path bytes (mtime alone is not a
 /// modification). Byte order puts every directory before its contents.
 pub fn diff(old: &[Entry], new: &[Entry]) -> Changes {
@@ -306,14 +324,8 @@ pub fn diff(old: &[Entry], new: &[Entry]) -> Changes {
                 j += 1;
             }
             Equal => {
-                let (a, b) = (&old[i], &new[j]);
-                if a.kind != b.kind
-                    || a.chunks != b.chunks
-                    || a.mode != b.mode
-                    || a.target != b.target
-                    || a.size != b.size
-                {
-                    c.modified.push(b.path_lossy());
+                if modified(&old[i], &new[j]) {
+                    c.modified.push(new[j].path_lossy());
                 }
                 i += 1;
                 j += 1;

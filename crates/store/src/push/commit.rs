@@ -4,13 +4,13 @@
 
 use std::collections::HashSet;
 
-use super::tree::snapshot_of;
+use super::upload::Uploaded;
 use super::PushOptions;
 use crate::error::{Error, Result};
-use crate::id::{PackId, SnapshotId};
-use crate::index::{Index, IndexPack};
+use crate::id::{ChunkId, PackId, SnapshotId};
+use crate::index::Index;
 use crate::repo::{now_secs, snapshot_key, Repo, VersionRecord};
-use crate::snapshot::{self, Entry, SegmentRef, SnapshotObject};
+use crate::snapshot::{self, Entry, SnapshotObject};
 
 /// Objects and bytes a push wrote to the store.
 #[derive(Default)]
@@ -19,23 +19,25 @@ pub(super) struct Written {
     pub bytes: u64,
 }
 
-/// Makes the uploaded packs durable, then writes and syncs their index.
-pub(super) async fn write_index(
-    repo: &Repo,
-    packs: &[IndexPack],
-    pack_bytes: u64,
-) -> Result<Written> {
+/// Makes the uploaded packs durable, then writes and syncs the index of
+/// those no index object written during the push names (the uploader wrote
+/// one every 32 packs).
+pub(super) async fn write_index(repo: &Repo, uploaded: &Uploaded) -> Result<Written> {
+    let packs = &uploaded.packs;
     let mut written = Written {
         objects: packs.len() as u64,
-        bytes: pack_bytes,
+        bytes: uploaded.bytes,
     };
     repo.remote().sync().await?;
-    if !packs.is_empty() {
-        written.bytes += crate::index::encode(packs).len() as u64;
-        repo.write_index(packs).await?;
+    let tail = &packs[packs.len() - uploaded.unindexed..];
+    if !tail.is_empty() {
+        written.bytes += repo.write_index(tail).await?.map_or(0, |(_, n)| n);
         written.objects += 1;
         repo.remote().sync().await?;
     }
+    // The partial objects count as written too.
+    let partial = (packs.len() - tail.len()).div_ceil(32) as u64;
+    written.objects += partial;
     tracing::debug!(packs = packs.len(), "push: packs and index durable");
     Ok(written)
 }
@@ -50,16 +52,14 @@ pub(super) struct WrittenSnapshot {
     pub unchanged: bool,
 }
 
-/// Writes the snapshot of `entries` unless the name's latest version has
-/// the same one.
+/// Writes the snapshot `object` unless the name's latest version has the
+/// same one.
 pub(super) async fn write_snapshot(
     repo: &Repo,
     name: &str,
-    entries: &[Entry],
-    segments: Vec<SegmentRef>,
+    object: SnapshotObject,
     written: &mut Written,
 ) -> Result<WrittenSnapshot> {
-    let object = snapshot_of(entries, segments);
     let (id, bytes) = object.encode();
     let latest = repo.latest(name).await?;
     let unchanged = latest.as_ref().is_some_and(|l| l.snapshot == id);
@@ -89,70 +89,131 @@ pub(super) struct TreeStats {
     pub added: u64,
     pub removed: u64,
     pub modified: u64,
-    /// Chunks new to the store.
-    pub new_chunks: u64,
 }
 
-/// Measures the tree against the store (`index`, before the push, and the
-/// new `packs`) and against the latest version.
+/// Measures the tree against the store (`index`, the new packs included)
+/// and against the latest version. `chunks` are the tree's chunk ids
+/// (sorted and deduplicated here).
 pub(super) async fn tree_stats(
     repo: &Repo,
     index: &Index,
-    packs: &[IndexPack],
-    entries: &[Entry],
+    chunks: &mut Vec<ChunkId>,
     snapshot: &WrittenSnapshot,
 ) -> Result<TreeStats> {
-    let mut new = Index::default();
-    for r in packs {
-        new.add(r);
-    }
-    let stored_bytes = {
-        let mut seen = HashSet::new();
-        entries
-            .iter()
-            .flat_map(|e| e.chunks.iter())
-            .filter(|c| seen.insert(**c))
-            .map(|c| {
-                index
-                    .get(c)
-                    .or_else(|| new.get(c))
-                    .map_or(0, |(_, e)| e.stored_len as u64)
-            })
-            .sum()
-    };
+    chunks.sort_unstable();
+    chunks.dedup();
+    let stored_bytes = chunks
+        .iter()
+        .map(|c| index.get(c).map_or(0, |(_, e)| e.stored_len as u64))
+        .sum();
     let (added, removed, modified) = match &snapshot.latest {
         Some(l) if !snapshot.unchanged => {
-            let mut full = index.clone();
-            for r in packs {
-                full.add(r);
-            }
-            let old = match repo.load_tree(&full, &l.snapshot).await {
-                Ok((_, old)) => old,
+            let old = repo.load_snapshot(&l.snapshot).await?;
+            match diff_counts(repo, index, &old, &snapshot.object).await {
                 // The latest version was pushed concurrently, after our index was loaded.
                 Err(e) if e.is_not_found() => {
-                    repo.load_tree(&repo.load_index().await?.0, &l.snapshot)
-                        .await?
-                        .1
+                    let index = repo.load_index().await?.0;
+                    diff_counts(repo, &index, &old, &snapshot.object).await?
                 }
-                Err(e) => return Err(e),
-            };
-            let c = snapshot::diff(&old, entries);
-            (
-                c.added.len() as u64,
-                c.removed.len() as u64,
-                c.modified.len() as u64,
-            )
+                counts => counts?,
+            }
         }
         Some(_) => (0, 0, 0),
-        None => (entries.len() as u64, 0, 0),
+        None => (
+            snapshot
+                .object
+                .segments
+                .iter()
+                .map(|s| s.entries as u64)
+                .sum(),
+            0,
+            0,
+        ),
     };
     Ok(TreeStats {
         stored_bytes,
         added,
         removed,
         modified,
-        new_chunks: new.len() as u64,
     })
+}
+
+/// Entries added, removed and modified from the tree `old` to `new`. A
+/// segment in both holds the same entries, which count for neither side, so
+/// only the segments of one side are read, a batch at a time: a re-push
+/// that changed a few files reads a few segments, never a whole tree.
+async fn diff_counts(
+    repo: &Repo,
+    index: &Index,
+    old: &SnapshotObject,
+    new: &SnapshotObject,
+) -> Result<(u64, u64, u64)> {
+    use std::cmp::Ordering::*;
+    let ids = |o: &SnapshotObject| o.segments.iter().map(|s| s.id).collect::<HashSet<_>>();
+    let (in_old, in_new) = (ids(old), ids(new));
+    let only = |o: &SnapshotObject, other: &HashSet<ChunkId>| Segments {
+        ids: (o.segments.iter().map(|s| s.id))
+            .filter(|id| !other.contains(id))
+            .collect(),
+        next: 0,
+        entries: Default::default(),
+    };
+    let (mut a, mut b) = (only(old, &in_new), only(new, &in_old));
+    let (mut added, mut removed, mut modified) = (0, 0, 0);
+    loop {
+        a.fill(repo, index).await?;
+        b.fill(repo, index).await?;
+        let ord = match (a.entries.front(), b.entries.front()) {
+            (None, None) => break,
+            (Some(_), None) => Less,
+            (None, Some(_)) => Greater,
+            (Some(x), Some(y)) => x.path.cmp(&y.path),
+        };
+        match ord {
+            Less => {
+                removed += 1;
+                a.entries.pop_front();
+            }
+            Greater => {
+                added += 1;
+                b.entries.pop_front();
+            }
+            Equal => {
+                let (x, y) = (a.entries.pop_front(), b.entries.pop_front());
+                if let (Some(x), Some(y)) = (x, y) {
+                    modified += u64::from(snapshot::modified(&x, &y));
+                }
+            }
+        }
+    }
+    Ok((added, removed, modified))
+}
+
+/// One side of a diff: its segments, read a batch at a time.
+struct Segments {
+    ids: Vec<ChunkId>,
+    next: usize,
+    entries: std::collections::VecDeque<Entry>,
+}
+
+impl Segments {
+    /// Segments read per batch (64 of ~16 entries, at most 512 each).
+    const BATCH: usize = 64;
+
+    /// Reads the next batch of segments when every entry read is taken.
+    async fn fill(&mut self, repo: &Repo, index: &Index) -> Result<()> {
+        if !self.entries.is_empty() || self.next >= self.ids.len() {
+            return Ok(());
+        }
+        let batch = &self.ids[self.next..(self.next + Self::BATCH).min(self.ids.len())];
+        let segs = repo.read_chunks(index, batch).await?;
+        for id in batch {
+            let bytes = segs.get(id).expect("read_chunks returns every id or fails");
+            self.entries.extend(snapshot::decode_segment(bytes, id)?);
+        }
+        self.next += batch.len();
+        Ok(())
+    }
 }
 
 /// Creates the version (or finds the latest one equal to it, when nothing
@@ -194,7 +255,7 @@ pub(super) async fn commit_version(
 pub(super) async fn check_still_present(
     repo: &Repo,
     index: &Index,
-    entries: &[Entry],
+    chunks: &[ChunkId],
 ) -> Result<()> {
     let condemned = crate::gc::condemned_packs(repo).await?;
     let present: HashSet<PackId> = repo
@@ -204,7 +265,7 @@ pub(super) async fn check_still_present(
         .into_iter()
         .filter_map(|o| o.key.rsplit('/').next().and_then(|h| h.parse().ok()))
         .collect();
-    for c in entries.iter().flat_map(|e| e.chunks.iter()) {
+    for c in chunks {
         if let Some((p, _)) = index.get(c) {
             if condemned.contains(&p) || !present.contains(&p) {
                 return Err(Error::Conflict {

@@ -1,7 +1,7 @@
 //! Stage 2, plan: the files cache says which files are unchanged since the
 //! last push (their chunks are known) and which must be read.
 
-use std::collections::HashSet;
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -9,7 +9,6 @@ use serde::{Deserialize, Serialize};
 
 use super::scan::Scanned;
 use crate::chunker::ChunkerParams;
-use crate::fsutil::write_atomic;
 use crate::id::ChunkId;
 use crate::index::Index;
 use crate::progress::Progress;
@@ -19,14 +18,17 @@ use crate::snapshot::Kind;
 /// Keyed by store, chunker parameters and source folder; an entry is trusted
 /// only if size, mtime, ctime and inode all match (restic's and borg's rule)
 /// and it was not racily clean (see [`racily_clean`]).
+///
+/// On disk: a version byte, this header, then one length-prefixed record per
+/// file in path order, read and written as a stream: a push holds one
+/// record of it at a time, however many files the tree has.
 #[derive(Serialize, Deserialize, Default)]
-pub(super) struct FilesCache {
+struct Header {
     store: String,
     params: Option<ChunkerParams>,
     /// Wall clock (ns since the epoch) when the push that wrote it started
     /// its scan: no entry was looked at before then.
     recorded_at_ns: i64,
-    files: Vec<CachedFile>,
 }
 
 /// How far a file's timestamps may trail the moment they were read and still
@@ -65,8 +67,12 @@ pub(super) struct CachedFile {
     pub chunks: Vec<ChunkId>,
 }
 
-/// 2: `recorded_at_ns` (the racy rule); a version 1 cache is read as empty.
-const FILES_CACHE_VERSION: u8 = 2;
+/// 3: streamed records; an older cache is read as empty.
+const FILES_CACHE_VERSION: u8 = 3;
+
+/// A record longer than this is not one a push wrote (a file of 64 GiB at
+/// the smallest chunks has 256 Ki chunk ids, 8 MiB).
+const MAX_RECORD: usize = 64 << 20;
 
 /// Where the files cache of one source folder in one store lives.
 pub(super) struct FilesCacheFile {
@@ -86,127 +92,258 @@ impl FilesCacheFile {
         }
     }
 
-    /// What the last push recorded; empty when there is none, when it was
-    /// written by another format, store or chunker, or cannot be read.
-    pub fn load(&self) -> FilesCache {
-        let Ok(bytes) = std::fs::read(&self.path) else {
-            return FilesCache::default();
+    /// What the last push recorded, to read in path order; empty when there
+    /// is none, when it was written by another format, store or chunker, or
+    /// cannot be read.
+    pub fn load(&self) -> CacheReader {
+        let empty = CacheReader::empty();
+        let Ok(f) = std::fs::File::open(&self.path) else {
+            return empty;
         };
-        match bytes.split_first() {
-            Some((&FILES_CACHE_VERSION, rest)) => match postcard::from_bytes::<FilesCache>(rest) {
-                Ok(c) if c.store == self.store && c.params == Some(self.params) => c,
-                _ => FilesCache::default(),
-            },
-            _ => FilesCache::default(),
+        let mut input = BufReader::with_capacity(256 << 10, f);
+        let mut version = [0u8];
+        if input.read_exact(&mut version).is_err() || version[0] != FILES_CACHE_VERSION {
+            return empty;
+        }
+        match read_record::<Header>(&mut input) {
+            Some(h) if h.store == self.store && h.params == Some(self.params) => {
+                let mut r = CacheReader {
+                    input: Some(input),
+                    recorded_at_ns: h.recorded_at_ns,
+                    current: None,
+                };
+                r.step();
+                r
+            }
+            _ => empty,
         }
     }
 
-    /// Records `files` as seen by a scan that started at `recorded_at_ns`. A
+    /// Starts writing the cache of a scan that started at `recorded_at_ns`,
+    /// beside the current one; [`CacheWriter::commit`] puts it in place. A
     /// failure only costs the next push a full read, so it is a warning.
-    pub fn save(&self, recorded_at_ns: i64, files: Vec<CachedFile>, progress: &dyn Progress) {
-        let fc = FilesCache {
-            store: self.store.clone(),
-            params: Some(self.params),
-            recorded_at_ns,
-            files,
+    pub fn writer(&self, recorded_at_ns: i64, progress: &dyn Progress) -> CacheWriter {
+        let tmp = crate::fsutil::tmp_name(&self.path);
+        let opened = (|| {
+            if let Some(dir) = self.path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            // A new name only (`O_EXCL`): see `tmp_name`.
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)?;
+            let mut out = BufWriter::with_capacity(256 << 10, f);
+            out.write_all(&[FILES_CACHE_VERSION])?;
+            let header = Header {
+                store: self.store.clone(),
+                params: Some(self.params),
+                recorded_at_ns,
+            };
+            write_record(&mut out, &header)?;
+            Ok::<_, std::io::Error>(out)
+        })();
+        let out = match opened {
+            Ok(out) => Some(out),
+            Err(e) => {
+                warn_unsaved(progress, &e);
+                let _ = std::fs::remove_file(&tmp);
+                None
+            }
         };
-        let mut bytes = vec![FILES_CACHE_VERSION];
-        bytes = postcard::to_extend(&fc, bytes).expect("Vec writer cannot fail");
-        if let Err(e) = write_atomic(&self.path, &bytes) {
-            progress.warn(&format!(
-                "could not save the files cache ({e}); the next push re-reads every file"
-            ));
+        CacheWriter {
+            out,
+            tmp,
+            path: self.path.clone(),
         }
     }
 }
 
-/// Which files must be read, and the chunks of those that need not be.
-pub(super) struct ReadPlan {
-    /// Per scanned entry: its chunks, when known without reading it.
-    pub chunks_of: Vec<Option<Vec<ChunkId>>>,
-    /// Entries to read, in path order.
-    pub to_read: Vec<usize>,
-    /// Files left out of the version: being written, with nothing recorded.
-    pub left_out: HashSet<usize>,
+fn warn_unsaved(progress: &dyn Progress, e: &dyn std::fmt::Display) {
+    progress.warn(&format!(
+        "could not save the files cache ({e}); the next push re-reads every file"
+    ));
 }
 
-/// Merge-joins the scan and the cache (both sorted by path): a file whose
-/// entry matches and whose chunks are all in `index` keeps its chunks. With
-/// `settle`, a file modified within it keeps its last recorded content (and
-/// its scanned metadata becomes the recorded one), or is left out.
-pub(super) fn plan_reads(
-    scanned: &mut [Scanned],
-    cache: &FilesCache,
+fn read_record<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Option<T> {
+    let mut len = [0u8; 4];
+    input.read_exact(&mut len).ok()?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_RECORD {
+        return None;
+    }
+    let mut buf = vec![0u8; len];
+    input.read_exact(&mut buf).ok()?;
+    postcard::from_bytes(&buf).ok()
+}
+
+fn write_record<T: Serialize>(out: &mut impl Write, value: &T) -> std::io::Result<()> {
+    let bytes = postcard::to_allocvec(value).map_err(std::io::Error::other)?;
+    out.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    out.write_all(&bytes)
+}
+
+/// The last push's records, taken in path order.
+pub(super) struct CacheReader {
+    input: Option<BufReader<std::fs::File>>,
+    recorded_at_ns: i64,
+    current: Option<CachedFile>,
+}
+
+impl CacheReader {
+    /// No records: every file is read.
+    pub fn empty() -> CacheReader {
+        CacheReader {
+            input: None,
+            recorded_at_ns: 0,
+            current: None,
+        }
+    }
+
+    /// Reads the next record; a record out of order or unreadable ends the
+    /// cache there (the files after it are read again).
+    fn step(&mut self) {
+        let next = self.input.as_mut().and_then(read_record::<CachedFile>);
+        match (&self.current, next) {
+            (Some(c), Some(n)) if n.path <= c.path => self.end(),
+            (_, None) => self.end(),
+            (_, n) => self.current = n,
+        }
+    }
+
+    fn end(&mut self) {
+        self.input = None;
+        self.current = None;
+    }
+
+    /// The record of `path`, if there is one; records before it are passed.
+    /// Paths must be asked for in increasing order.
+    fn find(&mut self, path: &[u8]) -> Option<&CachedFile> {
+        while self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.path.as_slice() < path)
+        {
+            self.step();
+        }
+        self.current.as_ref().filter(|c| c.path == path)
+    }
+}
+
+/// The files cache being written for the next push.
+pub(super) struct CacheWriter {
+    out: Option<BufWriter<std::fs::File>>,
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+impl CacheWriter {
+    /// Records one file (in path order).
+    pub fn add(&mut self, file: &CachedFile, progress: &dyn Progress) {
+        let Some(out) = &mut self.out else { return };
+        if let Err(e) = write_record(out, file) {
+            warn_unsaved(progress, &e);
+            self.abandon();
+        }
+    }
+
+    fn abandon(&mut self) {
+        self.out = None;
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+
+    /// Makes the cache durable and puts it in place of the last one.
+    pub fn commit(mut self, progress: &dyn Progress) {
+        let Some(out) = self.out.take() else { return };
+        let done = (|| {
+            let f = out.into_inner().map_err(|e| e.into_error())?;
+            f.sync_all()?;
+            std::fs::rename(&self.tmp, &self.path)
+        })();
+        if let Err(e) = done {
+            warn_unsaved(progress, &e);
+            self.abandon();
+        }
+    }
+}
+
+impl Drop for CacheWriter {
+    /// A push that failed leaves the last cache as it was.
+    fn drop(&mut self) {
+        if self.out.is_some() {
+            self.abandon();
+        }
+    }
+}
+
+/// What the plan says of one scanned entry.
+pub(super) enum Planned {
+    /// Its chunks are known without reading it (or it has none).
+    Known(Vec<ChunkId>),
+    /// It must be read.
+    Read,
+    /// Left out of the version: being written, with nothing recorded.
+    LeftOut,
+}
+
+/// Plans one entry (entries come in path order): a file whose record
+/// matches and whose chunks are all in `index` keeps its chunks. With
+/// `unsettled_after`, a file modified since then keeps its last recorded
+/// content (and its scanned metadata becomes the recorded one), or is left
+/// out.
+pub(super) fn plan_entry(
+    s: &mut Scanned,
+    cache: &mut CacheReader,
     index: &Index,
-    settle: Option<Duration>,
+    unsettled_after: Option<i64>,
     progress: &dyn Progress,
-) -> ReadPlan {
-    let mut chunks_of: Vec<Option<Vec<ChunkId>>> = vec![None; scanned.len()];
-    let unsettled_after = settle.map(|d| {
+) -> Planned {
+    if s.kind != Kind::File {
+        return Planned::Known(Vec::new());
+    }
+    let recorded_at_ns = cache.recorded_at_ns;
+    let record = cache.find(&s.path);
+    let hit = record.filter(|c| {
+        c.size == s.size
+            && c.mtime_ns == s.mtime_ns
+            && c.ctime_ns == s.ctime_ns
+            && c.ino == s.ino
+            && !racily_clean(c, recorded_at_ns)
+            && c.chunks.iter().all(|id| index.contains(id))
+    });
+    if let Some(c) = hit {
+        return Planned::Known(c.chunks.clone());
+    }
+    if unsettled_after.is_none_or(|t| s.mtime_ns <= t) {
+        return Planned::Read;
+    }
+    // Being written: the last recorded content, as it was recorded.
+    let previous = record.filter(|c| c.chunks.iter().all(|id| index.contains(id)));
+    let name = String::from_utf8_lossy(&s.path).into_owned();
+    match previous {
+        Some(c) => {
+            progress.warn(&format!(
+                "{name} changed in the last seconds: keeping its previous content"
+            ));
+            (s.size, s.mtime_ns, s.ctime_ns, s.ino) = (c.size, c.mtime_ns, c.ctime_ns, c.ino);
+            Planned::Known(c.chunks.clone())
+        }
+        None => {
+            progress.warn(&format!(
+                "leaving out {name}: it changed in the last seconds and may be half written"
+            ));
+            Planned::LeftOut
+        }
+    }
+}
+
+/// The moment (ns since the epoch) after which a file counts as being
+/// written, for `settle`.
+pub(super) fn unsettled_after(settle: Option<Duration>) -> Option<i64> {
+    settle.map(|d| {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
         now.saturating_sub(d).as_nanos() as i64
-    });
-    let mut left_out = HashSet::new();
-    let mut to_read = Vec::new();
-    let mut ci = 0;
-    for i in 0..scanned.len() {
-        let s = &scanned[i];
-        if s.kind != Kind::File {
-            continue;
-        }
-        while ci < cache.files.len() && cache.files[ci].path < s.path {
-            ci += 1;
-        }
-        let hit = cache.files.get(ci).filter(|c| {
-            c.path == s.path
-                && c.size == s.size
-                && c.mtime_ns == s.mtime_ns
-                && c.ctime_ns == s.ctime_ns
-                && c.ino == s.ino
-                && !racily_clean(c, cache.recorded_at_ns)
-                && c.chunks.iter().all(|id| index.contains(id))
-        });
-        if let Some(c) = hit {
-            chunks_of[i] = Some(c.chunks.clone());
-            continue;
-        }
-        if unsettled_after.is_some_and(|t| s.mtime_ns > t) {
-            // Being written: the last recorded content, as it was recorded.
-            let previous = cache
-                .files
-                .get(ci)
-                .filter(|c| c.path == s.path && c.chunks.iter().all(|id| index.contains(id)));
-            let name = String::from_utf8_lossy(&s.path).into_owned();
-            match previous {
-                Some(c) => {
-                    progress.warn(&format!(
-                        "{name} changed in the last seconds: keeping its previous content"
-                    ));
-                    chunks_of[i] = Some(c.chunks.clone());
-                    let s = &mut scanned[i];
-                    (s.size, s.mtime_ns, s.ctime_ns, s.ino) =
-                        (c.size, c.mtime_ns, c.ctime_ns, c.ino);
-                }
-                None => {
-                    progress.warn(&format!(
-                        "leaving out {name}: it changed in the last seconds and may be half written"
-                    ));
-                    left_out.insert(i);
-                }
-            }
-            continue;
-        }
-        to_read.push(i);
-    }
-    tracing::debug!(
-        to_read = to_read.len(),
-        "push: index loaded, files cache compared"
-    );
-    ReadPlan {
-        chunks_of,
-        to_read,
-        left_out,
-    }
+    })
 }

@@ -1,21 +1,25 @@
 //! `push`: scan a tree, chunk and hash what changed, pack what is new, and
 //! commit it in the order packs → index → snapshot → ref.
 //!
-//! The stages, one module each, in the order [`push`] runs them:
-//! [`scan`] → [`files_cache`] (plan what to read) → [`read`] (read, chunk,
-//! pack) → [`upload`] → [`tree`] (assemble and write the tree) → [`commit`]
-//! (index, snapshot, version).
+//! The stages, one module each: [`scan`] (the walk, in path order) →
+//! [`files_cache`] (plan what to read) → [`read`] (read, chunk, pack) →
+//! [`tree`] (cut the tree into segments), run as one stream by [`stream`];
+//! [`upload`] beside them; then [`commit`] (index, snapshot, version).
 //!
 //! Files are read by a few threads (the chunker and BLAKE3 are CPU-bound);
 //! new chunks go into one shared pack builder; full packs travel through a
 //! channel of capacity one to the uploader, which keeps two uploads in flight.
-//! That bounds memory to about four packs whatever the dataset size.
+//! That bounds memory to about four packs whatever the dataset size, and the
+//! stream holds a window of entries, never the whole tree: what grows with
+//! the tree is the index (~66 bytes per chunk in the store) and the tree's
+//! chunk ids (32 bytes each, for its stored size).
 
 mod commit;
 mod files_cache;
 mod prefetch;
 mod read;
 mod scan;
+mod stream;
 mod tree;
 mod upload;
 
@@ -91,75 +95,73 @@ pub async fn push(
     tracing::debug!(src = %src.display(), "push: start");
     validate_name(&opts.name)?;
     let root = source_root(src, opts.read_as).await?;
-    let threads = opts.threads.max(1);
-    let config = repo.config();
-
-    // Listing is one statx per entry: on a cold tree, I/O waits, not CPU.
-    let listers = threads.max(prefetch::IO_DEPTH);
-    let mut scan = scan::scan_source(&root, listers, opts.read_as, &progress).await?;
+    let config = repo.config().clone();
     let index = Arc::new(live_index(repo).await?);
     let cache_file = (opts.files_cache.as_deref())
         .map(|dir| FilesCacheFile::new(dir, &config.id, config.params, &root));
-    let cache = cache_file.as_ref().map(|f| f.load()).unwrap_or_default();
-    let mut plan = files_cache::plan_reads(
-        &mut scan.entries,
-        &cache,
-        &index,
-        opts.settle,
-        progress.as_ref(),
-    );
 
-    let mut uploads = Uploads::start(repo);
-    let scanned = Arc::new(scan.entries);
+    let uploads = Uploads::start(repo);
     let settings = ReadSettings {
-        threads,
+        threads: opts.threads.max(1),
         read_as: opts.read_as,
         params: config.params,
         pack_size: config.pack_size as usize,
         codec: opts.compression,
     };
-    let to_read = std::mem::take(&mut plan.to_read);
-    let reads = read::read_and_chunk(
-        &root, &scanned, to_read, &index, settings, &uploads, &progress,
-    );
-    let reads = match reads.await {
-        Ok(reads) => reads,
+    let sink = stream::Sink {
+        tx: uploads.sender(),
+        pool: uploads.pool(),
+    };
+    let streamed = {
+        let (root, index, settle, progress) =
+            (root.clone(), index.clone(), opts.settle, progress.clone());
+        blocking(move || {
+            let cache_file = cache_file.as_ref();
+            stream::run(
+                &root,
+                &index,
+                cache_file,
+                settle,
+                &settings,
+                sink,
+                progress.as_ref(),
+            )
+        })
+        .await
+    };
+    let mut streamed = match streamed {
+        Ok(s) => s,
         Err(e) => return Err(uploads.fail(e).await),
     };
-    tracing::debug!("push: files read");
-    let tree = tree::assemble(&scanned, plan, reads);
-    let pack_size = config.pack_size as usize;
-    let segments = tree::write_tree(
-        &tree.entries,
-        &index,
-        threads,
-        pack_size,
-        &root,
-        &mut uploads,
-    )
-    .await?;
     let uploaded = uploads.finish(&root).await?;
 
-    let mut written = commit::write_index(repo, &uploaded.packs, uploaded.bytes).await?;
-    let snapshot =
-        commit::write_snapshot(repo, &opts.name, &tree.entries, segments, &mut written).await?;
-    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
-        commit::check_still_present(repo, &index, &tree.entries).await?;
+    let mut written = commit::write_index(repo, &uploaded).await?;
+    // Every thread that shared it is done.
+    let mut index = Arc::try_unwrap(index).unwrap_or_else(|shared| (*shared).clone());
+    let new_chunks = uploaded.packs.iter().map(|p| p.chunks.len() as u64).sum();
+    index.reserve(new_chunks as usize);
+    for p in uploaded.packs {
+        index.add(&p);
     }
-    let stats = commit::tree_stats(repo, &index, &uploaded.packs, &tree.entries, &snapshot).await?;
+    let snapshot = commit::write_snapshot(repo, &opts.name, streamed.object, &mut written).await?;
+    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
+        commit::check_still_present(repo, &index, &streamed.chunks).await?;
+    }
+    let stats = commit::tree_stats(repo, &index, &mut streamed.chunks, &snapshot).await?;
+    drop(streamed.chunks);
     let (record, created) =
         commit::commit_version(repo, opts, &snapshot, &stats, &mut written).await?;
 
-    if let Some(f) = &cache_file {
-        f.save(scan.started_ns, tree.cached, progress.as_ref());
+    if let Some(cache) = streamed.cache {
+        cache.commit(progress.as_ref());
     }
     tracing::debug!("push: files cache saved");
     Ok(PushOutcome {
         record,
         created,
-        files_read: tree.files_read,
-        bytes_read: tree.bytes_read,
-        new_chunks: stats.new_chunks,
+        files_read: streamed.files_read,
+        bytes_read: streamed.bytes_read,
+        new_chunks,
         objects_written: written.objects,
         seconds: started.elapsed().as_secs_f64(),
     })

@@ -1,21 +1,21 @@
 //! Stage 3, read and chunk: a few threads read the files the plan names, cut
 //! them with FastCDC, hash every chunk and pack the new ones. The chunker and
 //! BLAKE3 are CPU-bound, so this is where the cores go.
+//!
+//! Files to read come through [`Jobs`], a queue the walk fills in path order
+//! and the readers empty; the prefetchers ([`prefetch`]) read ahead in the
+//! same queue. Results go back tagged with the entry's place in the walk.
 
-use std::collections::HashSet;
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 
 use tokio::sync::mpsc;
 
 use super::prefetch;
-use super::scan::Scanned;
-use super::upload::{upload_stopped, Uploads};
+use super::upload::upload_stopped;
 use crate::chunker::{ChunkerParams, StreamChunker};
 use crate::error::{Error, Result};
-use crate::fsutil::blocking;
 use crate::id::ChunkId;
 use crate::index::Index;
 use crate::pack::{self, Codec, PackBuilder, SealedPack};
@@ -30,118 +30,165 @@ pub(super) struct ReadSettings {
     pub codec: Codec,
 }
 
-/// Reads `to_read` (indexes into `scanned`, relative to `root`) on
-/// `settings.threads` threads off the runtime, packing chunks `index` lacks
-/// and handing full packs to `uploads`. Returns, per file read, its chunks
-/// and bytes, or `None` when it vanished meanwhile, in no particular order.
-pub(super) async fn read_and_chunk(
-    root: &Path,
-    scanned: &Arc<Vec<Scanned>>,
-    to_read: Vec<usize>,
-    index: &Arc<Index>,
-    settings: ReadSettings,
-    uploads: &Uploads,
-    progress: &Arc<dyn Progress>,
-) -> Result<Vec<(usize, FileRead)>> {
-    let total: u64 = to_read.iter().map(|&i| scanned[i].size).sum();
-    progress.phase("read", Some(total), Some(to_read.len() as u64));
-    let (index, scanned, root, progress) = (
-        index.clone(),
-        scanned.clone(),
-        root.to_path_buf(),
-        progress.clone(),
-    );
-    let (tx, pool) = (uploads.sender(), uploads.pool());
-    blocking(move || {
-        let pipe = Pipeline {
-            index: &index,
-            pool,
-            seen: Mutex::new(HashSet::new()),
-            packer: Mutex::new(PackBuilder::default()),
-            pack_size: settings.pack_size,
-            codec: settings.codec,
-            tx,
-            progress: progress.as_ref(),
-        };
-        *pipe.packer.lock().expect("fresh") = pipe.new_builder()?;
-        let results = read_all(&pipe, &root, &scanned, &to_read, &settings)?;
-        let last = pipe.packer.into_inner().expect("poisoned");
-        if !last.is_empty() {
-            pipe.tx
-                .blocking_send(last.seal())
-                .map_err(|_| upload_stopped())?;
-        }
-        Ok(results)
-    })
-    .await
+/// One file to read: its place in the walk, path and scanned size.
+pub(super) struct Job {
+    pub seq: u64,
+    pub path: PathBuf,
+    pub size: u64,
+    /// Bytes of the files queued before it (where the prefetchers are).
+    start: u64,
 }
 
-/// The reader threads: each takes the next file until all are read or one failed.
-fn read_all(
-    pipe: &Pipeline<'_>,
-    root: &Path,
-    scanned: &[Scanned],
-    to_read: &[usize],
-    settings: &ReadSettings,
-) -> Result<Vec<(usize, FileRead)>> {
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(usize, FileRead)>> = Mutex::new(Vec::new());
-    let first_err: Mutex<Option<Error>> = Mutex::new(None);
-    let path_of = |k: usize| {
-        let i = to_read[k];
-        if scanned.len() == 1 && !root.is_dir() {
-            root.to_path_buf()
-        } else {
-            root.join(std::ffi::OsStr::from_bytes(&scanned[i].path))
+/// The files to read, in walk order, shared by readers and prefetchers.
+pub(super) struct Jobs {
+    state: Mutex<JobsState>,
+    changed: Condvar,
+}
+
+struct JobsState {
+    /// Jobs no reader has taken yet, oldest first.
+    queue: VecDeque<Job>,
+    /// Jobs readers have taken: the first in `queue` is job number `taken`.
+    taken: u64,
+    /// The next job a prefetcher takes (a job number).
+    ahead: u64,
+    /// Bytes of all jobs queued so far.
+    queued_bytes: u64,
+    /// No more jobs will come (or the push stopped).
+    closed: bool,
+}
+
+impl Jobs {
+    pub fn new() -> Jobs {
+        Jobs {
+            state: Mutex::new(JobsState {
+                queue: VecDeque::new(),
+                taken: 0,
+                ahead: 0,
+                queued_bytes: 0,
+                closed: false,
+            }),
+            changed: Condvar::new(),
         }
-    };
-    let ahead = prefetch::Progress::new(to_read.iter().map(|&i| scanned[i].size), &next);
-    std::thread::scope(|s| {
-        // However the readers end (a panic starting one included), the
-        // prefetchers stop, so the scope can end.
-        let _stop = prefetch::StopOnDrop(&ahead.stop);
-        for _ in 0..prefetch::IO_DEPTH.min(to_read.len()) {
-            s.spawn(|| {
-                let _as = crate::fsutil::ReadAs::enter(settings.read_as);
-                prefetch::run(&ahead, &path_of);
-            });
-        }
-        let readers: Vec<_> = (0..settings.threads.max(1))
-            .map(|_| {
-                s.spawn(|| {
-                    let _as = crate::fsutil::ReadAs::enter(settings.read_as);
-                    let mut buf = Vec::new();
-                    loop {
-                        let k = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&i) = to_read.get(k) else { break };
-                        if first_err.lock().expect("poisoned").is_some() {
-                            break;
-                        }
-                        let path = path_of(k);
-                        match pipe.read_file(&path, scanned[i].size, settings.params, &mut buf) {
-                            Ok(r) => {
-                                pipe.progress.advance(0, 1);
-                                results.lock().expect("poisoned").push((i, r));
-                            }
-                            Err(e) => {
-                                first_err.lock().expect("poisoned").get_or_insert(e);
-                                break;
-                            }
-                        }
-                    }
-                })
-            })
-            .collect();
-        for r in readers {
-            if let Err(panic) = r.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-    });
-    if let Some(e) = first_err.into_inner().expect("poisoned") {
-        return Err(e);
     }
-    Ok(results.into_inner().expect("poisoned"))
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, JobsState> {
+        self.state.lock().expect("jobs poisoned")
+    }
+
+    /// Queues a file to read.
+    pub fn push(&self, seq: u64, path: PathBuf, size: u64) {
+        let mut st = self.lock();
+        let start = st.queued_bytes;
+        st.queued_bytes = start.saturating_add(size);
+        st.queue.push_back(Job {
+            seq,
+            path,
+            size,
+            start,
+        });
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// No more files: readers end once the queue is empty.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.changed.notify_all();
+    }
+
+    /// Stops readers and prefetchers at once (the push failed).
+    pub fn abandon(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.queue.clear();
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The next file for a reader; `None` when there are no more.
+    fn take(&self) -> Option<Job> {
+        let mut st = self.lock();
+        loop {
+            if let Some(job) = st.queue.pop_front() {
+                st.taken += 1;
+                drop(st);
+                self.changed.notify_all();
+                return Some(job);
+            }
+            if st.closed {
+                return None;
+            }
+            st = self.changed.wait(st).expect("jobs poisoned");
+        }
+    }
+
+    /// The next file for a prefetcher once it is within reach of the
+    /// readers (`limit` files and `room` bytes ahead of them): its path and
+    /// how many of its bytes to read ahead. `None` when there are no more.
+    pub fn ahead(&self, limit: u64, room: u64) -> Option<(PathBuf, u64)> {
+        let mut st = self.lock();
+        loop {
+            if st.closed && st.queue.is_empty() {
+                return None;
+            }
+            let k = st.ahead.max(st.taken);
+            let i = (k - st.taken) as usize;
+            if let (Some(job), Some(first)) = (st.queue.get(i), st.queue.front()) {
+                let bytes = job.start - first.start;
+                if (i as u64) <= limit && bytes < room {
+                    let got = (job.path.clone(), room - bytes);
+                    st.ahead = k + 1;
+                    return Some(got);
+                }
+            }
+            st = self.changed.wait(st).expect("jobs poisoned");
+        }
+    }
+}
+
+/// What a reader sends back: the job's place in the walk and its result.
+pub(super) type ReadResult = (u64, Result<FileRead>);
+
+/// Starts `settings.threads` readers and the prefetchers in `scope`,
+/// taking files from `jobs` and sending results on `done`. New chunks
+/// `index` lacks go into packs handed to `tx`. They end when `jobs` is
+/// closed and empty.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start_readers<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    jobs: &'scope Jobs,
+    pipe: &'scope Pipeline<'scope>,
+    settings: &'scope ReadSettings,
+    done: std::sync::mpsc::Sender<ReadResult>,
+) -> Vec<std::thread::ScopedJoinHandle<'scope, ()>> {
+    let warm = &pipe.warm;
+    for _ in 0..prefetch::IO_DEPTH {
+        scope.spawn(move || {
+            let _as = crate::fsutil::ReadAs::enter(settings.read_as);
+            prefetch::run(jobs, warm);
+        });
+    }
+    let mut readers = Vec::new();
+    for _ in 0..settings.threads.max(1) {
+        let done = done.clone();
+        readers.push(scope.spawn(move || {
+            let _as = crate::fsutil::ReadAs::enter(settings.read_as);
+            let mut buf = Vec::new();
+            while let Some(job) = jobs.take() {
+                let r = pipe.read_file(&job.path, job.size, settings.params, &mut buf);
+                if r.is_ok() {
+                    pipe.progress.advance(0, 1);
+                }
+                let failed = r.is_err();
+                if done.send((job.seq, r)).is_err() || failed {
+                    jobs.abandon();
+                    return;
+                }
+            }
+        }));
+    }
+    readers
 }
 
 /// A fixed number of pack buffers circulating between the readers and the
@@ -187,18 +234,59 @@ impl BufferPool {
     }
 }
 
-struct Pipeline<'a> {
+/// Where the readers put new chunks: one shared pack builder, whose full
+/// packs go to the uploader.
+pub(super) struct Pipeline<'a> {
     index: &'a Index,
     pool: Arc<BufferPool>,
-    seen: Mutex<HashSet<ChunkId>>,
+    /// Chunks packed by this push, by the first 16 bytes of their ids:
+    /// half the memory of whole ids at a million chunks, and two different
+    /// chunks sharing them takes about 2^64 BLAKE3 evaluations to find.
+    seen: Mutex<std::collections::HashSet<u128>>,
     packer: Mutex<PackBuilder>,
     pack_size: usize,
     codec: Codec,
     tx: mpsc::Sender<SealedPack>,
-    progress: &'a dyn Progress,
+    pub progress: &'a dyn Progress,
+    /// Set when prefetching is pointless (the source is in memory).
+    pub warm: prefetch::Warm,
 }
 
-impl Pipeline<'_> {
+impl<'a> Pipeline<'a> {
+    /// A pipeline packing chunks `index` lacks, with buffers from `pool`.
+    pub fn new(
+        index: &'a Index,
+        pool: Arc<BufferPool>,
+        tx: mpsc::Sender<SealedPack>,
+        settings: &ReadSettings,
+        progress: &'a dyn Progress,
+    ) -> Result<Pipeline<'a>> {
+        let pipe = Pipeline {
+            index,
+            pool,
+            seen: Mutex::new(Default::default()),
+            packer: Mutex::new(PackBuilder::default()),
+            pack_size: settings.pack_size,
+            codec: settings.codec,
+            tx,
+            progress,
+            warm: prefetch::Warm::default(),
+        };
+        *pipe.packer.lock().expect("fresh") = pipe.new_builder()?;
+        Ok(pipe)
+    }
+
+    /// Hands the last, partly filled pack to the uploader.
+    pub fn finish(self) -> Result<()> {
+        let last = self.packer.into_inner().expect("poisoned");
+        if !last.is_empty() {
+            self.tx
+                .blocking_send(last.seal())
+                .map_err(|_| upload_stopped())?;
+        }
+        Ok(())
+    }
+
     fn new_builder(&self) -> Result<PackBuilder> {
         // Room for the last chunk past the target and a footer of small chunks,
         // so sealing never reallocates (a doubling would briefly cost 64 MiB).
@@ -210,7 +298,8 @@ impl Pipeline<'_> {
 
     fn store_chunk(&self, data: &[u8]) -> Result<ChunkId> {
         let id = ChunkId::of(data);
-        if self.index.contains(&id) || !self.seen.lock().expect("seen poisoned").insert(id) {
+        let short = u128::from_le_bytes(id.as_bytes()[..16].try_into().expect("16 bytes"));
+        if self.index.contains(&id) || !self.seen.lock().expect("seen poisoned").insert(short) {
             return Ok(id);
         }
         let full = pack::with_stored(data, self.codec, |stored, flags| {

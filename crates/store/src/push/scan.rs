@@ -1,46 +1,25 @@
-//! Stage 1, scan: every path under the source with what `statx` says of it.
+//! Stage 1, scan: every path under the source with what `statx` says of it,
+//! streamed in path order.
+//!
+//! The walk never holds the whole tree: a consumer takes entries in the
+//! order a sorted list of every path would have (bytes, `/` included), while
+//! [`LISTERS`] threads list the folders it will reach next, at most
+//! [`HELD_ENTRIES`] entries ahead. On a cold tree each listing is one
+//! `statx` per entry waiting on the disk, so many are in flight at once.
+//!
+//! Path order from a depth-first walk: among the names of one folder, a
+//! subfolder `a` is itself listed at `a` and its contents at `a/`, which is
+//! where every path below it sorts (`a` < `a.txt` < `a/b` < `a0`).
 
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::fsutil::blocking;
 use crate::progress::Progress;
 use crate::snapshot::Kind;
-
-/// What the scan found, sorted by path.
-pub(super) struct Scan {
-    /// One per path.
-    pub entries: Vec<Scanned>,
-    /// Wall clock (ns since the epoch) taken before any file was looked at:
-    /// the files cache's racy rule compares with it.
-    pub started_ns: i64,
-}
-
-/// Scans `root` off the async runtime with `threads` listers, as `read_as`.
-pub(super) async fn scan_source(
-    root: &Path,
-    threads: usize,
-    read_as: Option<(u32, u32)>,
-    progress: &Arc<dyn Progress>,
-) -> Result<Scan> {
-    let started_ns = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as i64);
-    progress.phase("scan", None, None);
-    let (root, progress) = (root.to_path_buf(), progress.clone());
-    let mut entries =
-        blocking(move || scan(&root, threads.max(1), read_as, progress.as_ref())).await?;
-    link_groups(&mut entries);
-
-    tracing::debug!(entries = entries.len(), "push: scanned");
-    Ok(Scan {
-        entries,
-        started_ns,
-    })
-}
 
 /// One path found by the scan.
 pub(super) struct Scanned {
@@ -57,111 +36,192 @@ pub(super) struct Scanned {
     pub target: Vec<u8>,
 }
 
-/// Lists `root` recursively, sorted by path. Folders are listed by `threads`
-/// workers sharing a stack of folders still to list: the scan is one
-/// `statx` per entry, and on one thread it was a tenth of a cold push of
-/// 50,000 small files and most of a re-push, with the other cores idle.
-fn scan(
-    root: &Path,
-    threads: usize,
-    read_as: Option<(u32, u32)>,
-    progress: &dyn Progress,
-) -> Result<Vec<Scanned>> {
-    let meta = std::fs::symlink_metadata(root).map_err(Error::io("read", root))?;
-    let mut out = Vec::new();
-    if !meta.is_dir() {
-        let name = root.file_name().ok_or_else(|| {
-            Error::invalid(format!("source {}", root.display()), "has no file name")
-        })?;
-        let parent = root.parent().unwrap_or(Path::new("."));
-        let skipped = Skipped::default();
-        if let Some(s) = scanned(parent, name.as_bytes().to_vec(), &meta, &skipped)? {
-            out.push(s);
-        }
-        skipped.warn(progress);
-        return Ok(out);
-    }
-    struct Shared {
-        to_list: Vec<Vec<u8>>,
-        listing: usize,
-        failed: Option<Error>,
-    }
-    let skipped = Skipped::default();
-    let shared = Mutex::new(Shared {
-        to_list: vec![Vec::new()],
-        listing: 0,
-        failed: None,
-    });
-    let changed = std::sync::Condvar::new();
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads.max(1))
-            .map(|_| {
-                s.spawn(|| {
-                    let _as = crate::fsutil::ReadAs::enter(read_as);
-                    let mut found = Vec::new();
-                    loop {
-                        let rel = {
-                            let mut st = shared.lock().expect("scan poisoned");
-                            loop {
-                                if st.failed.is_some() {
-                                    return found;
-                                }
-                                if let Some(d) = st.to_list.pop() {
-                                    st.listing += 1;
-                                    break d;
-                                }
-                                if st.listing == 0 {
-                                    return found;
-                                }
-                                st = changed.wait(st).expect("scan poisoned");
-                            }
-                        };
-                        let listed = list_dir(root, &rel, &skipped, &mut found);
-                        let mut st = shared.lock().expect("scan poisoned");
-                        st.listing -= 1;
-                        match listed {
-                            Ok(dirs) => st.to_list.extend(dirs),
-                            Err(e) => {
-                                st.failed.get_or_insert(e);
-                            }
-                        }
-                        changed.notify_all();
-                    }
-                })
-            })
-            .collect();
-        for w in workers {
-            out.extend(w.join().expect("scan worker panicked"));
-        }
-    });
-    if let Some(e) = shared.into_inner().expect("scan poisoned").failed {
-        return Err(e);
-    }
-    skipped.warn(progress);
-    out.sort_unstable_by(|a, b| a.path.cmp(&b.path));
-    Ok(out)
+/// Entries listed but not yet taken by the walk, at most: what the listers
+/// may hold ahead of it (about 150 bytes each).
+const HELD_ENTRIES: usize = 64 * 1024;
+
+/// What one folder's listing is, for the walk.
+enum Item {
+    /// An entry, in path order among its siblings' items.
+    Entry(Scanned),
+    /// Where the walk goes into a subfolder (its relative path).
+    Descend(Vec<u8>),
 }
 
-/// Makes every name of a file with several names, after the first in path
-/// order, a hard link to that first one: its data is read, stored and
-/// written once (DF2K is DIV2K and Flickr2K hard-linked).
-fn link_groups(entries: &mut [Scanned]) {
-    let mut first: std::collections::HashMap<(u64, u64), usize> = Default::default();
-    for i in 0..entries.len() {
-        let s = &entries[i];
-        if s.kind != Kind::File || s.nlink < 2 {
-            continue;
+/// A listed folder: its items in walk order, or why it could not be listed.
+type Listing = Result<Vec<Item>>;
+
+struct WalkState {
+    /// Folders to list, by where the walk reaches their contents.
+    to_list: BTreeMap<Vec<u8>, Vec<u8>>,
+    /// Folders listed and not yet reached, with their entry counts.
+    listed: HashMap<Vec<u8>, (Listing, usize)>,
+    /// Entries in `listed`.
+    held: usize,
+    /// Set when the walk is over (done or abandoned): listers stop.
+    stop: bool,
+}
+
+/// The folders the walk will reach, listed ahead of it by a few threads.
+pub(super) struct Listers<'a> {
+    root: &'a Path,
+    state: Mutex<WalkState>,
+    changed: Condvar,
+    skipped: Skipped,
+}
+
+/// Sets `stop` when dropped: the listers end however the walk does.
+pub(super) struct StopListers<'a, 'b>(pub &'b Listers<'a>);
+
+impl Drop for StopListers<'_, '_> {
+    fn drop(&mut self) {
+        self.0.lock().stop = true;
+        self.0.changed.notify_all();
+    }
+}
+
+impl<'a> Listers<'a> {
+    /// Listers of the folder `root`.
+    pub fn new(root: &'a Path) -> Listers<'a> {
+        Listers {
+            root,
+            state: Mutex::new(WalkState {
+                to_list: BTreeMap::new(),
+                listed: HashMap::new(),
+                held: 0,
+                stop: false,
+            }),
+            changed: Condvar::new(),
+            skipped: Skipped::default(),
         }
-        match first.get(&(s.dev, s.ino)) {
-            Some(&f) => {
-                let target = entries[f].path.clone();
-                let s = &mut entries[i];
-                s.kind = Kind::HardLink;
-                s.target = target;
-                s.size = 0;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WalkState> {
+        self.state.lock().expect("scan poisoned")
+    }
+
+    /// One lister thread: lists the next folder the walk will reach while
+    /// fewer than [`HELD_ENTRIES`] entries wait for it.
+    pub fn run(&self) {
+        loop {
+            let rel = {
+                let mut st = self.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    if st.held < HELD_ENTRIES {
+                        if let Some((_, rel)) = st.to_list.pop_first() {
+                            break rel;
+                        }
+                    }
+                    st = self.changed.wait(st).expect("scan poisoned");
+                }
+            };
+            let listing = self.list(&rel);
+            let n = listing.as_ref().map_or(0, |l| l.len());
+            let mut st = self.lock();
+            st.held += n;
+            st.listed.insert(rel, (listing, n));
+            self.changed.notify_all();
+        }
+    }
+
+    /// Lists `rel` and queues its subfolders for listing.
+    fn list(&self, rel: &[u8]) -> Listing {
+        let items = list_dir(self.root, rel, &self.skipped)?;
+        let mut st = self.lock();
+        for item in &items {
+            if let Item::Descend(sub) = item {
+                let mut key = sub.clone();
+                key.push(b'/');
+                st.to_list.insert(key, sub.clone());
             }
-            None => {
-                first.insert((s.dev, s.ino), i);
+        }
+        drop(st);
+        self.changed.notify_all();
+        Ok(items)
+    }
+
+    /// The listing of `rel`, listed by this thread if no lister has started it.
+    fn take(&self, rel: &[u8]) -> Listing {
+        let mut key = rel.to_vec();
+        key.push(b'/');
+        let mut st = self.lock();
+        loop {
+            if let Some((listing, n)) = st.listed.remove(rel) {
+                st.held -= n;
+                drop(st);
+                self.changed.notify_all();
+                return listing;
+            }
+            if st.to_list.remove(&key).is_some() {
+                drop(st);
+                return self.list(rel);
+            }
+            // A lister has it: wait for it.
+            st = self.changed.wait(st).expect("scan poisoned");
+        }
+    }
+}
+
+/// The walk: entries in path order, from the listers' listings.
+pub(super) struct Walk<'a, 'b> {
+    listers: &'b Listers<'a>,
+    /// The items still to take of each folder being walked, innermost last.
+    stack: Vec<std::vec::IntoIter<Item>>,
+    /// The source is one file, this entry.
+    single: Option<Scanned>,
+    progress: &'b dyn Progress,
+    warned: bool,
+}
+
+impl<'a, 'b> Walk<'a, 'b> {
+    /// Starts the walk of `listers`' root (a folder or one file).
+    pub fn start(listers: &'b Listers<'a>, progress: &'b dyn Progress) -> Result<Self> {
+        let root = listers.root;
+        let meta = std::fs::symlink_metadata(root).map_err(Error::io("read", root))?;
+        let mut walk = Walk {
+            listers,
+            stack: Vec::new(),
+            single: None,
+            progress,
+            warned: false,
+        };
+        if meta.is_dir() {
+            walk.stack.push(listers.list(b"")?.into_iter());
+        } else {
+            let name = root.file_name().ok_or_else(|| {
+                Error::invalid(format!("source {}", root.display()), "has no file name")
+            })?;
+            let parent = root.parent().unwrap_or(Path::new("."));
+            walk.single = scanned(parent, name.as_bytes().to_vec(), &meta, &listers.skipped)?;
+        }
+        Ok(walk)
+    }
+
+    /// The next entry in path order; `None` at the end.
+    pub fn next_entry(&mut self) -> Result<Option<Scanned>> {
+        if let Some(s) = self.single.take() {
+            return Ok(Some(s));
+        }
+        loop {
+            let Some(top) = self.stack.last_mut() else {
+                if !self.warned {
+                    self.warned = true;
+                    self.listers.skipped.warn(self.progress);
+                }
+                return Ok(None);
+            };
+            match top.next() {
+                None => {
+                    self.stack.pop();
+                }
+                Some(Item::Entry(s)) => return Ok(Some(s)),
+                Some(Item::Descend(rel)) => {
+                    let items = self.listers.take(&rel)?;
+                    self.stack.push(items.into_iter());
+                }
             }
         }
     }
@@ -204,19 +264,16 @@ impl Skipped {
     }
 }
 
-/// Lists one folder (`rel` under `root`) into `found`; returns its subfolders.
-fn list_dir(
-    root: &Path,
-    rel: &[u8],
-    skipped: &Skipped,
-    found: &mut Vec<Scanned>,
-) -> Result<Vec<Vec<u8>>> {
+/// Lists one folder (`rel` under `root`): its entries and where the walk
+/// descends into each subfolder, in walk order.
+fn list_dir(root: &Path, rel: &[u8], skipped: &Skipped) -> Result<Vec<Item>> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
         root.join(std::ffi::OsStr::from_bytes(rel))
     };
-    let mut dirs = Vec::new();
+    // (sort key, item): a subfolder's contents sort after its name and a '/'.
+    let mut items: Vec<(Vec<u8>, Item)> = Vec::new();
     let rd = std::fs::read_dir(&dir).map_err(Error::io("list", &dir))?;
     for ent in rd {
         let ent = ent.map_err(Error::io("list", &dir))?;
@@ -239,12 +296,15 @@ fn list_dir(
         };
         if let Some(s) = scanned(&dir, path, &m, skipped)? {
             if s.kind == Kind::Dir {
-                dirs.push(s.path.clone());
+                let mut key = name.as_bytes().to_vec();
+                key.push(b'/');
+                items.push((key, Item::Descend(s.path.clone())));
             }
-            found.push(s);
+            items.push((name.as_bytes().to_vec(), Item::Entry(s)));
         }
     }
-    Ok(dirs)
+    items.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    Ok(items.into_iter().map(|(_, item)| item).collect())
 }
 
 fn scanned(
@@ -279,4 +339,118 @@ fn scanned(
         path,
         target,
     }))
+}
+
+/// Makes every name of a file with several names, after the first in path
+/// order, a hard link to that first one: its data is read, stored and
+/// written once (DF2K is DIV2K and Flickr2K hard-linked). Holds one path
+/// per inode with several names.
+#[derive(Default)]
+pub(super) struct LinkGroups {
+    first: HashMap<(u64, u64), Vec<u8>>,
+}
+
+impl LinkGroups {
+    /// Turns `s` into a hard link when an earlier name of its inode was seen.
+    pub fn apply(&mut self, s: &mut Scanned) {
+        if s.kind != Kind::File || s.nlink < 2 {
+            return;
+        }
+        match self.first.get(&(s.dev, s.ino)) {
+            Some(target) => {
+                s.kind = Kind::HardLink;
+                s.target = target.clone();
+                s.size = 0;
+            }
+            None => {
+                self.first.insert((s.dev, s.ino), s.path.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The walk yields exactly what sorting every path by its bytes would,
+    /// with names that sort around '/' ('.' below it, '0' above it) at
+    /// every depth, and more folders than the listers list at once.
+    #[test]
+    fn the_walk_is_in_path_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let names = ["a", "a.txt", "a0", "a-b", "b", "a.d", "a0.d", "z"];
+        let mut expected = Vec::new();
+        for d in [
+            "a",
+            "a.d",
+            "a0.d",
+            "a/a",
+            "a/a.d",
+            "a/a/a",
+            "a/a0.d",
+            "deep/a/b/c",
+        ] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        for d in [
+            "",
+            "a",
+            "a.d",
+            "a0.d",
+            "a/a",
+            "a/a.d",
+            "a/a/a",
+            "a/a0.d",
+            "deep/a/b/c",
+        ] {
+            for n in names {
+                let p = root.join(d).join(n);
+                if !p.exists() {
+                    std::fs::write(&p, n).unwrap();
+                }
+            }
+        }
+        for i in 0..300 {
+            std::fs::create_dir_all(root.join(format!("many/{i}"))).unwrap();
+            std::fs::write(root.join(format!("many/{i}/f")), b"x").unwrap();
+        }
+        let mut walk_all = |stack: &mut Vec<std::path::PathBuf>| {
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).unwrap() {
+                    let p = e.unwrap().path();
+                    let rel = p
+                        .strip_prefix(root)
+                        .unwrap()
+                        .as_os_str()
+                        .as_bytes()
+                        .to_vec();
+                    expected.push(rel);
+                    if p.is_dir() {
+                        stack.push(p);
+                    }
+                }
+            }
+        };
+        walk_all(&mut vec![root.to_path_buf()]);
+        expected.sort();
+
+        let listers = Listers::new(root);
+        let got = std::thread::scope(|s| {
+            let _stop = StopListers(&listers);
+            for _ in 0..4 {
+                s.spawn(|| listers.run());
+            }
+            let np = crate::progress::NoProgress;
+            let mut walk = Walk::start(&listers, &np).unwrap();
+            let mut got = Vec::new();
+            while let Some(e) = walk.next_entry().unwrap() {
+                got.push(e.path);
+            }
+            got
+        });
+        assert_eq!(got.len(), expected.len());
+        assert!(got == expected, "the walk's order differs from path order");
+    }
 }

@@ -18,6 +18,8 @@ use crate::repo::{pack_key, Repo};
 /// The packs a push uploaded, and their bytes.
 pub(super) struct Uploaded {
     pub packs: Vec<IndexPack>,
+    /// The last packs, not yet in an index object written during the push.
+    pub unindexed: usize,
     pub bytes: u64,
 }
 
@@ -55,17 +57,6 @@ impl Uploads {
     /// The buffers packs are built in.
     pub fn pool(&self) -> Arc<BufferPool> {
         self.pool.clone()
-    }
-
-    /// Hands one pack over; when the uploader has stopped, its own error.
-    pub async fn send(&mut self, pack: SealedPack) -> Result<()> {
-        if self.tx.send(pack).await.is_ok() {
-            return Ok(());
-        }
-        Err(match self.task.take() {
-            Some(task) => uploader_error(task).await,
-            None => upload_stopped(),
-        })
     }
 
     /// After `cause` stopped the push: the uploader's own error if it failed
@@ -151,15 +142,11 @@ async fn upload_packs(
             all.append(&mut unindexed);
         }
     }
+    let n = unindexed.len();
     all.extend(unindexed);
-    Ok(Uploaded { packs: all, bytes })
-}
-
-/// Why the uploader stopped: its own error (a full disk, the store gone),
-/// which is what the user needs, not that a pack could not be handed over.
-async fn uploader_error<T>(uploader: JoinHandle<Result<T>>) -> Error {
-    match uploader.await {
-        Ok(Err(e)) => e,
-        _ => upload_stopped(),
-    }
+    Ok(Uploaded {
+        packs: all,
+        unindexed: n,
+        bytes,
+    })
 }
