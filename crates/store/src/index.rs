@@ -146,7 +146,9 @@ impl Index {
         self.hasher.hash_one(id)
     }
 
-    fn position(&self, id: &ChunkId) -> Option<usize> {
+    /// Where the chunk is among [`Index::len`] positions (stable while no
+    /// chunk is added), for sets of chunks kept as bits.
+    pub fn position(&self, id: &ChunkId) -> Option<usize> {
         let slots = &self.slots;
         self.table
             .find(self.hash(id), |&i| slots[i as usize].id == *id)
@@ -227,6 +229,12 @@ impl Index {
             let s = &self.slots[i];
             (self.packs[s.pack as usize].0, s.entry())
         })
+    }
+
+    /// The chunk at `position`.
+    pub fn at(&self, position: usize) -> (PackId, PackEntry) {
+        let s = &self.slots[position];
+        (self.packs[s.pack as usize].0, s.entry())
     }
 
     /// True if the chunk is stored.

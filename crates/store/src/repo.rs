@@ -372,9 +372,10 @@ impl Repo {
     /// gc refuses to run) and the chunks only it described are missing.
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
         let objects = self.remote.list("index/").await?;
-        // About 43 encoded bytes per chunk (id, three varints, flags): room
-        // for all of them at once, so the table never grows by doubling.
-        let room = objects.iter().map(|o| o.size / 43).sum::<u64>();
+        // At least 36 encoded bytes per chunk (id, three varints, flags):
+        // room for all of them at once, a little more than needed, so the
+        // table never grows by doubling (which held both copies at once).
+        let room = objects.iter().map(|o| o.size / 36).sum::<u64>();
         let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
         // Futures are collected before streaming them (see NodeCache::fetch_packs).
         let reads: Vec<_> = keys
@@ -391,7 +392,10 @@ impl Repo {
         // chunks decoded all at once would double what the index holds.
         let mut loaded = futures::stream::iter(reads).buffer_unordered(8);
         let mut idx = Index::default();
-        idx.reserve(usize::try_from(room).unwrap_or(0).min(1 << 26));
+        // Capped: the table's control bytes are written when reserved, and
+        // a junk object is only found out when read. Past 4 Mi chunks the
+        // index grows as it goes.
+        idx.reserve(usize::try_from(room).unwrap_or(0).min(1 << 22));
         while let Some(r) = loaded.try_next().await? {
             match r {
                 Ok(recs) => recs.iter().for_each(|r| idx.add(r)),
@@ -501,8 +505,14 @@ impl Repo {
                 format!("its tree segments claim {claimed} bytes, more than {MAX_TREE_BYTES}"),
             ));
         }
-        // Sized by what is decoded, never by the counts the object claims.
+        // Room for the entries the object claims, when the system grants
+        // it (a lie only costs growing as the entries are decoded): a
+        // vector doubling from 2^19 to 2^20 entries held both copies.
         let mut entries = Vec::new();
+        // An entry takes at least 8 encoded bytes.
+        let counted: u64 = snap.segments.iter().map(|s| u64::from(s.entries)).sum();
+        let room = counted.min(claimed / 8);
+        let _ = entries.try_reserve_exact(usize::try_from(room).unwrap_or(0));
         // A batch of segments at a time: a million entries' encoded bytes
         // are never held beside the entries decoded from them.
         for batch in snap.segments.chunks(4096) {

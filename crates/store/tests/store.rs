@@ -2032,3 +2032,117 @@ fn a_pull_given_up_leaves_no_writer_waiting() {
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("the runtime shut down: no writer was left waiting");
 }
+
+/// The version's counts as the streamed push makes them, against the same
+/// counts taken from the stored trees: entries added, removed and modified
+/// over a tree of many segments (most shared by both versions), and stored
+/// bytes counting each distinct chunk once (files with equal content).
+#[tokio::test]
+async fn version_counts_match_the_stored_trees() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    for i in 0..3000u64 {
+        let d = src.join(format!("d{:02}", i % 30));
+        std::fs::create_dir_all(&d).unwrap();
+        // Every tenth file has the content of another one.
+        let seed = if i % 10 == 9 { i - 1 } else { i };
+        std::fs::write(d.join(format!("f{i:04}")), random_bytes(2000, seed)).unwrap();
+    }
+    let stored_of = |v: u64| {
+        let repo = env.repo.clone();
+        async move {
+            let (index, _) = repo.load_index().await.unwrap();
+            let rec = repo
+                .resolve(&format!("ds@v{v}").parse().unwrap())
+                .await
+                .unwrap();
+            let (_, entries) = repo.load_tree(&index, &rec.snapshot).await.unwrap();
+            let distinct: HashSet<ChunkId> = entries
+                .iter()
+                .flat_map(|e| e.chunks.iter().copied())
+                .collect();
+            let stored: u64 = (distinct.iter())
+                .map(|c| u64::from(index.get(c).unwrap().1.stored_len))
+                .sum();
+            (rec, entries, stored)
+        }
+    };
+    // Past the files cache's racy window, so the next push trusts them.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let first = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let (rec1, entries1, stored1) = stored_of(1).await;
+    assert_eq!(first.record.added, entries1.len() as u64);
+    assert_eq!(first.record.stored_bytes, stored1);
+    assert!(
+        stored1 < 3000 * 2000,
+        "equal contents stored once: {stored1}"
+    );
+
+    for i in [3u64, 700, 1500, 2222, 2999] {
+        let f = src.join(format!("d{:02}/f{i:04}", i % 30));
+        std::fs::write(f, random_bytes(2000, 10_000 + i)).unwrap();
+    }
+    for i in [5u64, 1234] {
+        std::fs::remove_file(src.join(format!("d{:02}/f{i:04}", i % 30))).unwrap();
+    }
+    for n in ["d00/new1", "d07/new2", "zz/new3"] {
+        std::fs::create_dir_all(src.join(n).parent().unwrap()).unwrap();
+        std::fs::write(src.join(n), n.as_bytes()).unwrap();
+    }
+    let second = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let (_, entries2, stored2) = stored_of(2).await;
+    let r = &second.record;
+    // Added: three files and the folder zz.
+    assert_eq!((r.modified, r.added, r.removed), (5, 4, 2));
+    assert_eq!(r.stored_bytes, stored2);
+    assert_eq!(entries2.len(), entries1.len() + 4 - 2);
+    assert_eq!(rec1.snapshot, first.record.snapshot);
+    assert_eq!(second.files_read, 8, "only the changed files are read");
+}
+
+/// As an attacker: a latest version whose tree lists one segment 100,000
+/// times (each read would decode it again) makes the next push to that name
+/// fail at once with what is wrong, before any segment is read, instead of
+/// reading it over and over.
+#[tokio::test]
+async fn a_latest_version_listing_a_segment_over_and_over_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let entry = Entry {
+        path: b"a".to_vec(),
+        kind: Kind::File,
+        mode: 0o644,
+        mtime_ns: 0,
+        size: 4,
+        chunks: vec![ChunkId::of(b"pwnd")],
+        target: Vec::new(),
+    };
+    let planted = plant_snapshot(&env.repo, "ds", &[entry]).await;
+    let mut snap = env.repo.load_snapshot(&planted.snapshot).await.unwrap();
+    snap.segments = vec![snap.segments[0]; 100_000];
+    let (sid, bytes) = snap.encode();
+    (env.repo.remote())
+        .put(&format!("snapshots/{sid}"), bytes.into())
+        .await
+        .unwrap();
+    let rec = VersionRecord {
+        snapshot: sid,
+        version: 0,
+        ..planted
+    };
+    env.repo.commit_version(rec).await.unwrap();
+
+    let src = env.root.join("src");
+    write_tree(&src, 1);
+    let started = std::time::Instant::now();
+    let err = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("listed twice"), "{err}");
+    assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+}

@@ -21,24 +21,19 @@ pub(super) struct Written {
 
 /// Makes the uploaded packs durable, then writes and syncs the index of
 /// those no index object written during the push names (the uploader wrote
-/// one every 32 packs).
+/// one every 32 packs or 64 Ki chunks).
 pub(super) async fn write_index(repo: &Repo, uploaded: &Uploaded) -> Result<Written> {
-    let packs = &uploaded.packs;
     let mut written = Written {
-        objects: packs.len() as u64,
-        bytes: uploaded.bytes,
+        objects: uploaded.packs + uploaded.index_objects,
+        bytes: uploaded.bytes + uploaded.index_bytes,
     };
     repo.remote().sync().await?;
-    let tail = &packs[packs.len() - uploaded.unindexed..];
-    if !tail.is_empty() {
-        written.bytes += repo.write_index(tail).await?.map_or(0, |(_, n)| n);
+    if let Some((_, n)) = repo.write_index(&uploaded.unindexed).await? {
+        written.bytes += n;
         written.objects += 1;
         repo.remote().sync().await?;
     }
-    // The partial objects count as written too.
-    let partial = (packs.len() - tail.len()).div_ceil(32) as u64;
-    written.objects += partial;
-    tracing::debug!(packs = packs.len(), "push: packs and index durable");
+    tracing::debug!(packs = uploaded.packs, "push: packs and index durable");
     Ok(written)
 }
 
@@ -91,21 +86,21 @@ pub(super) struct TreeStats {
     pub modified: u64,
 }
 
-/// Measures the tree against the store (`index`, the new packs included)
-/// and against the latest version. `chunks` are the tree's chunk ids
-/// (sorted and deduplicated here).
+/// Measures the tree: its stored bytes, `new_stored` for the chunks the
+/// push added and those of the chunks it `used` the store had (bits over
+/// `index`), and its changes from the latest version (`index` must hold the
+/// new tree segments).
 pub(super) async fn tree_stats(
     repo: &Repo,
     index: &Index,
-    chunks: &mut Vec<ChunkId>,
+    used: &[u64],
+    new_stored: u64,
     snapshot: &WrittenSnapshot,
 ) -> Result<TreeStats> {
-    chunks.sort_unstable();
-    chunks.dedup();
-    let stored_bytes = chunks
-        .iter()
-        .map(|c| index.get(c).map_or(0, |(_, e)| e.stored_len as u64))
-        .sum();
+    let stored_bytes = new_stored
+        + used_positions(used)
+            .map(|i| u64::from(index.at(i).1.stored_len))
+            .sum::<u64>();
     let (added, removed, modified) = match &snapshot.latest {
         Some(l) if !snapshot.unchanged => {
             let old = repo.load_snapshot(&l.snapshot).await?;
@@ -138,6 +133,15 @@ pub(super) async fn tree_stats(
     })
 }
 
+/// The positions whose bits are set.
+fn used_positions(bits: &[u64]) -> impl Iterator<Item = usize> + '_ {
+    bits.iter().enumerate().flat_map(|(w, &word)| {
+        (0..64)
+            .filter(move |b| word >> b & 1 == 1)
+            .map(move |b| w * 64 + b)
+    })
+}
+
 /// Entries added, removed and modified from the tree `old` to `new`. A
 /// segment in both holds the same entries, which count for neither side, so
 /// only the segments of one side are read, a batch at a time: a re-push
@@ -149,8 +153,19 @@ async fn diff_counts(
     new: &SnapshotObject,
 ) -> Result<(u64, u64, u64)> {
     use std::cmp::Ordering::*;
-    let ids = |o: &SnapshotObject| o.segments.iter().map(|s| s.id).collect::<HashSet<_>>();
-    let (in_old, in_new) = (ids(old), ids(new));
+    // The latest version is anyone's: checked as `load_tree` checks a tree
+    // before any of it is read (no segment twice, a bounded total).
+    let ids = |o: &SnapshotObject, what: &str| {
+        let mut set = HashSet::with_capacity(o.segments.len());
+        match o.segments.iter().find(|s| !set.insert(s.id)) {
+            Some(s) => Err(Error::corrupt(
+                format!("{what} tree"),
+                format!("tree segment {} listed twice", s.id.short()),
+            )),
+            None => Ok(set),
+        }
+    };
+    let (in_old, in_new) = (ids(old, "the latest version's")?, ids(new, "the new")?);
     let only = |o: &SnapshotObject, other: &HashSet<ChunkId>| Segments {
         ids: (o.segments.iter().map(|s| s.id))
             .filter(|id| !other.contains(id))
@@ -159,6 +174,19 @@ async fn diff_counts(
         entries: Default::default(),
     };
     let (mut a, mut b) = (only(old, &in_new), only(new, &in_old));
+    let claimed = (a.ids.iter().chain(&b.ids))
+        .filter_map(|id| index.get(id))
+        .map(|(_, e)| u64::from(e.raw_len))
+        .fold(0u64, u64::saturating_add);
+    if claimed > crate::repo::MAX_TREE_BYTES {
+        return Err(Error::corrupt(
+            "the latest version's tree",
+            format!(
+                "its segments claim {claimed} bytes, more than {}",
+                crate::repo::MAX_TREE_BYTES
+            ),
+        ));
+    }
     let (mut added, mut removed, mut modified) = (0, 0, 0);
     loop {
         a.fill(repo, index).await?;
@@ -197,21 +225,30 @@ struct Segments {
 }
 
 impl Segments {
-    /// Segments read per batch (64 of ~16 entries, at most 512 each).
-    const BATCH: usize = 64;
+    /// Decoded bytes read per batch at most (at least one segment): ~25,000
+    /// entries, ~5 MB once decoded.
+    const BATCH_BYTES: u64 = 2 << 20;
 
-    /// Reads the next batch of segments when every entry read is taken.
+    /// Reads batches of segments until there are entries to take or none
+    /// is left (a segment may hold no entries).
     async fn fill(&mut self, repo: &Repo, index: &Index) -> Result<()> {
-        if !self.entries.is_empty() || self.next >= self.ids.len() {
-            return Ok(());
+        while self.entries.is_empty() && self.next < self.ids.len() {
+            let mut end = self.next;
+            let mut bytes = 0u64;
+            while end < self.ids.len() && (end == self.next || bytes < Self::BATCH_BYTES) {
+                bytes += index
+                    .get(&self.ids[end])
+                    .map_or(0, |(_, e)| u64::from(e.raw_len));
+                end += 1;
+            }
+            let batch = &self.ids[self.next..end];
+            let segs = repo.read_chunks(index, batch).await?;
+            for id in batch {
+                let bytes = segs.get(id).expect("read_chunks returns every id or fails");
+                self.entries.extend(snapshot::decode_segment(bytes, id)?);
+            }
+            self.next = end;
         }
-        let batch = &self.ids[self.next..(self.next + Self::BATCH).min(self.ids.len())];
-        let segs = repo.read_chunks(index, batch).await?;
-        for id in batch {
-            let bytes = segs.get(id).expect("read_chunks returns every id or fails");
-            self.entries.extend(snapshot::decode_segment(bytes, id)?);
-        }
-        self.next += batch.len();
         Ok(())
     }
 }
@@ -252,11 +289,7 @@ pub(super) async fn commit_version(
 
 /// A push that ran longer than half of gc's grace period re-checks that the
 /// packs it deduplicated against were not condemned meanwhile.
-pub(super) async fn check_still_present(
-    repo: &Repo,
-    index: &Index,
-    chunks: &[ChunkId],
-) -> Result<()> {
+pub(super) async fn check_still_present(repo: &Repo, index: &Index, used: &[u64]) -> Result<()> {
     let condemned = crate::gc::condemned_packs(repo).await?;
     let present: HashSet<PackId> = repo
         .remote()
@@ -265,14 +298,13 @@ pub(super) async fn check_still_present(
         .into_iter()
         .filter_map(|o| o.key.rsplit('/').next().and_then(|h| h.parse().ok()))
         .collect();
-    for c in chunks {
-        if let Some((p, _)) = index.get(c) {
-            if condemned.contains(&p) || !present.contains(&p) {
-                return Err(Error::Conflict {
-                    what: format!("pack {p}"),
-                    detail: "gc removed data this long push relied on; run the push again (unchanged files are not re-read)".into(),
-                });
-            }
+    for i in used_positions(used) {
+        let (p, _) = index.at(i);
+        if condemned.contains(&p) || !present.contains(&p) {
+            return Err(Error::Conflict {
+                what: format!("pack {p}"),
+                detail: "gc removed data this long push relied on; run the push again (unchanged files are not re-read)".into(),
+            });
         }
     }
     Ok(())

@@ -155,6 +155,7 @@ impl FilesCacheFile {
             out,
             tmp,
             path: self.path.clone(),
+            committed: false,
         }
     }
 }
@@ -235,6 +236,7 @@ pub(super) struct CacheWriter {
     out: Option<BufWriter<std::fs::File>>,
     tmp: PathBuf,
     path: PathBuf,
+    committed: bool,
 }
 
 impl CacheWriter {
@@ -243,7 +245,9 @@ impl CacheWriter {
         let Some(out) = &mut self.out else { return };
         if let Err(e) = write_record(out, file) {
             warn_unsaved(progress, &e);
-            self.abandon();
+            // Removed later, by `commit` or when dropped: this thread may be
+            // reading as the source's owner, who cannot remove it.
+            self.out = None;
         }
     }
 
@@ -254,23 +258,30 @@ impl CacheWriter {
 
     /// Makes the cache durable and puts it in place of the last one.
     pub fn commit(mut self, progress: &dyn Progress) {
-        let Some(out) = self.out.take() else { return };
+        let Some(out) = self.out.take() else {
+            self.abandon();
+            return;
+        };
         let done = (|| {
             let f = out.into_inner().map_err(|e| e.into_error())?;
             f.sync_all()?;
             std::fs::rename(&self.tmp, &self.path)
         })();
-        if let Err(e) = done {
-            warn_unsaved(progress, &e);
-            self.abandon();
+        match done {
+            Ok(()) => self.committed = true,
+            Err(e) => {
+                warn_unsaved(progress, &e);
+                self.abandon();
+            }
         }
     }
 }
 
 impl Drop for CacheWriter {
-    /// A push that failed leaves the last cache as it was.
+    /// A push that failed leaves the last cache as it was (and a cache that
+    /// was put in place has no temporary file left to remove).
     fn drop(&mut self) {
-        if self.out.is_some() {
+        if !self.committed {
             self.abandon();
         }
     }

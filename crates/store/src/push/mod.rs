@@ -129,26 +129,25 @@ pub async fn push(
         })
         .await
     };
-    let mut streamed = match streamed {
+    let streamed = match streamed {
         Ok(s) => s,
         Err(e) => return Err(uploads.fail(e).await),
     };
     let uploaded = uploads.finish(&root).await?;
 
     let mut written = commit::write_index(repo, &uploaded).await?;
+    let snapshot = commit::write_snapshot(repo, &opts.name, streamed.object, &mut written).await?;
+    // Positions in `used` are the index's before the new tree packs join it.
+    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
+        commit::check_still_present(repo, &index, &streamed.used).await?;
+    }
     // Every thread that shared it is done.
     let mut index = Arc::try_unwrap(index).unwrap_or_else(|shared| (*shared).clone());
-    let new_chunks = uploaded.packs.iter().map(|p| p.chunks.len() as u64).sum();
-    index.reserve(new_chunks as usize);
-    for p in uploaded.packs {
-        index.add(&p);
+    for p in &uploaded.tree_packs {
+        index.add(p);
     }
-    let snapshot = commit::write_snapshot(repo, &opts.name, streamed.object, &mut written).await?;
-    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
-        commit::check_still_present(repo, &index, &streamed.chunks).await?;
-    }
-    let stats = commit::tree_stats(repo, &index, &mut streamed.chunks, &snapshot).await?;
-    drop(streamed.chunks);
+    let stats =
+        commit::tree_stats(repo, &index, &streamed.used, streamed.new_stored, &snapshot).await?;
     let (record, created) =
         commit::commit_version(repo, opts, &snapshot, &stats, &mut written).await?;
 
@@ -161,7 +160,7 @@ pub async fn push(
         created,
         files_read: streamed.files_read,
         bytes_read: streamed.bytes_read,
-        new_chunks,
+        new_chunks: uploaded.chunks,
         objects_written: written.objects,
         seconds: started.elapsed().as_secs_f64(),
     })

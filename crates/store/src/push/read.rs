@@ -72,8 +72,11 @@ impl Jobs {
         }
     }
 
+    /// The state; a panicking holder cannot have left it half changed.
     fn lock(&self) -> std::sync::MutexGuard<'_, JobsState> {
-        self.state.lock().expect("jobs poisoned")
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Queues a file to read.
@@ -119,7 +122,7 @@ impl Jobs {
             if st.closed {
                 return None;
             }
-            st = self.changed.wait(st).expect("jobs poisoned");
+            st = (self.changed.wait(st)).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 
@@ -142,8 +145,28 @@ impl Jobs {
                     return Some(got);
                 }
             }
-            st = self.changed.wait(st).expect("jobs poisoned");
+            st = (self.changed.wait(st)).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
+    }
+}
+
+/// Sends a failure for job `seq` and stops the other readers when dropped
+/// by a panic (forgotten otherwise).
+struct SayIfPanicking<'a> {
+    jobs: &'a Jobs,
+    done: &'a std::sync::mpsc::Sender<ReadResult>,
+    seq: u64,
+}
+
+impl Drop for SayIfPanicking<'_> {
+    fn drop(&mut self) {
+        let failed = Error::Io {
+            op: "read (a reader panicked)",
+            path: PathBuf::new(),
+            source: std::io::Error::other("reader panicked"),
+        };
+        let _ = self.done.send((self.seq, Err(failed)));
+        self.jobs.abandon();
     }
 }
 
@@ -176,7 +199,14 @@ pub(super) fn start_readers<'scope>(
             let _as = crate::fsutil::ReadAs::enter(settings.read_as);
             let mut buf = Vec::new();
             while let Some(job) = jobs.take() {
+                // A panic reading it must not leave the walk waiting for it.
+                let guard = SayIfPanicking {
+                    jobs,
+                    done: &done,
+                    seq: job.seq,
+                };
                 let r = pipe.read_file(&job.path, job.size, settings.params, &mut buf);
+                std::mem::forget(guard);
                 if r.is_ok() {
                     pipe.progress.advance(0, 1);
                 }
@@ -197,14 +227,25 @@ pub(super) fn start_readers<'scope>(
 /// reused allocations are already faulted in (a fresh 32 MiB buffer per pack
 /// cost 15% of a 1 GB push in page faults).
 pub(super) struct BufferPool {
-    state: Mutex<(Vec<Vec<u8>>, bool)>,
+    state: Mutex<PoolState>,
     returned: std::sync::Condvar,
+}
+
+struct PoolState {
+    free: Vec<Vec<u8>>,
+    /// Buffers taken and not given back.
+    out: usize,
+    closed: bool,
 }
 
 impl BufferPool {
     pub fn new(n: usize) -> Arc<BufferPool> {
         Arc::new(BufferPool {
-            state: Mutex::new(((0..n).map(|_| Vec::new()).collect(), false)),
+            state: Mutex::new(PoolState {
+                free: (0..n).map(|_| Vec::new()).collect(),
+                out: 0,
+                closed: false,
+            }),
             returned: Default::default(),
         })
     }
@@ -213,23 +254,34 @@ impl BufferPool {
     fn take(&self) -> Result<Vec<u8>> {
         let mut st = self.state.lock().expect("pool poisoned");
         loop {
-            if st.1 {
+            if st.closed {
                 return Err(upload_stopped());
             }
-            if let Some(b) = st.0.pop() {
+            if let Some(b) = st.free.pop() {
+                st.out += 1;
                 return Ok(b);
             }
             st = self.returned.wait(st).expect("pool poisoned");
         }
     }
 
+    /// Gives a buffer back after its pack was uploaded. Every uploaded pack
+    /// comes here, tree packs too, which were not taken from the pool: the
+    /// pool keeps as many buffers as were taken, never more (tree packs
+    /// interleaved with data packs grew it by one each).
     pub fn give(&self, buf: Vec<u8>) {
-        self.state.lock().expect("pool poisoned").0.push(buf);
+        let mut st = self.state.lock().expect("pool poisoned");
+        if st.out == 0 {
+            return;
+        }
+        st.out -= 1;
+        st.free.push(buf);
+        drop(st);
         self.returned.notify_one();
     }
 
     pub fn close(&self) {
-        self.state.lock().expect("pool poisoned").1 = true;
+        self.state.lock().expect("pool poisoned").closed = true;
         self.returned.notify_all();
     }
 }
@@ -250,6 +302,8 @@ pub(super) struct Pipeline<'a> {
     pub progress: &'a dyn Progress,
     /// Set when prefetching is pointless (the source is in memory).
     pub warm: prefetch::Warm,
+    /// Stored bytes of the chunks packed (each once).
+    pub new_stored: std::sync::atomic::AtomicU64,
 }
 
 impl<'a> Pipeline<'a> {
@@ -271,6 +325,7 @@ impl<'a> Pipeline<'a> {
             tx,
             progress,
             warm: prefetch::Warm::default(),
+            new_stored: Default::default(),
         };
         *pipe.packer.lock().expect("fresh") = pipe.new_builder()?;
         Ok(pipe)
@@ -303,6 +358,7 @@ impl<'a> Pipeline<'a> {
             return Ok(id);
         }
         let full = pack::with_stored(data, self.codec, |stored, flags| {
+            (self.new_stored).fetch_add(stored.len() as u64, std::sync::atomic::Ordering::Relaxed);
             let mut p = self.packer.lock().expect("packer poisoned");
             p.add(id, stored, data.len() as u32, flags);
             Ok::<_, Error>(if p.len() >= self.pack_size {

@@ -96,8 +96,18 @@ impl<'a> Listers<'a> {
         }
     }
 
+    /// The state; a panicking holder cannot have left it half changed.
     fn lock(&self) -> std::sync::MutexGuard<'_, WalkState> {
-        self.state.lock().expect("scan poisoned")
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn wait<'g>(
+        &self,
+        st: std::sync::MutexGuard<'g, WalkState>,
+    ) -> std::sync::MutexGuard<'g, WalkState> {
+        (self.changed.wait(st)).unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// One lister thread: lists the next folder the walk will reach while
@@ -115,10 +125,13 @@ impl<'a> Listers<'a> {
                             break rel;
                         }
                     }
-                    st = self.changed.wait(st).expect("scan poisoned");
+                    st = self.wait(st);
                 }
             };
+            // A panic listing it must not leave the walk waiting for it.
+            let guard = ListingLost(self, &rel);
             let listing = self.list(&rel);
+            std::mem::forget(guard);
             let n = listing.as_ref().map_or(0, |l| l.len());
             let mut st = self.lock();
             st.held += n;
@@ -160,8 +173,27 @@ impl<'a> Listers<'a> {
                 return self.list(rel);
             }
             // A lister has it: wait for it.
-            st = self.changed.wait(st).expect("scan poisoned");
+            st = self.wait(st);
         }
+    }
+}
+
+/// Records a failed listing of the folder when dropped by a panic
+/// (forgotten otherwise).
+struct ListingLost<'a, 'b>(&'b Listers<'a>, &'b [u8]);
+
+impl Drop for ListingLost<'_, '_> {
+    fn drop(&mut self) {
+        let failed = Error::Io {
+            op: "list (a lister panicked)",
+            path: self.0.root.join(std::ffi::OsStr::from_bytes(self.1)),
+            source: std::io::Error::other("lister panicked"),
+        };
+        self.0
+            .lock()
+            .listed
+            .insert(self.1.to_vec(), (Err(failed), 0));
+        self.0.changed.notify_all();
     }
 }
 

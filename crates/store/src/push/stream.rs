@@ -35,8 +35,12 @@ const BATCH: usize = 256;
 pub(super) struct Streamed {
     /// The tree, its packs handed to the uploader.
     pub object: SnapshotObject,
-    /// The tree's chunk ids (repeats possible).
-    pub chunks: Vec<ChunkId>,
+    /// The chunks of the tree the store had before the push, as bits over
+    /// the index's positions (1M chunks in 128 KB).
+    pub used: Vec<u64>,
+    /// Stored bytes of the chunks the push added (all of them are the
+    /// tree's: only files in it are read).
+    pub new_stored: u64,
     /// The files cache for the next push, to put in place once the version is.
     pub cache: Option<CacheWriter>,
     /// Files read and their bytes.
@@ -133,7 +137,7 @@ fn stream(
             first_seq: 0,
             links: LinkGroups::default(),
             dropped: HashSet::new(),
-            chunks: Vec::new(),
+            used: vec![0; index.len().div_ceil(64)],
             files_read: 0,
             bytes_read: 0,
             progress,
@@ -159,7 +163,8 @@ fn stream(
         walked?;
         Ok::<_, Error>(Streamed {
             object,
-            chunks: window.chunks,
+            used: window.used,
+            new_stored: pipe.new_stored.load(std::sync::atomic::Ordering::Relaxed),
             cache: None,
             files_read: window.files_read,
             bytes_read: window.bytes_read,
@@ -213,7 +218,8 @@ struct Window<'a> {
     /// Files with several names left out of the version: their other names
     /// go too (pull refuses a link to nothing). One path per such file.
     dropped: HashSet<Vec<u8>>,
-    chunks: Vec<ChunkId>,
+    /// The chunks the tree uses that the store had, by index position.
+    used: Vec<u64>,
     files_read: u64,
     bytes_read: u64,
     progress: &'a dyn Progress,
@@ -334,7 +340,11 @@ impl Window<'_> {
                     );
                 }
             }
-            self.chunks.extend_from_slice(&chunks);
+            for c in &chunks {
+                if let Some(i) = self.index.position(c) {
+                    self.used[i / 64] |= 1 << (i % 64);
+                }
+            }
             self.batch.push(Entry {
                 path: s.path,
                 kind: s.kind,

@@ -1,6 +1,6 @@
 //! Stages 5 and 6, the tree: the version's entries, arriving in path order,
 //! cut into content-defined segments as they come; each new segment goes
-//! into a tree pack of its own (split at the pack size), so reading a tree
+//! into a tree pack of its own (split at 8 MiB), so reading a tree
 //! never drags file data along. A thread of its own does it beside the
 //! readers, and holds one segment at a time.
 
@@ -27,7 +27,7 @@ pub(super) fn build(
 ) -> Result<SnapshotObject> {
     let mut b = Builder {
         index,
-        pack_size,
+        pack_size: pack_size.min(TREE_PACK_SIZE),
         tx,
         current: Vec::new(),
         pack: PackBuilder::default(),
@@ -48,6 +48,11 @@ pub(super) fn build(
     }
     b.finish()
 }
+
+/// Tree packs are sealed at this size (or the store's pack size if
+/// smaller): one is filled while the last is uploaded, beside the readers'
+/// data packs, and a tree of a million entries is ~60 MB.
+const TREE_PACK_SIZE: usize = 8 << 20;
 
 struct Builder<'a> {
     index: &'a Index,

@@ -1,5 +1,6 @@
 //! Stage 4, upload: sealed packs travel through a channel of capacity one to
-//! one task that keeps two uploads in flight and indexes every 32 packs.
+//! one task that keeps two uploads in flight and indexes every 32 packs
+//! (or 64 Ki chunks).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,14 +14,26 @@ use super::read::BufferPool;
 use crate::error::{Error, Result};
 use crate::index::IndexPack;
 use crate::pack::SealedPack;
+use crate::pack::FLAG_TREE;
 use crate::repo::{pack_key, Repo};
 
-/// The packs a push uploaded, and their bytes.
+/// What a push uploaded. Index records are kept only where they are still
+/// needed: a million new chunks' records would be 56 MB.
 pub(super) struct Uploaded {
-    pub packs: Vec<IndexPack>,
-    /// The last packs, not yet in an index object written during the push.
-    pub unindexed: usize,
+    /// Packs uploaded.
+    pub packs: u64,
+    /// Chunks in them.
+    pub chunks: u64,
+    /// Bytes of them.
     pub bytes: u64,
+    /// Index objects written while uploading, and their bytes.
+    pub index_objects: u64,
+    pub index_bytes: u64,
+    /// The last packs, not yet in an index object.
+    pub unindexed: Vec<IndexPack>,
+    /// The packs of tree segments (the diff against the latest version
+    /// reads the new ones).
+    pub tree_packs: Vec<IndexPack>,
 }
 
 /// The running uploader: where packs go and the buffers they come back to.
@@ -95,16 +108,25 @@ pub(super) fn upload_stopped() -> Error {
 }
 
 /// Uploads packs as they come, two at a time, making them durable and
-/// indexing them every 32 packs so an interrupted push resumes from there.
+/// indexing them every 32 packs (or 64 Ki chunks) so an interrupted push
+/// resumes from there.
 async fn upload(
     repo: Repo,
     rx: mpsc::Receiver<SealedPack>,
     pool: Arc<BufferPool>,
 ) -> Result<Uploaded> {
-    let result = upload_packs(repo, rx, pool.clone()).await;
-    // Readers waiting for a buffer must learn that no more will come.
-    pool.close();
-    result
+    // Readers waiting for a buffer must learn that no more will come,
+    // however the uploader ends (a panic included).
+    let _close = ClosePool(pool.clone());
+    upload_packs(repo, rx, pool).await
+}
+
+struct ClosePool(Arc<BufferPool>);
+
+impl Drop for ClosePool {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 async fn upload_packs(
@@ -129,24 +151,36 @@ async fn upload_packs(
             }
         })
         .buffer_unordered(2);
-    let mut all = Vec::new();
-    let mut unindexed = Vec::new();
-    let mut bytes = 0;
+    let mut up = Uploaded {
+        packs: 0,
+        chunks: 0,
+        bytes: 0,
+        index_objects: 0,
+        index_bytes: 0,
+        unindexed: Vec::new(),
+        tree_packs: Vec::new(),
+    };
+    let mut unindexed_chunks = 0;
     while let Some(rec) = puts.next().await {
         let rec = rec?;
-        bytes += rec.size;
-        unindexed.push(rec);
-        if unindexed.len() >= 32 {
+        up.packs += 1;
+        up.chunks += rec.chunks.len() as u64;
+        up.bytes += rec.size;
+        if rec.chunks.iter().any(|c| c.4 & FLAG_TREE != 0) {
+            up.tree_packs.push(rec.clone());
+        }
+        unindexed_chunks += rec.chunks.len();
+        up.unindexed.push(rec);
+        // Every 32 packs, or 64 Ki chunks (56 bytes each held, ~43 encoded)
+        // when the chunks are small: an interrupted push resumes from there.
+        if up.unindexed.len() >= 32 || unindexed_chunks >= 64 * 1024 {
+            unindexed_chunks = 0;
             repo.remote().sync().await?;
-            repo.write_index(&unindexed).await?;
-            all.append(&mut unindexed);
+            let written = repo.write_index(&up.unindexed).await?;
+            up.index_bytes += written.map_or(0, |(_, n)| n);
+            up.index_objects += 1;
+            up.unindexed.clear();
         }
     }
-    let n = unindexed.len();
-    all.extend(unindexed);
-    Ok(Uploaded {
-        packs: all,
-        unindexed: n,
-        bytes,
-    })
+    Ok(up)
 }
