@@ -52,17 +52,20 @@ pub(super) struct Warm {
 /// of the readers, and starts reading it into the page cache.
 pub(super) fn run(jobs: &Jobs, warm: &Warm) {
     while !warm.stop.load(Ordering::Relaxed) {
-        let Some((path, room)) = jobs.ahead(AHEAD_FILES, AHEAD_BYTES) else {
+        let files = jobs.ahead(AHEAD_FILES, AHEAD_BYTES);
+        if files.is_empty() {
             return;
-        };
-        match start_reading(&path, room) {
-            Some(true) => {
-                if warm.streak.fetch_add(1, Ordering::Relaxed) + 1 >= WARM_STREAK {
-                    warm.stop.store(true, Ordering::Relaxed);
-                    return;
+        }
+        for (path, room) in files {
+            match start_reading(&path, room) {
+                Some(true) => {
+                    if warm.streak.fetch_add(1, Ordering::Relaxed) + 1 >= WARM_STREAK {
+                        warm.stop.store(true, Ordering::Relaxed);
+                        return;
+                    }
                 }
+                _ => warm.streak.store(0, Ordering::Relaxed),
             }
-            _ => warm.streak.store(0, Ordering::Relaxed),
         }
     }
 }

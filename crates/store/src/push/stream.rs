@@ -7,14 +7,16 @@
 use std::collections::{HashSet, VecDeque};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::atomic::{fence, Ordering::SeqCst};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use super::files_cache::{self, CacheReader, CacheWriter, CachedFile, FilesCacheFile, Planned};
 use super::read::BufferPool;
-use super::read::{self, FileRead, Jobs, Pipeline, ReadResult, ReadSettings};
+use super::read::{self, FileRead, Front, Jobs, Pipeline, ReadResult, ReadSettings};
 use super::scan::{LinkGroups, Listers, Scanned, StopListers, Walk};
 use super::{prefetch, tree};
 use crate::error::{Error, Result};
@@ -108,6 +110,10 @@ fn stream(
     let jobs = Jobs::new();
     let pipe = Pipeline::new(index, sink.pool, sink.tx.clone(), settings, progress)?;
     let (done_tx, done_rx) = std::sync::mpsc::channel::<ReadResult>();
+    let front = Front {
+        seq: Default::default(),
+        waiter: std::thread::current(),
+    };
     let (tree_tx, tree_rx) = std::sync::mpsc::sync_channel::<Vec<Entry>>(4);
     let streamed = std::thread::scope(|s| {
         // However the walk ends, listers, readers and prefetchers stop.
@@ -119,7 +125,7 @@ fn stream(
                 listers.run();
             });
         }
-        let readers = read::start_readers(s, &jobs, &pipe, settings, done_tx);
+        let readers = read::start_readers(s, &jobs, &pipe, settings, done_tx, &front);
         let tree_tx_packs = sink.tx.clone();
         let tree = s.spawn(move || tree::build(tree_rx, index, settings.pack_size, tree_tx_packs));
         let mut window = Window {
@@ -131,6 +137,7 @@ fn stream(
             settle: files_cache::unsettled_after(settle),
             jobs: &jobs,
             done: done_rx,
+            front: &front,
             tree: Some(tree_tx),
             batch: Vec::with_capacity(BATCH),
             pending: VecDeque::new(),
@@ -209,6 +216,7 @@ struct Window<'a> {
     settle: Option<i64>,
     jobs: &'a Jobs,
     done: Receiver<ReadResult>,
+    front: &'a Front,
     tree: Option<SyncSender<Vec<Entry>>>,
     batch: Vec<Entry>,
     pending: VecDeque<Pending>,
@@ -251,12 +259,20 @@ impl Window<'_> {
             if self.pending.is_empty() {
                 break;
             }
-            let done = self.done.recv().map_err(|_| Error::Io {
-                op: "read (a reader stopped)",
-                path: self.root.to_path_buf(),
-                source: std::io::Error::other("reader gone"),
-            })?;
-            self.record(done)?;
+            // Wait for the front's read (a reader wakes this thread for it).
+            self.front.seq.store(self.first_seq, SeqCst);
+            fence(SeqCst);
+            match self.done.try_recv() {
+                Ok(done) => self.record(done)?,
+                Err(TryRecvError::Empty) => std::thread::park_timeout(Duration::from_millis(50)),
+                Err(TryRecvError::Disconnected) => {
+                    return Err(Error::Io {
+                        op: "read (a reader stopped)",
+                        path: self.root.to_path_buf(),
+                        source: std::io::Error::other("reader gone"),
+                    })
+                }
+            }
         }
         self.send_batch()
     }
