@@ -9,6 +9,10 @@ use labsync_store::Progress;
 pub struct Bar {
     bar: ProgressBar,
     quiet: bool,
+    /// Items done in this phase, and its total when known (readers advance
+    /// from several threads at once).
+    items: std::sync::atomic::AtomicU64,
+    total_items: std::sync::atomic::AtomicU64,
 }
 
 impl Bar {
@@ -19,7 +23,12 @@ impl Bar {
         } else {
             ProgressBar::new_spinner()
         };
-        Bar { bar, quiet }
+        Bar {
+            bar,
+            quiet,
+            items: Default::default(),
+            total_items: Default::default(),
+        }
     }
 
     /// Removes the bar.
@@ -43,14 +52,22 @@ impl Progress for Bar {
                 );
             }
             None => {
+                // A push streams the tree, so it knows no totals: what was
+                // done so far and how fast.
                 self.bar.set_style(
-                    ProgressStyle::with_template("{spinner} {msg} {prefix}")
-                        .expect("valid template"),
+                    ProgressStyle::with_template(
+                        "{spinner} {msg} {bytes} {binary_bytes_per_sec} {prefix}",
+                    )
+                    .expect("valid template"),
                 );
                 self.bar
                     .enable_steady_tick(std::time::Duration::from_millis(120));
             }
         }
+        use std::sync::atomic::Ordering::Relaxed;
+        self.items.store(0, Relaxed);
+        self.total_items
+            .store(total_items.unwrap_or(u64::MAX), Relaxed);
         self.bar.set_prefix(match total_items {
             Some(n) => format!("0/{n}"),
             None => String::new(),
@@ -61,11 +78,12 @@ impl Progress for Bar {
     fn advance(&self, bytes: u64, items: u64) {
         self.bar.inc(bytes);
         if items > 0 {
-            let p = self.bar.prefix();
-            if let Some((done, total)) = p.split_once('/') {
-                let done: u64 = done.parse().unwrap_or(0) + items;
-                self.bar.set_prefix(format!("{done}/{total}"));
-            }
+            use std::sync::atomic::Ordering::Relaxed;
+            let done = self.items.fetch_add(items, Relaxed) + items;
+            self.bar.set_prefix(match self.total_items.load(Relaxed) {
+                u64::MAX => format!("{done} files"),
+                total => format!("{done}/{total}"),
+            });
         }
     }
 
