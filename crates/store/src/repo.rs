@@ -243,6 +243,24 @@ pub struct Repo {
 /// The most a snapshot's tree may decode to: about ten million files.
 pub const MAX_TREE_BYTES: u64 = 2 << 30;
 
+/// Where [`Repo::load_tree_into`] puts a tree's entries, in path order.
+pub(crate) trait TreeSink {
+    /// Room for about `entries` more, when the system grants it.
+    fn room(&mut self, entries: usize);
+    /// The next entries.
+    fn add(&mut self, entries: Vec<Entry>) -> Result<()>;
+}
+
+impl TreeSink for Vec<Entry> {
+    fn room(&mut self, entries: usize) {
+        let _ = self.try_reserve_exact(entries);
+    }
+    fn add(&mut self, entries: Vec<Entry>) -> Result<()> {
+        Extend::extend(self, entries);
+        Ok(())
+    }
+}
+
 impl Repo {
     /// Opens the store at `remote`, creating it with `params` when it is empty.
     /// `params` given explicitly must match an existing store's: a mismatch is
@@ -481,6 +499,21 @@ impl Repo {
         index: &Index,
         id: &SnapshotId,
     ) -> Result<(SnapshotObject, Vec<Entry>)> {
+        let mut entries = Vec::new();
+        let snap = self.load_tree_into(index, id, &mut entries).await?;
+        Ok((snap, entries))
+    }
+
+    /// Decodes snapshot `id`'s tree into `sink`, a batch of segments at a
+    /// time: a million entries' encoded bytes are never held beside the
+    /// entries decoded from them, and a sink keeping a compact form never
+    /// holds the whole tree as [`Entry`] values.
+    pub(crate) async fn load_tree_into<S: TreeSink>(
+        &self,
+        index: &Index,
+        id: &SnapshotId,
+        sink: &mut S,
+    ) -> Result<SnapshotObject> {
         let snap = self.load_snapshot(id).await?;
         // Paths are strictly sorted across segments, so a segment listed
         // twice is never a real tree; refused before it multiplies memory.
@@ -491,8 +524,8 @@ impl Repo {
                 format!("tree segment {} listed twice", s.id.short()),
             ));
         }
-        // All segments are held at once while the tree is built: bounded by
-        // what the index says they decode to, before any is fetched.
+        // The tree is held whole once decoded: bounded by what the index
+        // says its segments decode to, before any is fetched.
         let claimed = snap
             .segments
             .iter()
@@ -505,24 +538,19 @@ impl Repo {
                 format!("its tree segments claim {claimed} bytes, more than {MAX_TREE_BYTES}"),
             ));
         }
-        // Room for the entries the object claims, when the system grants
-        // it (a lie only costs growing as the entries are decoded): a
-        // vector doubling from 2^19 to 2^20 entries held both copies.
-        let mut entries = Vec::new();
-        // An entry takes at least 8 encoded bytes.
+        // Room for the entries the object claims (a lie only costs growing
+        // as the entries are decoded): a vector doubling from 2^19 to 2^20
+        // entries held both copies. An entry takes at least 8 encoded bytes.
         let counted: u64 = snap.segments.iter().map(|s| u64::from(s.entries)).sum();
-        let room = counted.min(claimed / 8);
-        let _ = entries.try_reserve_exact(usize::try_from(room).unwrap_or(0));
-        // A batch of segments at a time: a million entries' encoded bytes
-        // are never held beside the entries decoded from them.
+        sink.room(usize::try_from(counted.min(claimed / 8)).unwrap_or(0));
         for batch in snap.segments.chunks(4096) {
             let ids: Vec<ChunkId> = batch.iter().map(|s| s.id).collect();
             let segs = self.read_chunks(index, &ids).await?;
             for s in batch {
-                entries.extend(Self::decoded_segment(id, s, &segs)?);
+                sink.add(Self::decoded_segment(id, s, &segs)?)?;
             }
         }
-        Ok((snap, entries))
+        Ok(snap)
     }
 
     /// Segment `s` of snapshot `id`, from `segs`, checked against its count.

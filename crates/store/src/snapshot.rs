@@ -8,8 +8,6 @@
 //! snapshot object lists them. Its id is the BLAKE3 of its bytes and holds no
 //! time or host, so pushing an unchanged tree yields the same id.
 
-use std::collections::HashSet;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -230,52 +228,97 @@ pub fn validate_entries(entries: &mut [Entry], snapshot: &str) -> Result<Vec<Str
             e.mode = allowed;
         }
     }
-    check_paths(entries, snapshot)?;
+    check_paths(&*entries, snapshot)?;
     Ok(masked)
 }
 
-fn check_paths(entries: &[Entry], snapshot: &str) -> Result<()> {
-    let refuse = |e: &Entry, why: &'static str| Error::UnsafePath {
-        path: e.path_lossy(),
+/// A tree's entries as [`check_paths`] reads them: in their order, by
+/// position. Pull keeps a million-file tree in a compact form rather than
+/// as [`Entry`] values, and checks it with the same code.
+pub(crate) trait Listed {
+    /// Number of entries.
+    fn count(&self) -> usize;
+    /// Path of entry `i`.
+    fn path_of(&self, i: usize) -> &[u8];
+    /// Kind of entry `i`.
+    fn kind_of(&self, i: usize) -> Kind;
+    /// Link target of entry `i`.
+    fn target_of(&self, i: usize) -> &[u8];
+}
+
+impl Listed for [Entry] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn path_of(&self, i: usize) -> &[u8] {
+        &self[i].path
+    }
+    fn kind_of(&self, i: usize) -> Kind {
+        self[i].kind
+    }
+    fn target_of(&self, i: usize) -> &[u8] {
+        &self[i].target
+    }
+}
+
+/// Position of `path` among the first `n` entries of `list`, which are
+/// strictly sorted.
+pub(crate) fn find_before<L: Listed + ?Sized>(list: &L, n: usize, path: &[u8]) -> Option<usize> {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match list.path_of(mid).cmp(path) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => return Some(mid),
+        }
+    }
+    None
+}
+
+/// See [`validate_entries`]. Lookups are binary searches of the entries
+/// already checked (sorted by then), not sets of every path: a million
+/// paths in hash sets cost as much memory as the tree itself.
+pub(crate) fn check_paths<L: Listed + ?Sized>(list: &L, snapshot: &str) -> Result<()> {
+    let refuse = |i: usize, why: &'static str| Error::UnsafePath {
+        path: String::from_utf8_lossy(list.path_of(i)).into_owned(),
         snapshot: snapshot.to_string(),
         why,
     };
-    let mut dirs: HashSet<&[u8]> = HashSet::new();
-    let mut files: HashSet<&[u8]> = HashSet::new();
-    let mut prev: Option<&[u8]> = None;
-    for e in entries {
+    let is = |i: usize, path: &[u8], kind: Kind| {
+        find_before(list, i, path).is_some_and(|j| list.kind_of(j) == kind)
+    };
+    // Consecutive entries mostly share their folder: checked once.
+    let mut parent_ok: Option<&[u8]> = None;
+    for i in 0..list.count() {
+        let path = list.path_of(i);
+        let kind = list.kind_of(i);
         // A hard link names a file of this snapshot written before it, so
         // pull never links a path outside its destination (labd pulls as
         // root: a link to /etc/shadow in a job's data would be a way in).
-        if e.kind == Kind::HardLink && !files.contains(e.target.as_slice()) {
+        if kind == Kind::HardLink && !is(i, list.target_of(i), Kind::File) {
             return Err(refuse(
-                e,
+                i,
                 "hard link to a path that is not a file earlier in the snapshot",
             ));
         }
-        if let Some(why) = path_problem(&e.path) {
-            return Err(refuse(e, why));
+        if let Some(why) = path_problem(path) {
+            return Err(refuse(i, why));
         }
-        if prev.is_some_and(|p| p >= e.path.as_slice()) {
-            return Err(refuse(e, "entries out of order or duplicated"));
+        if i > 0 && list.path_of(i - 1) >= path {
+            return Err(refuse(i, "entries out of order or duplicated"));
         }
-        prev = Some(&e.path);
-        if let Some(slash) = e.path.iter().rposition(|&b| b == b'/') {
-            if !dirs.contains(&e.path[..slash]) {
-                return Err(refuse(
-                    e,
-                    "parent is not a directory of the snapshot (a symlink or missing)",
-                ));
+        if let Some(slash) = path.iter().rposition(|&b| b == b'/') {
+            let parent = &path[..slash];
+            if parent_ok != Some(parent) {
+                if !is(i, parent, Kind::Dir) {
+                    return Err(refuse(
+                        i,
+                        "parent is not a directory of the snapshot (a symlink or missing)",
+                    ));
+                }
+                parent_ok = Some(parent);
             }
-        }
-        match e.kind {
-            Kind::Dir => {
-                dirs.insert(&e.path);
-            }
-            Kind::File => {
-                files.insert(&e.path);
-            }
-            Kind::Symlink | Kind::HardLink => {}
         }
     }
     Ok(())

@@ -29,7 +29,11 @@ use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::{Index, IndexPack};
 use crate::progress::Progress;
 use crate::repo::{RefSpec, Repo, VersionRecord};
-use crate::snapshot::{validate_entries, Entry, Kind};
+use crate::snapshot::Kind;
+
+mod listing;
+
+use listing::{Item, Listing, Loader};
 
 /// What a pull did.
 #[derive(Clone, Debug, Serialize)]
@@ -70,14 +74,6 @@ pub struct PullOptions {
     pub shared: bool,
 }
 
-/// The mode `e` gets in a shared tree: no write bits, readable by all.
-fn shared_mode(e: &Entry) -> u32 {
-    match e.kind {
-        Kind::Dir => e.mode & 0o1777 & !0o222 | 0o555,
-        _ => e.mode & 0o777 & !0o222 | 0o444,
-    }
-}
-
 fn time_of(ns: i64) -> std::time::SystemTime {
     if ns >= 0 {
         UNIX_EPOCH + Duration::from_nanos(ns as u64)
@@ -87,12 +83,12 @@ fn time_of(ns: i64) -> std::time::SystemTime {
 }
 
 /// True when the destination already holds this file (a finished earlier pull).
-fn complete(tree: &Tree, e: &Entry) -> bool {
-    tree.stat(&e.path).ok().flatten().is_some_and(|st| {
+fn complete(tree: &Tree, e: Item<'_>) -> bool {
+    tree.stat(e.path()).ok().flatten().is_some_and(|st| {
         at::kind(&st) == rustix::fs::FileType::RegularFile
-            && st.st_size as u64 == e.size
-            && st.st_mode & 0o7777 == e.mode
-            && at::mtime_ns(&st) == e.mtime_ns
+            && st.st_size as u64 == e.size()
+            && st.st_mode & 0o7777 == e.mode()
+            && at::mtime_ns(&st) == e.mtime_ns()
     })
 }
 
@@ -129,13 +125,9 @@ pub async fn pull_with(
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
-    let (index, mut entries) = load_tree(&repo, &record, progress.as_ref()).await?;
-    if opts.shared {
-        // Written with these modes, and a finished file is recognised by them.
-        for e in &mut entries {
-            e.mode = shared_mode(e);
-        }
-    }
+    // With `shared`, written with shared modes, and a finished file is
+    // recognised by them.
+    let (index, entries) = load_tree(&repo, &record, opts.shared, progress.as_ref()).await?;
     let (dest, empty) = prepare_destination(dest)?;
     let tree = Arc::new(Tree::open(&dest).map_err(Error::io("open destination", &dest))?);
     let replaced = if opts.delete && !empty {
@@ -220,16 +212,18 @@ pub async fn pull_with(
 async fn load_tree(
     repo: &Repo,
     record: &VersionRecord,
+    shared: bool,
     progress: &dyn Progress,
-) -> Result<(Index, Vec<Entry>)> {
+) -> Result<(Index, Listing)> {
     let (index, _) = repo.load_index().await?;
-    let (_, mut entries) = repo.load_tree(&index, &record.snapshot).await?;
-    let masked = validate_entries(&mut entries, &record.snapshot.to_string())?;
-    if let Some(first) = masked.first() {
+    let mut loader = Loader::new(&index, shared);
+    repo.load_tree_into(&index, &record.snapshot, &mut loader)
+        .await?;
+    let (entries, masked, first) = loader.finish(&record.snapshot.to_string())?;
+    if let Some(first) = first {
         progress.warn(&format!(
-            "{} entries of {} carry setuid, setgid or other special mode bits \
+            "{masked} entries of {} carry setuid, setgid or other special mode bits \
              (first: {first}); they are restored without them",
-            masked.len(),
             record.label()
         ));
     }
@@ -260,10 +254,10 @@ fn prepare_destination(dest: &Path) -> Result<(PathBuf, bool)> {
 }
 
 /// Directories first (writable until the end), refusing symlinks planted in the destination.
-fn make_directories(tree: &Tree, entries: &[Entry], record: &VersionRecord) -> Result<()> {
-    for e in entries.iter().filter(|e| e.kind == Kind::Dir) {
-        let found = tree.stat(&e.path);
-        match found.map_err(Error::io("look at", tree.shown(&e.path)))? {
+fn make_directories(tree: &Tree, entries: &Listing, record: &VersionRecord) -> Result<()> {
+    for e in entries.iter().filter(|e| e.kind() == Kind::Dir) {
+        let found = tree.stat(e.path());
+        match found.map_err(Error::io("look at", tree.shown(e.path())))? {
             Some(st) if at::kind(&st) == rustix::fs::FileType::Directory => {}
             Some(_) => {
                 return Err(Error::UnsafePath {
@@ -273,8 +267,8 @@ fn make_directories(tree: &Tree, entries: &[Entry], record: &VersionRecord) -> R
                 })
             }
             None => tree
-                .mkdir(&e.path)
-                .map_err(Error::io("create directory", tree.shown(&e.path)))?,
+                .mkdir(e.path())
+                .map_err(Error::io("create directory", tree.shown(e.path())))?,
         }
     }
     Ok(())
@@ -293,15 +287,15 @@ struct Plan {
 }
 
 /// The files not yet complete in `dest` and the packs they need.
-fn plan(entries: &[Entry], index: &Index, tree: &Tree, empty: bool) -> Result<Plan> {
+fn plan(entries: &Listing, index: &Index, tree: &Tree, empty: bool) -> Result<Plan> {
     let files: Vec<usize> = entries
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.kind == Kind::File && (empty || !complete(tree, e)))
+        .filter(|(_, e)| e.kind() == Kind::File && (empty || !complete(tree, *e)))
         .map(|(i, _)| i)
         .collect();
     let skipped =
-        entries.iter().filter(|e| e.kind == Kind::File).count() as u64 - files.len() as u64;
+        entries.iter().filter(|e| e.kind() == Kind::File).count() as u64 - files.len() as u64;
     let hint = match index.refused().first() {
         Some((key, why)) => {
             format!("; index object {key} is not used ({why}): run `labsync rebuild-index`")
@@ -309,16 +303,15 @@ fn plan(entries: &[Entry], index: &Index, tree: &Tree, empty: bool) -> Result<Pl
         None => "; run `labsync verify --remote`, or `labsync rebuild-index` if the index was lost"
             .into(),
     };
-    let packs = needed_packs(index, files.iter().map(|&i| &entries[i]), |c, e| {
-        Error::NotFound {
-            what: format!("chunk {c} of {}", e.path_lossy()),
-            hint: hint.clone(),
-        }
+    let planned = files.iter().map(|&i| entries.get(i));
+    let packs = needed_packs(entries, index, planned, |c, e| Error::NotFound {
+        what: format!("chunk {c} of {}", e.path_lossy()),
+        hint: hint.clone(),
     })?;
     // Saturating: sizes come from the snapshot, which anyone may have written.
     let bytes = files
         .iter()
-        .map(|&i| entries[i].size)
+        .map(|&i| entries.get(i).size())
         .fold(0, u64::saturating_add);
     Ok(Plan {
         files,
@@ -330,14 +323,15 @@ fn plan(entries: &[Entry], index: &Index, tree: &Tree, empty: bool) -> Result<Pl
 
 /// The packs holding the chunks of `entries`, in id order, with their sizes.
 fn needed_packs<'a>(
+    list: &Listing,
     index: &Index,
-    entries: impl Iterator<Item = &'a Entry>,
-    missing: impl Fn(&ChunkId, &Entry) -> Error,
+    entries: impl Iterator<Item = Item<'a>>,
+    missing: impl Fn(&ChunkId, Item<'a>) -> Error,
 ) -> Result<Vec<(PackId, u64)>> {
     let mut needed = BTreeSet::new();
     for e in entries {
-        for c in &e.chunks {
-            let (p, _) = index.get(c).ok_or_else(|| missing(c, e))?;
+        for &c in e.chunks() {
+            let (p, _) = list.chunk(index, c).map_err(|c| missing(&c, e))?;
             needed.insert(p);
         }
     }
@@ -389,7 +383,7 @@ fn check_room(repo: &Repo, cache: &NodeCache, dest: &Path, plan: &Plan) -> Resul
 async fn write_verified(
     repo: &Repo,
     cache: &NodeCache,
-    entries: &Arc<Vec<Entry>>,
+    entries: &Arc<Listing>,
     index: Index,
     order: Vec<usize>,
     tree: &Arc<Tree>,
@@ -416,7 +410,9 @@ async fn write_verified(
         let res = blocking(move || {
             // After a repair, what the first attempt wrote is done already.
             let f2: Vec<usize> = if retry {
-                f2.into_iter().filter(|&i| !complete(&d2, &e2[i])).collect()
+                f2.into_iter()
+                    .filter(|&i| !complete(&d2, e2.get(i)))
+                    .collect()
             } else {
                 f2
             };
@@ -496,10 +492,10 @@ impl Progress for WarningsOnly {
 
 /// The packs of `e`'s chunks, each once, in order of first use; chunks
 /// the index does not know are left out (the writer reports them).
-fn packs_of(e: &Entry, index: &Index) -> Vec<PackId> {
+fn packs_of(list: &Listing, e: Item<'_>, index: &Index) -> Vec<PackId> {
     let mut packs: Vec<PackId> = Vec::new();
-    for c in &e.chunks {
-        if let Some((p, _)) = index.get(c) {
+    for &c in e.chunks() {
+        if let Ok((p, _)) = list.chunk(index, c) {
             if !packs.contains(&p) {
                 packs.push(p);
             }
@@ -512,7 +508,7 @@ fn packs_of(e: &Entry, index: &Index) -> Vec<PackId> {
 /// `order`), and what the writers wait for: those not in the cache.
 fn arrivals_for(
     cache: &NodeCache,
-    entries: &[Entry],
+    entries: &Listing,
     index: &Index,
     order: &[usize],
     packs: &[(PackId, u64)],
@@ -521,7 +517,7 @@ fn arrivals_for(
     let mut seen = HashSet::new();
     let mut fetch = Vec::with_capacity(packs.len());
     for &i in order {
-        for p in packs_of(&entries[i], index) {
+        for p in packs_of(entries, entries.get(i), index) {
             if seen.insert(p) {
                 fetch.push((p, sizes.get(&p).copied().unwrap_or(0)));
             }
@@ -531,7 +527,9 @@ fn arrivals_for(
         .iter()
         .filter(|(p, _)| !cache.pack_path(p).exists())
         .map(|(p, _)| *p);
-    let uses = order.iter().map(|&i| packs_of(&entries[i], index));
+    let uses = order
+        .iter()
+        .map(|&i| packs_of(entries, entries.get(i), index));
     let arrivals = Arrivals::new(missing, uses);
     (fetch, arrivals)
 }
@@ -556,31 +554,33 @@ fn index_disagrees(index: &Index, own: &IndexPack) -> bool {
 /// name, renamed into place. The snapshot was validated: every target is a
 /// file of this version, written above. A name that already is that file
 /// is left alone.
-fn make_links(tree: &Tree, entries: &[Entry]) -> Result<()> {
+fn make_links(tree: &Tree, entries: &Listing) -> Result<()> {
     use rustix::fs::FileType;
-    for e in entries.iter().filter(|e| e.kind == Kind::HardLink) {
-        let src = tree.stat(&e.target);
-        let src = src.map_err(Error::io("read", tree.shown(&e.target)))?;
+    for e in entries.iter().filter(|e| e.kind() == Kind::HardLink) {
+        let src = tree.stat(e.target());
+        let src = src.map_err(Error::io("read", tree.shown(e.target())))?;
         let Some(src) = src.filter(|st| at::kind(st) == FileType::RegularFile) else {
             return Err(Error::invalid(
-                format!("destination {}", tree.shown(&e.target).display()),
+                format!("destination {}", tree.shown(e.target()).display()),
                 "is not the file a hard link of the snapshot names",
             ));
         };
-        let dst = tree.stat(&e.path);
-        match dst.map_err(Error::io("read", tree.shown(&e.path)))? {
+        let dst = tree.stat(e.path());
+        match dst.map_err(Error::io("read", tree.shown(e.path())))? {
             Some(m) if (m.st_dev, m.st_ino) == (src.st_dev, src.st_ino) => continue,
             Some(m) if at::kind(&m) == FileType::Directory => {
                 return Err(Error::invalid(
-                    format!("destination {}", tree.shown(&e.path).display()),
+                    format!("destination {}", tree.shown(e.path()).display()),
                     "is a directory where the snapshot has a hard link",
                 ))
             }
             _ => {}
         }
-        let shown = || tree.shown(&e.path);
-        let (from_dir, from) = tree.parent(&e.target).map_err(Error::io("link", shown()))?;
-        let (dir, name) = tree.parent(&e.path).map_err(Error::io("link", shown()))?;
+        let shown = || tree.shown(e.path());
+        let (from_dir, from) = tree
+            .parent(e.target())
+            .map_err(Error::io("link", shown()))?;
+        let (dir, name) = tree.parent(e.path()).map_err(Error::io("link", shown()))?;
         let tmp = tmp_leaf();
         at::link(&from_dir, from, &dir, tmp.as_ref()).map_err(Error::io("link", shown()))?;
         if let Err(err) = at::rename(&dir, tmp.as_ref(), name) {
@@ -599,22 +599,22 @@ fn make_links(tree: &Tree, entries: &[Entry]) -> Result<()> {
 /// asked to. Paths are visited in order, parents first, so a parent is a
 /// real folder (or absent) before anything below it is looked at, and no
 /// symlink is ever followed.
-fn clear_type_changes(tree: &Tree, entries: &[Entry]) -> Result<u64> {
+fn clear_type_changes(tree: &Tree, entries: &Listing) -> Result<u64> {
     let mut removed = 0;
-    for e in entries {
-        let shown = || tree.shown(&e.path);
-        let Some(st) = tree.stat(&e.path).map_err(Error::io("look at", shown()))? else {
+    for e in entries.iter() {
+        let shown = || tree.shown(e.path());
+        let Some(st) = tree.stat(e.path()).map_err(Error::io("look at", shown()))? else {
             continue;
         };
         let is_dir = at::kind(&st) == rustix::fs::FileType::Directory;
-        if is_dir == (e.kind == Kind::Dir) {
+        if is_dir == (e.kind() == Kind::Dir) {
             continue;
         }
         removed += if is_dir {
-            tree.remove_dir_all(&e.path)
+            tree.remove_dir_all(e.path())
                 .map_err(Error::io("remove", shown()))?
         } else {
-            tree.remove_file(&e.path)
+            tree.remove_file(e.path())
                 .map_err(Error::io("remove", shown()))?;
             1
         };
@@ -627,8 +627,7 @@ fn clear_type_changes(tree: &Tree, entries: &[Entry]) -> Result<u64> {
 /// removed. With `delete` each goes: a file or link unlinked, a folder with
 /// all it holds. Runs before directory modes are set, so a read-only folder
 /// of the version cannot block it.
-fn sweep_extras(tree: &Tree, entries: &[Entry], delete: bool) -> Result<(u64, u64)> {
-    let known: HashSet<&[u8]> = entries.iter().map(|e| e.path.as_slice()).collect();
+fn sweep_extras(tree: &Tree, entries: &Listing, delete: bool) -> Result<(u64, u64)> {
     let (mut extra, mut deleted) = (0u64, 0u64);
     let mut to_list: Vec<Vec<u8>> = vec![Vec::new()];
     while let Some(rel) = to_list.pop() {
@@ -641,7 +640,7 @@ fn sweep_extras(tree: &Tree, entries: &[Entry], delete: bool) -> Result<(u64, u6
                 path.push(b'/');
             }
             path.extend_from_slice(&name);
-            if known.contains(path.as_slice()) {
+            if entries.find(&path).is_some() {
                 if is_dir {
                     to_list.push(path);
                 }
@@ -673,32 +672,32 @@ fn sweep_extras(tree: &Tree, entries: &[Entry], delete: bool) -> Result<(u64, u6
 
 /// Symlinks, then directory modes and times deepest first (a read-only
 /// directory set earlier would block writing into it).
-fn finish(tree: &Tree, entries: &[Entry]) -> Result<()> {
-    for e in entries.iter().filter(|e| e.kind == Kind::Symlink) {
-        let shown = || tree.shown(&e.path);
-        if let Some(st) = tree.stat(&e.path).map_err(Error::io("look at", shown()))? {
+fn finish(tree: &Tree, entries: &Listing) -> Result<()> {
+    for e in entries.iter().filter(|e| e.kind() == Kind::Symlink) {
+        let shown = || tree.shown(e.path());
+        if let Some(st) = tree.stat(e.path()).map_err(Error::io("look at", shown()))? {
             if at::kind(&st) == rustix::fs::FileType::Directory {
                 return Err(Error::invalid(
                     format!("destination {}", shown().display()),
                     "is a directory where the snapshot has a symlink",
                 ));
             }
-            tree.remove_file(&e.path)
+            tree.remove_file(e.path())
                 .map_err(Error::io("replace", shown()))?;
         }
-        tree.symlink(&e.target, &e.path, e.mtime_ns)
+        tree.symlink(e.target(), e.path(), e.mtime_ns())
             .map_err(Error::io("create symlink", shown()))?;
     }
-    for e in entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
-        tree.set_dir_meta(&e.path, e.mode, e.mtime_ns)
-            .map_err(Error::io("set mode and time of", tree.shown(&e.path)))?;
+    for e in entries.iter().rev().filter(|e| e.kind() == Kind::Dir) {
+        tree.set_dir_meta(e.path(), e.mode(), e.mtime_ns())
+            .map_err(Error::io("set mode and time of", tree.shown(e.path())))?;
     }
     Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
 fn write_files(
-    entries: &[Entry],
+    entries: &Listing,
     order: &[usize],
     index: &Index,
     cache: &NodeCache,
@@ -722,19 +721,19 @@ fn write_files(
                     if err.lock().expect("poisoned").is_some() {
                         break;
                     }
-                    let e = &entries[i];
-                    let packs = packs_of(e, index);
+                    let e = entries.get(i);
+                    let packs = packs_of(entries, e, index);
                     if arrivals.wait_for(&packs).is_err() {
                         // The fetch failed; its error is the one reported.
                         let failed = Error::not_found(FETCH_FAILED);
                         err.lock().expect("poisoned").get_or_insert(failed);
                         break;
                     }
-                    match write_one(e, tree, &mut dirs, index, &mut reader, &mut buf) {
+                    match write_one(entries, e, tree, &mut dirs, index, &mut reader, &mut buf) {
                         Ok(()) => {
                             arrivals.done_with(&packs);
-                            bytes.fetch_add(e.size, Ordering::Relaxed);
-                            progress.advance(e.size, 1);
+                            bytes.fetch_add(e.size(), Ordering::Relaxed);
+                            progress.advance(e.size(), 1);
                         }
                         Err(x) => {
                             err.lock().expect("poisoned").get_or_insert(x);
@@ -762,9 +761,9 @@ const SPREAD_WINDOW: usize = 64;
 /// folders in use few, so the destination's open folders
 /// ([`crate::at::Tree`]) stay open: a round robin over all 1,000 folders
 /// of a tree made every file open its folder again, 12% of that pull.
-fn spread_over_folders(entries: &[Entry], files: &[usize]) -> Vec<usize> {
+fn spread_over_folders(entries: &Listing, files: &[usize]) -> Vec<usize> {
     let parent = |i: usize| {
-        let p = &entries[i].path;
+        let p = entries.get(i).path();
         &p[..p.iter().rposition(|&b| b == b'/').unwrap_or(0)]
     };
     let mut folders: Vec<Vec<usize>> = Vec::new();
@@ -825,16 +824,17 @@ fn write_data(f: &std::fs::File, data: &[u8], offset: u64) -> std::io::Result<()
 }
 
 fn write_one(
-    e: &Entry,
+    list: &Listing,
+    e: Item<'_>,
     tree: &Tree,
     dirs: &mut at::Dirs,
     index: &Index,
     reader: &mut PackReader<'_>,
     buf: &mut Vec<u8>,
 ) -> Result<()> {
-    let shown = || tree.shown(&e.path);
+    let shown = || tree.shown(e.path());
     let (dir, name) = tree
-        .parent_in(dirs, &e.path)
+        .parent_in(dirs, e.path())
         .map_err(Error::io("create", shown()))?;
     let tmp = tmp_leaf();
     let tmp: &std::ffi::OsStr = tmp.as_ref();
@@ -844,33 +844,33 @@ fn write_one(
         // Chunks are whole files or up to 4 MiB: written directly, no buffer
         // copy, at their offset (blocks of zeros are left as holes).
         let mut n = 0u64;
-        for c in &e.chunks {
-            let (pack, entry) = index
-                .get(c)
-                .ok_or_else(|| Error::not_found(format!("chunk {c}")))?;
+        for &c in e.chunks() {
+            let (pack, entry) = list
+                .chunk(index, c)
+                .map_err(|c| Error::not_found(format!("chunk {c}")))?;
             // Verified before a single byte reaches the file.
             n += reader.with_plain(&pack, &entry, buf, |plain| {
                 write_data(&w, plain, n).map_err(Error::io("write", shown()))?;
                 Ok(plain.len() as u64)
             })?;
         }
-        if n != e.size {
+        if n != e.size() {
             return Err(Error::corrupt(
                 format!("file {}", e.path_lossy()),
-                format!("chunks give {n} bytes, the snapshot says {}", e.size),
+                format!("chunks give {n} bytes, the snapshot says {}", e.size()),
             ));
         }
         // A file ending in a hole: the size its last write did not reach.
         w.set_len(n).map_err(Error::io("write", shown()))?;
-        w.set_permissions(std::fs::Permissions::from_mode(e.mode))
+        w.set_permissions(std::fs::Permissions::from_mode(e.mode()))
             .map_err(Error::io("set mode of", shown()))?;
-        w.set_modified(time_of(e.mtime_ns))
+        w.set_modified(time_of(e.mtime_ns()))
             .map_err(Error::io("set time of", shown()))?;
         drop(w);
         // No look before the rename (one lookup per file saved): only a
         // failed rename asks whether a directory was in the way.
         at::rename(&dir, tmp, name).map_err(|err| {
-            let is_dir = tree.stat(&e.path).ok().flatten();
+            let is_dir = tree.stat(e.path()).ok().flatten();
             if is_dir.is_some_and(|st| at::kind(&st) == rustix::fs::FileType::Directory) {
                 Error::invalid(
                     format!("destination {}", shown().display()),
@@ -898,8 +898,10 @@ pub async fn snapshot_packs(
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     let (index, _) = repo.load_index().await?;
-    let (_, entries) = repo.load_tree(&index, snapshot).await?;
-    needed_packs(&index, entries.iter(), |c, _| {
+    let mut loader = Loader::new(&index, false);
+    repo.load_tree_into(&index, snapshot, &mut loader).await?;
+    let (entries, _, _) = loader.finish(&snapshot.to_string())?;
+    needed_packs(&entries, &index, entries.iter(), |c, _| {
         Error::not_found(format!("chunk {c}"))
     })
 }
@@ -930,20 +932,37 @@ pub async fn warm(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::repo::TreeSink;
 
     #[test]
     fn writers_are_spread_over_folders() {
-        let e = |p: &str| Entry {
+        let e = |p: &str, kind| crate::snapshot::Entry {
             path: p.as_bytes().to_vec(),
-            kind: Kind::File,
+            kind,
             mode: 0o644,
             mtime_ns: 0,
             size: 0,
             chunks: Vec::new(),
             target: Vec::new(),
         };
-        let entries = vec![e("a/1"), e("a/2"), e("a/3"), e("b/1"), e("top"), e("c/d/1")];
-        let order = spread_over_folders(&entries, &[0, 1, 2, 3, 4, 5]);
-        assert_eq!(order, vec![0, 3, 4, 5, 1, 2]);
+        let (file, dir) = (Kind::File, Kind::Dir);
+        let index = Index::default();
+        let mut loader = Loader::new(&index, false);
+        let entries = vec![
+            e("a", dir),
+            e("a/1", file),
+            e("a/2", file),
+            e("a/3", file),
+            e("b", dir),
+            e("b/1", file),
+            e("c", dir),
+            e("c/d", dir),
+            e("c/d/1", file),
+            e("top", file),
+        ];
+        loader.add(entries).unwrap();
+        let (list, _, _) = loader.finish("s").unwrap();
+        let order = spread_over_folders(&list, &[1, 2, 3, 5, 8, 9]);
+        assert_eq!(order, vec![1, 5, 8, 9, 2, 3]);
     }
 }
