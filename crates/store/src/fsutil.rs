@@ -64,16 +64,28 @@ fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
             return None;
         }
     };
+    // Data that already starts at an aligned address (a peer's pack is
+    // received into such a buffer) goes to the disk from where it is, all
+    // but its last partial block: copying a 1 GB fetch through the bounce
+    // buffer was a tenth of a peer fetch's CPU.
+    let direct = if (data.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) {
+        data.len() / DIRECT_ALIGN * DIRECT_ALIGN
+    } else {
+        0
+    };
     let written = BOUNCE.with(|b| {
+        for (k, piece) in data[..direct].chunks(PIECE).enumerate() {
+            f.write_all_at(piece, (k * PIECE) as u64)?;
+        }
         let mut b = b.borrow_mut();
         let start = aligned_window(&mut b, PIECE)
             .ok_or_else(|| std::io::Error::other("no aligned buffer"))?;
-        for (k, piece) in data.chunks(PIECE).enumerate() {
+        for (k, piece) in data[direct..].chunks(PIECE).enumerate() {
             let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
             let w = &mut b[start..start + padded];
             w[..piece.len()].copy_from_slice(piece);
             w[piece.len()..].fill(0);
-            f.write_all_at(w, (k * PIECE) as u64)?;
+            f.write_all_at(w, (direct + k * PIECE) as u64)?;
         }
         // The last piece was padded to the alignment.
         f.set_len(data.len() as u64)
@@ -240,17 +252,28 @@ pub(crate) fn open_direct(_: &Path) -> Option<std::fs::File> {
 mod tests {
     use super::*;
 
+    /// From an aligned start (written from where it is) and from a
+    /// misaligned one (copied through the bounce buffer) alike.
     #[test]
     fn direct_writes_keep_every_byte_whatever_the_size() {
         let dir = tempfile::tempdir().unwrap();
-        for (k, len) in [0usize, 1, 4095, 4096, 4097, (4 << 20) + 17, 9 << 20]
-            .into_iter()
-            .enumerate()
-        {
-            let data: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
-            let path = dir.path().join("sub").join(format!("f{k}"));
-            write_atomic_direct(&path, &data).unwrap();
-            assert_eq!(std::fs::read(&path).unwrap(), data, "{len} bytes");
+        let sizes = [0usize, 1, 4095, 4096, 4097, (4 << 20) + 17, 9 << 20];
+        for (k, len) in sizes.into_iter().enumerate() {
+            let mut buf = vec![0u8; len + 2 * DIRECT_ALIGN];
+            let aligned = buf.as_ptr().align_offset(DIRECT_ALIGN);
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = (i * 7 + k) as u8;
+            }
+            for (m, start) in [aligned, aligned + 1].into_iter().enumerate() {
+                let data = &buf[start..start + len];
+                let path = dir.path().join("sub").join(format!("f{k}-{m}"));
+                write_atomic_direct(&path, data).unwrap();
+                assert_eq!(
+                    std::fs::read(&path).unwrap(),
+                    data,
+                    "{len} bytes, start {m}"
+                );
+            }
         }
         let left: Vec<_> = std::fs::read_dir(dir.path().join("sub"))
             .unwrap()
