@@ -106,6 +106,9 @@ pub struct DatasetResult {
     /// With `--cold`: every entry of the source stat'ed cold by 16 parallel
     /// walkers (one `find` per top-level entry), wall seconds.
     pub stat_floor: Option<f64>,
+    /// With `--cold`: the source read cold by 16 readers while the bytes
+    /// read are written to the work disk with `O_DIRECT`, wall seconds.
+    pub copy_floor: Option<f64>,
 }
 
 impl DatasetResult {
@@ -178,14 +181,19 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
     }
     // Untimed: read the whole source once, so every tool starts from the same
     // warm page cache (cold: each step starts from an empty one instead).
-    let (floor, stat_floor) = if cfg.cold {
+    let (floor, stat_floor, copy_floor) = if cfg.cold {
         let stat = stat_floor(&ds.root, &logs_dir, cfg.step_timeout);
-        (read_floor(&ds.root, &logs_dir, cfg.step_timeout), stat)
+        let copy = copy_floor(&ds.root, &base, &logs_dir, cfg.step_timeout);
+        (
+            read_floor(&ds.root, &logs_dir, cfg.step_timeout),
+            stat,
+            copy,
+        )
     } else {
         for f in &ds.files {
             let _ = fs::read(ds.root.join(f));
         }
-        (Vec::new(), None)
+        (Vec::new(), None, None)
     };
     let mut results = Vec::new();
     let mut modification = Modification::default();
@@ -248,6 +256,7 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
         results,
         floor,
         stat_floor,
+        copy_floor,
     })
 }
 
@@ -264,6 +273,32 @@ fn stat_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Option<f64> {
         Ok((_, false)) => None,
         Err(e) => {
             progress(&format!("stat floor: {e}"));
+            None
+        }
+    }
+}
+
+/// The copy floor: the source read from an empty page cache by 16 readers
+/// while the bytes read are written to a file in `work` with `O_DIRECT`
+/// (`dd oflag=direct`, as labsync writes packs to a local store). A push to
+/// a store on the disk under test writes what it reads, and reads and
+/// writes share the device: the read floor alone is not reachable there.
+/// `None` where the cache cannot be emptied.
+fn copy_floor(src: &Path, work: &Path, logs_dir: &Path, timeout: Duration) -> Option<f64> {
+    let out = work.join("copy-floor.out");
+    let script = format!(
+        "find . -type f -print0 | xargs -0 -P 16 -n 64 cat | \
+         dd of='{}' bs=4M iflag=fullblock oflag=direct status=none",
+        out.display()
+    );
+    let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
+    let timed = run_timed(&cmd, &Logs::new(logs_dir, "copy-floor"), timeout, true);
+    let _ = fs::remove_file(&out);
+    match timed {
+        Ok((t, true)) => Some(t.wall_s),
+        Ok((_, false)) => None,
+        Err(e) => {
+            progress(&format!("copy floor: {e}"));
             None
         }
     }
@@ -520,6 +555,10 @@ pub fn merge_reps(mut reps: Vec<DatasetResult>) -> DatasetResult {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        first.copy_floor = match (first.copy_floor, other.copy_floor) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         for &(n, t) in &other.floor {
             match first.floor.iter_mut().find(|(m, _)| *m == n) {
                 Some(f) => f.1 = f.1.min(t),
@@ -553,6 +592,7 @@ mod merge_tests {
                 .collect(),
             floor: Vec::new(),
             stat_floor: None,
+            copy_floor: None,
         }
     }
 

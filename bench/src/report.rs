@@ -320,6 +320,7 @@ impl Report {
                     "budget_bytes": d.budget(), "results": rows,
                     "floor_s": d.floor.iter().map(|(n, t)| json!({"readers": n, "wall_s": t})).collect::<Vec<_>>(),
                     "stat_floor_s": d.stat_floor,
+                    "copy_floor_s": d.copy_floor,
                 })
             })
             .collect();
@@ -369,6 +370,12 @@ fn cold_note(d: &DatasetResult, asked: bool) -> String {
             "Stat floor (every entry stat'ed cold by 16 parallel `find`s): {stat:.2} s.\n"
         );
     }
+    if let Some(copy) = d.copy_floor {
+        s += &format!(
+            "Copy floor (the source read cold by 16 `cat`s while its bytes are written to the \
+             work disk with `dd oflag=direct`, as a push to a local store must): {copy:.2} s.\n"
+        );
+    }
     for r in d.results.iter().filter(|r| r.tool == Tool::Labsync) {
         if let Some(w) = r.wall_s.filter(|_| r.cold && best_s > 0.0) {
             s += &format!("- labsync {}: {:.2}x the floor", r.step.label(), w / best_s);
@@ -377,6 +384,10 @@ fn cold_note(d: &DatasetResult, asked: bool) -> String {
                 .filter(|t| *t > 0.0 && r.step == Step::Unchanged);
             if let Some(stat) = stat {
                 s += &format!(", {:.2}x the stat floor", w / stat);
+            }
+            let copy = d.copy_floor.filter(|t| *t > 0.0 && r.step == Step::Cold);
+            if let Some(copy) = copy {
+                s += &format!(", {:.2}x the copy floor", w / copy);
             }
             s += "\n";
         }
@@ -421,14 +432,19 @@ mod tests {
             }],
             floor: vec![(1, 2.0), (16, 1.0)],
             stat_floor: Some(0.2),
+            copy_floor: Some(2.5),
         };
         let note = cold_note(&d, true);
         assert!(note.contains("best 1.00 s (N=16)"), "{note}");
         assert!(
-            note.contains("labsync cold push: 1.50x the floor\n"),
+            note.contains("labsync cold push: 1.50x the floor, 0.60x the copy floor\n"),
             "{note}"
         );
         assert!(note.contains("16 parallel `find`s): 0.20 s"), "{note}");
+        assert!(
+            note.contains("`dd oflag=direct`, as a push to a local store must): 2.50 s"),
+            "{note}"
+        );
         let unchanged = "re-push, unchanged: 0.30x the floor, 1.50x the stat floor";
         assert!(note.contains(unchanged), "{note}");
         d.floor.clear();
@@ -454,6 +470,7 @@ mod tests {
             ],
             floor: Vec::new(),
             stat_floor: None,
+            copy_floor: None,
         };
         let (x, t) = labsync_ratio(&d, Step::Modified).unwrap();
         assert_eq!(t, Tool::Restic);
