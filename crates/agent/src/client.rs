@@ -489,12 +489,19 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
 /// pages (one fault per 2 MiB, not per 4 KiB), and the contents start at a
 /// 4 KiB boundary, so the node cache writes them to the disk with
 /// `O_DIRECT` from where they are, without a copy.
+///
+/// A large buffer is at least 32 MiB and a page: glibc maps any allocation
+/// above 32 MiB on its own and unmaps it when freed, so the huge-page
+/// advice ends with the buffer, never reaching memory the allocator hands
+/// out later (smaller buffers may come from its reused heap). The pages
+/// beyond the answer are never touched, so they cost address space only.
 fn big_buffer(n: usize) -> (Vec<u8>, usize) {
     const ALIGN: usize = 4096;
+    const OWN_MAPPING: usize = (32 << 20) + ALIGN;
     if n < 4 << 20 {
         return (Vec::with_capacity(n), 0);
     }
-    let mut buf = Vec::with_capacity(n + ALIGN);
+    let mut buf = Vec::with_capacity((n + ALIGN).max(OWN_MAPPING));
     #[cfg(target_os = "linux")]
     advise_huge(&buf);
     let start = buf.as_ptr().align_offset(ALIGN).min(ALIGN);
@@ -507,13 +514,15 @@ fn big_buffer(n: usize) -> (Vec<u8>, usize) {
 fn advise_huge(buf: &Vec<u8>) {
     let page = 4096;
     let start = (buf.as_ptr() as usize).next_multiple_of(page);
-    let end = buf.as_ptr() as usize + buf.capacity();
+    // Rounded down: madvise rounds a length up to whole pages.
+    let end = (buf.as_ptr() as usize + buf.capacity()) / page * page;
     if end <= start {
         return;
     }
-    // SAFETY: the range lies inside `buf`'s allocation, which outlives the
-    // call; MADV_HUGEPAGE changes only how the kernel backs those pages,
-    // never their contents or mapping. Only a hint: errors are ignored.
+    // SAFETY: the whole pages in [start, end) lie inside `buf`'s
+    // allocation, which outlives the call; MADV_HUGEPAGE changes only how
+    // the kernel backs them, never their contents or mapping. Only a hint:
+    // errors are ignored.
     unsafe {
         libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
     }

@@ -474,9 +474,17 @@ fn open_backend(
     // Over plain HTTP (a lab's own S3 server) no certificate is ever
     // checked: the system's trust store is not read. Reading it (every file
     // of /etc/ssl/certs) took 125 ms of a 190 ms `labsync push` with a cold
-    // page cache, and labrun pushes the job's code first.
+    // page cache, and labrun pushes the job's code first. Not where HTTPS
+    // may still be spoken: credentials from STS (web identity), or a proxy.
     let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
-    let builder = if endpoint.is_some_and(|e| e.starts_with("http://")) {
+    let https_elsewhere = builder
+        .get_config_value(&AmazonS3ConfigKey::WebIdentityTokenFile)
+        .is_some()
+        || builder
+            .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::ProxyUrl))
+            .is_some();
+    let plain = endpoint.is_some_and(|e| e.starts_with("http://")) && !https_elsewhere;
+    let builder = if plain {
         let key = AmazonS3ConfigKey::Client(ClientConfigKey::NoSystemCertificates);
         builder.with_config(key, "true")
     } else {
