@@ -353,6 +353,9 @@ impl BufferPool {
     }
 }
 
+/// Sets the chunks packed by a push are kept in (see [`Pipeline`]).
+const SEEN_SHARDS: usize = 64;
+
 /// Where the readers put new chunks: one shared pack builder, whose full
 /// packs go to the uploader.
 pub(super) struct Pipeline<'a> {
@@ -361,7 +364,10 @@ pub(super) struct Pipeline<'a> {
     /// Chunks packed by this push, by the first 16 bytes of their ids:
     /// half the memory of whole ids at a million chunks, and two different
     /// chunks sharing them takes about 2^64 BLAKE3 evaluations to find.
-    seen: Mutex<std::collections::HashSet<u128>>,
+    /// In [`SEEN_SHARDS`] sets, each growing on its own: one set doubling
+    /// from a million entries held both tables, 53 MB at the million-file
+    /// push's peak against 36 MB for the sets at rest.
+    seen: Box<[Mutex<std::collections::HashSet<u128>>]>,
     packer: Mutex<PackBuilder>,
     pack_size: usize,
     codec: Codec,
@@ -385,7 +391,7 @@ impl<'a> Pipeline<'a> {
         let pipe = Pipeline {
             index,
             pool,
-            seen: Mutex::new(Default::default()),
+            seen: (0..SEEN_SHARDS).map(|_| Mutex::default()).collect(),
             packer: Mutex::new(PackBuilder::default()),
             pack_size: settings.pack_size,
             codec: settings.codec,
@@ -421,7 +427,8 @@ impl<'a> Pipeline<'a> {
     fn store_chunk(&self, data: &[u8]) -> Result<ChunkId> {
         let id = ChunkId::of(data);
         let short = u128::from_le_bytes(id.as_bytes()[..16].try_into().expect("16 bytes"));
-        if self.index.contains(&id) || !self.seen.lock().expect("seen poisoned").insert(short) {
+        let shard = &self.seen[(short % SEEN_SHARDS as u128) as usize];
+        if self.index.contains(&id) || !shard.lock().expect("seen poisoned").insert(short) {
             return Ok(id);
         }
         let full = pack::with_stored(data, self.codec, |stored, flags| {
