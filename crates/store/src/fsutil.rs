@@ -77,15 +77,21 @@ fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
         for (k, piece) in data[..direct].chunks(PIECE).enumerate() {
             f.write_all_at(piece, (k * PIECE) as u64)?;
         }
+        let rest = &data[direct..];
+        // Only as big as what is left: aligned data leaves one block.
+        let window = rest
+            .len()
+            .next_multiple_of(DIRECT_ALIGN)
+            .clamp(DIRECT_ALIGN, PIECE);
         let mut b = b.borrow_mut();
-        let start = aligned_window(&mut b, PIECE)
+        let start = aligned_window(&mut b, window)
             .ok_or_else(|| std::io::Error::other("no aligned buffer"))?;
-        for (k, piece) in data[direct..].chunks(PIECE).enumerate() {
+        for (k, piece) in rest.chunks(window).enumerate() {
             let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
             let w = &mut b[start..start + padded];
             w[..piece.len()].copy_from_slice(piece);
             w[piece.len()..].fill(0);
-            f.write_all_at(w, (direct + k * PIECE) as u64)?;
+            f.write_all_at(w, (direct + k * window) as u64)?;
         }
         // The last piece was padded to the alignment.
         f.set_len(data.len() as u64)

@@ -228,18 +228,31 @@ impl PackEntry {
 /// guards it with a mutex.
 #[derive(Default)]
 pub struct PackBuilder {
+    /// Padding up to `start`, then the pack.
     data: Vec<u8>,
+    /// Where the pack starts in `data`.
+    start: usize,
     entries: Vec<PackEntry>,
 }
 
 /// A finished pack, ready to upload.
 pub struct SealedPack {
-    /// BLAKE3 of `bytes`.
+    /// The pack's id (see [`PackId::of`]).
     pub id: PackId,
-    /// The whole object.
+    /// The object is `bytes[start..]`; what is before is padding that puts
+    /// it at a 4 KiB boundary of the buffer (see [`PackBuilder::reuse`]).
     pub bytes: Vec<u8>,
+    /// Where the object starts in `bytes`.
+    pub start: usize,
     /// The footer's entries.
     pub entries: Vec<PackEntry>,
+}
+
+impl SealedPack {
+    /// The object's bytes.
+    pub fn object(&self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
 }
 
 impl PackBuilder {
@@ -247,17 +260,27 @@ impl PackBuilder {
     pub fn with_capacity(capacity: usize) -> Self {
         PackBuilder {
             data: Vec::with_capacity(capacity),
+            start: 0,
             entries: Vec::new(),
         }
     }
 
     /// An empty builder reusing `buf`'s allocation (already faulted-in pages:
     /// a fresh 32 MiB buffer per pack cost 15% of a 1 GB push in page faults).
+    ///
+    /// The pack starts at a 4 KiB boundary of the buffer, so a local store
+    /// writes it with `O_DIRECT` from where it is: copying each pack through
+    /// a bounce buffer cost every byte pushed a second copy, and a 4 MiB
+    /// bounce buffer per writing thread.
     pub fn reuse(mut buf: Vec<u8>, capacity: usize) -> Self {
+        use crate::fsutil::DIRECT_ALIGN;
         buf.clear();
-        buf.reserve(capacity);
+        buf.reserve(capacity + DIRECT_ALIGN);
+        let start = buf.as_ptr().align_offset(DIRECT_ALIGN).min(DIRECT_ALIGN);
+        buf.resize(start, 0);
         PackBuilder {
             data: buf,
+            start,
             entries: Vec::new(),
         }
     }
@@ -266,7 +289,7 @@ impl PackBuilder {
     pub fn add(&mut self, id: ChunkId, stored: &[u8], raw_len: u32, flags: u8) {
         self.entries.push(PackEntry {
             id,
-            offset: self.data.len() as u64,
+            offset: (self.data.len() - self.start) as u64,
             stored_len: stored.len() as u32,
             raw_len,
             flags,
@@ -276,7 +299,7 @@ impl PackBuilder {
 
     /// Bytes of chunk data so far.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.data.len() - self.start
     }
 
     /// True when no chunk was added.
@@ -286,7 +309,11 @@ impl PackBuilder {
 
     /// Writes the footer and trailer and computes the id.
     pub fn seal(self) -> SealedPack {
-        let PackBuilder { mut data, entries } = self;
+        let PackBuilder {
+            mut data,
+            start,
+            entries,
+        } = self;
         let footer_start = data.len();
         data.reserve(entries.len() * ENTRY_LEN + TRAILER_LEN);
         for e in &entries {
@@ -306,6 +333,7 @@ impl PackBuilder {
         SealedPack {
             id: PackId::of(&data[footer_start..]),
             bytes: data,
+            start,
             entries,
         }
     }
@@ -558,6 +586,29 @@ mod tests {
             });
         }
         b.seal()
+    }
+
+    /// A pack built in a reused buffer starts at a 4 KiB boundary and
+    /// reads back like any: offsets count from the pack, not the buffer.
+    #[test]
+    fn a_reused_buffer_holds_an_aligned_pack() {
+        let mut buf = Vec::with_capacity(100);
+        buf.extend_from_slice(b"left over from the last pack");
+        let mut b = PackBuilder::reuse(buf, 1 << 16);
+        let chunks: [&[u8]; 2] = [b"first chunk", b"second"];
+        for c in chunks {
+            b.add(ChunkId::of(c), c, c.len() as u32, 0);
+        }
+        assert_eq!(b.len(), 17);
+        let pack = b.seal();
+        assert_eq!(pack.object().as_ptr() as usize % 4096, 0);
+        let entries = read_entries(pack.object(), &pack.id).unwrap();
+        for (e, c) in entries.iter().zip(chunks) {
+            assert_eq!(
+                &pack.object()[e.offset as usize..][..e.stored_len as usize],
+                c
+            );
+        }
     }
 
     fn build(chunks: &[&[u8]]) -> SealedPack {

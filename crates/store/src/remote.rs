@@ -596,21 +596,42 @@ mod direct {
         result
     }
 
-    /// Copies `data` through an aligned bounce buffer, padding the last
-    /// block with zeros (the caller truncates the padding away). `Ok(false)`
-    /// when the kernel refuses the alignment.
+    /// Writes `data` from where it is when it starts at an aligned
+    /// address (packs are built so: see `PackBuilder::reuse`), the rest (or
+    /// all of it, otherwise) copied through an aligned bounce buffer, the
+    /// last block padded with zeros (the caller truncates the padding away).
+    /// `Ok(false)` when the kernel refuses the alignment.
     fn write_aligned(file: &std::fs::File, data: &[u8], buf: &mut Vec<u8>) -> io::Result<bool> {
-        let Some(start) = aligned_window(buf, BOUNCE) else {
+        let refused = |e: &io::Error| e.raw_os_error() == Some(libc::EINVAL);
+        let direct = if (data.as_ptr() as usize).is_multiple_of(ALIGN) {
+            data.len() / ALIGN * ALIGN
+        } else {
+            0
+        };
+        for (i, piece) in data[..direct].chunks(BOUNCE).enumerate() {
+            match file.write_all_at(piece, (i * BOUNCE) as u64) {
+                Ok(()) => {}
+                Err(e) if refused(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        let rest = &data[direct..];
+        if rest.is_empty() {
+            return Ok(true);
+        }
+        // Only as big as what is left: an aligned pack leaves one block.
+        let window = rest.len().next_multiple_of(ALIGN).min(BOUNCE);
+        let Some(start) = aligned_window(buf, window) else {
             return Ok(false);
         };
-        let bounce = &mut buf[start..start + BOUNCE];
-        for (i, piece) in data.chunks(BOUNCE).enumerate() {
+        let bounce = &mut buf[start..start + window];
+        for (i, piece) in rest.chunks(window).enumerate() {
             let padded = piece.len().next_multiple_of(ALIGN);
             bounce[..piece.len()].copy_from_slice(piece);
             bounce[piece.len()..padded].fill(0);
-            match file.write_all_at(&bounce[..padded], (i * BOUNCE) as u64) {
+            match file.write_all_at(&bounce[..padded], (direct + i * window) as u64) {
                 Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+                Err(e) if refused(&e) => return Ok(false),
                 Err(e) => return Err(e),
             }
         }
@@ -653,10 +674,22 @@ mod tests {
     async fn large_local_put_round_trips_exactly() {
         let dir = tempfile::tempdir().unwrap();
         let remote = Remote::local(dir.path()).unwrap();
-        for len in [DIRECT_MIN, (5 << 20) + 4097, 9 << 20] {
-            let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        // From a buffer's 4 KiB boundary (as packs are built: written from
+        // where they are) and from one byte past it (through the bounce buffer).
+        let cases = [DIRECT_MIN, (5 << 20) + 4097, 9 << 20]
+            .into_iter()
+            .flat_map(|len| [(len, 0), (len, 1)]);
+        for (len, skew) in cases {
+            let mut buf = vec![0u8; len + 2 * 4096];
+            let start = buf.as_ptr().align_offset(4096) + skew;
+            for (i, b) in buf[start..start + len].iter_mut().enumerate() {
+                *b = (i * 31 % 251) as u8;
+            }
+            let data = buf[start..start + len].to_vec();
             let key = "packs/ab/abcdef";
-            remote.put(key, Bytes::from(data.clone())).await.unwrap();
+            let sent = Bytes::from(buf).slice(start..start + len);
+            assert_eq!((sent.as_ptr() as usize).is_multiple_of(4096), skew == 0);
+            remote.put(key, sent).await.unwrap();
             assert_eq!(remote.get(key).await.unwrap(), data, "{len} bytes");
             let names: Vec<_> = std::fs::read_dir(dir.path().join("packs/ab"))
                 .unwrap()

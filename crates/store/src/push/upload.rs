@@ -139,14 +139,16 @@ async fn upload_packs(
         .map(|p: SealedPack| {
             let (repo, pool) = (repo.clone(), pool.clone());
             async move {
-                let size = p.bytes.len() as u64;
+                let size = p.object().len() as u64;
                 let rec = IndexPack::new(p.id, size, &p.entries);
                 let key = pack_key(&p.id);
-                let bytes = Bytes::from(p.bytes);
+                let buffer = Bytes::from(p.bytes);
+                let bytes = buffer.slice(p.start..);
                 repo.remote().put(&key, bytes.clone()).await?;
                 repo.remote().start_writeback(&key).await?;
                 // Hand the buffer back (a fresh one if the backend still holds it).
-                pool.give(bytes.try_into_mut().map(Vec::from).unwrap_or_default());
+                drop(bytes);
+                pool.give(buffer.try_into_mut().map(Vec::from).unwrap_or_default());
                 Ok::<_, Error>(rec)
             }
         })
