@@ -37,15 +37,55 @@ pub(crate) fn write_atomic_direct(path: &Path, data: &[u8]) -> Result<()> {
     write_atomic(path, data)
 }
 
-/// `None` where `O_DIRECT` cannot be used (the caller writes buffered).
+/// Writes `data` at the start of `file`, opened with `O_DIRECT`. Data that
+/// starts at an aligned address (packs are built so, and peers' packs are
+/// received so) goes to the disk from where it is, all but its last partial
+/// block: copying every pack through a bounce buffer cost a second copy of
+/// every byte pushed or fetched. The rest (all of it when misaligned) is
+/// copied through a per-thread aligned bounce buffer no bigger than it
+/// needs, the last block padded with zeros: the caller truncates the file
+/// to `data.len()`. `EINVAL` is the kernel refusing the alignment.
 #[cfg(target_os = "linux")]
-fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    /// Bytes copied to the aligned buffer and written at a time.
+pub(crate) fn write_all_direct(file: &std::fs::File, data: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    /// Bytes per write: big enough for full device throughput, small
+    /// enough that a bounce buffer costs nothing next to a 32 MiB pack.
     const PIECE: usize = 4 << 20;
     thread_local! {
         static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    let direct = if (data.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) {
+        data.len() / DIRECT_ALIGN * DIRECT_ALIGN
+    } else {
+        0
+    };
+    for (k, piece) in data[..direct].chunks(PIECE).enumerate() {
+        file.write_all_at(piece, (k * PIECE) as u64)?;
+    }
+    let rest = &data[direct..];
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let window = rest.len().next_multiple_of(DIRECT_ALIGN).min(PIECE);
+    BOUNCE.with(|b| {
+        let mut b = b.borrow_mut();
+        let start = aligned_window(&mut b, window)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        for (k, piece) in rest.chunks(window).enumerate() {
+            let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
+            let w = &mut b[start..start + padded];
+            w[..piece.len()].copy_from_slice(piece);
+            w[piece.len()..].fill(0);
+            file.write_all_at(w, (direct + k * window) as u64)?;
+        }
+        Ok(())
+    })
+}
+
+/// `None` where `O_DIRECT` cannot be used (the caller writes buffered).
+#[cfg(target_os = "linux")]
+fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
+    use std::os::unix::fs::OpenOptionsExt;
     if let Some(dir) = path.parent() {
         if let Err(e) = std::fs::create_dir_all(dir) {
             return Some(Err(Error::io("create directory", dir)(e)));
@@ -64,38 +104,9 @@ fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
             return None;
         }
     };
-    // Data that already starts at an aligned address (a peer's pack is
-    // received into such a buffer) goes to the disk from where it is, all
-    // but its last partial block: copying a 1 GB fetch through the bounce
-    // buffer was a tenth of a peer fetch's CPU.
-    let direct = if (data.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) {
-        data.len() / DIRECT_ALIGN * DIRECT_ALIGN
-    } else {
-        0
-    };
-    let written = BOUNCE.with(|b| {
-        for (k, piece) in data[..direct].chunks(PIECE).enumerate() {
-            f.write_all_at(piece, (k * PIECE) as u64)?;
-        }
-        let rest = &data[direct..];
-        // Only as big as what is left: aligned data leaves one block.
-        let window = rest
-            .len()
-            .next_multiple_of(DIRECT_ALIGN)
-            .clamp(DIRECT_ALIGN, PIECE);
-        let mut b = b.borrow_mut();
-        let start = aligned_window(&mut b, window)
-            .ok_or_else(|| std::io::Error::other("no aligned buffer"))?;
-        for (k, piece) in rest.chunks(window).enumerate() {
-            let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
-            let w = &mut b[start..start + padded];
-            w[..piece.len()].copy_from_slice(piece);
-            w[piece.len()..].fill(0);
-            f.write_all_at(w, (direct + k * window) as u64)?;
-        }
-        // The last piece was padded to the alignment.
-        f.set_len(data.len() as u64)
-    });
+    let written = write_all_direct(&f, data)
+        // The last block was padded to the alignment.
+        .and_then(|()| f.set_len(data.len() as u64));
     drop(f);
     match written {
         Ok(()) => Some(std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))),

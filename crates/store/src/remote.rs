@@ -519,21 +519,12 @@ const DIRECT_MIN: usize = 1 << 20;
 /// multi-GB push from evicting the page cache that jobs are using.
 #[cfg(target_os = "linux")]
 mod direct {
-    use std::cell::RefCell;
     use std::io;
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::os::unix::fs::OpenOptionsExt;
     use std::path::{Path, PathBuf};
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use crate::fsutil::{aligned_window, DIRECT_ALIGN as ALIGN};
-
-    /// Bytes per write: big enough for full device throughput, small enough
-    /// that a per-thread bounce buffer costs nothing next to a 32 MiB pack.
-    const BOUNCE: usize = 4 << 20;
-
-    thread_local! {
-        static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-    }
+    use crate::fsutil::write_all_direct;
 
     /// Writes `data` to `path` through a staging file (`path#N`, the
     /// convention `object_store` uses and `Remote::list` skips) renamed into
@@ -582,60 +573,18 @@ mod direct {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
             Err(e) => return Err(e),
         };
-        let written = BUF.with(|b| write_aligned(&file, data, &mut b.borrow_mut()));
-        let result = match written {
-            Ok(true) => file
+        let result = match write_all_direct(&file, data) {
+            Ok(()) => file
                 .set_len(data.len() as u64)
                 .and_then(|()| std::fs::rename(&staging, path))
                 .map(|()| true),
-            other => other,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+            Err(e) => Err(e),
         };
         if !matches!(result, Ok(true)) {
             let _ = std::fs::remove_file(&staging);
         }
         result
-    }
-
-    /// Writes `data` from where it is when it starts at an aligned
-    /// address (packs are built so: see `PackBuilder::reuse`), the rest (or
-    /// all of it, otherwise) copied through an aligned bounce buffer, the
-    /// last block padded with zeros (the caller truncates the padding away).
-    /// `Ok(false)` when the kernel refuses the alignment.
-    fn write_aligned(file: &std::fs::File, data: &[u8], buf: &mut Vec<u8>) -> io::Result<bool> {
-        let refused = |e: &io::Error| e.raw_os_error() == Some(libc::EINVAL);
-        let direct = if (data.as_ptr() as usize).is_multiple_of(ALIGN) {
-            data.len() / ALIGN * ALIGN
-        } else {
-            0
-        };
-        for (i, piece) in data[..direct].chunks(BOUNCE).enumerate() {
-            match file.write_all_at(piece, (i * BOUNCE) as u64) {
-                Ok(()) => {}
-                Err(e) if refused(&e) => return Ok(false),
-                Err(e) => return Err(e),
-            }
-        }
-        let rest = &data[direct..];
-        if rest.is_empty() {
-            return Ok(true);
-        }
-        // Only as big as what is left: an aligned pack leaves one block.
-        let window = rest.len().next_multiple_of(ALIGN).min(BOUNCE);
-        let Some(start) = aligned_window(buf, window) else {
-            return Ok(false);
-        };
-        let bounce = &mut buf[start..start + window];
-        for (i, piece) in rest.chunks(window).enumerate() {
-            let padded = piece.len().next_multiple_of(ALIGN);
-            bounce[..piece.len()].copy_from_slice(piece);
-            bounce[piece.len()..padded].fill(0);
-            match file.write_all_at(&bounce[..padded], (direct + i * window) as u64) {
-                Ok(()) => {}
-                Err(e) if refused(&e) => return Ok(false),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(true)
     }
 }
 
