@@ -536,6 +536,16 @@ impl NodeCache {
     }
 
     fn remove_unowned(&self, live: &HashSet<PackId>) -> Result<()> {
+        /// A temporary file younger than this may still be being written.
+        const IN_FLIGHT: std::time::Duration = std::time::Duration::from_secs(3600);
+        let in_flight = |f: &std::fs::DirEntry| {
+            f.file_name().to_string_lossy().starts_with(".labsync-tmp.")
+                && f.metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_none_or(|age| age < IN_FLIGHT)
+        };
         let dir = self.root.join("packs-v1");
         for fan in std::fs::read_dir(&dir)
             .map_err(Error::io("list", &dir))?
@@ -551,7 +561,10 @@ impl NodeCache {
                     .to_str()
                     .and_then(|n| n.parse::<PackId>().ok())
                     .is_some_and(|p| live.contains(&p));
-                if !keep {
+                // A pack another pull is writing right now (its temporary
+                // name): removing it failed that pull's rename ("No such
+                // file"). Only a leftover of a killed process goes.
+                if !keep && !in_flight(&f) {
                     let _ = std::fs::remove_file(f.path());
                 }
             }

@@ -712,6 +712,28 @@ async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
     assert_eq!(cache.status().unwrap().used_bytes, 0);
     let left = walk_files(&env.root.join("small-cache/packs-v1"));
     assert_eq!(left, 0, "evicted packs are deleted from disk");
+
+    // Regression: eviction removed the temporary file of a pack another
+    // pull was writing, whose rename then failed ("No such file"). A fresh
+    // one stays; one a killed process left an hour ago goes.
+    let fan = env.root.join("small-cache/packs-v1/ab");
+    std::fs::create_dir_all(&fan).unwrap();
+    let (writing, stale) = (
+        fan.join(".labsync-tmp.1.2.3"),
+        fan.join(".labsync-tmp.4.5.6"),
+    );
+    std::fs::write(&writing, b"half a pack").unwrap();
+    std::fs::write(&stale, b"left by a crash").unwrap();
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::options()
+        .write(true)
+        .open(&stale)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    cache.evict_to(0, None).unwrap();
+    assert!(writing.exists(), "a pack being written is not removed");
+    assert!(!stale.exists(), "a stale temporary file is removed");
 }
 
 fn walk_files(p: &Path) -> usize {
