@@ -18,6 +18,8 @@
 //!   grants that lapse; [`Usage`]: the decaying GPU time.
 //! - [`prefetch`]: what to warm where while jobs wait; [`idle_holds`]:
 //!   held GPUs to give back.
+//! - [`with_scheduler_gpus`], [`preferred`]: where Slurm owns the GPUs,
+//!   its view of them joined with the caches, and the nodes to prefer.
 //!
 //! ```
 //! use labsync_placer::{plan, Cluster, Decision, Gpu, Job, Ladder, NodeName, PackKey, Pass, Policy, Queued, SnapshotKey, Tier, Usage};
@@ -46,6 +48,7 @@ mod lab;
 mod place;
 mod prefetch;
 mod queue;
+mod scheduler;
 
 pub use cluster::{
     BadNodeName, Cluster, Gpu, Health, Millis, NodeName, NodeView, PackKey, Rates, Slot,
@@ -55,3 +58,4 @@ pub use lab::{BadLadder, Ladder, Member, Members, Tier, TierRefused, Usage};
 pub use place::{rank, Choice, GpuWait, Job, Policy, Ranking, Row, Verdict};
 pub use prefetch::{idle_holds, prefetch, Hold, Warm};
 pub use queue::{before, order, plan, reserve, Decision, Pass, Queued, Running};
+pub use scheduler::{preferred, with_scheduler_gpus, SchedulerNode};
