@@ -338,6 +338,58 @@ async fn explain(
     Ok(Json(co.explain(&d, &req).await?))
 }
 
+/// Nodes ranked with Slurm's GPUs (`labrun --backend slurm`).
+async fn rank(
+    State(d): D,
+    h: HeaderMap,
+    Json(ask): Json<crate::proto::RankAsk>,
+) -> Result<impl IntoResponse, ApiError> {
+    caller(&d, &h)?;
+    let co = coordinator(&d, "ranking nodes for Slurm")?;
+    Ok(Json(co.rank_for_scheduler(&d, &ask).await?))
+}
+
+/// A Slurm job's batch script asks for its code and data, on the
+/// coordinator.
+async fn stage_ask(
+    State(d): D,
+    h: HeaderMap,
+    Json(ask): Json<crate::proto::StageAsk>,
+) -> Result<impl IntoResponse, ApiError> {
+    let c = caller(&d, &h)?;
+    let co = coordinator(&d, "staging a Slurm job")?;
+    Ok(Json(co.stage(&d, &c, ask).await?))
+}
+
+/// A Slurm job ended: its stage is released, on the coordinator.
+async fn stage_done_ask(
+    State(d): D,
+    h: HeaderMap,
+    Json(done): Json<crate::proto::StageDone>,
+) -> Result<impl IntoResponse, ApiError> {
+    let c = caller(&d, &h)?;
+    let co = coordinator(&d, "releasing a Slurm job's stage")?;
+    co.stage_done(&d, &c, done).await?;
+    Ok(Json(serde_json::json!({})))
+}
+
+/// The coordinator's stage order, on a node.
+async fn stage_order(
+    State(d): D,
+    Signed { body, .. }: Signed<crate::proto::StageOrder>,
+) -> Result<impl IntoResponse, ApiError> {
+    Ok(Json(d.stage(body).await?))
+}
+
+/// The coordinator's release of a stage, on a node.
+async fn stage_done_order(
+    State(d): D,
+    Signed { body, .. }: Signed<crate::proto::StageDone>,
+) -> Result<impl IntoResponse, ApiError> {
+    d.stage_done(body).await?;
+    Ok(Json(serde_json::json!({})))
+}
+
 /// An admin's `labsync warm`, on the coordinator.
 async fn warm_ask(
     State(d): D,
@@ -453,6 +505,11 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/cluster/heartbeat", post(heartbeat))
         .route("/v1/cluster/packs/{id}", get(pack))
         .route("/v1/cluster/explain", post(explain))
+        .route("/v1/cluster/rank", post(rank))
+        .route("/v1/stage", post(stage_ask))
+        .route("/v1/stage/done", post(stage_done_ask))
+        .route("/v1/cluster/stage", post(stage_order))
+        .route("/v1/cluster/stage/done", post(stage_done_order))
         .route("/v1/warm", post(warm_ask))
         .route("/v1/cluster/warm", post(warm_order))
         .route("/v1/cluster/locate", post(locate))

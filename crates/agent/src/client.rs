@@ -341,6 +341,54 @@ impl Client {
             .await
     }
 
+    /// The nodes ranked for a job with the GPUs as Slurm reports them
+    /// (`labrun --backend slurm`; the coordinator).
+    pub async fn rank(
+        &self,
+        ask: &crate::proto::RankAsk,
+    ) -> Result<labsync_placer::Ranking, ClientError> {
+        let body = serde_json::to_vec(ask).expect("ask serialises");
+        self.json(hyper::Method::POST, "/v1/cluster/rank", Some(body))
+            .await
+    }
+
+    /// Stages a Slurm job's code and data on its node (its batch script,
+    /// as its user; the coordinator). Answers once they are there.
+    pub async fn stage_ask(
+        &self,
+        ask: &crate::proto::StageAsk,
+    ) -> Result<crate::proto::Staged, ClientError> {
+        let body = serde_json::to_vec(ask).expect("ask serialises");
+        self.json(hyper::Method::POST, "/v1/stage", Some(body))
+            .await
+    }
+
+    /// Releases a stage (the Slurm job ended; the coordinator).
+    pub async fn stage_done_ask(&self, done: &crate::proto::StageDone) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(done).expect("done serialises");
+        self.exchange(hyper::Method::POST, "/v1/stage/done", Some(body))
+            .await
+            .map(drop)
+    }
+
+    /// Orders a node to stage (a cluster client).
+    pub async fn stage(
+        &self,
+        order: &crate::proto::StageOrder,
+    ) -> Result<crate::proto::Staged, ClientError> {
+        let body = serde_json::to_vec(order).expect("order serialises");
+        self.json(hyper::Method::POST, "/v1/cluster/stage", Some(body))
+            .await
+    }
+
+    /// Releases a stage on its node (a cluster client).
+    pub async fn stage_done(&self, done: &crate::proto::StageDone) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(done).expect("done serialises");
+        self.exchange(hyper::Method::POST, "/v1/cluster/stage/done", Some(body))
+            .await
+            .map(drop)
+    }
+
     /// Has the coordinator warm (or unpin) a version on nodes (admins).
     pub async fn warm_ask(
         &self,

@@ -18,6 +18,9 @@
 //! | GET | `/v1/jobs/{id}/explain` | → [`JobExplain`]: the job, and per node why not there (queued, in a cluster) |
 //! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
 //! | POST | `/v1/warm` | [`crate::cluster::WarmAsk`] → [`crate::cluster::WarmAnswer`] (the coordinator; admins) |
+//! | POST | `/v1/cluster/rank` | [`RankAsk`] → [`labsync_placer::Ranking`]: nodes ranked with Slurm's GPUs (the coordinator) |
+//! | POST | `/v1/stage` | [`StageAsk`] → [`Staged`]: a Slurm job's code and data on its node, answered once there (the coordinator) |
+//! | POST | `/v1/stage/done` | [`StageDone`] → `{}`: the Slurm job ended (the coordinator) |
 //!
 //! Between the nodes of a cluster, signed with the cluster secret
 //! ([`crate::cluster`]), never with a user's token:
@@ -29,6 +32,8 @@
 //! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
 //! | POST | `/v1/cluster/warm` | [`crate::cluster::WarmOrder`] → `{}` (the coordinator to an agent) |
 //! | POST | `/v1/cluster/locate` | `[PackId]` → [`Located`] (to the coordinator: who holds what) |
+//! | POST | `/v1/cluster/stage` | [`StageOrder`] → [`Staged`] (the coordinator to an agent) |
+//! | POST | `/v1/cluster/stage/done` | [`StageDone`] → `{}` (the coordinator to an agent) |
 //! | GET | `/v1/cluster/jobs/{id}` | → [`JobView`] |
 //! | GET | `/v1/cluster/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes, as `/v1/jobs/{id}/log` |
 //! | POST | `/v1/cluster/jobs/{id}/kill` | → [`JobView`] |
@@ -443,4 +448,67 @@ pub enum DispatchReply {
         /// Why.
         why: String,
     },
+}
+
+/// `labrun --backend slurm`: rank the nodes for a job with the GPUs as
+/// Slurm reports them (`POST /v1/cluster/rank`, the coordinator).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankAsk {
+    /// The job (its code and data are what is priced).
+    pub req: SubmitRequest,
+    /// Every node Slurm offers, with its GPUs.
+    pub nodes: Vec<labsync_placer::SchedulerNode>,
+}
+
+/// A job another scheduler runs (Slurm) asks for its code and data on the
+/// node it was given (`POST /v1/stage`, the coordinator; its batch script
+/// asks, as its user).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageAsk {
+    /// The node the job runs on (`SLURMD_NODENAME`).
+    pub node: String,
+    /// The scheduler's job id (`SLURM_JOB_ID`): digits.
+    pub job: String,
+    /// The code, materialised as the working folder.
+    pub code: Option<TreeRef>,
+    /// Datasets, materialised read-only and shared.
+    pub data: Vec<DataRef>,
+    /// The job's `--outputs` folder, made real and the user's.
+    pub outputs: Option<String>,
+}
+
+/// The coordinator's order to stage on a node (`POST /v1/cluster/stage`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageOrder {
+    /// Who asks (checked by the coordinator).
+    pub user: String,
+    /// What.
+    pub ask: StageAsk,
+}
+
+/// Where a staged job's things are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Staged {
+    /// The node.
+    pub node: String,
+    /// The stage's name on that node (`1234.1`), to release it.
+    pub stage: String,
+    /// The working folder (the code's files, the user's).
+    pub work: std::path::PathBuf,
+    /// `(LABRUN_DATA_DIV2K, path)` for each dataset, in the order asked.
+    pub data: Vec<(String, std::path::PathBuf)>,
+}
+
+/// A staged job has ended: its trees may go, its folder after labd's
+/// `work_keep` (`POST /v1/stage/done` to the coordinator, `POST
+/// /v1/cluster/stage/done` from it, with the user).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageDone {
+    /// The node.
+    pub node: String,
+    /// [`Staged::stage`].
+    pub stage: String,
+    /// Who asks; set by the coordinator (a user's own is ignored).
+    #[serde(default)]
+    pub user: String,
 }

@@ -56,7 +56,7 @@ fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
         .collect()
 }
 
-fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
+pub(super) fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
     Job {
         gpus: req.gpus,
         gpu_mem: req.gpu_mem,
@@ -68,7 +68,7 @@ fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
 impl Coordinator {
     /// Loads the pack lists of the snapshots the view does not know yet,
     /// from the store's index (once per snapshot: they are immutable).
-    async fn price(
+    pub(super) async fn price(
         &self,
         d: &Arc<Daemon>,
         req: &SubmitRequest,

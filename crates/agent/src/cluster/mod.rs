@@ -11,6 +11,7 @@ mod jobs;
 mod peers;
 mod queue;
 mod reporter;
+mod stage;
 mod warm;
 
 use std::time::Duration;

@@ -12,6 +12,8 @@ use crate::blocking::off_runtime;
 use crate::node::Node;
 use crate::trees::Trees;
 
+use super::stages;
+
 /// How often housekeeping runs at most.
 const EVERY: Duration = Duration::from_secs(5);
 
@@ -22,6 +24,8 @@ pub(crate) struct Housekeeping {
     trees_max: u64,
     /// The jobs' folders (`<state>/jobs/<id>`).
     jobs_dir: PathBuf,
+    /// The stages of jobs Slurm runs (`<state>/slurm`).
+    stages_dir: PathBuf,
     /// How long an ended job's folder stays.
     work_keep: Duration,
     /// When it last ran.
@@ -36,6 +40,7 @@ impl Housekeeping {
         trees: Arc<Trees>,
         trees_max: u64,
         jobs_dir: PathBuf,
+        stages_dir: PathBuf,
         work_keep: Duration,
     ) -> Housekeeping {
         Housekeeping {
@@ -43,6 +48,7 @@ impl Housekeeping {
             trees,
             trees_max,
             jobs_dir,
+            stages_dir,
             work_keep,
             ran_at: Mutex::new(Instant::now()),
             running: AtomicBool::new(false),
@@ -65,16 +71,24 @@ impl Housekeeping {
         let me = self.clone();
         tokio::spawn(off_runtime(move || {
             let node = me.node.clone();
+            let stages = me.stages_dir.clone();
+            // Asked under the tree's lock, so read afresh each time: a
+            // stage recorded a moment ago holds its trees.
             let in_use = move |snap: &str| {
                 // An error reading the state keeps every tree.
                 !node
                     .active_where(|j| j.meta.trees.iter().any(|t| t == snap))
                     .is_empty()
+                    || stages::records(&stages).iter().any(|(_, r)| {
+                        stages::holds_trees(r, crate::leases::unix_now())
+                            && r.trees.iter().any(|t| t == snap)
+                    })
             };
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
             }
             me.sweep_work_folders();
+            me.sweep_stages();
             me.running.store(false, Ordering::Release);
         }));
     }
@@ -109,6 +123,22 @@ impl Housekeeping {
                         tracing::warn!("cannot remove {}: {err}", log.display());
                     }
                 }
+            }
+        }
+    }
+
+    /// Removes the folders of stages released more than `work_keep` ago,
+    /// or never released within [`stages::STAGE_TTL`].
+    fn sweep_stages(&self) {
+        let now = crate::leases::unix_now();
+        for (name, rec) in stages::records(&self.stages_dir) {
+            if !stages::expired(&rec, now, self.work_keep) {
+                continue;
+            }
+            let path = self.stages_dir.join(&name);
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => tracing::info!("removed the folder of Slurm job {} ({name})", rec.job),
+                Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
             }
         }
     }

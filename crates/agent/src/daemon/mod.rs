@@ -11,6 +11,7 @@ mod housekeeping;
 mod logs;
 mod ops;
 mod outputs;
+mod stages;
 
 pub(crate) use ops::check_user_request;
 
@@ -223,6 +224,7 @@ impl Daemon {
             trees.clone(),
             cfg.trees_max,
             jobs_dir,
+            cfg.state_dir.join("slurm"),
             cfg.work_keep,
         );
         Ok(Arc::new(Daemon {

@@ -115,7 +115,12 @@ pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     if let Some(o) = &req.outputs {
         check_outputs(o).map_err(ApiError::BadRequest)?;
     }
-    for d in &req.data {
+    check_data_vars(&req.data)
+}
+
+/// Each dataset's variable is `LABRUN_DATA_` and capitals, digits or `_`.
+pub(crate) fn check_data_vars(data: &[crate::proto::DataRef]) -> Result<(), ApiError> {
+    for d in data {
         let ok = d.env.starts_with("LABRUN_DATA_")
             && d.env
                 .bytes()
@@ -379,7 +384,7 @@ impl Daemon {
 
     /// The Unix user (uid, gid) a caller's jobs run as: themselves when labd
     /// is root and runs jobs as their submitters, else labd's own (`None`).
-    async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, ApiError> {
+    pub(crate) async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, ApiError> {
         if !(self.cfg.run_as_submitter && users::euid() == 0) {
             return Ok(None);
         }

@@ -1,0 +1,105 @@
+//! The coordinator's part in jobs Slurm runs: it ranks nodes with the GPUs
+//! as Slurm reports them (`labrun --backend slurm`), and forwards a batch
+//! script's stage request to the node the job was given, signed, with the
+//! user its token names.
+
+use std::sync::Arc;
+
+use labsync_placer::{rank, with_scheduler_gpus, Ranking};
+
+use crate::cluster::{now_ms, Coordinator};
+use crate::daemon::{Caller, Daemon};
+use crate::error::ApiError;
+use crate::proto::{RankAsk, StageAsk, StageDone, StageOrder, Staged};
+
+impl Coordinator {
+    /// Every node Slurm offers, ranked for `ask.req` with Slurm's GPUs and
+    /// the caches as the agents report them.
+    pub async fn rank_for_scheduler(
+        &self,
+        d: &Arc<Daemon>,
+        ask: &RankAsk,
+    ) -> Result<Ranking, ApiError> {
+        let needs = self.price(d, &ask.req).await?;
+        let now = now_ms() as u64;
+        self.tick(now);
+        let v = self.view.lock().expect("coordinator poisoned");
+        let view = with_scheduler_gpus(&v.planning(), &ask.nodes);
+        Ok(rank(
+            &view,
+            &super::jobs::placer_job(&ask.req, &needs),
+            now,
+            &self.policy,
+        ))
+    }
+
+    /// The tie the preference is made of, seconds.
+    pub fn tie_secs(&self) -> f64 {
+        self.policy.tie_secs
+    }
+
+    /// Stages `ask` on its node for `caller` (there, or here when the node
+    /// is this one).
+    pub async fn stage(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        ask: StageAsk,
+    ) -> Result<Staged, ApiError> {
+        let node = ask.node.clone();
+        let order = StageOrder {
+            user: caller.user.clone(),
+            ask,
+        };
+        if node == d.node_name() {
+            return d.stage(order).await;
+        }
+        let c = self.member_client(d, &node)?;
+        c.stage(&order).await.map_err(|e| forwarded(&node, e))
+    }
+
+    /// Releases a stage of `caller`'s on its node.
+    pub async fn stage_done(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        done: StageDone,
+    ) -> Result<(), ApiError> {
+        let done = StageDone {
+            user: caller.user.clone(),
+            ..done
+        };
+        if done.node == d.node_name() {
+            return d.stage_done(done).await;
+        }
+        let c = self.member_client(d, &done.node)?;
+        c.stage_done(&done)
+            .await
+            .map_err(|e| forwarded(&done.node, e))
+    }
+
+    /// A signed client of `node`, which must be up.
+    fn member_client(&self, d: &Arc<Daemon>, node: &str) -> Result<crate::Client, ApiError> {
+        if !self.members_up(now_ms() as u64).iter().any(|m| m == node) {
+            return Err(ApiError::NotFound(format!(
+                "no labd agent of node {node} is up in the cluster: a Slurm node stages \
+                 through its own labd (node_name = \"{node}\" in its labd.toml)"
+            )));
+        }
+        self.client_of(d, node)
+            .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown; try again")))
+    }
+}
+
+/// A node's refusal, passed on as the node said it.
+fn forwarded(node: &str, e: crate::ClientError) -> ApiError {
+    match e {
+        crate::ClientError::Status { status, message } => match status {
+            400 => ApiError::BadRequest(format!("{node}: {message}")),
+            403 => ApiError::Forbidden(format!("{node}: {message}")),
+            404 => ApiError::NotFound(format!("{node}: {message}")),
+            _ => ApiError::Conflict(format!("{node}: {message}")),
+        },
+        e => ApiError::Conflict(format!("{node}: {e}")),
+    }
+}
