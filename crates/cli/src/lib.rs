@@ -7,8 +7,9 @@ pub mod labd_config;
 pub mod local;
 pub mod progress;
 pub mod settings;
+pub mod slurm;
 
-pub use settings::{parse_size, Overrides, Settings};
+pub use settings::{parse_size, Backend, Overrides, Settings, SlurmSettings};
 
 /// What the binaries share before their one library call: logs on stderr
 /// (filtered by `log_var`, else `default_filter`) and a multi-threaded

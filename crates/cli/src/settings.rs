@@ -30,6 +30,80 @@ pub struct FileConfig {
     pub labd_ca: Option<PathBuf>,
     /// How pushes compress compressible chunks: `lz4` (default) or `zstd`.
     pub compression: Option<String>,
+    /// Who runs `labrun`'s jobs: `labd` (default) or `slurm`.
+    pub backend: Option<String>,
+    /// With the Slurm backend.
+    pub slurm: Option<SlurmFile>,
+}
+
+/// `[slurm]` in the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmFile {
+    /// Longest wait for one Slurm command (`10s`).
+    pub timeout: Option<String>,
+    /// Partition jobs are submitted to (Slurm's default without it).
+    pub partition: Option<String>,
+    /// How long before its time limit a job is told to stop (SIGTERM), so
+    /// its outputs are saved (`2m`).
+    pub grace: Option<String>,
+}
+
+/// Who runs `labrun`'s jobs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// labd: one node's, or a cluster's coordinator.
+    #[default]
+    Labd,
+    /// Slurm, with labd's agents staging the data.
+    Slurm,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "labd" => Ok(Backend::Labd),
+            "slurm" => Ok(Backend::Slurm),
+            _ => bail!("backend {s:?}: labd or slurm"),
+        }
+    }
+}
+
+/// The Slurm backend's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlurmSettings {
+    /// Longest wait for one Slurm command.
+    pub timeout: std::time::Duration,
+    /// Partition jobs are submitted to.
+    pub partition: Option<String>,
+    /// Seconds before its time limit a job gets SIGTERM.
+    pub grace_s: u64,
+}
+
+impl SlurmSettings {
+    fn from_file(f: Option<SlurmFile>, env: &[(String, String)]) -> Result<SlurmSettings> {
+        let f = f.unwrap_or_default();
+        let var = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let secs = |what: &str, v: Option<String>, default: u64| -> Result<u64> {
+            match v {
+                Some(v) => {
+                    crate::local::parse_duration(&v).with_context(|| format!("slurm {what} {v:?}"))
+                }
+                None => Ok(default),
+            }
+        };
+        let timeout = secs("timeout", var("LABRUN_SLURM_TIMEOUT").or(f.timeout), 10)?;
+        if timeout == 0 {
+            bail!("slurm timeout 0: give Slurm's commands at least 1 s");
+        }
+        Ok(SlurmSettings {
+            timeout: std::time::Duration::from_secs(timeout),
+            partition: var("LABRUN_SLURM_PARTITION").or(f.partition),
+            grace_s: secs("grace", f.grace, 120)?,
+        })
+    }
 }
 
 /// What the flags and environment gave (clap merges those two).
@@ -71,6 +145,10 @@ pub struct Settings {
     pub labd_ca: Option<PathBuf>,
     /// How pushes compress compressible chunks.
     pub compression: Codec,
+    /// Who runs `labrun`'s jobs (`backend`, `LABRUN_BACKEND`).
+    pub backend: Backend,
+    /// The Slurm backend's settings (`[slurm]`).
+    pub slurm: SlurmSettings,
 }
 
 impl std::fmt::Debug for Settings {
@@ -87,6 +165,8 @@ impl std::fmt::Debug for Settings {
             .field("token", &self.token)
             .field("labd_ca", &self.labd_ca)
             .field("compression", &self.compression)
+            .field("backend", &self.backend)
+            .field("slurm", &self.slurm)
             .finish()
     }
 }
@@ -152,7 +232,17 @@ impl Settings {
             Some(c) => c.parse::<Codec>()?,
             None => Codec::default(),
         };
+        let backend = match env.iter().find(|(k, _)| k == "LABRUN_BACKEND") {
+            Some((_, v)) => v.parse().context("LABRUN_BACKEND")?,
+            None => match &file.backend {
+                Some(b) => b.parse().context("backend in the config file")?,
+                None => Backend::Labd,
+            },
+        };
+        let slurm = SlurmSettings::from_file(file.slurm, env)?;
         Ok(Settings {
+            backend,
+            slurm,
             compression,
             store,
             store_options,

@@ -97,10 +97,46 @@ struct Cli {
     /// TOML file that injects foreign processes or a hang into the fake GPUs
     #[arg(long, value_name = "FILE", requires = "fake_gpus")]
     fake_gpus_control: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Print the slurm.conf lines labsync needs (a feature per node, lsn_NODE,
+    /// for labrun --backend slurm to prefer), for every node Slurm lists
+    SlurmConfig {
+        /// These nodes instead of asking Slurm (gpu1,gpu2)
+        #[arg(long, value_delimiter = ',', value_name = "NODES")]
+        nodes: Vec<String>,
+        /// Longest wait for Slurm's answer, e.g. 10s
+        #[arg(long, default_value = "10s", value_name = "DURATION")]
+        timeout: String,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Cmd::SlurmConfig { nodes, timeout }) = &cli.cmd {
+        let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "error") else {
+            return ExitCode::from(1);
+        };
+        let done = rt.block_on(async {
+            let t = labsync_cli::local::parse_duration(timeout)?;
+            labsync_cli::slurm::config::slurm_config(
+                nodes,
+                std::time::Duration::from_secs(t.max(1)),
+            )
+            .await
+        });
+        return match done {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("labd: error: {e:#}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let flags = LabdFlags {
         config: cli.config,
         listen: cli.listen,

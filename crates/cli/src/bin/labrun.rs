@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use labsync_cli::commands::run::{Labd, RunRequest};
 use labsync_cli::commands::{self};
 use labsync_cli::local::connect;
-use labsync_cli::{Overrides, Settings};
+use labsync_cli::{slurm, Backend, Overrides, Settings};
 
 const LONG_ABOUT: &str = "\
 Run a job on this lab's GPUs, with its code and data, instead of claiming a
@@ -90,6 +90,11 @@ struct Global {
     /// ps / status / kill: print JSON
     #[arg(long, global = true)]
     json: bool,
+    /// Who runs the job: labd (default) or slurm (sbatch --prefer the nodes
+    /// whose labd caches hold its data; ps, logs and kill then map to
+    /// squeue, the job's output file and scancel) [config: backend]
+    #[arg(long, global = true, env = "LABRUN_BACKEND", value_name = "labd|slurm")]
+    backend: Option<String>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -137,6 +142,10 @@ struct RunArgs {
     /// coordinator orders its queue by tier, then by GPU time used lately
     #[arg(long, value_name = "TIER")]
     priority: Option<String>,
+    /// Time limit (Slurm: --time, whole minutes; the job gets SIGTERM
+    /// [slurm] grace before it, at most half of it, and saves its outputs)
+    #[arg(long, value_name = "DURATION")]
+    time: Option<String>,
     /// Submit nothing: print where the cluster's coordinator would place
     /// the job and, per node, when it could start there and why not there
     /// (GPU wait, bytes to fetch from peers and the store)
@@ -180,11 +189,17 @@ enum Cmd {
         /// Job id
         job: String,
     },
+    /// The batch script's step of a Slurm job (labrun --backend slurm writes it)
+    #[command(name = "_slurm-job", hide = true)]
+    SlurmJob {
+        /// The job, as labrun submitted it (JSON)
+        spec: String,
+    },
 }
 
 fn settings(g: &Global) -> Result<Settings> {
     let env: Vec<(String, String)> = std::env::vars().collect();
-    Settings::resolve(
+    let mut s = Settings::resolve(
         &Overrides {
             store: g.store.clone(),
             cache_dir: g.cache_dir.clone(),
@@ -192,7 +207,11 @@ fn settings(g: &Global) -> Result<Settings> {
             ..Default::default()
         },
         &env,
-    )
+    )?;
+    if let Some(b) = &g.backend {
+        s.backend = b.parse()?;
+    }
+    Ok(s)
 }
 
 impl RunArgs {
@@ -218,6 +237,7 @@ impl RunArgs {
             priority: self.priority,
             hold: self.hold,
             preemptible: self.preemptible,
+            time: self.time,
         }
     }
 }
@@ -226,6 +246,20 @@ impl RunArgs {
 async fn run(cli: Cli) -> Result<ExitCode> {
     let g = &cli.global;
     let s = settings(g)?;
+    if let Some(Cmd::SlurmJob { spec }) = &cli.cmd {
+        return slurm::job::run(&s, spec).await;
+    }
+    if s.backend == Backend::Slurm {
+        let sl = slurm::Slurm {
+            timeout: s.slurm.timeout,
+        };
+        match &cli.cmd {
+            Some(Cmd::Ps { all }) => return slurm::manage::ps(&sl, g.json, *all).await,
+            Some(Cmd::Logs { job, follow }) => return slurm::manage::logs(&sl, job, *follow).await,
+            Some(Cmd::Kill { job }) => return slurm::manage::kill(&sl, job, g.quiet).await,
+            _ => {}
+        }
+    }
     let (client, personal) = connect(g.labd.clone(), &s, g.quiet).await?;
     match cli.cmd {
         None => {
@@ -242,11 +276,48 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Cmd::Kill { job }) => commands::kill::kill(&client, g.json, g.quiet, &job).await,
         Some(Cmd::Status) => commands::status::status(&client, g.json).await,
         Some(Cmd::Explain { job }) => commands::explain::explain(&client, g.json, &job).await,
+        Some(Cmd::SlurmJob { .. }) => unreachable!("run before labd is looked for"),
     }
 }
 
+/// The arguments with global options given before a subcommand moved
+/// after it: clap stops looking for subcommands at the first option it
+/// sees (the run's options and subcommands conflict), so `labrun --backend
+/// slurm ps` would otherwise run `ps` as a job.
+fn subcommand_first(args: Vec<String>) -> Vec<String> {
+    const VALUED: [&str; 5] = ["--labd", "--config", "--store", "--cache-dir", "--backend"];
+    const FLAGS: [&str; 3] = ["-q", "--quiet", "--json"];
+    const SUBCOMMANDS: [&str; 7] = [
+        "ps",
+        "logs",
+        "kill",
+        "status",
+        "explain",
+        "help",
+        "_slurm-job",
+    ];
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if VALUED.contains(&a) {
+            i += 2;
+        } else if FLAGS.contains(&a) || VALUED.iter().any(|v| a.starts_with(&format!("{v}="))) {
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    if i == 1 || i >= args.len() || !SUBCOMMANDS.contains(&args[i].as_str()) {
+        return args;
+    }
+    let mut out = vec![args[0].clone(), args[i].clone()];
+    out.extend_from_slice(&args[1..i]);
+    out.extend_from_slice(&args[i + 1..]);
+    out
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(subcommand_first(std::env::args().collect()));
     let Some(rt) = labsync_cli::start("labrun", "LABSYNC_LOG", "error") else {
         return ExitCode::from(1);
     };
@@ -255,6 +326,40 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("labrun: error: {e:#}");
             ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subcommand_first;
+
+    fn v(a: &str) -> Vec<String> {
+        a.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn global_options_before_a_subcommand_stay_with_it() {
+        assert_eq!(
+            subcommand_first(v("labrun --backend slurm ps --all")),
+            v("labrun ps --backend slurm --all")
+        );
+        assert_eq!(
+            subcommand_first(v("labrun --json -q kill j1")),
+            v("labrun kill --json -q j1")
+        );
+        assert_eq!(
+            subcommand_first(v("labrun --labd=http://x:1 logs j1")),
+            v("labrun logs --labd=http://x:1 j1")
+        );
+        // A run stays a run, whatever its command is called.
+        for same in [
+            "labrun --data div2k ps",
+            "labrun train.py",
+            "labrun --backend slurm -- ps",
+            "labrun ps",
+        ] {
+            assert_eq!(subcommand_first(v(same)), v(same));
         }
     }
 }

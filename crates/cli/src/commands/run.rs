@@ -48,6 +48,8 @@ pub struct RunRequest {
     pub hold: Option<String>,
     /// A higher tier's job may stop and requeue it.
     pub preemptible: bool,
+    /// Time limit (`2h`; the Slurm backend's).
+    pub time: Option<String>,
 }
 
 impl RunRequest {
@@ -85,6 +87,13 @@ pub async fn run(
 ) -> Result<ExitCode> {
     let client = labd.client;
     let info = client.info().await.map_err(explain)?;
+    let slurm = s.backend == crate::Backend::Slurm;
+    if slurm && a.hold.is_some() {
+        bail!("--hold leases labd's GPUs; under Slurm, hold GPUs with salloc --gres=gpu:N");
+    }
+    if !slurm && a.time.is_some() {
+        bail!("--time is the Slurm backend's (labd's jobs have no time limit yet); leave it out");
+    }
     if let Some(h) = &a.hold {
         return hold(client, &info, h, &a, quiet, json).await;
     }
@@ -104,7 +113,7 @@ pub async fn run(
         None if info.coordinator => 1,
         None => u32::from(!client.gpus().await.map_err(explain)?.is_empty()),
     };
-    if a.explain && !info.coordinator {
+    if a.explain && !info.coordinator && !slurm {
         bail!(
             "--explain asks a cluster's coordinator where a job would go; labd at {} is a node \
              of its own (its jobs run there)",
@@ -140,6 +149,14 @@ pub async fn run(
         restarts: 0,
         resume_from: None,
     };
+    if slurm {
+        let run = crate::slurm::submit::SlurmRun {
+            time_s: a.time.as_deref().map(parse_duration).transpose()?,
+            explain: a.explain,
+            detach: a.detach,
+        };
+        return crate::slurm::submit::submit(s, client, &info, req, run, quiet, json).await;
+    }
     if a.explain {
         let ranking = client.explain(&req).await.map_err(explain)?;
         if json {
