@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): works on a fresh machine with only the
 # Rust toolchain. Installs the S3-compatible test servers if they are missing
-# (s3s-fs here; moto, ministack and s3rver by scripts/s3-servers.sh); the
-# tests start their own instances on 127.0.0.1 (random ports).
+# (s3s-fs here; moto, ministack and s3rver by scripts/s3-servers.sh) and, as
+# root on Debian, Slurm; the tests start their own instances on 127.0.0.1
+# (random ports).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,4 +20,37 @@ export LABSYNC_S3S_FS
 # shellcheck source=scripts/s3-servers.sh
 . scripts/s3-servers.sh
 
-cargo test --workspace --locked "$@"
+# Slurm for the Slurm backend's tests (Debian's packages; the tests start
+# their own munged, slurmctld and slurmd on 127.0.0.1). Where it cannot be
+# installed those tests say they were skipped, and so does the end of this run.
+slurm_missing() {
+  local p
+  for p in munged mungekey slurmctld slurmd sbatch squeue scontrol scancel; do
+    if ! PATH="$PATH:/usr/sbin:/sbin" command -v "$p" >/dev/null 2>&1; then
+      echo "$p"
+      return 0
+    fi
+  done
+  return 1
+}
+slurm_note=""
+if slurm_missing >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test.sh: installing Slurm and munge (Debian's packages) for the Slurm tests" >&2
+    pkgs=(munge slurmctld slurmd slurm-client)
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${pkgs[@]}" >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${pkgs[@]}" >/dev/null 2>&1; } ||
+      echo "test.sh: could not install Slurm" >&2
+  fi
+  if missing="$(slurm_missing)"; then
+    slurm_note="the Slurm tests were SKIPPED: $missing is not installed (as root on Debian: apt-get install munge slurmctld slurmd slurm-client)"
+  fi
+fi
+
+status=0
+cargo test --workspace --locked "$@" || status=$?
+if [ -n "$slurm_note" ]; then
+  echo "test.sh: $slurm_note" >&2
+fi
+exit "$status"

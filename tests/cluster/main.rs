@@ -12,6 +12,8 @@ mod support;
 #[path = "../common/mod.rs"]
 mod common;
 
+mod slurm;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
