@@ -350,13 +350,20 @@ async fn rank(
 }
 
 /// A Slurm job's batch script asks for its code and data, on the
-/// coordinator.
+/// coordinator. Untimed (a big dataset takes minutes to arrive): only its
+/// body must come within [`REQUEST_TIMEOUT`].
 async fn stage_ask(
     State(d): D,
-    h: HeaderMap,
-    Json(ask): Json<crate::proto::StageAsk>,
+    req: axum::extract::Request,
 ) -> Result<impl IntoResponse, ApiError> {
-    let c = caller(&d, &h)?;
+    let (parts, body) = req.into_parts();
+    let c = caller(&d, &parts.headers)?;
+    let bytes = tokio::time::timeout(REQUEST_TIMEOUT, axum::body::to_bytes(body, 1 << 20))
+        .await
+        .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))?
+        .map_err(|e| ApiError::BadRequest(format!("/v1/stage: {e}")))?;
+    let ask: crate::proto::StageAsk = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::BadRequest(format!("/v1/stage: {e}")))?;
     let co = coordinator(&d, "staging a Slurm job")?;
     Ok(Json(co.stage(&d, &c, ask).await?))
 }
@@ -373,12 +380,20 @@ async fn stage_done_ask(
     Ok(Json(serde_json::json!({})))
 }
 
-/// The coordinator's stage order, on a node.
+/// The coordinator's stage order, on a node. Untimed as [`stage_ask`]:
+/// only the signed body must come within [`REQUEST_TIMEOUT`].
 async fn stage_order(
     State(d): D,
-    Signed { body, .. }: Signed<crate::proto::StageOrder>,
+    req: axum::extract::Request,
 ) -> Result<impl IntoResponse, ApiError> {
-    Ok(Json(d.stage(body).await?))
+    use axum::extract::FromRequest;
+    let signed = tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        Signed::<crate::proto::StageOrder>::from_request(req, &d),
+    )
+    .await
+    .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))??;
+    Ok(Json(d.stage(signed.body).await?))
 }
 
 /// The coordinator's release of a stage, on a node.
@@ -506,9 +521,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/cluster/packs/{id}", get(pack))
         .route("/v1/cluster/explain", post(explain))
         .route("/v1/cluster/rank", post(rank))
-        .route("/v1/stage", post(stage_ask))
         .route("/v1/stage/done", post(stage_done_ask))
-        .route("/v1/cluster/stage", post(stage_order))
         .route("/v1/cluster/stage/done", post(stage_done_order))
         .route("/v1/warm", post(warm_ask))
         .route("/v1/cluster/warm", post(warm_order))
@@ -519,6 +532,13 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/cluster/jobs/{id}/kill", post(placed_kill))
         .route("/v1/cluster/jobs/{id}/preempt", post(placed_preempt))
         .layer(axum::middleware::from_fn(time_limit))
+        // Staging answers once the data is there: minutes for a big
+        // dataset. Its handlers bound the body's arrival themselves.
+        .merge(
+            Router::new()
+                .route("/v1/stage", post(stage_ask))
+                .route("/v1/cluster/stage", post(stage_order)),
+        )
         .with_state(daemon)
 }
 

@@ -20,11 +20,12 @@ impl Coordinator {
         d: &Arc<Daemon>,
         ask: &RankAsk,
     ) -> Result<Ranking, ApiError> {
+        check_nodes(&ask.nodes)?;
         let needs = self.price(d, &ask.req).await?;
         let now = now_ms() as u64;
         self.tick(now);
-        let v = self.view.lock().expect("coordinator poisoned");
-        let view = with_scheduler_gpus(&v.planning(), &ask.nodes);
+        let planning = self.view.lock().expect("coordinator poisoned").planning();
+        let view = with_scheduler_gpus(&planning, &ask.nodes);
         Ok(rank(
             &view,
             &super::jobs::placer_job(&ask.req, &needs),
@@ -91,6 +92,36 @@ impl Coordinator {
     }
 }
 
+/// Nodes at most, and GPUs on one node at most, in a ranking asked for.
+const MAX_NODES: usize = 10_000;
+const MAX_GPUS: u32 = 1024;
+
+/// A ranking's nodes as a user sent them: bounded, each once, free ≤ GPUs.
+fn check_nodes(nodes: &[labsync_placer::SchedulerNode]) -> Result<(), ApiError> {
+    if nodes.len() > MAX_NODES {
+        return Err(ApiError::BadRequest(format!(
+            "{} nodes to rank: at most {MAX_NODES}",
+            nodes.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for n in nodes {
+        if n.gpus > MAX_GPUS || n.free > n.gpus {
+            return Err(ApiError::BadRequest(format!(
+                "node {}: {} GPUs, {} free: at most {MAX_GPUS}, and no more free than it has",
+                n.node, n.gpus, n.free
+            )));
+        }
+        if !seen.insert(&n.node) {
+            return Err(ApiError::BadRequest(format!(
+                "node {} listed twice",
+                n.node
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A node's refusal, passed on as the node said it.
 fn forwarded(node: &str, e: crate::ClientError) -> ApiError {
     match e {
@@ -98,6 +129,7 @@ fn forwarded(node: &str, e: crate::ClientError) -> ApiError {
             400 => ApiError::BadRequest(format!("{node}: {message}")),
             403 => ApiError::Forbidden(format!("{node}: {message}")),
             404 => ApiError::NotFound(format!("{node}: {message}")),
+            429 => ApiError::TooMany(format!("{node}: {message}")),
             _ => ApiError::Conflict(format!("{node}: {message}")),
         },
         e => ApiError::Conflict(format!("{node}: {e}")),

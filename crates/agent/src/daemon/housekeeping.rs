@@ -79,10 +79,7 @@ impl Housekeeping {
                 !node
                     .active_where(|j| j.meta.trees.iter().any(|t| t == snap))
                     .is_empty()
-                    || stages::records(&stages).iter().any(|(_, r)| {
-                        stages::holds_trees(r, crate::leases::unix_now())
-                            && r.trees.iter().any(|t| t == snap)
-                    })
+                    || stages::tree_in_stage(&stages, snap, crate::leases::unix_now())
             };
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
@@ -128,16 +125,26 @@ impl Housekeeping {
     }
 
     /// Removes the folders of stages released more than `work_keep` ago,
-    /// or never released within [`stages::STAGE_TTL`].
+    /// or never released within [`stages::STAGE_TTL`], and those left
+    /// without a record for an hour (a crash between making and recording).
     fn sweep_stages(&self) {
         let now = crate::leases::unix_now();
-        for (name, rec) in stages::records(&self.stages_dir) {
-            if !stages::expired(&rec, now, self.work_keep) {
+        let Ok(recs) = stages::records(&self.stages_dir) else {
+            return;
+        };
+        for (name, rec) in recs {
+            let path = self.stages_dir.join(&name);
+            let gone = match &rec {
+                Some(r) => stages::expired(r, now, self.work_keep),
+                None => std::fs::symlink_metadata(&path)
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t.elapsed().is_ok_and(|e| e.as_secs() > 3600)),
+            };
+            if !gone {
                 continue;
             }
-            let path = self.stages_dir.join(&name);
             match std::fs::remove_dir_all(&path) {
-                Ok(()) => tracing::info!("removed the folder of Slurm job {} ({name})", rec.job),
+                Ok(()) => tracing::info!("removed the folder of stage {name}"),
                 Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
             }
         }

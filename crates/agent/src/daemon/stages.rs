@@ -62,23 +62,63 @@ fn check_stage_name(stage: &str) -> Result<(), ApiError> {
     }
 }
 
-/// The stages folder's records, by stage name.
-pub(crate) fn records(dir: &Path) -> Vec<(String, StageRecord)> {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Vec::new();
+/// Stages a user may hold unreleased on one node at once.
+pub const STAGES_PER_USER: usize = 64;
+
+/// The stages folder's records, by stage name; `Err` when one cannot be
+/// read (then every tree must count as in use). A folder with no record
+/// yet (made a moment ago, or left by a crash) is `None`.
+pub(crate) fn records(dir: &Path) -> std::io::Result<Vec<(String, Option<StageRecord>)>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
     };
-    rd.flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_str()?.to_string();
-            let bytes = std::fs::read(e.path().join("stage.json")).ok()?;
-            Some((name, serde_json::from_slice(&bytes).ok()?))
-        })
-        .collect()
+    let mut out = Vec::new();
+    for e in rd {
+        let e = e?;
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let rec = match std::fs::read(e.path().join("stage.json")) {
+            Ok(bytes) => Some(serde_json::from_slice(&bytes).map_err(std::io::Error::other)?),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
+            Err(err) => return Err(err),
+        };
+        out.push((name, rec));
+    }
+    Ok(out)
+}
+
+/// Whether a stage holds `snapshot`'s tree at `now`; true when the records
+/// cannot be read, or a stage's record is not written yet.
+pub(crate) fn tree_in_stage(dir: &Path, snapshot: &str, now: u64) -> bool {
+    match records(dir) {
+        Ok(recs) => recs.iter().any(|(_, r)| match r {
+            Some(r) => holds_trees(r, now) && r.trees.iter().any(|t| t == snapshot),
+            None => true,
+        }),
+        Err(e) => {
+            tracing::warn!(
+                "cannot read the stages in {}: {e}; keeping every tree",
+                dir.display()
+            );
+            true
+        }
+    }
 }
 
 fn write_record(stage_dir: &Path, rec: &StageRecord) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = stage_dir.join(".stage.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(rec).expect("record serialises"))?;
+    // labd's alone: it names the user's job and snapshots.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    std::io::Write::write_all(&mut f, &serde_json::to_vec(rec).expect("record serialises"))?;
     std::fs::rename(&tmp, stage_dir.join("stage.json"))
 }
 
@@ -99,12 +139,13 @@ pub(crate) fn expired(rec: &StageRecord, now: u64, work_keep: Duration) -> bool 
 fn new_stage_dir(dir: &Path, job: &str) -> std::io::Result<(PathBuf, String)> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     std::fs::create_dir_all(dir)?;
-    // Users reach their working folders through it; only labd writes it.
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    // Users reach their working folders through it (its path is all they
+    // are told); they can list none of it, and only labd writes it.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
     for n in 1..10_000u32 {
         let name = format!("{job}.{n}");
         let path = dir.join(&name);
-        match std::fs::DirBuilder::new().mode(0o755).create(&path) {
+        match std::fs::DirBuilder::new().mode(0o711).create(&path) {
             Ok(()) => return Ok((path, name)),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(e),
@@ -113,6 +154,29 @@ fn new_stage_dir(dir: &Path, job: &str) -> std::io::Result<(PathBuf, String)> {
     Err(std::io::Error::other(format!(
         "job {job} has been staged 10,000 times here"
     )))
+}
+
+/// Releases a stage whose request was dropped half way.
+struct ReleaseOnDrop {
+    daemon: Option<Arc<Daemon>>,
+    user: String,
+    stage: String,
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some(d) = self.daemon.take() else { return };
+        let (user, stage) = (
+            std::mem::take(&mut self.user),
+            std::mem::take(&mut self.stage),
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                tracing::info!("stage {stage} of {user} abandoned by its asker; released");
+                let _ = d.release_stage(&user, &stage).await;
+            });
+        }
+    }
 }
 
 impl Daemon {
@@ -145,6 +209,27 @@ impl Daemon {
             admin: false,
         };
         let owner = self.run_as(&caller).await?;
+        let (dir, user) = (self.stages_dir(), o.user.clone());
+        let held = off_runtime(move || {
+            let now = unix_now();
+            records(&dir).map(|recs| {
+                recs.iter()
+                    .filter(|(_, r)| {
+                        r.as_ref()
+                            .is_some_and(|r| r.user == user && holds_trees(r, now))
+                    })
+                    .count()
+            })
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
+        if held >= STAGES_PER_USER {
+            return Err(ApiError::TooMany(format!(
+                "{} holds {held} stages on {} not yet released (at most {STAGES_PER_USER}): \
+                 a stage is released when its job's step ends",
+                o.user, self.cfg.node_name
+            )));
+        }
         let rec = StageRecord {
             user: o.user.clone(),
             job: ask.job.clone(),
@@ -160,6 +245,13 @@ impl Daemon {
         })
         .await
         .map_err(|e| ApiError::Internal(format!("cannot record the stage: {e}")))?;
+        // Released if this request goes away before it is answered (the
+        // asker disconnected): its trees must not stay held.
+        let mut guard = ReleaseOnDrop {
+            daemon: Some(self.clone()),
+            user: o.user.clone(),
+            stage: name.clone(),
+        };
         let prepared = async {
             let code = match &ask.code {
                 Some(t) => Some(self.trees.get(&self.repo, &self.cache, t).await?),
@@ -180,6 +272,7 @@ impl Daemon {
         };
         match prepared.await {
             Ok((work, data)) => {
+                guard.daemon = None;
                 tracing::info!(
                     "staged Slurm job {} of {} in {}",
                     ask.job,
@@ -195,6 +288,7 @@ impl Daemon {
             }
             Err(e) => {
                 // Nothing of it is in use: released at once.
+                guard.daemon = None;
                 let _ = self.release_stage(&o.user, &name).await;
                 Err(ApiError::Conflict(format!(
                     "cannot stage job {} on {}: {}",
@@ -273,6 +367,38 @@ mod tests {
         assert!(!holds_trees(&done, 2000));
         assert!(!expired(&done, 2059, keep));
         assert!(expired(&done, 2060, keep));
+    }
+
+    #[test]
+    fn trees_are_held_unless_a_record_says_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        assert!(!tree_in_stage(d, "s1", 100), "no stages: nothing held");
+        let (p, _) = new_stage_dir(d, "9").unwrap();
+        // Made, not yet recorded: every tree is held.
+        assert!(tree_in_stage(d, "s1", 100));
+        let rec = StageRecord {
+            user: "alice".into(),
+            job: "9".into(),
+            trees: vec!["s1".into()],
+            at: 100,
+            released: None,
+        };
+        write_record(&p, &rec).unwrap();
+        assert!(tree_in_stage(d, "s1", 100));
+        assert!(!tree_in_stage(d, "s2", 100));
+        write_record(
+            &p,
+            &StageRecord {
+                released: Some(150),
+                ..rec
+            },
+        )
+        .unwrap();
+        assert!(!tree_in_stage(d, "s1", 200));
+        // A record that cannot be read keeps every tree.
+        std::fs::write(p.join("stage.json"), "{ not json").unwrap();
+        assert!(tree_in_stage(d, "s2", 200));
     }
 
     #[test]

@@ -39,9 +39,9 @@ pub async fn run(s: &Settings, spec: &str) -> Result<ExitCode> {
     let id = super::slurm_id(&id)?;
     let node = slurm_var("SLURMD_NODENAME")?;
     let name = job_name(&id);
-    let Some(program) = spec.argv.first().cloned() else {
+    if spec.argv.is_empty() {
         bail!("the job's spec has no command");
-    };
+    }
     // Ignored until the child runs: a TERM while staging ends labrun (and
     // the job) as Slurm means it to.
     let (client, _) = crate::local::connect(Some(spec.labd.clone()), s, true).await?;
@@ -60,13 +60,41 @@ pub async fn run(s: &Settings, spec: &str) -> Result<ExitCode> {
         started.elapsed().as_secs_f64(),
         staged.work.display()
     );
+    let done = StageDone {
+        node: node.clone(),
+        stage: staged.stage.clone(),
+        user: String::new(),
+    };
+    let ran = run_staged(s, &client, &spec, &staged, &name, &node).await;
+    // Released however the command went (its trees may then be evicted;
+    // the working folder stays for labd's work_keep).
+    if let Err(e) = client.stage_done_ask(&done).await {
+        eprintln!("labrun: {name}: could not release its stage ({e}); labd keeps it a while");
+    }
+    let code = ran?;
+    eprintln!("labrun: {name} ended: exit {code}");
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// Runs the command in the staged folder, saving the outputs as it runs
+/// and once it has ended; its exit code (128+N for signal N).
+async fn run_staged(
+    s: &Settings,
+    client: &Client,
+    spec: &JobSpec,
+    staged: &Staged,
+    name: &str,
+    node: &str,
+) -> Result<i32> {
     let mut term = signal(SignalKind::terminate()).context("cannot catch SIGTERM")?;
-    let mut cmd = tokio::process::Command::new(&program);
+    let mut cmd = tokio::process::Command::new(&spec.argv[0]);
     cmd.args(&spec.argv[1..])
         .current_dir(&staged.work)
+        // Its own process group, so SIGTERM reaches what it started too.
+        .process_group(0)
         .env_remove("LABRUN_TOKEN")
-        .env("LABRUN_JOB_ID", &name)
-        .env("LABRUN_NODE", &node);
+        .env("LABRUN_JOB_ID", name)
+        .env("LABRUN_NODE", node);
     for (i, (var, path)) in staged.data.iter().enumerate() {
         if i == 0 {
             cmd.env("LABRUN_DATA", path);
@@ -76,46 +104,49 @@ pub async fn run(s: &Settings, spec: &str) -> Result<ExitCode> {
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {:?}", spec.argv))?;
-    let saver = Saver::open(s, &client, &spec, &staged, &name).await;
+    let saver = Saver::open(s, client, spec, staged, name)
+        .await
+        .map(Arc::new);
     let every = Duration::from_secs(spec.outputs_every_s.max(1));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // One periodic save at a time, in a task of its own: a long push must
+    // not keep SIGTERM from being passed on, or the end from being seen.
+    let mut saving: Option<tokio::task::JoinHandle<()>> = None;
     let status = loop {
         tokio::select! {
             st = child.wait() => break st.context("waiting for the command")?,
             _ = term.recv() => {
                 eprintln!("labrun: {name}: Slurm stops the job (SIGTERM): passing it on, then saving the outputs");
                 if let Some(pid) = child.id() {
-                    // SAFETY: kill(2) on our own child's pid; no memory is touched.
+                    // SAFETY: kill(2) of our child's process group (it leads
+                    // it); no memory is touched.
                     #[allow(unsafe_code)]
-                    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+                    unsafe { libc::kill(-(pid as i32), libc::SIGTERM) };
                 }
             }
             _ = tick.tick() => {
                 if let Some(sv) = &saver {
-                    sv.save(false).await;
+                    if saving.as_ref().is_none_or(|h| h.is_finished()) {
+                        let sv = sv.clone();
+                        saving = Some(tokio::spawn(async move { sv.save(false).await }));
+                    }
                 }
             }
         }
     };
+    if let Some(h) = saving {
+        let _ = h.await;
+    }
     if let Some(sv) = &saver {
         sv.save(true).await;
     }
-    let done = StageDone {
-        node,
-        stage: staged.stage.clone(),
-        user: String::new(),
-    };
-    if let Err(e) = client.stage_done_ask(&done).await {
-        eprintln!("labrun: {name}: could not release its stage ({e}); labd keeps it a while");
-    }
     use std::os::unix::process::ExitStatusExt;
-    let code = match (status.code(), status.signal()) {
+    Ok(match (status.code(), status.signal()) {
         (Some(c), _) => c,
         (None, Some(sig)) => 128 + sig,
         _ => 1,
-    };
-    eprintln!("labrun: {name} ended: exit {code}");
-    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+    })
 }
 
 /// Pushes the job's `--outputs` as `runs/slurm-<id>`, as the job's user.

@@ -14,13 +14,18 @@ use serde::Serialize;
 use super::{job_name, slurm_id, Slurm};
 
 /// States in which a job has not ended.
-const ACTIVE: [&str; 8] = [
+const ACTIVE: [&str; 13] = [
     "PENDING",
     "CONFIGURING",
     "RUNNING",
     "COMPLETING",
     "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
     "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
     "RESIZING",
     "STAGE_OUT",
 ];
@@ -126,6 +131,11 @@ fn active(job: Option<&HashMap<String, String>>) -> bool {
 fn copy_from(path: &std::path::Path, offset: u64) -> u64 {
     let Ok(mut f) = std::fs::File::open(path) else {
         return offset;
+    };
+    // A requeued job's file starts again from nothing.
+    let offset = match f.metadata() {
+        Ok(m) if m.len() < offset => 0,
+        _ => offset,
     };
     if f.seek(SeekFrom::Start(offset)).is_err() {
         return offset;
