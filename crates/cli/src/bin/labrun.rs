@@ -43,6 +43,15 @@ node where it can start soonest (free GPUs, and its code and data cached
 there or quickly fetched); `labrun --explain ...` shows that choice per node
 without submitting, and ps, logs, kill and status cover every node.
 
+Where the lab runs Slurm, `--backend slurm` (or backend = \"slurm\" in the
+config file) submits the job with sbatch instead: the coordinator ranks
+Slurm's nodes by free GPUs and cached data, sbatch --prefer names the best
+that can start it now (Slurm still decides), and on the node the job's
+first step stages the code and data through that node's labd, runs the
+command with the GPUs Slurm granted and saves --outputs as runs/slurm-ID,
+also on scancel and before --time runs out. ps, logs and kill then map to
+squeue, the job's output file and scancel.
+
 labd is found at --labd, LABRUN_LABD, `labd` in the config file, the system
 socket /run/labsync/labd.sock, or else a personal labd that labrun starts in
 the background (state in ~/.local/state/labsync/labd). A shared labd needs

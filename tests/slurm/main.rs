@@ -7,14 +7,26 @@
 //! Where Slurm is not installed these tests say so and pass outside CI
 //! (`scripts/test.sh` installs it, and says at its end when it could not);
 //! in CI a missing Slurm fails them.
+//!
+//! A test binary of its own: its Slurm daemons never compete for the CPU
+//! with the cluster's timing-sensitive tests.
+
+#[path = "../../crates/store/tests/support/mod.rs"]
+mod support;
+
+#[path = "../common/mod.rs"]
+mod common;
+
+#[path = "../cluster/lab.rs"]
+mod lab;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::common::wait_until;
-use super::support::free_port;
-use super::Lab;
+use common::wait_until;
+use lab::{present, Lab};
+use support::free_port;
 
 const PROGRAMS: [&str; 8] = [
     "munged",
@@ -385,8 +397,34 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     check_probe(&ok(&lab, &slurm, &["logs", job.trim()]), &node, job.trim());
     // The data followed: that node's cache holds it now.
     lab.wait_for(&format!("div2k cached on {node}"), 20, |s| {
-        super::present(s, &node, "div2k@v1").is_some_and(|(h, t)| h == t)
+        present(s, &node, "div2k@v1").is_some_and(|(h, t)| h == t)
     });
+    // Slurm's fallback, which labrun avoids by never preferring a busy
+    // node: a job that prefers gpu1 anyway waits for a backfill pass, then
+    // starts elsewhere (a soft preference, never a pin).
+    let t = Instant::now();
+    let o = slurm
+        .cmd("sbatch")
+        .args([
+            "--parsable",
+            "--prefer=lsn_gpu1",
+            "--gres=gpu:1",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let direct = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    slurm.ended(&direct, 120);
+    let ran_on = slurm.job_field(&direct, "NodeList");
+    eprintln!(
+        "a job preferring the busy gpu1 ran on {ran_on} after {:.1} s (Slurm's fallback)",
+        t.elapsed().as_secs_f64()
+    );
+    assert!(ran_on == "gpu0" || ran_on == "gpu2", "{ran_on}");
     // ps shows the blocker (everyone's) and not ours (ended).
     let ps = ok(&lab, &slurm, &["ps", "--all"]);
     assert!(ps.contains(&format!("slurm-{blocker} ")), "{ps}");
