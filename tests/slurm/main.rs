@@ -540,3 +540,72 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
         "timed\n"
     );
 }
+
+/// Pending jobs are ranked again as caches change: a job held while every
+/// node is free and nothing is cached would start on gpu0 (Slurm's first
+/// node); once its data is cached on gpu2, the coordinator's re-ranking
+/// (`[slurm] rerank_s`) makes it prefer gpu2, and released it starts there.
+#[test]
+fn a_pending_job_is_re_ranked_when_its_data_is_cached() {
+    let Some(slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
+        return;
+    };
+    let extra = format!(
+        "[slurm]\nrerank_s = 1\ntimeout_s = 5\nconf = \"{}\"\n",
+        slurm.conf().display()
+    );
+    let Some(lab) = Lab::start_full(3, false, "", &extra) else {
+        return;
+    };
+    lab.dataset("div2k", 11);
+    // Every GPU taken: the job waits, preferring nothing.
+    let blockers: Vec<String> = ["gpu0", "gpu1", "gpu2"]
+        .iter()
+        .map(|n| {
+            let o = slurm
+                .cmd("sbatch")
+                .args([
+                    "--parsable",
+                    "-w",
+                    n,
+                    "--gres=gpu:2",
+                    "-o",
+                    "/dev/null",
+                    "--wrap",
+                    "sleep 300",
+                ])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{o:?}");
+            let id = String::from_utf8(o.stdout).unwrap().trim().to_string();
+            assert_eq!(&slurm.running_on(&id, 60), n);
+            id
+        })
+        .collect();
+    let job = ok(&lab, &slurm, &["-d", "--data", "div2k", "--", "true"]);
+    let id = id_of(&job);
+    assert_eq!(slurm.job_field(&id, "JobState"), "PENDING");
+    // Held (an admin's hold stands in for a long queue), the nodes freed.
+    let held = slurm.cmd("scontrol").args(["hold", &id]).status().unwrap();
+    assert!(held.success());
+    for b in &blockers {
+        assert!(slurm.cmd("scancel").arg(b).status().unwrap().success());
+        slurm.ended(b, 60);
+    }
+    lab.cache_on(2, "div2k");
+    let log = lab.dir.path().join("gpu0").join("labd.log");
+    wait_until("the coordinator to re-rank the job", 60, || {
+        std::thread::sleep(Duration::from_millis(200));
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains(&format!("pending Slurm job {id} now prefers lsn_gpu2"))
+    });
+    let released = slurm
+        .cmd("scontrol")
+        .args(["release", &id])
+        .status()
+        .unwrap();
+    assert!(released.success());
+    assert_eq!(slurm.ended(&id, 60), "COMPLETED");
+    assert_eq!(slurm.job_field(&id, "NodeList"), "gpu2");
+}

@@ -50,6 +50,8 @@ pub struct LabdSettings {
     pub inventory: Arc<dyn GpuInventory>,
     /// TLS on its TCP listener (`[tls]`).
     pub tls: Option<Arc<ServerConfig>>,
+    /// Re-ranking of pending Slurm jobs (`[slurm]`, the coordinator).
+    pub slurm: Option<SlurmRerank>,
 }
 
 /// labd's config file.
@@ -104,6 +106,35 @@ pub(crate) struct LabdFile {
     lab: Option<LabFile>,
     /// TLS on the TCP listener and towards the other nodes.
     tls: Option<TlsFile>,
+    /// Where the lab runs Slurm (the coordinator's).
+    slurm: Option<SlurmFile>,
+}
+
+/// `[slurm]` of the coordinator's config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SlurmFile {
+    /// Seconds between re-rankings of labsync's pending Slurm jobs (0: never).
+    rerank_s: Option<u64>,
+    /// Longest wait for one Slurm command, seconds (default 10).
+    timeout_s: Option<u64>,
+    /// Only this partition's nodes.
+    partition: Option<String>,
+    /// slurm.conf, where not the default (SLURM_CONF for Slurm's commands).
+    conf: Option<PathBuf>,
+}
+
+/// The coordinator's re-ranking of pending Slurm jobs (`[slurm]`).
+#[derive(Clone, Debug)]
+pub struct SlurmRerank {
+    /// Time between passes.
+    pub every: Duration,
+    /// Longest wait for one Slurm command.
+    pub timeout: Duration,
+    /// Only this partition's nodes.
+    pub partition: Option<String>,
+    /// slurm.conf for Slurm's commands.
+    pub conf: Option<PathBuf>,
 }
 
 /// `[tls]` of labd's config file.
@@ -215,6 +246,8 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
     let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
     let cluster_file = file.cluster.take();
     let lab_file = file.lab.take();
+    let slurm_file = file.slurm.take();
+    let coordinates = cluster_file.as_ref().is_some_and(|c| c.coordinate);
     let mut config = daemon_config(file, settings, &local)?;
     if let Some(c) = cluster_file {
         let client = tls.as_ref().map(|t| t.client.clone());
@@ -233,11 +266,32 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
         None => Arc::from(detect()),
     };
+    let slurm = match slurm_file {
+        Some(f) if f.rerank_s.unwrap_or(0) > 0 => {
+            if !coordinates {
+                // One labd.toml may be deployed to every node.
+                tracing::info!(
+                    "[slurm] rerank_s: only the cluster's coordinator re-ranks pending Slurm \
+                     jobs; ignored here"
+                );
+                None
+            } else {
+                Some(SlurmRerank {
+                    every: Duration::from_secs(f.rerank_s.unwrap_or(30)),
+                    timeout: Duration::from_secs(f.timeout_s.unwrap_or(10).max(1)),
+                    partition: f.partition,
+                    conf: f.conf,
+                })
+            }
+        }
+        _ => None,
+    };
     Ok(LabdSettings {
         config,
         listen,
         inventory,
         tls: tls.map(|t| t.server),
+        slurm,
     })
 }
 

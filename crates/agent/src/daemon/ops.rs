@@ -136,6 +136,21 @@ pub(crate) fn check_data_vars(data: &[crate::proto::DataRef]) -> Result<(), ApiE
 }
 
 impl Daemon {
+    /// Slurm's nodes ranked for a job (the coordinator's re-ranking of
+    /// pending Slurm jobs; [`crate::cluster::Coordinator::rank_for_scheduler`]).
+    pub async fn rank_for_scheduler(
+        self: &Arc<Self>,
+        ask: &crate::proto::RankAsk,
+    ) -> Result<labsync_placer::Ranking, ApiError> {
+        let co = self.coordinator.as_ref().ok_or_else(|| {
+            ApiError::Conflict(format!(
+                "{} does not coordinate a cluster",
+                self.cfg.node_name
+            ))
+        })?;
+        co.rank_for_scheduler(self, ask).await
+    }
+
     /// The caller a bearer token belongs to.
     pub fn authenticate(&self, token: &str) -> Option<Caller> {
         let h = blake3::hash(token.as_bytes());

@@ -59,6 +59,15 @@ The coordinator orders its queue by the lab's rules (all optional):
   [lab.grants]                              # labrun --priority deadline until the end
   alice = \"2026-12-20\"                      # of that day (UTC); then it lapses
 
+Where the lab runs Slurm (labrun --backend slurm), each Slurm node's labd
+is named as Slurm names it, `labd slurm-config` prints the slurm.conf lines,
+and the coordinator may re-rank labsync's pending Slurm jobs as caches
+change (it runs Slurm's client commands):
+
+  [slurm]
+  rerank_s = 30                             # seconds between passes; 0: never
+  timeout_s = 10                            # each Slurm command
+
 labrun status against the coordinator then shows every node. With TLS, the
 TCP port speaks only TLS and every address is https:// (coordinator too):
 

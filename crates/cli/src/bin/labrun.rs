@@ -261,6 +261,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     if s.backend == Backend::Slurm {
         let sl = slurm::Slurm {
             timeout: s.slurm.timeout,
+            conf: None,
         };
         match &cli.cmd {
             Some(Cmd::Ps { all }) => return slurm::manage::ps(&sl, g.json, *all).await,

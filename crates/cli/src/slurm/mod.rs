@@ -11,6 +11,8 @@
 //! - [`manage`]: `labrun ps | logs | kill` mapped to `squeue`, the job's
 //!   output file and `scancel`.
 //! - [`config`]: `labd slurm-config`, the slurm.conf lines labsync needs.
+//! - [`rerank`]: the coordinator's re-ranking of pending jobs as caches
+//!   change (`scontrol update JobId=… Prefer=…`).
 //!
 //! Every Slurm command runs under a timeout ([`Slurm::run`]): `sinfo` and
 //! friends block for seconds when slurmctld is down, and labrun must say
@@ -19,6 +21,7 @@
 pub mod config;
 pub mod job;
 pub mod manage;
+pub mod rerank;
 pub mod submit;
 
 use std::collections::HashMap;
@@ -54,6 +57,9 @@ pub fn slurm_id(job: &str) -> Result<String> {
 pub struct Slurm {
     /// Longest wait for one command.
     pub timeout: Duration,
+    /// slurm.conf (`SLURM_CONF`) where not Slurm's default or the
+    /// environment's.
+    pub conf: Option<std::path::PathBuf>,
 }
 
 impl Slurm {
@@ -62,6 +68,9 @@ impl Slurm {
     pub async fn run(&self, prog: &str, args: &[String], stdin: Option<&[u8]>) -> Result<String> {
         let shown = format!("{prog} {}", args.join(" "));
         let mut cmd = tokio::process::Command::new(prog);
+        if let Some(c) = &self.conf {
+            cmd.env("SLURM_CONF", c);
+        }
         cmd.args(args)
             .stdin(if stdin.is_some() {
                 std::process::Stdio::piped()

@@ -77,9 +77,34 @@ pub fn batch_script(labrun: &Path, spec: &JobSpec) -> String {
     )
 }
 
+/// The job's comment in Slurm: what the coordinator's re-ranking prices
+/// it by (`labsync:v1:<gpus>:<snapshot>,<snapshot>`, code first).
+pub fn comment(req: &SubmitRequest) -> String {
+    let snaps: Vec<&str> = (req.code.iter())
+        .chain(req.data.iter().map(|d| &d.tree))
+        .map(|t| t.snapshot.as_str())
+        .collect();
+    format!("{COMMENT}{}:{}", req.gpus, snaps.join(","))
+}
+
+/// How labsync's comments start.
+pub const COMMENT: &str = "labsync:v1:";
+
+/// The GPUs and snapshots of a job whose comment [`comment`] wrote.
+pub fn parse_comment(c: &str) -> Option<(u32, Vec<String>)> {
+    let (gpus, snaps) = c.strip_prefix(COMMENT)?.split_once(':')?;
+    let snaps: Vec<String> = snaps
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    Some((gpus.parse().ok()?, snaps))
+}
+
 /// sbatch's arguments (the script comes on stdin).
 pub fn sbatch_args(
     name: &str,
+    comment: &str,
     gpus: u32,
     prefer: &[String],
     out_dir: &Path,
@@ -89,6 +114,7 @@ pub fn sbatch_args(
     let mut a = vec![
         "--parsable".to_string(),
         format!("--job-name={name}"),
+        format!("--comment={comment}"),
         format!("--output={}/slurm-%j.out", out_dir.display()),
         format!("--chdir={}", out_dir.display()),
     ];
@@ -190,6 +216,7 @@ pub async fn submit(
     }
     let slurm = Slurm {
         timeout: s.slurm.timeout,
+        conf: None,
     };
     let nodes = slurm.nodes(s.slurm.partition.as_deref()).await?;
     if nodes.is_empty() {
@@ -216,7 +243,15 @@ pub async fn submit(
     let prefer = with_features(prefer, &nodes, quiet);
     let out_dir = output_dir()?;
     let name = job_label(&req.argv);
-    let args = sbatch_args(&name, req.gpus, &prefer, &out_dir, &s.slurm, run.time_s);
+    let args = sbatch_args(
+        &name,
+        &comment(&req),
+        req.gpus,
+        &prefer,
+        &out_dir,
+        &s.slurm,
+        run.time_s,
+    );
     if run.explain {
         if json {
             println!("{}", serde_json::to_string_pretty(&(ranking, &args))?);
@@ -292,6 +327,7 @@ mod tests {
     fn the_sbatch_line() {
         let a = sbatch_args(
             "train.py",
+            "labsync:v1:2:ab,cd",
             2,
             &["n1".into(), "n3".into()],
             Path::new("/home/a/.local/state/labsync/slurm"),
@@ -303,6 +339,7 @@ mod tests {
             [
                 "--parsable",
                 "--job-name=train.py",
+                "--comment=labsync:v1:2:ab,cd",
                 "--output=/home/a/.local/state/labsync/slurm/slurm-%j.out",
                 "--chdir=/home/a/.local/state/labsync/slurm",
                 "--gres=gpu:2",
@@ -313,11 +350,36 @@ mod tests {
                 "--signal=B:TERM@60",
             ]
         );
-        let a = sbatch_args("x", 0, &[], Path::new("/o"), &settings(), None);
+        let a = sbatch_args("x", "c", 0, &[], Path::new("/o"), &settings(), None);
         assert!(!a
             .iter()
             .any(|x| x.starts_with("--gres") || x.starts_with("--prefer")));
         assert_eq!(a.last().unwrap(), "--signal=B:TERM@120");
+    }
+
+    #[test]
+    fn comments_round_trip() {
+        let tree = |s: &str| TreeRef {
+            label: format!("{s}@v1"),
+            snapshot: s.into(),
+        };
+        let req = SubmitRequest {
+            gpus: 2,
+            code: Some(tree("c0de")),
+            data: vec![DataRef {
+                env: "LABRUN_DATA_X".into(),
+                tree: tree("da7a"),
+            }],
+            ..Default::default()
+        };
+        assert_eq!(comment(&req), "labsync:v1:2:c0de,da7a");
+        assert_eq!(
+            parse_comment(&comment(&req)),
+            Some((2, vec!["c0de".into(), "da7a".into()]))
+        );
+        for other in ["", "my own comment", "labsync:v1:x:ab", "labsync:v2:1:ab"] {
+            assert_eq!(parse_comment(other), None, "{other:?}");
+        }
     }
 
     #[test]
