@@ -465,6 +465,8 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
             "-d",
             "--outputs",
             "ckpt",
+            "--outputs-every",
+            "1s",
             "--",
             "sh",
             "-c",
@@ -473,10 +475,13 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
     );
     let id = id_of(&killed);
     slurm.running_on(&id, 60);
-    wait_until("the job to write its checkpoint", 60, || {
+    // Saved while it runs, every --outputs-every.
+    wait_until("a save of the outputs while the job runs", 60, || {
         std::thread::sleep(Duration::from_millis(200));
-        String::from_utf8_lossy(&labrun(&lab, &slurm, &["logs", killed.trim()]).stdout)
-            .contains("wrote")
+        let log = labrun(&lab, &slurm, &["logs", killed.trim()]).stdout;
+        let log = String::from_utf8_lossy(&log);
+        log.contains("wrote")
+            && log.contains(&format!("outputs saved as runs/{}@v1", killed.trim()))
     });
     let said = ok(&lab, &slurm, &["kill", killed.trim()]);
     assert!(said.contains("cancelled"), "{said}");
