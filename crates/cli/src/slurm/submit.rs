@@ -208,6 +208,14 @@ pub async fn submit(
             info.node
         );
     }
+    if let labsync_agent::Endpoint::Unix(p) = client.endpoint() {
+        bail!(
+            "the job's step on the Slurm node asks the coordinator to stage its data, and \
+             {} is a socket of this machine: give the coordinator's network address \
+             (LABRUN_LABD=http://HOST:PORT, or https://)",
+            p.display()
+        );
+    }
     if req.gpu_mem > 0 || req.priority.is_some() || req.preemptible {
         bail!(
             "--gpu-mem, --priority and --preemptible are labd's; under Slurm, ask Slurm \
