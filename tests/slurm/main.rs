@@ -544,6 +544,20 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
         std::fs::read_to_string(out.join("timed.txt")).unwrap(),
         "timed\n"
     );
+
+    // Attached (no -d): labrun streams the job's output and exits with its code.
+    let o = labrun(
+        &lab,
+        &slurm,
+        &["--", "sh", "-c", "echo hello from $LABRUN_NODE; exit 3"],
+    );
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert_eq!(o.status.code(), Some(3), "{out}{err}");
+    assert!(out.contains("hello from gpu"), "{out}{err}");
+    assert!(err.contains("running on gpu"), "{err}");
 }
 
 /// Pending jobs are ranked again as caches change: a job held while every
