@@ -128,8 +128,17 @@ pub async fn run(
             name_part(&code)
         )
     });
-    let code_ref = push_tree(&repo, s, &code, code_name, &info.user, quiet).await?;
-    let data = data_refs(&repo, s, &info, &a.data, quiet).await?;
+    // The code push and the stored datasets' lookups (a round trip or more
+    // each to the store) go at once; a local folder's push comes after the
+    // code's, so two progress bars never share the terminal.
+    let code_push = push_tree(&repo, s, &code, code_name, &info.user, quiet);
+    let (code_ref, data) = if a.data.iter().any(|d| Path::new(d).is_dir()) {
+        let code_ref = code_push.await?;
+        (code_ref, data_refs(&repo, s, &info, &a.data, quiet).await?)
+    } else {
+        let (c, d) = tokio::join!(code_push, data_refs(&repo, s, &info, &a.data, quiet));
+        (c?, d?)
+    };
     let req = SubmitRequest {
         argv,
         // Variables that are not UTF-8 cannot travel as JSON strings; they stay behind.
