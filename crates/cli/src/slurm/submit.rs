@@ -237,7 +237,12 @@ pub async fn submit(
         );
     }
     let ask = RankAsk {
-        req: req.clone(),
+        // What it reads and how many GPUs, not the submitter's environment
+        // (the job's environment goes with sbatch, never to labd).
+        req: SubmitRequest {
+            env: Vec::new(),
+            ..req.clone()
+        },
         nodes: nodes.iter().filter_map(|n| n.scheduler_node()).collect(),
     };
     let ranking = client
