@@ -260,6 +260,15 @@ impl Drop for Slurm {
     }
 }
 
+/// The `[slurm]` section every labd gets: Slurm's commands (the nodes
+/// check each stage's job with `scontrol`) use this Slurm.
+fn slurm_section(slurm: &Slurm, more: &str) -> String {
+    format!(
+        "[slurm]\nconf = \"{}\"\ntimeout_s = 5\n{more}",
+        slurm.conf().display()
+    )
+}
+
 /// `labrun --backend slurm ARGS` as alice, against the coordinator.
 fn labrun(lab: &Lab, slurm: &Slurm, args: &[&str]) -> Output {
     let mut full = vec!["--backend", "slurm"];
@@ -335,7 +344,9 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     let Some(mut slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
         return;
     };
-    let Some(lab) = Lab::start(3) else { return };
+    let Some(lab) = Lab::start_full(3, false, "", &slurm_section(&slurm, "")) else {
+        return;
+    };
     let div2k = lab.dataset("div2k", 7);
     lab.cache_on(1, "div2k");
     let script = probe(&div2k);
@@ -425,6 +436,30 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
         t.elapsed().as_secs_f64()
     );
     assert!(ran_on == "gpu0" || ran_on == "gpu2", "{ran_on}");
+    // A node stages only for a Slurm job running there (checked with
+    // scontrol): not for a job of another node, not for one Slurm lacks.
+    let spec = format!(
+        "{{\"labd\":\"{}\",\"argv\":[\"true\"],\"code\":null,\"data\":[],\
+         \"outputs\":null,\"outputs_every_s\":300}}",
+        lab.url(0)
+    );
+    for (job, node, says) in [
+        (blocker.as_str(), "gpu2", "runs on \"gpu1\", not on gpu2"),
+        ("999999", "gpu1", "Slurm knows no job 999999"),
+    ] {
+        let o = lab
+            .labrun_cmd(&["_slurm-job", &spec])
+            .env("SLURM_CONF", slurm.conf())
+            .env("SLURM_JOB_ID", job)
+            .env("SLURMD_NODENAME", node)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(says),
+            "{job} on {node}: {err}"
+        );
+    }
     // ps shows the blocker (everyone's) and not ours (ended).
     let ps = ok(&lab, &slurm, &["ps", "--all"]);
     assert!(ps.contains(&format!("slurm-{blocker} ")), "{ps}");
@@ -454,7 +489,9 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
     let Some(slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
         return;
     };
-    let Some(lab) = Lab::start(3) else { return };
+    let Some(lab) = Lab::start_full(3, false, "", &slurm_section(&slurm, "")) else {
+        return;
+    };
     let writer = |name: &str| {
         format!("mkdir -p ckpt && echo {name} > ckpt/{name}.txt && echo wrote && sleep 600")
     };
@@ -569,10 +606,7 @@ fn a_pending_job_is_re_ranked_when_its_data_is_cached() {
     let Some(slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
         return;
     };
-    let extra = format!(
-        "[slurm]\nrerank_s = 1\ntimeout_s = 5\nconf = \"{}\"\n",
-        slurm.conf().display()
-    );
+    let extra = slurm_section(&slurm, "rerank_s = 1\n");
     let Some(lab) = Lab::start_full(3, false, "", &extra) else {
         return;
     };

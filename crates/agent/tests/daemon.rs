@@ -53,6 +53,7 @@ fn config(dir: &Path) -> DaemonConfig {
         conn_limits: ConnLimits::default(),
         max_queued_per_user: 5,
         cluster: None,
+        slurm_check: None,
     }
 }
 

@@ -12,6 +12,7 @@ use labsync_agent::cluster::{ClusterConfig, ClusterKey, LabConfig};
 use labsync_agent::tls::{ClientConfig, ServerConfig};
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
+    SlurmCheck,
 };
 use labsync_placer::{Ladder, Member, Members};
 use serde::Deserialize;
@@ -122,6 +123,9 @@ struct SlurmFile {
     partition: Option<String>,
     /// slurm.conf, where not the default (SLURM_CONF for Slurm's commands).
     conf: Option<PathBuf>,
+    /// Check with Slurm (`scontrol show job`) that a stage is for the
+    /// asker's job running on this node (default true).
+    check_jobs: Option<bool>,
 }
 
 /// The coordinator's re-ranking of pending Slurm jobs (`[slurm]`).
@@ -266,6 +270,15 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
         None => Arc::from(detect()),
     };
+    // Stages are for Slurm jobs only: each is checked with Slurm unless
+    // the admin says otherwise.
+    config.slurm_check = match &slurm_file {
+        Some(f) if f.check_jobs == Some(false) => None,
+        f => Some(SlurmCheck {
+            conf: f.as_ref().and_then(|f| f.conf.clone()),
+            timeout: Duration::from_secs(f.as_ref().and_then(|f| f.timeout_s).unwrap_or(10).max(1)),
+        }),
+    };
     let slurm = match slurm_file {
         Some(f) if f.rerank_s.unwrap_or(0) > 0 => {
             if !coordinates {
@@ -392,6 +405,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         },
         max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
         cluster: None,
+        slurm_check: None,
     })
 }
 

@@ -89,6 +89,20 @@ pub struct DaemonConfig {
     pub max_queued_per_user: usize,
     /// The cluster this node belongs to; `None`: a node of its own.
     pub cluster: Option<ClusterConfig>,
+    /// How a stage's Slurm job is checked with Slurm before anything is
+    /// staged for it (`[slurm]`); `None`: not checked.
+    pub slurm_check: Option<SlurmCheck>,
+}
+
+/// Checking a stage's job with Slurm (`scontrol show job`): it must be
+/// running (or starting) with this node as its batch host, and be the
+/// asker's where jobs run as their submitters.
+#[derive(Clone, Debug, Default)]
+pub struct SlurmCheck {
+    /// slurm.conf (`SLURM_CONF`), where not the default.
+    pub conf: Option<PathBuf>,
+    /// Longest wait for `scontrol`.
+    pub timeout: Duration,
 }
 
 impl std::fmt::Debug for DaemonConfig {

@@ -179,7 +179,83 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
+/// Why `scontrol show job`'s fields (`-o`) do not show a job `user` may
+/// stage for on `node`; `None` when they do. `user` is `None` where jobs
+/// do not run as their submitters (the token's name is no Unix user's).
+fn job_refusal(job: &str, fields: &str, node: &str, user: Option<&str>) -> Option<String> {
+    let get = |k: &str| {
+        fields
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(k)?.strip_prefix('='))
+    };
+    let state = get("JobState").unwrap_or("");
+    if !matches!(state, "RUNNING" | "CONFIGURING") {
+        return Some(format!("Slurm job {job} is not running ({state:?})"));
+    }
+    let host = get("BatchHost").unwrap_or("");
+    if host != node {
+        return Some(format!("Slurm job {job} runs on {host:?}, not on {node}"));
+    }
+    if let Some(u) = user {
+        // `UserId=alice(1001)`.
+        let owner = get("UserId")
+            .and_then(|v| v.split('(').next())
+            .unwrap_or("");
+        if owner != u {
+            return Some(format!("Slurm job {job} is {owner:?}'s, not {u}'s"));
+        }
+    }
+    None
+}
+
 impl Daemon {
+    /// Asks Slurm whether `job` is `user`'s running job on this node.
+    async fn check_slurm_job(
+        &self,
+        check: &super::SlurmCheck,
+        job: &str,
+        user: &str,
+    ) -> Result<(), ApiError> {
+        let mut cmd = tokio::process::Command::new("scontrol");
+        cmd.args(["-o", "show", "job", job])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        if let Some(c) = &check.conf {
+            cmd.env("SLURM_CONF", c);
+        }
+        let out = tokio::time::timeout(check.timeout, cmd.output())
+            .await
+            .map_err(|_| {
+                ApiError::Conflict(format!(
+                    "cannot check Slurm job {job}: scontrol did not answer within {} s \
+                     (is slurmctld up?)",
+                    check.timeout.as_secs()
+                ))
+            })?
+            .map_err(|e| {
+                ApiError::Conflict(format!(
+                    "cannot check Slurm job {job} with scontrol on {}: {e}",
+                    self.cfg.node_name
+                ))
+            })?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let user = self.cfg.run_as_submitter.then_some(user);
+        let why = if out.status.success() {
+            job_refusal(job, &text, &self.cfg.node_name, user)
+        } else {
+            Some(format!(
+                "Slurm knows no job {job}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        };
+        match why {
+            Some(w) => Err(ApiError::Forbidden(format!(
+                "{w}: a node stages only for the asker's Slurm job running there"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Where stages live.
     pub(crate) fn stages_dir(&self) -> PathBuf {
         self.cfg.state_dir.join("slurm")
@@ -209,6 +285,9 @@ impl Daemon {
             admin: false,
         };
         let owner = self.run_as(&caller).await?;
+        if let Some(check) = &self.cfg.slurm_check {
+            self.check_slurm_job(check, &ask.job, &o.user).await?;
+        }
         let (dir, user) = (self.stages_dir(), o.user.clone());
         let held = off_runtime(move || {
             let now = unix_now();
@@ -399,6 +478,24 @@ mod tests {
         // A record that cannot be read keeps every tree.
         std::fs::write(p.join("stage.json"), "{ not json").unwrap();
         assert!(tree_in_stage(d, "s2", 200));
+    }
+
+    #[test]
+    fn only_the_askers_running_job_on_this_node() {
+        let line = "JobId=12 JobName=x UserId=alice(1001) GroupId=alice(1001) \
+                    JobState=RUNNING Reason=None BatchHost=gpu1 NodeList=gpu1";
+        assert_eq!(job_refusal("12", line, "gpu1", Some("alice")), None);
+        assert_eq!(job_refusal("12", line, "gpu1", None), None);
+        let why =
+            |l: &str, node: &str, user: Option<&str>| job_refusal("12", l, node, user).unwrap();
+        assert!(why(line, "gpu2", Some("alice")).contains("runs on \"gpu1\", not on gpu2"));
+        assert!(why(line, "gpu1", Some("bob")).contains("is \"alice\"'s, not bob's"));
+        let pending = line.replace("JobState=RUNNING", "JobState=PENDING");
+        assert!(why(&pending, "gpu1", Some("alice")).contains("not running"));
+        let ended = line.replace("JobState=RUNNING", "JobState=COMPLETED");
+        assert!(why(&ended, "gpu1", None).contains("not running"));
+        let starting = line.replace("JobState=RUNNING", "JobState=CONFIGURING");
+        assert_eq!(job_refusal("12", &starting, "gpu1", Some("alice")), None);
     }
 
     #[test]
