@@ -97,10 +97,12 @@ impl Report {
             "- Load average (1/5/15 min) before: {}, after: {}. The machine may be shared; a high load means noisy timings.",
             self.load_before, self.load_after
         );
-        let _ = writeln!(
-            s,
-            "- Page cache: not dropped between steps (not reliably possible here). Data was warm in the page cache for all tools alike: every step reads the same freshly written source tree. Dirty pages are flushed (`sync`, untimed) before every timed step, so no tool pays for another's writeback."
-        );
+        let page_cache = if self.command.contains("--cold") {
+            "- Page cache: emptied (`sync; echo 3 > /proc/sys/vm/drop_caches`, untimed) before every timed step (`--cold`; each data set's section says whether this machine allowed it), so every step reads its source from the disk, for all tools alike."
+        } else {
+            "- Page cache: not dropped between steps (run with `--cold` to empty it). Data was warm in the page cache for all tools alike: every step reads the same freshly written source tree. Dirty pages are flushed (`sync`, untimed) before every timed step, so no tool pays for another's writeback."
+        };
+        let _ = writeln!(s, "{page_cache}");
         let _ = writeln!(
             s,
             "- Data: ChaCha8 seed `{SEED:#x}`, scale {}. The 1% step overwrites {PATCH_BYTES} bytes at a random offset in place in {:.0}% of the files (the same files for every tool, applied once to the shared source tree).",
