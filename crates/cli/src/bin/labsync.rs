@@ -295,6 +295,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Parsing starts no thread: still early enough.
+    if matches!(cli.cmd, Cmd::Push { .. }) {
+        labsync_cli::cap_malloc_arenas();
+    }
     let json = cli.json;
     let Some(rt) = labsync_cli::start("labsync", "LABSYNC_LOG", "error") else {
         return ExitCode::from(1);
