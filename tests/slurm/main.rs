@@ -193,6 +193,35 @@ impl Slurm {
         c
     }
 
+    /// `sbatch --parsable ARGS` of a job of the test's own (not labrun's):
+    /// its id.
+    pub fn sbatch(&self, args: &[&str]) -> String {
+        let o = self
+            .cmd("sbatch")
+            .arg("--parsable")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    }
+
+    /// Takes both GPUs of `node` with a job of someone else's (running
+    /// when this returns): its id.
+    pub fn block(&self, node: &str) -> String {
+        let id = self.sbatch(&[
+            "-w",
+            node,
+            "--gres=gpu:2",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "sleep 300",
+        ]);
+        assert_eq!(self.running_on(&id, 60), node);
+        id
+    }
+
     /// `SLURM_CONF` for labrun.
     pub fn conf(&self) -> &Path {
         &self.conf
@@ -291,6 +320,13 @@ fn ok(lab: &Lab, slurm: &Slurm, args: &[&str]) -> String {
     String::from_utf8(o.stdout).unwrap()
 }
 
+/// The file `name` of the outputs job `job` saved (`runs/<job>`), pulled.
+fn saved(lab: &Lab, job: &str, name: &str) -> String {
+    let out = lab.dir.path().join(format!("{job}-out"));
+    lab.labsync(0, &["pull", &format!("runs/{job}"), out.to_str().unwrap()]);
+    std::fs::read_to_string(out.join(name)).unwrap()
+}
+
 /// `slurm-N` → `N`.
 fn id_of(job: &str) -> String {
     job.trim()
@@ -371,23 +407,7 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     check_probe(&log, "gpu1", job.trim());
 
     // 2: gpu1's GPUs taken by a job of someone else's.
-    let o = slurm
-        .cmd("sbatch")
-        .args([
-            "--parsable",
-            "-w",
-            "gpu1",
-            "--gres=gpu:2",
-            "-o",
-            "/dev/null",
-            "--wrap",
-            "sleep 300",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{o:?}");
-    let blocker = String::from_utf8(o.stdout).unwrap().trim().to_string();
-    assert_eq!(slurm.running_on(&blocker, 60), "gpu1");
+    let blocker = slurm.block("gpu1");
     let t = Instant::now();
     let job = ok(
         &lab,
@@ -414,21 +434,14 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     // node: a job that prefers gpu1 anyway waits for a backfill pass, then
     // starts elsewhere (a soft preference, never a pin).
     let t = Instant::now();
-    let o = slurm
-        .cmd("sbatch")
-        .args([
-            "--parsable",
-            "--prefer=lsn_gpu1",
-            "--gres=gpu:1",
-            "-o",
-            "/dev/null",
-            "--wrap",
-            "true",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{o:?}");
-    let direct = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    let direct = slurm.sbatch(&[
+        "--prefer=lsn_gpu1",
+        "--gres=gpu:1",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "true",
+    ]);
     slurm.ended(&direct, 120);
     let ran_on = slurm.job_field(&direct, "NodeList");
     eprintln!(
@@ -529,19 +542,7 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
         log.contains(&format!("outputs saved as runs/{}@v", killed.trim())),
         "{log}"
     );
-    let out = lab.dir.path().join("killed-out");
-    lab.labsync(
-        0,
-        &[
-            "pull",
-            &format!("runs/{}", killed.trim()),
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(
-        std::fs::read_to_string(out.join("killed.txt")).unwrap(),
-        "killed\n"
-    );
+    assert_eq!(saved(&lab, killed.trim(), "killed.txt"), "killed\n");
 
     // A 1-minute limit: SIGTERM at most 30 s before it, or at it.
     let timed = ok(
@@ -568,19 +569,7 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
     let log =
         String::from_utf8_lossy(&labrun(&lab, &slurm, &["logs", timed.trim()]).stdout).into_owned();
     assert!(log.contains("Slurm stops the job (SIGTERM)"), "{log}");
-    let out = lab.dir.path().join("timed-out");
-    lab.labsync(
-        0,
-        &[
-            "pull",
-            &format!("runs/{}", timed.trim()),
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(
-        std::fs::read_to_string(out.join("timed.txt")).unwrap(),
-        "timed\n"
-    );
+    assert_eq!(saved(&lab, timed.trim(), "timed.txt"), "timed\n");
 
     // Attached (no -d): labrun streams the job's output and exits with its code.
     let o = labrun(
@@ -614,26 +603,7 @@ fn a_pending_job_is_re_ranked_when_its_data_is_cached() {
     // Every GPU taken: the job waits, preferring nothing.
     let blockers: Vec<String> = ["gpu0", "gpu1", "gpu2"]
         .iter()
-        .map(|n| {
-            let o = slurm
-                .cmd("sbatch")
-                .args([
-                    "--parsable",
-                    "-w",
-                    n,
-                    "--gres=gpu:2",
-                    "-o",
-                    "/dev/null",
-                    "--wrap",
-                    "sleep 300",
-                ])
-                .output()
-                .unwrap();
-            assert!(o.status.success(), "{o:?}");
-            let id = String::from_utf8(o.stdout).unwrap().trim().to_string();
-            assert_eq!(&slurm.running_on(&id, 60), n);
-            id
-        })
+        .map(|n| slurm.block(n))
         .collect();
     let job = ok(&lab, &slurm, &["-d", "--data", "div2k", "--", "true"]);
     let id = id_of(&job);

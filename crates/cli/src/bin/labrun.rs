@@ -259,10 +259,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         return slurm::job::run(&s, spec).await;
     }
     if s.backend == Backend::Slurm {
-        let sl = slurm::Slurm {
-            timeout: s.slurm.timeout,
-            conf: None,
-        };
+        let sl = slurm::Slurm::new(s.slurm.timeout);
         match &cli.cmd {
             Some(Cmd::Ps { all }) => return slurm::manage::ps(&sl, g.json, *all).await,
             Some(Cmd::Logs { job, follow }) => return slurm::manage::logs(&sl, job, *follow).await,

@@ -35,10 +35,7 @@ pub fn render(nodes: &[(String, Vec<String>)]) -> String {
 /// Prints the lines for `nodes`, or for every node Slurm lists.
 pub async fn slurm_config(nodes: &[String], timeout: std::time::Duration) -> Result<()> {
     let list: Vec<(String, Vec<String>)> = if nodes.is_empty() {
-        let slurm = Slurm {
-            timeout,
-            conf: None,
-        };
+        let slurm = Slurm::new(timeout);
         let found: Vec<NodeInfo> = slurm.nodes(None).await.map_err(|e| {
             e.context("cannot ask Slurm for its nodes; name them instead: labd slurm-config --nodes gpu1,gpu2")
         })?;

@@ -62,7 +62,23 @@ pub struct Slurm {
     pub conf: Option<std::path::PathBuf>,
 }
 
+/// Whether Slurm's node `name` carries its own feature (`lsn_<name>`): a
+/// job can prefer only such a node (Slurm refuses a preference no node has).
+pub fn has_own_feature(nodes: &[NodeInfo], name: &str) -> bool {
+    nodes
+        .iter()
+        .any(|x| x.name == name && x.features.contains(&feature_of(name)))
+}
+
 impl Slurm {
+    /// Slurm's commands as configured in the environment (`SLURM_CONF`).
+    pub fn new(timeout: Duration) -> Slurm {
+        Slurm {
+            timeout,
+            conf: None,
+        }
+    }
+
     /// `prog args…` (with `stdin`): its standard output, or an error that
     /// says which command failed, how, and what to check.
     pub async fn run(&self, prog: &str, args: &[String], stdin: Option<&[u8]>) -> Result<String> {

@@ -93,11 +93,7 @@ async fn pass(
         let prefer: Vec<String> = preferred(&ranking, 2.0)
             .into_iter()
             .map(|n| n.to_string())
-            .filter(|n| {
-                nodes
-                    .iter()
-                    .any(|x| &x.name == n && x.features.contains(&feature_of(n)))
-            })
+            .filter(|n| super::has_own_feature(&nodes, n))
             .map(|n| feature_of(&n))
             .collect();
         if prefer.is_empty() {

@@ -174,9 +174,7 @@ fn with_features(prefer: Vec<String>, nodes: &[super::NodeInfo], quiet: bool) ->
     prefer
         .into_iter()
         .filter(|n| {
-            let has = nodes
-                .iter()
-                .any(|x| &x.name == n && x.features.contains(&feature_of(n)));
+            let has = super::has_own_feature(nodes, n);
             if !has && !quiet {
                 eprintln!(
                     "labrun: node {n} has no feature {} in Slurm, so jobs cannot prefer it \
@@ -222,10 +220,7 @@ pub async fn submit(
              (a GPU type in its GRES, its QOS and preemption)"
         );
     }
-    let slurm = Slurm {
-        timeout: s.slurm.timeout,
-        conf: None,
-    };
+    let slurm = Slurm::new(s.slurm.timeout);
     let nodes = slurm.nodes(s.slurm.partition.as_deref()).await?;
     if nodes.is_empty() {
         bail!(
