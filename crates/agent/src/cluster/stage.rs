@@ -135,3 +135,32 @@ fn forwarded(node: &str, e: crate::ClientError) -> ApiError {
         e => ApiError::Conflict(format!("{node}: {e}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use labsync_placer::SchedulerNode;
+
+    fn node(name: &str, gpus: u32, free: u32) -> SchedulerNode {
+        SchedulerNode {
+            node: name.parse().unwrap(),
+            gpus,
+            free,
+            usable: true,
+        }
+    }
+
+    #[test]
+    fn a_ranking_ask_is_bounded() {
+        assert!(check_nodes(&[node("a", 8, 8), node("b", 4, 0)]).is_ok());
+        // A GPU entry per GPU is built: u32::MAX of them would be gigabytes.
+        assert!(check_nodes(&[node("a", u32::MAX, 0)]).is_err());
+        assert!(check_nodes(&[node("a", MAX_GPUS + 1, 0)]).is_err());
+        assert!(check_nodes(&[node("a", 2, 3)]).is_err());
+        assert!(check_nodes(&[node("a", 2, 2), node("a", 2, 2)]).is_err());
+        let many: Vec<_> = (0..=MAX_NODES)
+            .map(|i| node(&format!("n{i}"), 1, 1))
+            .collect();
+        assert!(check_nodes(&many).is_err());
+    }
+}

@@ -289,19 +289,9 @@ impl Daemon {
             self.check_slurm_job(check, &ask.job, &o.user).await?;
         }
         let (dir, user) = (self.stages_dir(), o.user.clone());
-        let held = off_runtime(move || {
-            let now = unix_now();
-            records(&dir).map(|recs| {
-                recs.iter()
-                    .filter(|(_, r)| {
-                        r.as_ref()
-                            .is_some_and(|r| r.user == user && holds_trees(r, now))
-                    })
-                    .count()
-            })
-        })
-        .await
-        .map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
+        let held = off_runtime(move || held_by(&dir, &user, unix_now()))
+            .await
+            .map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
         if held >= STAGES_PER_USER {
             return Err(ApiError::TooMany(format!(
                 "{} holds {held} stages on {} not yet released (at most {STAGES_PER_USER}): \
@@ -388,29 +378,43 @@ impl Daemon {
     async fn release_stage(&self, user: &str, stage: &str) -> Result<(), ApiError> {
         let dir = self.stages_dir().join(stage);
         let (user, stage) = (user.to_string(), stage.to_string());
-        off_runtime(move || {
-            let rec: StageRecord = std::fs::read(dir.join("stage.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .ok_or_else(|| ApiError::NotFound(format!("no stage {stage} here")))?;
-            if rec.user != user {
-                return Err(ApiError::Forbidden(format!(
-                    "stage {stage} is {}'s, not {user}'s",
-                    rec.user
-                )));
-            }
-            if rec.released.is_none() {
-                let rec = StageRecord {
-                    released: Some(unix_now()),
-                    ..rec
-                };
-                write_record(&dir, &rec)
-                    .map_err(|e| ApiError::Internal(format!("cannot release {stage}: {e}")))?;
-            }
-            Ok(())
-        })
-        .await
+        off_runtime(move || release_in(&dir, &user, &stage, unix_now())).await
     }
+}
+
+/// Stages `user` holds unreleased in `dir` at `now`.
+fn held_by(dir: &Path, user: &str, now: u64) -> std::io::Result<usize> {
+    Ok(records(dir)?
+        .iter()
+        .filter(|(_, r)| {
+            r.as_ref()
+                .is_some_and(|r| r.user == user && holds_trees(r, now))
+        })
+        .count())
+}
+
+/// Releases the stage in folder `dir` (named `stage`) for `user`, whose it
+/// must be.
+fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), ApiError> {
+    let rec: StageRecord = std::fs::read(dir.join("stage.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .ok_or_else(|| ApiError::NotFound(format!("no stage {stage} here")))?;
+    if rec.user != user {
+        return Err(ApiError::Forbidden(format!(
+            "stage {stage} is {}'s, not {user}'s",
+            rec.user
+        )));
+    }
+    if rec.released.is_none() {
+        let rec = StageRecord {
+            released: Some(now),
+            ..rec
+        };
+        write_record(dir, &rec)
+            .map_err(|e| ApiError::Internal(format!("cannot release {stage}: {e}")))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -496,6 +500,40 @@ mod tests {
         assert!(why(&ended, "gpu1", None).contains("not running"));
         let starting = line.replace("JobState=RUNNING", "JobState=CONFIGURING");
         assert_eq!(job_refusal("12", &starting, "gpu1", Some("alice")), None);
+    }
+
+    #[test]
+    fn only_its_user_releases_a_stage_and_the_cap_counts_theirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let rec = |user: &str| StageRecord {
+            user: user.into(),
+            job: "5".into(),
+            trees: vec!["s1".into()],
+            at: 100,
+            released: None,
+        };
+        let (alice, name) = new_stage_dir(d, "5").unwrap();
+        write_record(&alice, &rec("alice")).unwrap();
+        let (bob, _) = new_stage_dir(d, "5").unwrap();
+        write_record(&bob, &rec("bob")).unwrap();
+        assert_eq!(held_by(d, "alice", 200).unwrap(), 1);
+        // Bob cannot release Alice's stage (her trees stay held).
+        assert!(matches!(
+            release_in(&alice, "bob", &name, 200),
+            Err(ApiError::Forbidden(_))
+        ));
+        assert!(tree_in_stage(d, "s1", 200));
+        assert!(matches!(
+            release_in(&d.join("5.9"), "alice", "5.9", 200),
+            Err(ApiError::NotFound(_))
+        ));
+        release_in(&alice, "alice", &name, 200).unwrap();
+        assert_eq!(held_by(d, "alice", 300).unwrap(), 0);
+        assert_eq!(held_by(d, "bob", 300).unwrap(), 1);
+        // A record that cannot be read is an error, not a count of none.
+        std::fs::write(bob.join("stage.json"), "{").unwrap();
+        assert!(held_by(d, "bob", 300).is_err());
     }
 
     #[test]
