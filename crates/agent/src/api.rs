@@ -741,6 +741,11 @@ async fn accept(listener: &Listener) -> std::io::Result<(Io, Peer)> {
         }
         Listener::Tcp(l) | Listener::Tls(l, _) => {
             let (s, addr) = l.accept().await?;
+            // A streamed answer (a log being followed, a pack) goes out as
+            // its headers and then its pieces: with Nagle's algorithm on, a
+            // small piece waited for the ACK of the headers, which the
+            // client delays by 40 ms.
+            let _ = s.set_nodelay(true);
             Ok((Io::Tcp(s), Peer::of(addr.ip())))
         }
     }
