@@ -95,16 +95,6 @@ pub enum PrepareError {
         #[source]
         source: std::io::Error,
     },
-    /// The name's version now holds another snapshot than the one submitted.
-    #[error("{label} is snapshot {found}, but the job was submitted for {expected}")]
-    Moved {
-        /// `NAME@vN`.
-        label: String,
-        /// Submitted snapshot.
-        expected: String,
-        /// Snapshot found.
-        found: String,
-    },
     /// The outputs folder cannot be made in the code tree.
     #[error("--outputs {0}: {1}")]
     Outputs(String, String),

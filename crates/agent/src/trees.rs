@@ -87,7 +87,7 @@ impl Trees {
         tree: &TreeRef,
     ) -> Result<PathBuf, PrepareError> {
         // Only a well-formed id becomes a folder name.
-        let _: SnapshotId = tree.snapshot.parse()?;
+        let snapshot: SnapshotId = tree.snapshot.parse()?;
         let dest = self.path(&tree.snapshot);
         let lock = self
             .locks
@@ -117,6 +117,7 @@ impl Trees {
             threads: 4,
             delete: false,
             shared: true,
+            expect: Some(snapshot),
         };
         let got = pull_with(repo, cache, &spec, &tmp, opts, Arc::new(NoProgress)).await?;
         tracing::info!(
@@ -128,13 +129,6 @@ impl Trees {
             got.packs_fetched,
             got.bytes_fetched
         );
-        if got.record.snapshot.to_string() != tree.snapshot {
-            return Err(PrepareError::Moved {
-                label: tree.label.clone(),
-                expected: tree.snapshot.clone(),
-                found: got.record.snapshot.to_string(),
-            });
-        }
         let (t, d) = (tmp.clone(), dest.clone());
         off_runtime(move || {
             std::fs::rename(&t, &d)?;

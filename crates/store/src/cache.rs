@@ -301,7 +301,13 @@ impl NodeCache {
         if let Some(peers) = &self.peers {
             let ids: Vec<PackId> = missing.iter().map(|(p, _)| *p).collect();
             if !ids.is_empty() {
+                let t = std::time::Instant::now();
                 peers.locate(&ids).await;
+                tracing::debug!(
+                    "located {} packs at peers in {:.3} s",
+                    ids.len(),
+                    t.elapsed().as_secs_f64()
+                );
             }
         }
         // Futures collected before streaming them: a closure inside the

@@ -60,6 +60,17 @@ pub enum Error {
         /// Why.
         detail: String,
     },
+    /// The name's version holds another snapshot than the one the caller
+    /// was told of (see [`crate::PullOptions::expect`]).
+    #[error("{label} is snapshot {found}, not {expected} as asked")]
+    Moved {
+        /// `NAME@vN`.
+        label: String,
+        /// The snapshot asked for.
+        expected: String,
+        /// The snapshot the version holds.
+        found: String,
+    },
     /// A snapshot entry that would write outside the destination.
     #[error("refusing unsafe path {path:?} in snapshot {snapshot}: {why}")]
     UnsafePath {

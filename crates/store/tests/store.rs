@@ -107,6 +107,7 @@ impl Env {
             threads: 2,
             delete: true,
             shared: false,
+            expect: None,
         };
         let spec = spec.parse().unwrap();
         labsync_store::pull_with(&self.repo, &self.cache, &spec, out, opts, np()).await
@@ -1616,6 +1617,52 @@ async fn pull_counts_extras_and_delete_removes_them() {
     // Into an empty folder there is nothing to count.
     let fresh = env.pull_into("ds", &env.root.join("fresh")).await.unwrap();
     assert_eq!((fresh.extra, fresh.deleted), (0, 0));
+}
+
+/// A caller told which snapshot a name holds (a node, by the coordinator)
+/// gets that snapshot or, when the name has moved on since, an error naming
+/// both, before any file is written.
+#[tokio::test]
+async fn a_pull_expecting_a_snapshot_refuses_a_name_that_moved() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let src = env.root.join("src");
+    write_tree(&src, 7);
+    let v1 = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap()
+        .record;
+    std::fs::write(src.join("new.txt"), b"v2").unwrap();
+    let v2 = push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap()
+        .record;
+    assert_ne!(v1.snapshot, v2.snapshot);
+    let (repo, cache) = (&env.repo, &env.cache);
+    let pull_expecting = |snapshot, out| {
+        let opts = labsync_store::PullOptions {
+            threads: 2,
+            delete: false,
+            shared: false,
+            expect: Some(snapshot),
+        };
+        let spec = "ds".parse().unwrap();
+        async move { labsync_store::pull_with(repo, cache, &spec, out, opts, np()).await }
+    };
+    let stale = env.root.join("stale");
+    let err = pull_expecting(v1.snapshot, &stale).await.unwrap_err();
+    assert!(matches!(err, labsync_store::Error::Moved { .. }), "{err}");
+    let said = err.to_string();
+    assert!(
+        said.contains("ds@v2") && said.contains(&v1.snapshot.to_string()),
+        "{said}"
+    );
+    assert!(!stale.exists(), "nothing is written for a name that moved");
+
+    let out = env.root.join("out");
+    let got = pull_expecting(v2.snapshot, &out).await.unwrap();
+    assert_eq!(got.record.snapshot, v2.snapshot);
+    assert_same_tree(&src, &out);
 }
 
 /// Issue 19, point 5: FIFOs (like sockets and devices) are not kept, and a

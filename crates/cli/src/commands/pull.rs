@@ -29,6 +29,7 @@ pub async fn pull(
         threads: super::threads(threads).max(if threads.is_some() { 1 } else { 4 }),
         delete,
         shared: false,
+        expect: None,
     };
     let progress = ctx.printer.progress();
     let r = store::pull_with(&repo, &cache, &spec, &dest, opts, progress).await?;

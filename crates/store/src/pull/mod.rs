@@ -72,6 +72,11 @@ pub struct PullOptions {
     /// nothing in it writable, everything readable (and folders searchable)
     /// by all, whatever modes the version records.
     pub shared: bool,
+    /// The snapshot the caller knows the name to hold (a node told by the
+    /// coordinator): its tree is loaded while the name is resolved, not
+    /// after (one store round trip less before the first pack), and a name
+    /// that has moved on fails before anything is fetched.
+    pub expect: Option<SnapshotId>,
 }
 
 fn time_of(ns: i64) -> std::time::SystemTime {
@@ -106,6 +111,7 @@ pub async fn pull(
         threads,
         delete: false,
         shared: false,
+        expect: None,
     };
     pull_with(repo, cache, spec, dest, opts, progress).await
 }
@@ -121,13 +127,41 @@ pub async fn pull_with(
     progress: Arc<dyn Progress>,
 ) -> Result<PullOutcome> {
     let (threads, started) = (opts.threads, Instant::now());
-    let record = repo.resolve(spec).await?;
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     // With `shared`, written with shared modes, and a finished file is
     // recognised by them.
-    let (index, entries) = load_tree(&repo, &record, opts.shared, progress.as_ref()).await?;
+    let (record, (index, entries)) = match opts.expect {
+        Some(snapshot) => {
+            let label = spec.to_string();
+            let load = load_tree(&repo, &snapshot, &label, opts.shared, progress.as_ref());
+            let (record, tree) = tokio::join!(repo.resolve(spec), load);
+            let record = record?;
+            if record.snapshot != snapshot {
+                return Err(Error::Moved {
+                    label: record.label(),
+                    expected: snapshot.to_string(),
+                    found: record.snapshot.to_string(),
+                });
+            }
+            (record, tree?)
+        }
+        None => {
+            let record = repo.resolve(spec).await?;
+            let label = record.label();
+            let tree = load_tree(
+                &repo,
+                &record.snapshot,
+                &label,
+                opts.shared,
+                progress.as_ref(),
+            );
+            let tree = tree.await?;
+            (record, tree)
+        }
+    };
+    let loaded = started.elapsed();
     let (dest, empty) = prepare_destination(dest)?;
     let tree = Arc::new(Tree::open(&dest).map_err(Error::io("open destination", &dest))?);
     let replaced = if opts.delete && !empty {
@@ -164,6 +198,11 @@ pub async fn pull_with(
             Ok(_) => arrivals.finished(),
             Err(_) => arrivals.fail(),
         }
+        tracing::debug!(
+            "pull {}: packs fetched at {:.3} s",
+            record.label(),
+            started.elapsed().as_secs_f64()
+        );
         fetched
     };
     let write = write_verified(
@@ -178,6 +217,12 @@ pub async fn pull_with(
     };
     let (packs_fetched, bytes_fetched) = fetched?;
     let written = written.ok_or_else(|| Error::not_found(FETCH_FAILED))?;
+    tracing::debug!(
+        "pull {}: tree loaded at {:.3} s, files written at {:.3} s",
+        record.label(),
+        loaded.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
     make_links(&tree, &entries)?;
     // Into an empty folder nothing extra can be there: no walk.
     let (extra, deleted) = if empty {
@@ -211,20 +256,19 @@ pub async fn pull_with(
 /// are masked (and said so), unsafe paths refused.
 async fn load_tree(
     repo: &Repo,
-    record: &VersionRecord,
+    snapshot: &SnapshotId,
+    label: &str,
     shared: bool,
     progress: &dyn Progress,
 ) -> Result<(Index, Listing)> {
     let (index, _) = repo.load_index().await?;
     let mut loader = Loader::new(&index, shared);
-    repo.load_tree_into(&index, &record.snapshot, &mut loader)
-        .await?;
-    let (entries, masked, first) = loader.finish(&record.snapshot.to_string())?;
+    repo.load_tree_into(&index, snapshot, &mut loader).await?;
+    let (entries, masked, first) = loader.finish(&snapshot.to_string())?;
     if let Some(first) = first {
         progress.warn(&format!(
-            "{masked} entries of {} carry setuid, setgid or other special mode bits \
-             (first: {first}); they are restored without them",
-            record.label()
+            "{masked} entries of {label} carry setuid, setgid or other special mode bits \
+             (first: {first}); they are restored without them"
         ));
     }
     Ok((index, entries))

@@ -276,6 +276,7 @@ async fn generated_trees_round_trip() {
                 threads: 2,
                 delete,
                 shared: false,
+                expect: None,
             };
             pull_with(
                 repo,
