@@ -643,7 +643,7 @@ impl Repo {
     }
 
     /// The highest-numbered record, forgotten or not (numbering never reuses).
-    async fn newest_record(&self, name: &str) -> Result<Option<VersionRecord>> {
+    pub(crate) async fn newest_record(&self, name: &str) -> Result<Option<VersionRecord>> {
         match self.version_keys(name).await?.last() {
             Some(k) => self.read_record(k).await.map(Some),
             None => Ok(None),

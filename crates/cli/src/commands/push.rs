@@ -28,8 +28,12 @@ pub async fn push(
             .map(str::to_string)
             .context("cannot derive a name from the path; pass --name")?,
     };
-    let repo = ctx.repo().await?;
     let cache = ctx.cache()?;
+    // Index objects never change once written: those read before are read
+    // from the cache (checked against their names), not the store.
+    let repo = ctx.repo().await?;
+    let dir = cache.index_dir(&repo.config().id);
+    let repo = repo.with_index_cache(Some(dir));
     let opts = PushOptions {
         name,
         files_cache: Some(cache.files_cache_dir()),

@@ -486,6 +486,10 @@ async fn push_tree(
     let cache = NodeCache::open(&s.cache_dir, s.cache_max)
         .with_context(|| format!("cannot open cache {}", s.cache_dir.display()))?;
     let bar = Arc::new(Bar::new(quiet));
+    // Index objects read before come from the cache (see `labsync push`).
+    let repo = &repo
+        .clone()
+        .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     let opts = PushOptions {
         name,
         files_cache: Some(cache.files_cache_dir()),

@@ -47,25 +47,18 @@ pub(super) struct WrittenSnapshot {
     pub unchanged: bool,
 }
 
-/// Writes the snapshot `object` unless the name's latest version has the
-/// same one.
+/// Writes the snapshot `object` unless `latest`, the name's latest version
+/// when the push started, has the same one.
 pub(super) async fn write_snapshot(
     repo: &Repo,
-    name: &str,
+    latest: Option<VersionRecord>,
     object: SnapshotObject,
     written: &mut Written,
 ) -> Result<WrittenSnapshot> {
     let (id, bytes) = object.encode();
-    let latest = repo.latest(name).await?;
     let unchanged = latest.as_ref().is_some_and(|l| l.snapshot == id);
     if !unchanged {
-        // Always (re)write: it refreshes the object's age, which gc's grace period reads.
-        repo.remote()
-            .put(&snapshot_key(&id), bytes.clone().into())
-            .await?;
-        written.bytes += bytes.len() as u64;
-        written.objects += 1;
-        repo.remote().sync().await?;
+        put_snapshot(repo, &id, bytes, written).await?;
     }
     tracing::debug!("push: snapshot durable");
     Ok(WrittenSnapshot {
@@ -253,6 +246,20 @@ impl Segments {
     }
 }
 
+/// Writes the snapshot object. Always, even when the store has it: it
+/// refreshes the object's age, which gc's grace period reads.
+async fn put_snapshot(
+    repo: &Repo,
+    id: &SnapshotId,
+    bytes: Vec<u8>,
+    written: &mut Written,
+) -> Result<()> {
+    written.bytes += bytes.len() as u64;
+    repo.remote().put(&snapshot_key(id), bytes.into()).await?;
+    written.objects += 1;
+    repo.remote().sync().await
+}
+
 /// Creates the version (or finds the latest one equal to it, when nothing
 /// changed); returns it and whether it is new.
 pub(super) async fn commit_version(
@@ -262,6 +269,21 @@ pub(super) async fn commit_version(
     stats: &TreeStats,
     written: &mut Written,
 ) -> Result<(VersionRecord, bool)> {
+    if snapshot.unchanged {
+        // The tree equals the version that was the latest when the push
+        // started, and the snapshot object was not written. Still the
+        // newest: nothing to do (one store round trip, as before).
+        let newest = repo.newest_record(&opts.name).await?;
+        if let Some(l) = newest.filter(|l| l.snapshot == snapshot.id && !l.forgotten) {
+            tracing::debug!(created = false, "push: version committed");
+            return Ok((l, false));
+        }
+        // The name moved on meanwhile, and the version that held the
+        // object may be forgotten and collected: written before a new
+        // version points at it.
+        let (id, bytes) = snapshot.object.encode();
+        put_snapshot(repo, &id, bytes, written).await?;
+    }
     let (record, created) = repo
         .commit_version(VersionRecord {
             name: opts.name.clone(),
@@ -308,4 +330,95 @@ pub(super) async fn check_still_present(repo: &Repo, index: &Index, used: &[u64]
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::progress::NoProgress;
+    use crate::remote::Remote;
+    use crate::RefSpec;
+
+    fn opts(name: &str) -> PushOptions {
+        PushOptions {
+            name: name.into(),
+            files_cache: None,
+            threads: 1,
+            user: "u".into(),
+            host: "h".into(),
+            read_as: None,
+            settle: None,
+            compression: crate::pack::Codec::Lz4,
+        }
+    }
+
+    /// A push finds its tree equal to the version that was the latest when
+    /// it started, so it writes no snapshot object; by the time it commits,
+    /// the name has moved on, that version is forgotten, and gc took the
+    /// object. The push writes the object again before its new version
+    /// points at it: no version refers to a missing snapshot.
+    #[tokio::test]
+    async fn an_unchanged_push_whose_name_moved_rewrites_the_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        for (d, text) in [(&a, "one"), (&b, "two")] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("f"), text).unwrap();
+        }
+        let np = std::sync::Arc::new(NoProgress);
+        let v1 = crate::push(&repo, &a, &opts("ds"), np.clone())
+            .await
+            .unwrap()
+            .record;
+        let object = repo.load_snapshot(&v1.snapshot).await.unwrap();
+        crate::push(&repo, &b, &opts("ds"), np).await.unwrap();
+        let v1_spec: RefSpec = "ds@v1".parse().unwrap();
+        repo.forget(&v1_spec).await.unwrap();
+        repo.remote()
+            .delete(&snapshot_key(&v1.snapshot))
+            .await
+            .unwrap();
+
+        let mut written = Written {
+            objects: 0,
+            bytes: 0,
+        };
+        let snapshot = write_snapshot(&repo, Some(v1.clone()), object, &mut written)
+            .await
+            .unwrap();
+        assert!(snapshot.unchanged);
+        assert_eq!(written.objects, 0, "equal to the latest read: not written");
+        let stats = TreeStats {
+            stored_bytes: 0,
+            added: 0,
+            removed: 0,
+            modified: 0,
+        };
+        let (record, created) = commit_version(&repo, &opts("ds"), &snapshot, &stats, &mut written)
+            .await
+            .unwrap();
+        assert!(created);
+        assert_eq!((record.version, record.snapshot), (3, v1.snapshot));
+        assert_eq!(written.objects, 2, "the snapshot object and the version");
+        repo.load_snapshot(&v1.snapshot).await.unwrap();
+    }
+
+    /// Still the newest: the unchanged push creates nothing.
+    #[tokio::test]
+    async fn an_unchanged_push_still_newest_creates_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        std::fs::write(dir.path().join("f"), "x").unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        let first = crate::push(&repo, dir.path(), &opts("ds"), np.clone())
+            .await
+            .unwrap();
+        let again = crate::push(&repo, dir.path(), &opts("ds"), np)
+            .await
+            .unwrap();
+        assert!(first.created && !again.created);
+        assert_eq!(again.record.version, 1);
+        assert_eq!(again.objects_written, 0);
+    }
 }
