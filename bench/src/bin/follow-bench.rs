@@ -18,7 +18,9 @@
 //! - **store**: the same with gpu1 stopped (down), the data coming from the
 //!   object store;
 //! - **rsync**: `rsync -a --whole-file` of the same files from an rsync
-//!   daemon on 127.0.0.1 into an empty folder.
+//!   daemon on 127.0.0.1 into an empty folder, timed in each repetition
+//!   beside the peer run (which goes first alternates), so the two are
+//!   also compared pairwise.
 //!
 //! Everything runs on one machine. Before each timed step (untimed) dirty
 //! pages are written back and, as root, the page cache is emptied, so each
@@ -361,31 +363,6 @@ fn main() {
         held("gpu0") && held("gpu1") && cached
     });
 
-    let mut peer = Vec::new();
-    for r in 0..a.reps {
-        lab.empty_gpu2();
-        lab.wait_status("gpu2 up", |st| {
-            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
-        });
-        let s = lab.first_line();
-        eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
-        peer.push(s);
-    }
-    lab.stop(1);
-    lab.wait_status("gpu1 down", |st| {
-        node(st, "gpu1").is_some_and(|x| x["health"] == "down")
-    });
-    let mut store = Vec::new();
-    for r in 0..a.reps {
-        lab.empty_gpu2();
-        lab.wait_status("gpu2 up", |st| {
-            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
-        });
-        let s = lab.first_line();
-        eprintln!("follow-bench: from the store, run {}: {s:.2} s", r + 1);
-        store.push(s);
-    }
-
     // rsync of the same files between two loopback endpoints.
     let rport = free_port();
     let conf = w.join("rsyncd.conf");
@@ -410,8 +387,9 @@ fn main() {
         .spawn()
         .unwrap_or_else(|e| die(&format!("rsync: {e}")));
     wait_port(rport, "the rsync daemon");
-    let mut rsync = Vec::new();
-    for r in 0..a.reps {
+    // Each repetition times the peer run and rsync back to back, which
+    // one goes first alternating: the machine's drift hits both alike.
+    let rsync_once = |r: usize| {
         let dest = w.join("rsync-out");
         let _ = std::fs::remove_dir_all(&dest);
         drop_caches();
@@ -431,10 +409,41 @@ fn main() {
             die("rsync failed");
         }
         eprintln!("follow-bench: rsync, run {}: {s:.2} s", r + 1);
-        rsync.push(s);
+        s
+    };
+    let (mut peer, mut rsync) = (Vec::new(), Vec::new());
+    for r in 0..a.reps {
+        if r % 2 == 1 {
+            rsync.push(rsync_once(r));
+        }
+        lab.empty_gpu2();
+        lab.wait_status("gpu2 up", |st| {
+            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
+        });
+        let s = lab.first_line();
+        eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
+        peer.push(s);
+        if r % 2 == 0 {
+            rsync.push(rsync_once(r));
+        }
     }
     let _ = rsyncd.kill();
     let _ = rsyncd.wait();
+    lab.stop(1);
+    lab.wait_status("gpu1 down", |st| {
+        node(st, "gpu1").is_some_and(|x| x["health"] == "down")
+    });
+    let mut store = Vec::new();
+    for r in 0..a.reps {
+        lab.empty_gpu2();
+        lab.wait_status("gpu2 up", |st| {
+            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
+        });
+        let s = lab.first_line();
+        eprintln!("follow-bench: from the store, run {}: {s:.2} s", r + 1);
+        store.push(s);
+    }
+
     drop(lab);
 
     let cold = drop_caches();
@@ -443,16 +452,22 @@ fn main() {
         median(store.clone()),
         median(rsync.clone()),
     );
+    // Paired: each repetition's peer run against its own rsync run.
+    let pairs: Vec<f64> = peer.iter().zip(&rsync).map(|(p, r)| p / r).collect();
+    let paired = median(pairs.clone());
     let md = format!(
         "# Data follows the job\n\n{} files, {:.2} GB (the sync benchmark's `sr` set), cached on \
          a peer (gpu1) and not on the node the job runs on (gpu2); three labd processes, an \
          s3s-fs object store and an rsync daemon, all on 127.0.0.1 of one {}-CPU machine; before \
-         each timed step dirty pages written back and {}. Median of {} runs (`follow-bench`).\n\n\
+         each timed step dirty pages written back and {}. Median of {} runs (`follow-bench`); \
+         each repetition runs the peer case and rsync back to back, which goes first \
+         alternating.\n\n\
          | what | seconds | runs |\n|---|---|---|\n\
          | `labrun` → first line, data from the peer | {p:.2} | {:?} |\n\
          | `labrun` → first line, data from the object store | {s:.2} | {:?} |\n\
          | `rsync -a --whole-file` from an rsync daemon | {r:.2} | {:?} |\n\n\
-         From the peer against rsync: {:.2}× its time (target ≤ 1); against the store: \
+         From the peer against rsync: {:.2}× its time (target ≤ 1); per repetition, against \
+         the rsync run beside it: {} (median {paired:.2}×); against the store: \
          {:.2}× faster (target ≥ 1.5). The labrun rows include pushing the (unchanged) code, \
          placing, fetching, verifying and materialising the data, and starting the job.\n",
         a.files,
@@ -468,6 +483,11 @@ fn main() {
         store,
         rsync,
         p / r,
+        pairs
+            .iter()
+            .map(|x| format!("{x:.2}×"))
+            .collect::<Vec<_>>()
+            .join(", "),
         s / p,
     );
     print!("{md}");
@@ -475,6 +495,7 @@ fn main() {
         "files": a.files, "bytes": data.bytes, "reps": a.reps, "page_cache_emptied": cold,
         "peer_s": peer, "store_s": store, "rsync_s": rsync,
         "median": {"peer": p, "store": s, "rsync": r},
+        "peer_over_rsync_paired": pairs, "peer_over_rsync_paired_median": paired,
     });
     if let Some(dir) = a.out.parent() {
         let _ = std::fs::create_dir_all(dir);
