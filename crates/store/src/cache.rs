@@ -438,7 +438,7 @@ impl NodeCache {
 
     /// [`NodeCache::fetch_pack`], offering the pack to `arrivals` before
     /// it is written to the cache when it passed through memory (not when
-    /// linked or copied from a local store).
+    /// hard-linked from a local store on the cache's file system).
     async fn fetch_pack_bytes(
         &self,
         repo: &Repo,
@@ -451,23 +451,25 @@ impl NodeCache {
         }
         let key = pack_key(id);
         if let Some(src) = repo.remote().local_path(&key) {
-            let tmp = tmp_name(&dest);
-            return blocking(move || {
+            let (tmp, to) = (tmp_name(&dest), dest.clone());
+            let linked = blocking(move || {
                 if std::fs::hard_link(&src, &tmp).is_err() {
-                    if let Err(e) = std::fs::copy(&src, &tmp) {
-                        // A full disk must not also keep the half-made copy.
-                        let _ = std::fs::remove_file(&tmp);
-                        return Err(match e.kind() {
-                            std::io::ErrorKind::NotFound => Error::not_found(format!("pack {key}")),
-                            _ => Error::io("copy", &src)(e),
-                        });
-                    }
+                    return Ok(None);
                 }
                 let size = std::fs::metadata(&tmp).map_or(0, |m| m.len());
-                std::fs::rename(&tmp, &dest).map_err(Error::io("rename into place", &dest))?;
-                Ok(size)
+                std::fs::rename(&tmp, &to).map_err(Error::io("rename into place", &to))?;
+                Ok(Some(size))
             })
-            .await;
+            .await?;
+            if let Some(size) = linked {
+                return Ok(size);
+            }
+            // On another file system (a second disk, an NFS mount), or not
+            // ours to link: read like any store's, through memory, so the
+            // files are written from it while it goes to the cache. Copied
+            // file to file, the files were read back from the new copy
+            // with O_DIRECT, which first wrote it all to the disk: a pull
+            // from a store on a tmpfs took 2.8 s against rsync's 1.2 s.
         }
         let bytes = repo.remote().get(&key).await?;
         let size = bytes.len() as u64;

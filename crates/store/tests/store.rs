@@ -1665,6 +1665,50 @@ async fn a_pull_expecting_a_snapshot_refuses_a_name_that_moved() {
     assert_same_tree(&src, &out);
 }
 
+/// A local store on another file system than the node cache (a second
+/// disk, an NFS mount) cannot be hard-linked from: its packs are read like
+/// a remote store's (through memory, which `sync-cold-tmpfs.md` times), the
+/// cache gets copies of its own, and the files come out whole.
+#[tokio::test]
+async fn a_local_store_on_another_file_system_pulls_into_copies() {
+    use std::os::unix::fs::MetadataExt;
+    let shm = Path::new("/dev/shm");
+    let dir = tempfile::tempdir().unwrap();
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    if dev(shm).is_none() || dev(shm) == dev(dir.path()) {
+        eprintln!("SKIPPED: /dev/shm is missing or on the temporary folder's file system");
+        return;
+    }
+    let store = tempfile::tempdir_in(shm).unwrap();
+    let env = Env::new(Remote::local(store.path()).unwrap()).await;
+    let src = env.root.join("src");
+    write_tree(&src, 8);
+    push(&env.repo, &src, &opts("ds", &env.cache), np())
+        .await
+        .unwrap();
+    let cache = env.fresh_cache("node-cache");
+    let out = env.root.join("out");
+    let got = pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_same_tree(&src, &out);
+    assert!(got.packs_fetched > 0);
+    let mut cached = 0;
+    for sub in std::fs::read_dir(env.root.join("node-cache/packs-v1")).unwrap() {
+        for e in std::fs::read_dir(sub.unwrap().path()).unwrap() {
+            let e = e.unwrap().path();
+            assert_eq!(
+                e.metadata().unwrap().nlink(),
+                1,
+                "{} is its own copy",
+                e.display()
+            );
+            cached += 1;
+        }
+    }
+    assert_eq!(cached, got.packs_fetched);
+}
+
 /// Issue 19, point 5: FIFOs (like sockets and devices) are not kept, and a
 /// push says so once, with a count and the first few paths, not once each.
 #[tokio::test]

@@ -1,9 +1,9 @@
 //! `pull`: materialise a snapshot into a folder, from verified chunks only.
 //!
-//! Packs are first brought into the node cache (hard links for a local store),
-//! then files are written by a few threads: each to a temporary name, every
-//! chunk checked against its BLAKE3 id before its bytes are written, mode and
-//! mtime set, then renamed into place. A file already present with the
+//! Packs are brought into the node cache (hard links for a local store on
+//! the same file system) and files written by a few threads: each to a
+//! temporary name, every chunk checked against its BLAKE3 id before its
+//! bytes are written, mode and mtime set, then renamed into place. A file already present with the
 //! snapshot's size and mtime is complete (only a finished rename can produce
 //! it), so a re-run after an interruption skips it.
 //!
