@@ -128,6 +128,8 @@ impl DatasetResult {
 
 pub struct Config {
     pub work: PathBuf,
+    /// Where the stores/targets go, when not under `work`.
+    pub repo_dir: Option<PathBuf>,
     pub scale: f64,
     pub tools: Vec<Tool>,
     pub datasets: Vec<DatasetKind>,
@@ -157,6 +159,9 @@ fn progress(msg: &str) {
 pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result<DatasetResult> {
     let base = cfg.work.join(kind.name());
     fresh_dir(&base)?;
+    if let Some(r) = &cfg.repo_dir {
+        fresh_dir(&r.join(kind.name()))?;
+    }
     let logs_dir = base.join("logs");
     fs::create_dir_all(&logs_dir)?;
     let count = datagen::scaled_count(kind.base_files(), cfg.scale);
@@ -325,7 +330,10 @@ fn read_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Vec<(usize, f64
 
 fn new_lane(cfg: &Config, tool: Tool, base: &Path, logs_dir: &Path) -> Lane {
     let program = tool.program(&cfg.labsync);
-    let run = ToolRun::new(tool, program.clone(), base.join(tool.name()));
+    let mut run = ToolRun::new(tool, program.clone(), base.join(tool.name()));
+    if let (Some(r), Some(set)) = (&cfg.repo_dir, base.file_name()) {
+        run.repo_at = Some(r.join(set).join(tool.name()));
+    }
     let usable = if crate::fsutil::find_program(&program).is_none() {
         Err((
             Status::Missing,

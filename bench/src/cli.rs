@@ -19,6 +19,9 @@ Options:
                        raw numbers go to the same path with .json
   --work DIR           scratch dir on the disk under test
                        (default target/sync-bench-work); wiped on start
+  --repo-dir DIR       put the stores/targets here instead of under --work
+                       (a tmpfs or another disk: a push's writes then do not
+                       share the device it reads from); wiped on start
   --labsync PATH       labsync binary (default target/release/labsync)
   --tools LIST         comma-separated subset of labsync,rsync,rclone,restic,borg,casync
   --datasets LIST      comma-separated subset of sr,small,million
@@ -39,6 +42,7 @@ pub struct Options {
     pub scale: f64,
     pub out: PathBuf,
     pub work: PathBuf,
+    pub repo_dir: Option<PathBuf>,
     pub labsync: PathBuf,
     pub tools: Vec<Tool>,
     pub datasets: Vec<DatasetKind>,
@@ -55,6 +59,7 @@ impl Default for Options {
             scale: 1.0,
             out: "bench/results/sync.md".into(),
             work: "target/sync-bench-work".into(),
+            repo_dir: None,
             labsync: "target/release/labsync".into(),
             tools: Tool::ALL.to_vec(),
             datasets: DatasetKind::ALL.to_vec(),
@@ -94,6 +99,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Options>, 
             }
             "--out" => o.out = value()?.into(),
             "--work" => o.work = value()?.into(),
+            "--repo-dir" => o.repo_dir = Some(value()?.into()),
             "--labsync" => o.labsync = value()?.into(),
             "--tools" => o.tools = list(&value()?, Tool::parse, "tool")?,
             "--datasets" => o.datasets = list(&value()?, DatasetKind::parse, "data set")?,
@@ -150,9 +156,13 @@ mod tests {
             "--tools",
             "rsync,borg",
             "--keep",
+            "--repo-dir",
+            "/dev/shm/r",
         ])
         .unwrap()
         .unwrap();
+        assert_eq!(o.repo_dir, Some(PathBuf::from("/dev/shm/r")));
+        assert_eq!(p(&[]).unwrap().unwrap().repo_dir, None);
         assert_eq!(o.scale, 0.02);
         assert_eq!(o.out, PathBuf::from("x.md"));
         assert_eq!(o.tools, vec![Tool::Rsync, Tool::Borg]);

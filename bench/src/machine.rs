@@ -47,13 +47,14 @@ impl Machine {
                 .unwrap_or(0),
             kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
             os: field(&read("/etc/os-release"), "PRETTY_NAME"),
-            work_fs: work_fs(work),
+            work_fs: fs_type(work),
         }
     }
 }
 
 /// Filesystem type of `dir` (`stat -f` would say "ext2/ext3" for ext4).
-fn work_fs(dir: &Path) -> String {
+/// The file system type of `dir` (`df --output=fstype`).
+pub fn fs_type(dir: &Path) -> String {
     Command::new("df")
         .arg("--output=fstype")
         .arg(dir)

@@ -17,6 +17,8 @@ pub struct Report {
     pub command: String,
     pub scale: f64,
     pub work: PathBuf,
+    /// `--repo-dir` and its file system type.
+    pub repo_dir: Option<(PathBuf, String)>,
     pub step_timeout_s: u64,
     pub machine: Machine,
     pub load_before: String,
@@ -86,12 +88,30 @@ impl Report {
             m.kernel,
             m.os
         );
-        let _ = writeln!(
-            s,
-            "- Work dir `{}` ({}): sources, repos/targets and restores all on the same disk.",
-            self.work.display(),
-            m.work_fs
-        );
+        match &self.repo_dir {
+            None => {
+                let _ = writeln!(
+                    s,
+                    "- Work dir `{}` ({}): sources, repos/targets and restores all on the same disk.",
+                    self.work.display(),
+                    m.work_fs
+                );
+            }
+            Some((dir, fs)) => {
+                let _ = writeln!(
+                    s,
+                    "- Work dir `{}` ({}): sources and restores. Repos/targets in `{}` ({fs}, `--repo-dir`): a push's writes do not share the device it reads from{}.",
+                    self.work.display(),
+                    m.work_fs,
+                    dir.display(),
+                    if fs == "tmpfs" {
+                        "; a tmpfs is never emptied by dropping the page cache, so pulls read their stores from memory"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
         let _ = writeln!(
             s,
             "- Load average (1/5/15 min) before: {}, after: {}. The machine may be shared; a high load means noisy timings.",

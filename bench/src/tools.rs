@@ -111,6 +111,8 @@ pub struct ToolRun {
     pub program: PathBuf,
     /// Parent of everything this tool owns for the data set.
     pub root: PathBuf,
+    /// The store or target, when not under `root` (`--repo-dir`).
+    pub repo_at: Option<PathBuf>,
 }
 
 impl ToolRun {
@@ -119,12 +121,15 @@ impl ToolRun {
             tool,
             program,
             root,
+            repo_at: None,
         }
     }
 
     /// The store or target directory whose size is reported as "stored".
     pub fn repo(&self) -> PathBuf {
-        self.root.join("repo")
+        self.repo_at
+            .clone()
+            .unwrap_or_else(|| self.root.join("repo"))
     }
 
     /// Push-side cache (labsync, restic); kept across pushes, never counted

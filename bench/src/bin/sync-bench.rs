@@ -49,7 +49,7 @@ fn claim_work_dir(work: &Path) -> Result<(), String> {
         .unwrap_or(false);
     if foreign {
         return Err(format!(
-            "--work {} is not empty and was not created by sync-bench; refusing to wipe it",
+            "{} is not empty and was not created by sync-bench; refusing to wipe it",
             work.display()
         ));
     }
@@ -63,8 +63,19 @@ fn run(opts: cli::Options) -> Result<(), String> {
     }
     let work = absolute(&opts.work)?;
     claim_work_dir(&work)?;
+    let repo_dir = match &opts.repo_dir {
+        Some(d) => {
+            let d = absolute(d)?;
+            claim_work_dir(&d)?;
+            // Read now: the folder is gone when the report is written.
+            let fs = machine::fs_type(&d);
+            Some((d, fs))
+        }
+        None => None,
+    };
     let cfg = Config {
         work: work.clone(),
+        repo_dir: repo_dir.as_ref().map(|(d, _)| d.clone()),
         scale: opts.scale,
         tools: opts.tools.clone(),
         datasets: opts.datasets.clone(),
@@ -104,6 +115,9 @@ fn run(opts: cli::Options) -> Result<(), String> {
     }
     if !cfg.keep {
         let _ = fs::remove_dir_all(&work);
+        if let Some((d, _)) = &repo_dir {
+            let _ = fs::remove_dir_all(d);
+        }
     }
 
     let report = Report {
@@ -113,6 +127,7 @@ fn run(opts: cli::Options) -> Result<(), String> {
             .join(" "),
         scale: opts.scale,
         work,
+        repo_dir,
         step_timeout_s: opts.step_timeout.as_secs(),
         machine,
         load_before,
