@@ -92,6 +92,12 @@ pub async fn gc(
     };
     progress.phase("gc: list", None, None);
     let packs = list_packs(repo).await?;
+    // Versions before the index: a push writes the index object naming its
+    // packs before it commits its version, so every version listed here
+    // has its chunks in the index read next. Read the other way round, a
+    // push committing in between left gc with a version whose chunks its
+    // index did not have ("chunk ... not found"), and gc failed.
+    let versions = repo.all_versions().await?;
     let (index, index_keys) = repo.load_index().await?;
     if let Some((key, why)) = index.refused().first() {
         // Its chunks look unreferenced; the consolidated index would drop them.
@@ -100,7 +106,6 @@ pub async fn gc(
             format!("{why}; gc deletes nothing while an index object is refused: run `labsync rebuild-index` first"),
         ));
     }
-    let versions = repo.all_versions().await?;
 
     let marked = mark(repo, &index, &versions, progress).await?;
     let mut out = GcOutcome {
@@ -113,10 +118,21 @@ pub async fn gc(
     let records = run.condemn(&packs, &marked, &mut out).await?;
 
     progress.phase("gc: sweep", None, None);
-    let deleted = run.sweep_packs(&records, &packs, &marked, &mut out).await?;
+    let (deleted, swept) = run.sweep_packs(&records, &packs, &marked, &mut out).await?;
     run.sweep_snapshots(&marked, &mut out).await?;
     run.sweep_staging(&mut out).await?;
     run.rewrite_index(&index, &index_keys, &deleted).await?;
+    // Only now, with no index object naming the deleted packs: while a
+    // record exists, a push leaves its packs out of the index it
+    // deduplicates against. Removed before the index was rewritten, a push
+    // in between took the old index whole and could name deleted chunks.
+    // Interrupted before this, the next gc finds the packs gone and
+    // removes the records then.
+    if !run.dry_run {
+        for key in swept {
+            repo.remote().delete(&key).await?;
+        }
+    }
     Ok(out)
 }
 
@@ -245,15 +261,17 @@ impl Run<'_> {
     }
 
     /// Sweep: packs of condemnations older than the grace period that are
-    /// still unreferenced are deleted, then the condemnation itself.
+    /// still unreferenced are deleted. Returns them, and the records swept
+    /// (for the caller to remove once the index no longer names the packs).
     async fn sweep_packs(
         &self,
         records: &[(String, Condemned)],
         packs: &HashMap<PackId, (u64, i64)>,
         marked: &Marked,
         out: &mut GcOutcome,
-    ) -> Result<HashSet<PackId>> {
+    ) -> Result<(HashSet<PackId>, Vec<String>)> {
         let mut deleted: HashSet<PackId> = HashSet::new();
+        let mut swept = Vec::new();
         for (key, rec) in records {
             if self.now - rec.time < self.grace {
                 continue;
@@ -270,13 +288,11 @@ impl Run<'_> {
                 }
                 deleted.insert(*p);
             }
-            if !self.dry_run {
-                self.repo.remote().delete(key).await?;
-            }
+            swept.push(key.clone());
         }
         out.deleted = deleted.iter().copied().collect();
         out.deleted.sort();
-        Ok(deleted)
+        Ok((deleted, swept))
     }
 
     /// Snapshot objects no version names, older than the grace period.
