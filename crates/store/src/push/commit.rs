@@ -41,31 +41,49 @@ pub(super) async fn write_index(repo: &Repo, uploaded: &Uploaded) -> Result<Writ
 pub(super) struct WrittenSnapshot {
     pub object: SnapshotObject,
     pub id: SnapshotId,
-    /// The name's latest version before this push.
+    /// The name's latest version before this push (read again after the
+    /// scan unless the push is unchanged).
     pub latest: Option<VersionRecord>,
-    /// True when the tree equals the latest version's (nothing was written).
+    /// True when the tree equals the newest version's, checked after the
+    /// scan (nothing was written).
     pub unchanged: bool,
 }
 
-/// Writes the snapshot `object` unless `latest`, the name's latest version
-/// when the push started, has the same one.
+/// Writes the snapshot `object` unless the name's newest version has the
+/// same one. `early` is the name's latest version read when the push
+/// started: when it has the same snapshot, one read confirms that it is
+/// still the newest and nothing is written. Otherwise (a changed tree, or a
+/// name that moved on during the push) the object is written while the
+/// latest version is read again, so what follows (the check that
+/// deduplicated packs were not condemned, the change counts) goes by the
+/// version the push will follow, as when it was read only now.
 pub(super) async fn write_snapshot(
     repo: &Repo,
-    latest: Option<VersionRecord>,
+    name: &str,
+    early: Option<VersionRecord>,
     object: SnapshotObject,
     written: &mut Written,
 ) -> Result<WrittenSnapshot> {
     let (id, bytes) = object.encode();
-    let unchanged = latest.as_ref().is_some_and(|l| l.snapshot == id);
-    if !unchanged {
-        put_snapshot(repo, &id, bytes, written).await?;
+    if early.as_ref().is_some_and(|l| l.snapshot == id) {
+        let newest = repo.newest_record(name).await?;
+        if let Some(l) = newest.filter(|l| l.snapshot == id && !l.forgotten) {
+            return Ok(WrittenSnapshot {
+                object,
+                id,
+                latest: Some(l),
+                unchanged: true,
+            });
+        }
     }
+    let (put, latest) = tokio::join!(put_snapshot(repo, &id, bytes, written), repo.latest(name));
+    put?;
     tracing::debug!("push: snapshot durable");
     Ok(WrittenSnapshot {
         object,
         id,
-        latest,
-        unchanged,
+        latest: latest?,
+        unchanged: false,
     })
 }
 
@@ -269,20 +287,10 @@ pub(super) async fn commit_version(
     stats: &TreeStats,
     written: &mut Written,
 ) -> Result<(VersionRecord, bool)> {
-    if snapshot.unchanged {
-        // The tree equals the version that was the latest when the push
-        // started, and the snapshot object was not written. Still the
-        // newest: nothing to do (one store round trip, as before).
-        let newest = repo.newest_record(&opts.name).await?;
-        if let Some(l) = newest.filter(|l| l.snapshot == snapshot.id && !l.forgotten) {
-            tracing::debug!(created = false, "push: version committed");
-            return Ok((l, false));
-        }
-        // The name moved on meanwhile, and the version that held the
-        // object may be forgotten and collected: written before a new
-        // version points at it.
-        let (id, bytes) = snapshot.object.encode();
-        put_snapshot(repo, &id, bytes, written).await?;
+    if let Some(l) = snapshot.latest.as_ref().filter(|_| snapshot.unchanged) {
+        // Found the newest version, with this snapshot, after the scan.
+        tracing::debug!(created = false, "push: version committed");
+        return Ok((l.clone(), false));
     }
     let (record, created) = repo
         .commit_version(VersionRecord {
@@ -353,12 +361,13 @@ mod tests {
     }
 
     /// A push finds its tree equal to the version that was the latest when
-    /// it started, so it writes no snapshot object; by the time it commits,
-    /// the name has moved on, that version is forgotten, and gc took the
-    /// object. The push writes the object again before its new version
-    /// points at it: no version refers to a missing snapshot.
+    /// it started; by the time it ends, the name has moved on, that version
+    /// is forgotten, and gc took its snapshot object. The push is then a
+    /// changed one: it writes the object again, follows the version that is
+    /// the latest now, and only then creates its own, so no version refers
+    /// to a missing snapshot.
     #[tokio::test]
-    async fn an_unchanged_push_whose_name_moved_rewrites_the_snapshot() {
+    async fn a_push_whose_name_moved_meanwhile_is_a_changed_one() {
         let dir = tempfile::tempdir().unwrap();
         let repo = Repo::open(Remote::memory(), None).await.unwrap();
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
@@ -372,7 +381,10 @@ mod tests {
             .unwrap()
             .record;
         let object = repo.load_snapshot(&v1.snapshot).await.unwrap();
-        crate::push(&repo, &b, &opts("ds"), np).await.unwrap();
+        let v2 = crate::push(&repo, &b, &opts("ds"), np)
+            .await
+            .unwrap()
+            .record;
         let v1_spec: RefSpec = "ds@v1".parse().unwrap();
         repo.forget(&v1_spec).await.unwrap();
         repo.remote()
@@ -384,11 +396,14 @@ mod tests {
             objects: 0,
             bytes: 0,
         };
-        let snapshot = write_snapshot(&repo, Some(v1.clone()), object, &mut written)
+        let snapshot = write_snapshot(&repo, "ds", Some(v1.clone()), object, &mut written)
             .await
             .unwrap();
-        assert!(snapshot.unchanged);
-        assert_eq!(written.objects, 0, "equal to the latest read: not written");
+        assert!(!snapshot.unchanged);
+        assert_eq!(written.objects, 1, "the snapshot object, written again");
+        let follows = snapshot.latest.as_ref().map(|l| l.version);
+        assert_eq!(follows, Some(v2.version), "it follows the latest now");
+        repo.load_snapshot(&v1.snapshot).await.unwrap();
         let stats = TreeStats {
             stored_bytes: 0,
             added: 0,
@@ -400,8 +415,6 @@ mod tests {
             .unwrap();
         assert!(created);
         assert_eq!((record.version, record.snapshot), (3, v1.snapshot));
-        assert_eq!(written.objects, 2, "the snapshot object and the version");
-        repo.load_snapshot(&v1.snapshot).await.unwrap();
     }
 
     /// Still the newest: the unchanged push creates nothing.

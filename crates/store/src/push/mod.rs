@@ -96,9 +96,9 @@ pub async fn push(
     validate_name(&opts.name)?;
     let root = source_root(src, opts.read_as).await?;
     let config = repo.config().clone();
-    // The name's latest version is read while the index loads: it is what
-    // an unchanged tree is found equal to, without a store round trip
-    // after the scan (the version is still checked to be the newest then).
+    // The name's latest version is read while the index loads: an
+    // unchanged tree is found equal to it with one store round trip after
+    // the scan (that it is still the newest) instead of two.
     let (index, latest) = tokio::join!(live_index(repo), repo.latest(&opts.name));
     let (index, latest) = (Arc::new(index?), latest?);
     let cache_file = (opts.files_cache.as_deref())
@@ -140,7 +140,8 @@ pub async fn push(
     let uploaded = uploads.finish(&root).await?;
 
     let mut written = commit::write_index(repo, &uploaded).await?;
-    let snapshot = commit::write_snapshot(repo, latest, streamed.object, &mut written).await?;
+    let snapshot =
+        commit::write_snapshot(repo, &opts.name, latest, streamed.object, &mut written).await?;
     // Positions in `used` are the index's before the new tree packs join it.
     if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
         commit::check_still_present(repo, &index, &streamed.used).await?;
