@@ -86,8 +86,11 @@ impl Trees {
         cache: &NodeCache,
         tree: &TreeRef,
     ) -> Result<PathBuf, PrepareError> {
-        // Only a well-formed id becomes a folder name.
+        // Only a well-formed id, spelt as ids are, becomes a folder name.
         let snapshot: SnapshotId = tree.snapshot.parse()?;
+        if snapshot.to_string() != tree.snapshot {
+            return Err(PrepareError::BadSnapshot(tree.snapshot.clone()));
+        }
         let dest = self.path(&tree.snapshot);
         let lock = self
             .locks
@@ -506,6 +509,13 @@ mod tests {
             label: pushed.record.label(),
             snapshot: pushed.record.snapshot.to_string(),
         };
+        // The same id in capitals parses, but would be a second folder.
+        let shouted = crate::proto::TreeRef {
+            label: tree.label.clone(),
+            snapshot: tree.snapshot.to_uppercase(),
+        };
+        let err = trees.get(&repo, &cache, &shouted).await.unwrap_err();
+        assert!(matches!(err, PrepareError::BadSnapshot(_)), "{err}");
         let path = trees.get(&repo, &cache, &tree).await.unwrap();
         let long = path.join(&deep).join("weights.pt");
         assert!(long.as_os_str().len() > 4096, "{}", long.as_os_str().len());

@@ -457,7 +457,10 @@ impl NodeCache {
                     return Ok(None);
                 }
                 let size = std::fs::metadata(&tmp).map_or(0, |m| m.len());
-                std::fs::rename(&tmp, &to).map_err(Error::io("rename into place", &to))?;
+                if let Err(e) = std::fs::rename(&tmp, &to) {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Err(Error::io("rename into place", &to)(e));
+                }
                 Ok(Some(size))
             })
             .await?;

@@ -87,6 +87,15 @@ impl StoreConfig {
                 self.chunker, self.hash
             )));
         }
+        // It names folders in every node's cache (labd's runs as root):
+        // anything but the 32 hex digits a store is made with is refused.
+        let hex = |c: char| c.is_ascii_digit() || ('a'..='f').contains(&c);
+        if self.id.len() != 32 || !self.id.chars().all(hex) {
+            return Err(bad(format!(
+                "store id {:?} is not 32 lowercase hex digits",
+                self.id
+            )));
+        }
         self.params.validate()?;
         if !(16 << 20..=64 << 20).contains(&self.pack_size) {
             return Err(bad(format!(
@@ -858,6 +867,23 @@ mod tests {
         Repo::open(remote, Some(ChunkerParams::default()))
             .await
             .unwrap();
+    }
+
+    /// The id names a folder in every node's cache, where labd writes as
+    /// root: a store whose config says `../..` is refused.
+    #[tokio::test]
+    async fn a_store_id_that_is_not_hex_is_refused() {
+        for id in ["../../etc", "ABCDEF0123456789ABCDEF0123456789", "abc"] {
+            let remote = Remote::memory();
+            let mut cfg = StoreConfig::new(ChunkerParams::default());
+            cfg.id = id.into();
+            remote
+                .put(CONFIG_KEY, serde_json::to_vec(&cfg).unwrap().into())
+                .await
+                .unwrap();
+            let err = Repo::open(remote, None).await.unwrap_err().to_string();
+            assert!(err.contains("not 32 lowercase hex"), "{id}: {err}");
+        }
     }
 
     #[tokio::test]
