@@ -211,6 +211,18 @@ impl Lab {
         secs
     }
 
+    /// [`Lab::first_line`] with gpu2's cache emptied and gpu2 back up;
+    /// said as run `r` of `what`.
+    fn first_line_on_empty_gpu2(&mut self, what: &str, r: usize) -> f64 {
+        self.empty_gpu2();
+        self.wait_status("gpu2 up", |st| {
+            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
+        });
+        let s = self.first_line();
+        eprintln!("follow-bench: {what}, run {}: {s:.2} s", r + 1);
+        s
+    }
+
     /// Empties gpu2's cache and materialised trees (labd stopped meanwhile).
     fn empty_gpu2(&mut self) {
         self.stop(2);
@@ -416,13 +428,7 @@ fn main() {
         if r % 2 == 1 {
             rsync.push(rsync_once(r));
         }
-        lab.empty_gpu2();
-        lab.wait_status("gpu2 up", |st| {
-            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
-        });
-        let s = lab.first_line();
-        eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
-        peer.push(s);
+        peer.push(lab.first_line_on_empty_gpu2("from a peer", r));
         if r % 2 == 0 {
             rsync.push(rsync_once(r));
         }
@@ -435,13 +441,7 @@ fn main() {
     });
     let mut store = Vec::new();
     for r in 0..a.reps {
-        lab.empty_gpu2();
-        lab.wait_status("gpu2 up", |st| {
-            node(st, "gpu2").is_some_and(|x| x["health"] == "up")
-        });
-        let s = lab.first_line();
-        eprintln!("follow-bench: from the store, run {}: {s:.2} s", r + 1);
-        store.push(s);
+        store.push(lab.first_line_on_empty_gpu2("from the store", r));
     }
 
     drop(lab);
