@@ -532,6 +532,22 @@ async fn conformance_local_folder() {
     conformance(Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap()).await;
 }
 
+/// A local store on another file system than the cache: packs cannot be
+/// hard-linked and are read through memory, so every hostile case (a
+/// corrupt chunk, malicious snapshots) goes through that path too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_local_folder_on_another_file_system() {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    let shm = Path::new("/dev/shm");
+    if dev(shm).is_none() || dev(shm) == dev(&std::env::temp_dir()) {
+        eprintln!("SKIPPED: /dev/shm is missing or on the temporary folder's file system");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    conformance(Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_s3() {
     let Some(s3) = S3Server::start() else { return };
