@@ -296,8 +296,17 @@ impl Run<'_> {
     }
 
     /// Snapshot objects no version names, older than the grace period.
+    ///
+    /// A push may write one of them again and commit a version naming it
+    /// after the versions were read (the same tree pushed again after its
+    /// version was forgotten): each is read before it is deleted, and the
+    /// versions are read again after the deletions; one that a version now
+    /// names is put back. A push committing after that second read finds its
+    /// snapshot gone itself and writes it again (see the push's commit).
     async fn sweep_snapshots(&self, marked: &Marked, out: &mut GcOutcome) -> Result<()> {
-        for o in self.repo.remote().list("snapshots/").await? {
+        let remote = self.repo.remote();
+        let mut deleted: Vec<(SnapshotId, bytes::Bytes)> = Vec::new();
+        for o in remote.list("snapshots/").await? {
             let Some(id) = o
                 .key
                 .rsplit('/')
@@ -306,14 +315,42 @@ impl Run<'_> {
             else {
                 continue;
             };
-            if !marked.snapshots.contains(&id) && self.now - o.modified >= self.grace {
-                if !self.dry_run {
-                    self.repo.remote().delete(&snapshot_key(&id)).await?;
-                }
-                out.deleted_snapshots += 1;
+            if marked.snapshots.contains(&id) || self.now - o.modified < self.grace {
+                continue;
+            }
+            if !self.dry_run {
+                let key = snapshot_key(&id);
+                let bytes = match remote.get(&key).await {
+                    Ok(b) => b,
+                    // Gone since the listing (another gc): nothing to delete.
+                    Err(e) if e.is_not_found() => continue,
+                    Err(e) => return Err(e),
+                };
+                remote.delete(&key).await?;
+                deleted.push((id, bytes));
+            }
+            out.deleted_snapshots += 1;
+        }
+        if deleted.is_empty() {
+            return Ok(());
+        }
+        let named: HashSet<SnapshotId> = self
+            .repo
+            .all_versions()
+            .await?
+            .iter()
+            .map(|v| v.snapshot)
+            .collect();
+        for (id, bytes) in deleted {
+            if named.contains(&id) {
+                tracing::info!(
+                    "gc: snapshot {id} was named by a version committed meanwhile: put back"
+                );
+                remote.put(&snapshot_key(&id), bytes).await?;
+                out.deleted_snapshots -= 1;
             }
         }
-        Ok(())
+        remote.sync().await
     }
 
     /// Half-written objects of pushes that were killed, and claims and
@@ -372,5 +409,64 @@ impl Run<'_> {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::progress::NoProgress;
+    use crate::remote::Remote;
+    use crate::{PushOptions, RefSpec};
+
+    /// gc read the versions when a tree's only version was forgotten; then
+    /// a push stored the same tree again, rewriting its snapshot object and
+    /// committing a version naming it. gc's sweep, going by the versions it
+    /// read, deletes the object, reads the versions again and puts it back.
+    #[tokio::test]
+    async fn a_snapshot_named_by_a_version_committed_during_gc_is_put_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        std::fs::write(dir.path().join("f"), "x").unwrap();
+        let opts = PushOptions::for_test("ds");
+        let np = std::sync::Arc::new(NoProgress);
+        let v1 = crate::push(&repo, dir.path(), &opts, np.clone())
+            .await
+            .unwrap()
+            .record;
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let (index, _) = repo.load_index().await.unwrap();
+        let versions = repo.all_versions().await.unwrap();
+        let marked = mark(&repo, &index, &versions, &NoProgress).await.unwrap();
+        assert!(!marked.snapshots.contains(&v1.snapshot));
+
+        let again = crate::push(&repo, dir.path(), &opts, np)
+            .await
+            .unwrap()
+            .record;
+        assert_eq!(again.snapshot, v1.snapshot);
+        let run = Run {
+            repo: &repo,
+            now: now_secs(),
+            grace: 0,
+            dry_run: false,
+        };
+        let mut out = GcOutcome::default();
+        run.sweep_snapshots(&marked, &mut out).await.unwrap();
+        assert_eq!(out.deleted_snapshots, 0);
+        repo.load_snapshot(&again.snapshot).await.unwrap();
+
+        // With nothing naming it any more, the next sweep deletes it.
+        repo.forget(&"ds@v2".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let versions = repo.all_versions().await.unwrap();
+        let marked = mark(&repo, &index, &versions, &NoProgress).await.unwrap();
+        let mut out = GcOutcome::default();
+        run.sweep_snapshots(&marked, &mut out).await.unwrap();
+        assert_eq!(out.deleted_snapshots, 1);
+        assert!(repo.load_snapshot(&again.snapshot).await.is_err());
     }
 }

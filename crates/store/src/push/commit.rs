@@ -313,6 +313,24 @@ pub(super) async fn commit_version(
     tracing::debug!(created, "push: version committed");
     if created {
         written.objects += 1;
+        // A gc that read the versions before this one was committed may
+        // have deleted the snapshot object as unreferenced since it was
+        // written (it was an older, forgotten version's): write it again.
+        // gc puts back what it deleted that a version named by the time it
+        // finished, so between the two the version keeps its snapshot.
+        if repo
+            .remote()
+            .head(&snapshot_key(&snapshot.id))
+            .await?
+            .is_none()
+        {
+            tracing::info!(
+                "push: snapshot {} deleted by a gc meanwhile: written again",
+                snapshot.id
+            );
+            let (_, bytes) = snapshot.object.encode();
+            put_snapshot(repo, &snapshot.id, bytes, written).await?;
+        }
     }
     Ok((record, created))
 }
@@ -348,15 +366,16 @@ mod tests {
     use crate::RefSpec;
 
     fn opts(name: &str) -> PushOptions {
-        PushOptions {
-            name: name.into(),
-            files_cache: None,
-            threads: 1,
-            user: "u".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
-            compression: crate::pack::Codec::Lz4,
+        PushOptions::for_test(name)
+    }
+
+    /// Stats for a commit whose counts do not matter.
+    fn no_stats() -> TreeStats {
+        TreeStats {
+            stored_bytes: 0,
+            added: 0,
+            removed: 0,
+            modified: 0,
         }
     }
 
@@ -404,17 +423,52 @@ mod tests {
         let follows = snapshot.latest.as_ref().map(|l| l.version);
         assert_eq!(follows, Some(v2.version), "it follows the latest now");
         repo.load_snapshot(&v1.snapshot).await.unwrap();
-        let stats = TreeStats {
-            stored_bytes: 0,
-            added: 0,
-            removed: 0,
-            modified: 0,
-        };
+        let stats = no_stats();
         let (record, created) = commit_version(&repo, &opts("ds"), &snapshot, &stats, &mut written)
             .await
             .unwrap();
         assert!(created);
         assert_eq!((record.version, record.snapshot), (3, v1.snapshot));
+    }
+
+    /// A gc that read the versions before this push committed deletes the
+    /// snapshot object the push has just written (an older, forgotten
+    /// version had the same tree): the push, having committed, finds it
+    /// gone and writes it again, so its version is never left without it.
+    #[tokio::test]
+    async fn a_snapshot_deleted_by_gc_before_the_commit_is_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        std::fs::write(dir.path().join("f"), "x").unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        let v1 = crate::push(&repo, dir.path(), &opts("ds"), np)
+            .await
+            .unwrap()
+            .record;
+        let object = repo.load_snapshot(&v1.snapshot).await.unwrap();
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let mut written = Written {
+            objects: 0,
+            bytes: 0,
+        };
+        let snapshot = write_snapshot(&repo, "ds", None, object, &mut written)
+            .await
+            .unwrap();
+        // The gc's sweep, between the push's write and its commit.
+        let key = snapshot_key(&snapshot.id);
+        repo.remote().delete(&key).await.unwrap();
+        let stats = no_stats();
+        let (record, created) = commit_version(&repo, &opts("ds"), &snapshot, &stats, &mut written)
+            .await
+            .unwrap();
+        assert!(created);
+        assert_eq!(record.snapshot, v1.snapshot);
+        assert!(repo.remote().head(&key).await.unwrap().is_some());
+        repo.load_snapshot(&record.snapshot).await.unwrap();
+        // The snapshot twice (written, then again) and the version.
+        assert_eq!(written.objects, 3);
     }
 
     /// Still the newest: the unchanged push creates nothing.

@@ -65,6 +65,23 @@ pub struct PushOptions {
     pub compression: Codec,
 }
 
+#[cfg(test)]
+impl PushOptions {
+    /// Options for the crate's tests: `name`, one reader, no files cache.
+    pub(crate) fn for_test(name: &str) -> PushOptions {
+        PushOptions {
+            name: name.into(),
+            files_cache: None,
+            threads: 1,
+            user: "u".into(),
+            host: "h".into(),
+            read_as: None,
+            settle: None,
+            compression: Codec::Lz4,
+        }
+    }
+}
+
 /// What a push did.
 #[derive(Clone, Debug, Serialize)]
 pub struct PushOutcome {
