@@ -1,6 +1,6 @@
 //! An opened store: its config, index, snapshots and refs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -433,6 +433,9 @@ impl Repo {
             }
         }
         drop(loaded);
+        if let Some(dir) = &self.index_cache {
+            prune_index_copies(dir, &keys);
+        }
         Ok((idx, keys))
     }
 
@@ -827,9 +830,77 @@ fn check_index_object(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
     index::decode(bytes, key)
 }
 
+/// Removes the copies in `dir` of index objects the store no longer lists
+/// (`keys`, just listed): gc consolidates index objects, and without this a
+/// node's cache kept a copy of every index object the store ever had. Best
+/// effort, like the copies: one removed that another process has just
+/// listed is read from the store again. Only names of index objects (64 hex
+/// digits) are touched.
+fn prune_index_copies(dir: &std::path::Path, keys: &[String]) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let live: HashSet<&str> = keys
+        .iter()
+        .map(|k| k.trim_start_matches("index/"))
+        .collect();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        let object = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit());
+        if object && !live.contains(name) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The index objects gc consolidated away leave the local copies too.
+    #[tokio::test]
+    async fn copies_of_index_objects_the_store_dropped_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let copies = dir.path().join("index-copies");
+        let repo = Repo::open(Remote::memory(), None)
+            .await
+            .unwrap()
+            .with_index_cache(Some(copies.clone()));
+        let np = std::sync::Arc::new(crate::progress::NoProgress);
+        for (i, text) in ["one", "two"].iter().enumerate() {
+            let src = dir.path().join(format!("src{i}"));
+            std::fs::create_dir_all(&src).unwrap();
+            std::fs::write(src.join("f"), text).unwrap();
+            let opts = crate::PushOptions::for_test(&format!("ds{i}"));
+            crate::push(&repo, &src, &opts, np.clone()).await.unwrap();
+        }
+        let listed = |d: &std::path::Path| {
+            let mut v: Vec<String> = std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            v.sort();
+            v
+        };
+        let (_, keys) = repo.load_index().await.unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(listed(&copies).len(), 2);
+        std::fs::write(copies.join("notes.txt"), "mine").unwrap();
+
+        repo.rebuild_index().await.unwrap();
+        let (idx, keys) = repo.load_index().await.unwrap();
+        assert_eq!(keys.len(), 1);
+        assert_eq!(idx.refused().len(), 0);
+        let mut want = vec![
+            keys[0].trim_start_matches("index/").to_string(),
+            "notes.txt".to_string(),
+        ];
+        want.sort();
+        assert_eq!(listed(&copies), want);
+    }
 
     #[test]
     fn names_and_specs() {
