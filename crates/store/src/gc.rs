@@ -303,9 +303,61 @@ impl Run<'_> {
     /// versions are read again after the deletions; one that a version now
     /// names is put back. A push committing after that second read finds its
     /// snapshot gone itself and writes it again (see the push's commit).
+    /// Should anything fail after the first deletion, every object deleted
+    /// is put back before the error is returned: the next gc deletes them.
     async fn sweep_snapshots(&self, marked: &Marked, out: &mut GcOutcome) -> Result<()> {
         let remote = self.repo.remote();
         let mut deleted: Vec<(SnapshotId, bytes::Bytes)> = Vec::new();
+        let swept = self.delete_snapshots(marked, &mut deleted, out).await;
+        if deleted.is_empty() {
+            return swept;
+        }
+        let named: Result<HashSet<SnapshotId>> = match swept {
+            Ok(()) => self
+                .repo
+                .all_versions()
+                .await
+                .map(|vs| vs.iter().map(|v| v.snapshot).collect()),
+            Err(e) => Err(e),
+        };
+        let mut first_error = None;
+        for (id, bytes) in deleted {
+            let back = match &named {
+                Ok(named) => named.contains(&id),
+                Err(_) => true,
+            };
+            if !back {
+                continue;
+            }
+            if named.is_ok() {
+                tracing::info!(
+                    "gc: snapshot {id} was named by a version committed meanwhile: put back"
+                );
+            }
+            match remote.put(&snapshot_key(&id), bytes).await {
+                Ok(()) => out.deleted_snapshots -= 1,
+                Err(e) => {
+                    tracing::error!("gc: could not put snapshot {id} back: {e}");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        named?;
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        remote.sync().await
+    }
+
+    /// Deletes the snapshot objects no version in `marked` names and older
+    /// than the grace period, keeping what each held in `deleted`.
+    async fn delete_snapshots(
+        &self,
+        marked: &Marked,
+        deleted: &mut Vec<(SnapshotId, bytes::Bytes)>,
+        out: &mut GcOutcome,
+    ) -> Result<()> {
+        let remote = self.repo.remote();
         for o in remote.list("snapshots/").await? {
             let Some(id) = o
                 .key
@@ -331,26 +383,7 @@ impl Run<'_> {
             }
             out.deleted_snapshots += 1;
         }
-        if deleted.is_empty() {
-            return Ok(());
-        }
-        let named: HashSet<SnapshotId> = self
-            .repo
-            .all_versions()
-            .await?
-            .iter()
-            .map(|v| v.snapshot)
-            .collect();
-        for (id, bytes) in deleted {
-            if named.contains(&id) {
-                tracing::info!(
-                    "gc: snapshot {id} was named by a version committed meanwhile: put back"
-                );
-                remote.put(&snapshot_key(&id), bytes).await?;
-                out.deleted_snapshots -= 1;
-            }
-        }
-        remote.sync().await
+        Ok(())
     }
 
     /// Half-written objects of pushes that were killed, and claims and
@@ -468,5 +501,41 @@ mod tests {
         run.sweep_snapshots(&marked, &mut out).await.unwrap();
         assert_eq!(out.deleted_snapshots, 1);
         assert!(repo.load_snapshot(&again.snapshot).await.is_err());
+    }
+
+    /// A sweep that cannot read the versions again after deleting puts back
+    /// everything it deleted before it fails: it cannot tell which a push
+    /// committed meanwhile.
+    #[tokio::test]
+    async fn a_sweep_failing_after_deleting_puts_everything_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        std::fs::write(dir.path().join("f"), "x").unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        let v1 = crate::push(&repo, dir.path(), &PushOptions::for_test("ds"), np)
+            .await
+            .unwrap()
+            .record;
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let marked = Marked {
+            packs: HashSet::new(),
+            snapshots: HashSet::new(),
+        };
+        // A record that does not decode: reading the versions fails.
+        let junk = crate::repo::version_key("other", 1);
+        repo.remote().put(&junk, "junk".into()).await.unwrap();
+        let run = Run {
+            repo: &repo,
+            now: now_secs(),
+            grace: 0,
+            dry_run: false,
+        };
+        let mut out = GcOutcome::default();
+        let err = run.sweep_snapshots(&marked, &mut out).await.unwrap_err();
+        assert!(err.to_string().contains("other"), "{err}");
+        assert_eq!(out.deleted_snapshots, 0);
+        repo.load_snapshot(&v1.snapshot).await.unwrap();
     }
 }

@@ -230,7 +230,7 @@ fn version_prefix(name: &str) -> String {
     format!("refs/{name}/@/")
 }
 
-fn version_key(name: &str, v: u64) -> String {
+pub(crate) fn version_key(name: &str, v: u64) -> String {
     format!("refs/{name}/@/{v:010}")
 }
 
@@ -397,7 +397,24 @@ impl Repo {
     /// from. An object that does not match its name or does not decode is
     /// never used: it is listed in [`Index::refused`] (verify reports it,
     /// gc refuses to run) and the chunks only it described are missing.
+    ///
+    /// An object listed and gone when read was consolidated by a gc in
+    /// between (it wrote the objects replacing it first): the index is
+    /// listed and read again, up to [`INDEX_LOAD_TRIES`] times.
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
+        let mut tries = 1;
+        loop {
+            match self.load_index_once().await {
+                Err(e) if e.is_not_found() && tries < INDEX_LOAD_TRIES => {
+                    tracing::debug!("index: {e}; listing again (a gc consolidated it?)");
+                    tries += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn load_index_once(&self) -> Result<(Index, Vec<String>)> {
         let objects = self.remote.list("index/").await?;
         // At least 36 encoded bytes per chunk (id, three varints, flags):
         // room for all of them at once, a little more than needed, so the
@@ -433,8 +450,10 @@ impl Repo {
             }
         }
         drop(loaded);
-        if let Some(dir) = &self.index_cache {
-            prune_index_copies(dir, &keys);
+        if let Some(dir) = self.index_cache.clone() {
+            // The first run after an upgrade may remove thousands.
+            let live = keys.clone();
+            let _ = tokio::task::spawn_blocking(move || prune_index_copies(&dir, &live)).await;
         }
         Ok((idx, keys))
     }
@@ -829,6 +848,10 @@ fn check_index_object(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
     }
     index::decode(bytes, key)
 }
+
+/// Listings and reads of the index before [`Repo::load_index`] gives up on
+/// objects that vanish between the two.
+const INDEX_LOAD_TRIES: u32 = 3;
 
 /// Removes the copies in `dir` of index objects the store no longer lists
 /// (`keys`, just listed): gc consolidates index objects, and without this a

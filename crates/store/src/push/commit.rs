@@ -66,8 +66,19 @@ pub(super) async fn write_snapshot(
 ) -> Result<WrittenSnapshot> {
     let (id, bytes) = object.encode();
     if early.as_ref().is_some_and(|l| l.snapshot == id) {
-        let newest = repo.newest_record(name).await?;
-        if let Some(l) = newest.filter(|l| l.snapshot == id && !l.forgotten) {
+        // Whether the object is there is asked alongside: a push that died
+        // after its commit, before it could write back an object gc took
+        // meanwhile (see commit_version), is repaired by pushing again.
+        let key = snapshot_key(&id);
+        let (newest, present) = tokio::join!(repo.newest_record(name), repo.remote().head(&key));
+        if let Some(l) = newest?.filter(|l| l.snapshot == id && !l.forgotten) {
+            if present?.is_none() {
+                tracing::warn!(
+                    "push: the snapshot object of {} was missing: written again",
+                    l.label()
+                );
+                put_snapshot(repo, &id, bytes, written).await?;
+            }
             return Ok(WrittenSnapshot {
                 object,
                 id,
@@ -469,6 +480,29 @@ mod tests {
         repo.load_snapshot(&record.snapshot).await.unwrap();
         // The snapshot twice (written, then again) and the version.
         assert_eq!(written.objects, 3);
+    }
+
+    /// A version whose snapshot object went missing (a push killed between
+    /// its commit and writing back an object gc took) is repaired by
+    /// pushing the same tree again, which otherwise writes nothing.
+    #[tokio::test]
+    async fn an_unchanged_push_writes_a_missing_snapshot_object_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        std::fs::write(dir.path().join("f"), "x").unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        let v1 = crate::push(&repo, dir.path(), &opts("ds"), np.clone())
+            .await
+            .unwrap()
+            .record;
+        let key = snapshot_key(&v1.snapshot);
+        repo.remote().delete(&key).await.unwrap();
+        let again = crate::push(&repo, dir.path(), &opts("ds"), np)
+            .await
+            .unwrap();
+        assert!(!again.created);
+        assert_eq!(again.record.version, v1.version);
+        repo.load_snapshot(&v1.snapshot).await.unwrap();
     }
 
     /// Still the newest: the unchanged push creates nothing.
