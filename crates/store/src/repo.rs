@@ -546,6 +546,19 @@ impl Repo {
         sink: &mut S,
     ) -> Result<SnapshotObject> {
         let snap = self.load_snapshot(id).await?;
+        self.decode_tree_into(index, id, &snap, sink).await?;
+        Ok(snap)
+    }
+
+    /// [`Repo::load_tree_into`] for a snapshot object already read (its
+    /// read needs no index, so callers do it while the index loads).
+    pub(crate) async fn decode_tree_into<S: TreeSink>(
+        &self,
+        index: &Index,
+        id: &SnapshotId,
+        snap: &SnapshotObject,
+        sink: &mut S,
+    ) -> Result<()> {
         // Paths are strictly sorted across segments, so a segment listed
         // twice is never a real tree; refused before it multiplies memory.
         let mut seen = std::collections::HashSet::with_capacity(snap.segments.len());
@@ -581,7 +594,7 @@ impl Repo {
                 sink.add(Self::decoded_segment(id, s, &segs)?)?;
             }
         }
-        Ok(snap)
+        Ok(())
     }
 
     /// Segment `s` of snapshot `id`, from `segs`, checked against its count.

@@ -132,33 +132,34 @@ pub async fn pull_with(
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     // With `shared`, written with shared modes, and a finished file is
     // recognised by them.
-    let (record, (index, entries)) = match opts.expect {
-        Some(snapshot) => {
-            let label = spec.to_string();
-            let load = load_tree(&repo, &snapshot, &label, opts.shared, progress.as_ref());
-            let (record, tree) = tokio::join!(repo.resolve(spec), load);
-            let record = record?;
-            if record.snapshot != snapshot {
-                return Err(Error::Moved {
-                    label: record.label(),
-                    expected: snapshot.to_string(),
-                    found: record.snapshot.to_string(),
-                });
-            }
-            (record, tree?)
+    // The index loads while the name is resolved and the snapshot object
+    // read (neither needs it): a round trip less before the first pack.
+    let (record, index, entries) = match opts.expect {
+        Some(expected) => {
+            // The tree is read only once the name is known to still name
+            // the snapshot the caller expects.
+            let snapshot = async {
+                let (record, object) =
+                    tokio::join!(repo.resolve(spec), repo.load_snapshot(&expected));
+                let record = record?;
+                if record.snapshot != expected {
+                    return Err(Error::Moved {
+                        label: record.label(),
+                        expected: expected.to_string(),
+                        found: record.snapshot.to_string(),
+                    });
+                }
+                Ok((record, object?))
+            };
+            load_tree(&repo, snapshot, opts.shared, progress.as_ref()).await?
         }
         None => {
-            let record = repo.resolve(spec).await?;
-            let label = record.label();
-            let tree = load_tree(
-                &repo,
-                &record.snapshot,
-                &label,
-                opts.shared,
-                progress.as_ref(),
-            );
-            let tree = tree.await?;
-            (record, tree)
+            let snapshot = async {
+                let record = repo.resolve(spec).await?;
+                let object = repo.load_snapshot(&record.snapshot).await?;
+                Ok((record, object))
+            };
+            load_tree(&repo, snapshot, opts.shared, progress.as_ref()).await?
         }
     };
     let loaded = started.elapsed();
@@ -254,24 +255,27 @@ pub async fn pull_with(
 
 /// The store's index and the version's validated tree. Special mode bits
 /// are masked (and said so), unsafe paths refused.
+/// Loads the index while `snapshot` resolves the version and reads its
+/// snapshot object, then the tree. The first error of the two ends both.
 async fn load_tree(
     repo: &Repo,
-    snapshot: &SnapshotId,
-    label: &str,
+    snapshot: impl std::future::Future<Output = Result<(VersionRecord, crate::SnapshotObject)>>,
     shared: bool,
     progress: &dyn Progress,
-) -> Result<(Index, Listing)> {
-    let (index, _) = repo.load_index().await?;
+) -> Result<(VersionRecord, Index, Listing)> {
+    let ((index, _), (record, object)) = tokio::try_join!(repo.load_index(), snapshot)?;
     let mut loader = Loader::new(&index, shared);
-    repo.load_tree_into(&index, snapshot, &mut loader).await?;
-    let (entries, masked, first) = loader.finish(&snapshot.to_string())?;
+    repo.decode_tree_into(&index, &record.snapshot, &object, &mut loader)
+        .await?;
+    let (entries, masked, first) = loader.finish(&record.snapshot.to_string())?;
     if let Some(first) = first {
         progress.warn(&format!(
-            "{masked} entries of {label} carry setuid, setgid or other special mode bits \
-             (first: {first}); they are restored without them"
+            "{masked} entries of {} carry setuid, setgid or other special mode bits \
+             (first: {first}); they are restored without them",
+            record.label()
         ));
     }
-    Ok((index, entries))
+    Ok((record, index, entries))
 }
 
 /// Creates `dest` if needed; returns it resolved, and whether it was empty.
@@ -941,9 +945,10 @@ pub async fn snapshot_packs(
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
-    let (index, _) = repo.load_index().await?;
+    let ((index, _), object) = tokio::try_join!(repo.load_index(), repo.load_snapshot(snapshot))?;
     let mut loader = Loader::new(&index, false);
-    repo.load_tree_into(&index, snapshot, &mut loader).await?;
+    repo.decode_tree_into(&index, snapshot, &object, &mut loader)
+        .await?;
     let (entries, _, _) = loader.finish(&snapshot.to_string())?;
     needed_packs(&entries, &index, entries.iter(), |c, _| {
         Error::not_found(format!("chunk {c}"))
