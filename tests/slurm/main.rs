@@ -586,6 +586,85 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
     assert!(err.contains("running on gpu"), "{err}");
 }
 
+/// A stage whose step was killed with SIGKILL (its `labrun` never says the
+/// step ended) is released once Slurm says the job no longer runs: its
+/// trees are not held against eviction for the stage's 30 days.
+#[test]
+fn a_stage_whose_step_was_killed_is_released() {
+    let Some(slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
+        return;
+    };
+    let Some(lab) = Lab::start_full(3, false, "", &slurm_section(&slurm, "")) else {
+        return;
+    };
+    lab.dataset("div2k", 11);
+    let job = ok(
+        &lab,
+        &slurm,
+        &[
+            "-d",
+            "--data",
+            "div2k",
+            "--",
+            "sh",
+            "-c",
+            "echo staged && sleep 600",
+        ],
+    );
+    let id = id_of(&job);
+    let node = slurm.running_on(&id, 60);
+    let record = lab
+        .dir
+        .path()
+        .join(&node)
+        .join("state/slurm")
+        .join(format!("{id}.1"))
+        .join("stage.json");
+    let released = || -> Option<bool> {
+        let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).ok()?).ok()?;
+        Some(!rec["released"].is_null())
+    };
+    wait_until("the job's step to run", 60, || {
+        std::thread::sleep(Duration::from_millis(200));
+        let log = labrun(&lab, &slurm, &["logs", job.trim()]).stdout;
+        String::from_utf8_lossy(&log).contains("staged")
+    });
+    assert_eq!(released(), Some(false), "{}", record.display());
+    // SIGKILL to the step's labrun (`scancel --signal=KILL` would send
+    // SIGTERM first, and labrun would release the stage itself).
+    let pid = step_pid(&id).expect("the job's `labrun _slurm-job` process");
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let state = slurm.ended(&id, 60);
+    eprintln!("Slurm job {id} ended {state} after its step's labrun was killed");
+    assert_eq!(released(), Some(false), "released by someone else");
+    // labd asks Slurm about stages older than 30 s, every 30 s.
+    wait_until("labd to release the stage of the killed job", 120, || {
+        std::thread::sleep(Duration::from_millis(500));
+        released() == Some(true)
+    });
+}
+
+/// The pid of Slurm job `id`'s `labrun _slurm-job` (its environment says
+/// `SLURM_JOB_ID=id`).
+fn step_pid(id: &str) -> Option<u32> {
+    let want = format!("SLURM_JOB_ID={id}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        if !cmdline.split(|b| *b == 0).any(|a| a == b"_slurm-job") {
+            return None;
+        }
+        let env = std::fs::read(e.path().join("environ")).ok()?;
+        env.split(|b| *b == 0)
+            .any(|v| v == want.as_bytes())
+            .then_some(pid)
+    })
+}
+
 /// Pending jobs are ranked again as caches change: a job held while every
 /// node is free and nothing is cached would start on gpu0 (Slurm's first
 /// node); once its data is cached on gpu2, the coordinator's re-ranking

@@ -163,6 +163,10 @@ pub struct Daemon {
     hold_idle: std::sync::Mutex<std::collections::HashMap<String, Option<u64>>>,
     /// When the holds' GPUs were last read.
     hold_checked: std::sync::Mutex<Option<std::time::Instant>>,
+    /// When unreleased stages were last checked with Slurm, and whether a
+    /// check is running.
+    stages_checked: std::sync::Mutex<Option<std::time::Instant>>,
+    stages_checking: std::sync::atomic::AtomicBool,
     _lock: File,
 }
 
@@ -257,6 +261,8 @@ impl Daemon {
             beat_now: tokio::sync::Notify::new(),
             hold_idle: Default::default(),
             hold_checked: Default::default(),
+            stages_checked: Default::default(),
+            stages_checking: Default::default(),
             _lock: lock,
             cfg,
         }))
@@ -303,6 +309,7 @@ impl Daemon {
         };
         self.release_idle_holds(&jobs).await;
         self.housekeeping.start_if_due();
+        self.check_stages_if_due();
         self.outputs.start_due(jobs);
     }
 

@@ -9,8 +9,10 @@
 //! number free, so a user who stages under someone else's job id only ever
 //! makes a folder of their own. The trees of a stage not yet released count
 //! as in use, so eviction never takes them from a running job; a released
-//! stage's folder goes after `work_keep`, one never released after
-//! [`STAGE_TTL`].
+//! stage's folder goes after `work_keep`. A stage whose step could not
+//! release it (killed with SIGKILL, the node rebooted) is released by labd
+//! once Slurm says its job no longer runs here (checked every
+//! [`STAGE_CHECK_EVERY`]); without that check, after [`STAGE_TTL`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -60,6 +62,39 @@ fn check_stage_name(stage: &str) -> Result<(), ApiError> {
         Some((job, n)) if check_job_id(job).is_ok() && check_job_id(n).is_ok() => Ok(()),
         _ => Err(ApiError::BadRequest(format!("no stage {stage:?}"))),
     }
+}
+
+/// How often the stages not released are checked with Slurm: a step
+/// killed with SIGKILL (or a node rebooted under it) never says it ended.
+const STAGE_CHECK_EVERY: Duration = Duration::from_secs(30);
+
+/// A stage younger than this is not checked: its job was running when it
+/// was made.
+const STAGE_CHECK_AFTER: u64 = 30;
+
+/// Whether `scontrol -o show job`'s answer (its fields, or its error when
+/// it failed) says that a stage made on `node` for the job is no longer
+/// used by it: the job ended, was requeued, runs elsewhere, or Slurm has
+/// forgotten it. `None` when the answer says neither (scontrol could not
+/// ask slurmctld): the stage stays held.
+fn job_over(answer: Result<&str, &str>, node: &str) -> Option<bool> {
+    let fields = match answer {
+        Ok(f) => f,
+        Err(e) if e.contains("Invalid job id") => return Some(true),
+        Err(_) => return None,
+    };
+    let get = |k: &str| {
+        fields
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(k)?.strip_prefix('='))
+    };
+    let state = get("JobState")?;
+    // COMPLETING: processes may still be stopping (within KillWait).
+    let live = matches!(
+        state,
+        "RUNNING" | "CONFIGURING" | "SUSPENDED" | "STOPPED" | "COMPLETING"
+    );
+    Some(!live || get("BatchHost") != Some(node))
 }
 
 /// Stages a user may hold unreleased on one node at once.
@@ -209,13 +244,94 @@ fn job_refusal(job: &str, fields: &str, node: &str, user: Option<&str>) -> Optio
 }
 
 impl Daemon {
-    /// Asks Slurm whether `job` is `user`'s running job on this node.
-    async fn check_slurm_job(
+    /// Starts a check of the unreleased stages with Slurm in the background
+    /// when one is due (every [`STAGE_CHECK_EVERY`], where labd checks
+    /// stages with Slurm at all) and none is running.
+    pub(crate) fn check_stages_if_due(self: &Arc<Self>) {
+        if self.cfg.slurm_check.is_none() {
+            return;
+        }
+        {
+            let mut at = self.stages_checked.lock().expect("labd poisoned");
+            if at.is_some_and(|t| t.elapsed() < STAGE_CHECK_EVERY) {
+                return;
+            }
+            *at = Some(std::time::Instant::now());
+        }
+        if self
+            .stages_checking
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.release_stages_of_ended_jobs().await;
+            me.stages_checking
+                .store(false, std::sync::atomic::Ordering::Release);
+        });
+    }
+
+    /// Releases the stages whose Slurm job no longer runs here (see
+    /// [`job_over`]): their trees may then be evicted, and their folders go
+    /// after `work_keep`, instead of after [`STAGE_TTL`].
+    async fn release_stages_of_ended_jobs(&self) {
+        let Some(check) = &self.cfg.slurm_check else {
+            return;
+        };
+        let dir = self.stages_dir();
+        let Ok(recs) = off_runtime(move || records(&dir)).await else {
+            return;
+        };
+        let now = unix_now();
+        let mut asked: std::collections::HashMap<String, Option<bool>> = Default::default();
+        for (name, rec) in recs {
+            let Some(rec) = rec else { continue };
+            if !holds_trees(&rec, now) || now < rec.at.saturating_add(STAGE_CHECK_AFTER) {
+                continue;
+            }
+            let over = match asked.get(&rec.job) {
+                Some(o) => *o,
+                None => {
+                    let o = match self.scontrol_show_job(check, &rec.job).await {
+                        Ok(out) => {
+                            let text = String::from_utf8_lossy(&out.stdout);
+                            let err = String::from_utf8_lossy(&out.stderr);
+                            let answer = if out.status.success() {
+                                Ok(&*text)
+                            } else {
+                                Err(&*err)
+                            };
+                            job_over(answer, &self.cfg.node_name)
+                        }
+                        Err(e) => {
+                            tracing::debug!("checking stage {name}: {e}");
+                            None
+                        }
+                    };
+                    asked.insert(rec.job.clone(), o);
+                    o
+                }
+            };
+            if over == Some(true) {
+                match self.release_stage(&rec.user, &name).await {
+                    Ok(()) => tracing::info!(
+                        "stage {name} of {}: Slurm job {} no longer runs here; released",
+                        rec.user,
+                        rec.job
+                    ),
+                    Err(e) => tracing::warn!("releasing stage {name}: {e}"),
+                }
+            }
+        }
+    }
+
+    /// `scontrol -o show job JOB`, under the check's timeout.
+    async fn scontrol_show_job(
         &self,
         check: &super::SlurmCheck,
         job: &str,
-        user: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<std::process::Output, ApiError> {
         let mut cmd = tokio::process::Command::new("scontrol");
         cmd.args(["-o", "show", "job", job])
             .stdin(std::process::Stdio::null())
@@ -223,7 +339,7 @@ impl Daemon {
         if let Some(c) = &check.conf {
             cmd.env("SLURM_CONF", c);
         }
-        let out = tokio::time::timeout(check.timeout, cmd.output())
+        tokio::time::timeout(check.timeout, cmd.output())
             .await
             .map_err(|_| {
                 ApiError::Conflict(format!(
@@ -237,7 +353,17 @@ impl Daemon {
                     "cannot check Slurm job {job} with scontrol on {}: {e}",
                     self.cfg.node_name
                 ))
-            })?;
+            })
+    }
+
+    /// Asks Slurm whether `job` is `user`'s running job on this node.
+    async fn check_slurm_job(
+        &self,
+        check: &super::SlurmCheck,
+        job: &str,
+        user: &str,
+    ) -> Result<(), ApiError> {
+        let out = self.scontrol_show_job(check, job).await?;
         let text = String::from_utf8_lossy(&out.stdout);
         let user = self.cfg.run_as_submitter.then_some(user);
         let why = if out.status.success() {
@@ -500,6 +626,46 @@ mod tests {
         assert!(why(&ended, "gpu1", None).contains("not running"));
         let starting = line.replace("JobState=RUNNING", "JobState=CONFIGURING");
         assert_eq!(job_refusal("12", &starting, "gpu1", Some("alice")), None);
+    }
+
+    #[test]
+    fn a_stage_is_over_when_its_job_no_longer_runs_here() {
+        let line = |state: &str, host: &str| {
+            format!(
+                "JobId=12 JobName=x UserId=alice(1001) JobState={state} Reason=None \
+                 BatchHost={host} NodeList={host}"
+            )
+        };
+        for live in ["RUNNING", "CONFIGURING", "SUSPENDED", "COMPLETING"] {
+            assert_eq!(
+                job_over(Ok(&line(live, "gpu1")), "gpu1"),
+                Some(false),
+                "{live}"
+            );
+        }
+        for ended in [
+            "COMPLETED",
+            "CANCELLED",
+            "FAILED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "PENDING",
+        ] {
+            assert_eq!(
+                job_over(Ok(&line(ended, "gpu1")), "gpu1"),
+                Some(true),
+                "{ended}"
+            );
+        }
+        // Requeued and started on another node: this stage is not its own.
+        assert_eq!(job_over(Ok(&line("RUNNING", "gpu2")), "gpu1"), Some(true));
+        // Purged from slurmctld (MinJobAge): gone.
+        let purged = "slurm_load_jobs error: Invalid job id specified";
+        assert_eq!(job_over(Err(purged), "gpu1"), Some(true));
+        // slurmctld not answering, or an answer without a state: held.
+        let down = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)";
+        assert_eq!(job_over(Err(down), "gpu1"), None);
+        assert_eq!(job_over(Ok(""), "gpu1"), None);
     }
 
     #[test]
