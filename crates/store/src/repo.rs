@@ -400,7 +400,7 @@ impl Repo {
     ///
     /// An object listed and gone when read was consolidated by a gc in
     /// between (it wrote the objects replacing it first): the index is
-    /// listed and read again, up to [`INDEX_LOAD_TRIES`] times.
+    /// listed and read again, up to three times in all.
     pub async fn load_index(&self) -> Result<(Index, Vec<String>)> {
         let mut tries = 1;
         loop {
