@@ -342,11 +342,13 @@ impl Run<'_> {
                 }
             }
         }
+        // What was put back is made durable before any error is returned.
+        let synced = remote.sync().await;
         named?;
         if let Some(e) = first_error {
             return Err(e);
         }
-        remote.sync().await
+        synced
     }
 
     /// Deletes the snapshot objects no version in `marked` names and older
@@ -378,10 +380,15 @@ impl Run<'_> {
                     Err(e) if e.is_not_found() => continue,
                     Err(e) => return Err(e),
                 };
-                remote.delete(&key).await?;
+                // Kept (and counted) before the delete: one that failed may
+                // still have taken effect (a timeout), and is put back with
+                // the rest.
                 deleted.push((id, bytes));
+                out.deleted_snapshots += 1;
+                remote.delete(&key).await?;
+            } else {
+                out.deleted_snapshots += 1;
             }
-            out.deleted_snapshots += 1;
         }
         Ok(())
     }
