@@ -450,7 +450,19 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     );
     assert!(ran_on == "gpu0" || ran_on == "gpu2", "{ran_on}");
     // A node stages only for a Slurm job running there (checked with
-    // scontrol): not for a job of another node, not for one Slurm lacks.
+    // squeue): not for a job of another node, not for one Slurm lacks, not
+    // for one whose name plants the fields `scontrol show job` prints.
+    let planted = slurm.sbatch(&[
+        "-w",
+        "gpu1",
+        "--job-name",
+        "x JobState=RUNNING BatchHost=gpu2",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "sleep 300",
+    ]);
+    assert_eq!(slurm.running_on(&planted, 60), "gpu1");
     let spec = format!(
         "{{\"labd\":\"{}\",\"argv\":[\"true\"],\"code\":null,\"data\":[],\
          \"outputs\":null,\"outputs_every_s\":300}}",
@@ -459,6 +471,7 @@ fn slurm_jobs_go_where_their_data_is_and_fail_fast_without_slurmctld() {
     for (job, node, says) in [
         (blocker.as_str(), "gpu2", "runs on \"gpu1\", not on gpu2"),
         ("999999", "gpu1", "Slurm knows no job 999999"),
+        (planted.as_str(), "gpu2", "runs on \"gpu1\", not on gpu2"),
     ] {
         let o = lab
             .labrun_cmd(&["_slurm-job", &spec])

@@ -94,14 +94,14 @@ pub struct DaemonConfig {
     pub slurm_check: Option<SlurmCheck>,
 }
 
-/// Checking a stage's job with Slurm (`scontrol show job`): it must be
+/// Checking a stage's job with Slurm (`squeue`): it must be
 /// running (or starting) with this node as its batch host, and be the
 /// asker's where jobs run as their submitters.
 #[derive(Clone, Debug, Default)]
 pub struct SlurmCheck {
     /// slurm.conf (`SLURM_CONF`), where not the default.
     pub conf: Option<PathBuf>,
-    /// Longest wait for `scontrol`.
+    /// Longest wait for `squeue`.
     pub timeout: Duration,
 }
 

@@ -72,29 +72,67 @@ const STAGE_CHECK_EVERY: Duration = Duration::from_secs(30);
 /// was made.
 const STAGE_CHECK_AFTER: u64 = 30;
 
-/// Whether `scontrol -o show job`'s answer (its fields, or its error when
-/// it failed) says that a stage made on `node` for the job is no longer
-/// used by it: the job ended, was requeued, runs elsewhere, or Slurm has
-/// forgotten it. `None` when the answer says neither (scontrol could not
-/// ask slurmctld): the stage stays held.
-fn job_over(answer: Result<&str, &str>, node: &str) -> Option<bool> {
-    let fields = match answer {
-        Ok(f) => f,
+/// The fields labd asks Slurm for (`squeue -o`): the job's id (unique per
+/// array task), its state, batch host and user. None is a field a user
+/// names: `scontrol show job` prints the job's name and comment unquoted
+/// among its fields, where a name such as `x JobState=RUNNING` planted one.
+const JOB_FORMAT: &str = "%A|%T|%B|%u";
+
+/// A job as one line of `squeue -h -o JOB_FORMAT` shows it.
+#[derive(Debug, PartialEq, Eq)]
+struct SlurmJob<'a> {
+    state: &'a str,
+    batch_host: &'a str,
+    user: &'a str,
+}
+
+/// Job `job`'s line in `squeue`'s output (an array's id lists every task:
+/// only the line with that very id counts).
+fn job_line<'a>(out: &'a str, job: &str) -> Option<SlurmJob<'a>> {
+    out.lines().find_map(|l| {
+        let mut f = l.trim().split('|');
+        let (id, state, batch_host, user) = (f.next()?, f.next()?, f.next()?, f.next()?);
+        (id == job && f.next().is_none()).then_some(SlurmJob {
+            state,
+            batch_host,
+            user,
+        })
+    })
+}
+
+/// States in which a job's step on its batch host is over for good (a
+/// PENDING job was requeued: its next run makes a stage of its own).
+/// Anything else, `RESIZING` or `SIGNALING` of a running job, `REQUEUED`
+/// or `COMPLETING` while its processes stop, keeps the stage.
+const ENDED: [&str; 12] = [
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "PENDING",
+    "SPECIAL_EXIT",
+    "REVOKED",
+];
+
+/// Whether `squeue`'s answer about `job` (its output, or its error when it
+/// failed) says that a stage made on `node` for the job is no longer used
+/// by it: the job ended or was requeued, runs on another node, or Slurm
+/// has forgotten it. `None` when the answer says neither (slurmctld did
+/// not answer, no line for the job): the stage stays held.
+fn job_over(answer: Result<&str, &str>, job: &str, node: &str) -> Option<bool> {
+    let out = match answer {
+        Ok(out) => out,
         Err(e) if e.contains("Invalid job id") => return Some(true),
         Err(_) => return None,
     };
-    let get = |k: &str| {
-        fields
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(k)?.strip_prefix('='))
-    };
-    let state = get("JobState")?;
-    // COMPLETING: processes may still be stopping (within KillWait).
-    let live = matches!(
-        state,
-        "RUNNING" | "CONFIGURING" | "SUSPENDED" | "STOPPED" | "COMPLETING"
-    );
-    Some(!live || get("BatchHost") != Some(node))
+    let j = job_line(out, job)?;
+    let elsewhere = j.state == "RUNNING" && j.batch_host != node;
+    Some(ENDED.contains(&j.state) || elsewhere)
 }
 
 /// Stages a user may hold unreleased on one node at once.
@@ -145,7 +183,11 @@ pub(crate) fn tree_in_stage(dir: &Path, snapshot: &str, now: u64) -> bool {
 
 fn write_record(stage_dir: &Path, rec: &StageRecord) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
-    let tmp = stage_dir.join(".stage.json.tmp");
+    // A name of its own: the sweep, the step's release and an abandoned
+    // request's may write the record at once.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = stage_dir.join(format!(".stage.json.tmp.{}.{n}", std::process::id()));
     // labd's alone: it names the user's job and snapshots.
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -214,30 +256,25 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// Why `scontrol show job`'s fields (`-o`) do not show a job `user` may
-/// stage for on `node`; `None` when they do. `user` is `None` where jobs
-/// do not run as their submitters (the token's name is no Unix user's).
-fn job_refusal(job: &str, fields: &str, node: &str, user: Option<&str>) -> Option<String> {
-    let get = |k: &str| {
-        fields
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(k)?.strip_prefix('='))
+/// Why `squeue`'s output (see [`JOB_FORMAT`]) does not show a job `user`
+/// may stage for on `node`; `None` when it does. `user` is `None` where
+/// jobs do not run as their submitters (the token's name is no Unix user's).
+fn job_refusal(job: &str, out: &str, node: &str, user: Option<&str>) -> Option<String> {
+    let Some(j) = job_line(out, job) else {
+        return Some(format!("Slurm shows no job {job}"));
     };
-    let state = get("JobState").unwrap_or("");
-    if !matches!(state, "RUNNING" | "CONFIGURING") {
-        return Some(format!("Slurm job {job} is not running ({state:?})"));
+    if !matches!(j.state, "RUNNING" | "CONFIGURING") {
+        return Some(format!("Slurm job {job} is not running ({:?})", j.state));
     }
-    let host = get("BatchHost").unwrap_or("");
-    if host != node {
-        return Some(format!("Slurm job {job} runs on {host:?}, not on {node}"));
+    if j.batch_host != node {
+        return Some(format!(
+            "Slurm job {job} runs on {:?}, not on {node}",
+            j.batch_host
+        ));
     }
     if let Some(u) = user {
-        // `UserId=alice(1001)`.
-        let owner = get("UserId")
-            .and_then(|v| v.split('(').next())
-            .unwrap_or("");
-        if owner != u {
-            return Some(format!("Slurm job {job} is {owner:?}'s, not {u}'s"));
+        if j.user != u {
+            return Some(format!("Slurm job {job} is {:?}'s, not {u}'s", j.user));
         }
     }
     None
@@ -293,7 +330,7 @@ impl Daemon {
             let over = match asked.get(&rec.job) {
                 Some(o) => *o,
                 None => {
-                    let o = match self.scontrol_show_job(check, &rec.job).await {
+                    let o = match self.squeue_job(check, &rec.job).await {
                         Ok(out) => {
                             let text = String::from_utf8_lossy(&out.stdout);
                             let err = String::from_utf8_lossy(&out.stderr);
@@ -302,7 +339,7 @@ impl Daemon {
                             } else {
                                 Err(&*err)
                             };
-                            job_over(answer, &self.cfg.node_name)
+                            job_over(answer, &rec.job, &self.cfg.node_name)
                         }
                         Err(e) => {
                             tracing::debug!("checking stage {name}: {e}");
@@ -326,14 +363,14 @@ impl Daemon {
         }
     }
 
-    /// `scontrol -o show job JOB`, under the check's timeout.
-    async fn scontrol_show_job(
+    /// `squeue -h --states=all -j JOB -o JOB_FORMAT`, under the check's timeout.
+    async fn squeue_job(
         &self,
         check: &super::SlurmCheck,
         job: &str,
     ) -> Result<std::process::Output, ApiError> {
-        let mut cmd = tokio::process::Command::new("scontrol");
-        cmd.args(["-o", "show", "job", job])
+        let mut cmd = tokio::process::Command::new("squeue");
+        cmd.args(["-h", "--states=all", "-j", job, "-o", JOB_FORMAT])
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         if let Some(c) = &check.conf {
@@ -343,14 +380,14 @@ impl Daemon {
             .await
             .map_err(|_| {
                 ApiError::Conflict(format!(
-                    "cannot check Slurm job {job}: scontrol did not answer within {} s \
+                    "cannot check Slurm job {job}: squeue did not answer within {} s \
                      (is slurmctld up?)",
                     check.timeout.as_secs()
                 ))
             })?
             .map_err(|e| {
                 ApiError::Conflict(format!(
-                    "cannot check Slurm job {job} with scontrol on {}: {e}",
+                    "cannot check Slurm job {job} with squeue on {}: {e}",
                     self.cfg.node_name
                 ))
             })
@@ -363,7 +400,7 @@ impl Daemon {
         job: &str,
         user: &str,
     ) -> Result<(), ApiError> {
-        let out = self.scontrol_show_job(check, job).await?;
+        let out = self.squeue_job(check, job).await?;
         let text = String::from_utf8_lossy(&out.stdout);
         let user = self.cfg.run_as_submitter.then_some(user);
         let why = if out.status.success() {
@@ -612,60 +649,61 @@ mod tests {
 
     #[test]
     fn only_the_askers_running_job_on_this_node() {
-        let line = "JobId=12 JobName=x UserId=alice(1001) GroupId=alice(1001) \
-                    JobState=RUNNING Reason=None BatchHost=gpu1 NodeList=gpu1";
+        let line = "12|RUNNING|gpu1|alice";
         assert_eq!(job_refusal("12", line, "gpu1", Some("alice")), None);
         assert_eq!(job_refusal("12", line, "gpu1", None), None);
         let why =
             |l: &str, node: &str, user: Option<&str>| job_refusal("12", l, node, user).unwrap();
         assert!(why(line, "gpu2", Some("alice")).contains("runs on \"gpu1\", not on gpu2"));
         assert!(why(line, "gpu1", Some("bob")).contains("is \"alice\"'s, not bob's"));
-        let pending = line.replace("JobState=RUNNING", "JobState=PENDING");
-        assert!(why(&pending, "gpu1", Some("alice")).contains("not running"));
-        let ended = line.replace("JobState=RUNNING", "JobState=COMPLETED");
-        assert!(why(&ended, "gpu1", None).contains("not running"));
-        let starting = line.replace("JobState=RUNNING", "JobState=CONFIGURING");
-        assert_eq!(job_refusal("12", &starting, "gpu1", Some("alice")), None);
+        assert!(why("12|PENDING|gpu1|alice", "gpu1", Some("alice")).contains("not running"));
+        assert!(why("12|COMPLETED|gpu1|alice", "gpu1", None).contains("not running"));
+        let starting = "12|CONFIGURING|gpu1|alice";
+        assert_eq!(job_refusal("12", starting, "gpu1", Some("alice")), None);
+        // An array's id lists its tasks: only the line of job 12 counts.
+        let array = "13|RUNNING|gpu2|alice\n12|RUNNING|gpu1|alice\n";
+        assert_eq!(job_refusal("12", array, "gpu1", Some("alice")), None);
+        assert!(why("13|RUNNING|gpu1|alice", "gpu1", None).contains("shows no job 12"));
+        // A line with more fields than asked for is no job's.
+        assert!(why("12|RUNNING|gpu1|alice|x", "gpu1", None).contains("shows no job 12"));
     }
 
     #[test]
     fn a_stage_is_over_when_its_job_no_longer_runs_here() {
-        let line = |state: &str, host: &str| {
-            format!(
-                "JobId=12 JobName=x UserId=alice(1001) JobState={state} Reason=None \
-                 BatchHost={host} NodeList={host}"
-            )
-        };
-        for live in ["RUNNING", "CONFIGURING", "SUSPENDED", "COMPLETING"] {
-            assert_eq!(
-                job_over(Ok(&line(live, "gpu1")), "gpu1"),
-                Some(false),
-                "{live}"
-            );
+        let line = |state: &str, host: &str| format!("12|{state}|{host}|alice\n");
+        let live = [
+            "RUNNING",
+            "CONFIGURING",
+            "SUSPENDED",
+            "COMPLETING",
+            "RESIZING",
+            "SIGNALING",
+            "REQUEUED",
+            "STOPPED",
+        ];
+        for state in live {
+            let over = job_over(Ok(&line(state, "gpu1")), "12", "gpu1");
+            assert_eq!(over, Some(false), "{state}");
         }
-        for ended in [
-            "COMPLETED",
-            "CANCELLED",
-            "FAILED",
-            "TIMEOUT",
-            "NODE_FAIL",
-            "PENDING",
-        ] {
-            assert_eq!(
-                job_over(Ok(&line(ended, "gpu1")), "gpu1"),
-                Some(true),
-                "{ended}"
-            );
+        for state in ENDED {
+            let over = job_over(Ok(&line(state, "gpu1")), "12", "gpu1");
+            assert_eq!(over, Some(true), "{state}");
         }
         // Requeued and started on another node: this stage is not its own.
-        assert_eq!(job_over(Ok(&line("RUNNING", "gpu2")), "gpu1"), Some(true));
+        assert_eq!(
+            job_over(Ok(&line("RUNNING", "gpu2")), "12", "gpu1"),
+            Some(true)
+        );
+        // Another task of an array, ended: not job 12's line.
+        let array = "13|COMPLETED|gpu1|alice\n12|RUNNING|gpu1|alice\n";
+        assert_eq!(job_over(Ok(array), "12", "gpu1"), Some(false));
         // Purged from slurmctld (MinJobAge): gone.
         let purged = "slurm_load_jobs error: Invalid job id specified";
-        assert_eq!(job_over(Err(purged), "gpu1"), Some(true));
-        // slurmctld not answering, or an answer without a state: held.
+        assert_eq!(job_over(Err(purged), "12", "gpu1"), Some(true));
+        // slurmctld not answering, or no line for the job: held.
         let down = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)";
-        assert_eq!(job_over(Err(down), "gpu1"), None);
-        assert_eq!(job_over(Ok(""), "gpu1"), None);
+        assert_eq!(job_over(Err(down), "12", "gpu1"), None);
+        assert_eq!(job_over(Ok(""), "12", "gpu1"), None);
     }
 
     #[test]
