@@ -981,6 +981,67 @@ fn labd_on_a_full_disk_says_so_and_recovers_once_space_is_freed() {
     assert_eq!(n.job(&id).meta.outputs_saved, Some(format!("runs/{id}@v1")));
 }
 
+/// A job's folder its user made 30,000 folders deep (`mkdir a && cd a` in
+/// a loop) is swept like any other: removing it recursively overflowed the
+/// stack of labd's sweeping thread (or ran out of descriptors), and a crash
+/// there came back at every restart.
+#[test]
+fn a_working_folder_made_deeper_than_a_stack_is_swept_and_labd_lives_on() {
+    let n = Node::start(None, "run_as = \"labd\"\nwork_keep_s = 0");
+    let go = n.path("go");
+    let script = format!("while [ ! -e {} ]; do sleep 0.05; done", go.display());
+    let id = n.bash(ALICE, 0, &script);
+    wait_until("the job to run", 20, || {
+        matches!(n.job(&id).state, JobState::Running { .. })
+    });
+    let work = n.job(&id).meta.work.clone().unwrap();
+    let job_dir = n.path(&format!("state/jobs/{id}"));
+    // Should the test fail, the temporary folder's recursive removal must
+    // not meet the chain.
+    let _cut = RemoveOnDrop(job_dir.clone());
+    deep_chain(&work, 30_000);
+    std::fs::write(&go, "").unwrap();
+    wait_until("the deep working folder to be swept", 60, || {
+        n.ended(&id) && !job_dir.exists()
+    });
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(
+        log.contains(&format!("removed the working folder and log of job {id}")),
+        "{log}"
+    );
+    assert!(n.status().contains("node"), "labd still answers");
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if self.0.exists() {
+            let _ = labsync_store::remove_tree(&self.0);
+        }
+    }
+}
+
+/// Makes `a/a/…`, `depth` folders deep, in `dir`: chains of 1,000 made with
+/// short paths, each moved under the deepest folder of the next.
+fn deep_chain(dir: &Path, depth: usize) {
+    let chain = dir.join("chain");
+    for k in 0..depth / 1000 {
+        let next = dir.join(format!("next{k}"));
+        // Not `create_dir_all`: it recurses once per folder it makes.
+        let mut deepest = next.clone();
+        std::fs::create_dir(&deepest).unwrap();
+        for _ in 0..1000 {
+            deepest.push("a");
+            std::fs::create_dir(&deepest).unwrap();
+        }
+        if chain.exists() {
+            std::fs::rename(&chain, deepest.join("a")).unwrap();
+        }
+        std::fs::rename(&next, &chain).unwrap();
+    }
+}
+
 /// Test 6 (crashed) and the exit code: a job that fails leaves its outputs in
 /// the store, and labrun exits with the job's code after streaming its output.
 #[test]

@@ -326,37 +326,146 @@ pub fn remove_tree(path: &Path) -> io::Result<()> {
     remove_below(&dir, name).map(drop)
 }
 
-/// Empties and removes folder `name` of `parent`; returns how many entries
-/// it held, at any depth. One descriptor per level of depth is open at once.
-fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
-    let fd = rustix::fs::openat(parent, name, read_flags(), Mode::empty())?;
-    // Its entries can only go if it is writable (and searchable) by us.
-    let mode = rustix::fs::fstat(&fd)?.st_mode;
-    if mode & 0o700 != 0o700 {
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode((mode | 0o700) & 0o7777))?;
-    }
-    let mut n = 0;
-    for (child, is_dir) in read_entries(fd.try_clone()?)? {
-        let child = OsStr::from_bytes(&child);
-        if is_dir {
-            n += remove_below(&fd, child)?;
-        } else {
-            rustix::fs::unlinkat(&fd, child, AtFlags::empty())?;
-        }
-        n += 1;
-    }
-    rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)?;
-    Ok(n)
+/// Folders a removal keeps open at once (see [`remove_below`]).
+const WALK_OPEN: usize = 64;
+
+/// A folder open during a walk, with the names in it still to visit.
+struct Level {
+    fd: OwnedFd,
+    /// Its name in the folder above.
+    name: Vec<u8>,
+    entries: std::vec::IntoIter<(Vec<u8>, bool)>,
 }
 
-/// Entries under folder `name` of `parent`, at any depth.
+impl Level {
+    fn open(parent: &OwnedFd, name: &[u8]) -> io::Result<Level> {
+        let fd = rustix::fs::openat(parent, OsStr::from_bytes(name), read_flags(), Mode::empty())?;
+        Level::of(fd, name)
+    }
+
+    fn of(fd: OwnedFd, name: &[u8]) -> io::Result<Level> {
+        Ok(Level {
+            entries: read_entries(fd.try_clone()?)?.into_iter(),
+            fd,
+            name: name.to_vec(),
+        })
+    }
+
+    /// Reads its names again (some arrived after the first read).
+    fn reread(&mut self) -> io::Result<()> {
+        // The first read left the shared offset at the end.
+        rustix::fs::seek(&self.fd, rustix::fs::SeekFrom::Start(0))?;
+        self.entries = read_entries(self.fd.try_clone()?)?.into_iter();
+        Ok(())
+    }
+}
+
+/// Times a folder's names are read again when it is still not empty after
+/// all it held went: something (its owner, still at work) keeps adding.
+const REREADS: u32 = 8;
+
+/// Empties and removes folder `name` of `parent`; returns how many entries
+/// it held, at any depth.
+///
+/// Without recursion: a folder 200,000 levels deep (its owner needs only a
+/// loop of `mkdir a && cd a`) overflowed the stack, and labd removes its
+/// users' job folders. At most [`WALK_OPEN`] levels are open at once: a
+/// folder deeper than that is first moved up into the top folder (never
+/// reopened through `..`, which its owner could redirect), and emptied
+/// from there. No symlink is followed; no name is longer than one folder's.
+fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
+    let open = |parent: &OwnedFd, name: &[u8]| -> io::Result<Level> {
+        let fd = rustix::fs::openat(parent, OsStr::from_bytes(name), read_flags(), Mode::empty())?;
+        // Its entries can only go if it is writable (and searchable) by us.
+        let mode = rustix::fs::fstat(&fd)?.st_mode;
+        if mode & 0o700 != 0o700 {
+            rustix::fs::fchmod(&fd, Mode::from_raw_mode((mode | 0o700) & 0o7777))?;
+        }
+        Level::of(fd, name)
+    };
+    let mut stack = vec![open(parent, name.as_bytes())?];
+    let (mut n, mut moved, mut rereads) = (0u64, 0u64, 0u32);
+    loop {
+        let depth = stack.len();
+        let top = stack.last_mut().expect("never empty here");
+        if let Some((child, is_dir)) = top.entries.next() {
+            if !is_dir {
+                rustix::fs::unlinkat(&top.fd, OsStr::from_bytes(&child), AtFlags::empty())?;
+                n += 1;
+            } else if depth < WALK_OPEN {
+                let level = open(&top.fd, &child)?;
+                stack.push(level);
+            } else {
+                // Too deep to open: moved to the top folder, whose names
+                // are read again once it has been through its first ones.
+                let (above, deepest) = stack.split_at(depth - 1);
+                move_up(&deepest[0].fd, &child, &above[0].fd, &mut moved)?;
+            }
+            continue;
+        }
+        let done = stack.pop().expect("never empty here");
+        let (dir, gone) = match stack.last() {
+            Some(up) => (&up.fd, done.name.as_slice()),
+            None => (parent, name.as_bytes()),
+        };
+        match rustix::fs::unlinkat(dir, OsStr::from_bytes(gone), AtFlags::REMOVEDIR) {
+            Ok(()) if stack.is_empty() => return Ok(n),
+            Ok(()) => n += 1,
+            // Moved up into it (the top folder), or added since it was read.
+            Err(rustix::io::Errno::NOTEMPTY) if stack.is_empty() && moved > 0 => {
+                moved = 0;
+                let mut done = done;
+                done.reread()?;
+                stack.push(done);
+            }
+            Err(rustix::io::Errno::NOTEMPTY) if rereads < REREADS => {
+                rereads += 1;
+                let mut done = done;
+                done.reread()?;
+                stack.push(done);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Moves folder `name` of `from` into `to` under a new name, so a walk
+/// reaches what it holds from higher up.
+fn move_up(from: &OwnedFd, name: &[u8], to: &OwnedFd, moved: &mut u64) -> io::Result<()> {
+    use rustix::fs::RenameFlags;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    loop {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let new = format!(".labsync-deep-{}-{k}", std::process::id());
+        let flags = RenameFlags::NOREPLACE;
+        match rustix::fs::renameat_with(from, OsStr::from_bytes(name), to, new.as_str(), flags) {
+            Ok(()) => {
+                *moved += 1;
+                return Ok(());
+            }
+            Err(rustix::io::Errno::EXIST) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Entries under folder `name` of `parent`, at any depth, without
+/// recursion. One descriptor per level is open: a folder that cannot be
+/// opened (out of descriptors, no permission) counts as itself alone.
 fn count_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
-    let fd = rustix::fs::openat(parent, name, read_flags(), Mode::empty())?;
+    let mut stack = vec![Level::open(parent, name.as_bytes())?];
     let mut n = 0;
-    for (child, is_dir) in read_entries(fd.try_clone()?)? {
-        n += 1;
-        if is_dir {
-            n += count_below(&fd, OsStr::from_bytes(&child)).unwrap_or(0);
+    while let Some(top) = stack.last_mut() {
+        match top.entries.next() {
+            Some((child, is_dir)) => {
+                n += 1;
+                if let Some(level) = is_dir.then(|| Level::open(&top.fd, &child).ok()).flatten() {
+                    stack.push(level);
+                }
+            }
+            None => {
+                stack.pop();
+            }
         }
     }
     Ok(n)
@@ -407,4 +516,94 @@ pub(crate) fn kind(st: &Stat) -> FileType {
 #[allow(clippy::unnecessary_cast)] // the field types differ between architectures
 pub(crate) fn mtime_ns(st: &Stat) -> i64 {
     st.st_mtime as i64 * 1_000_000_000 + st.st_mtime_nsec as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Makes a chain of `depth` folders `a/a/…` in `dir`, with a file and
+    /// a symlink to `outside` every 1,000 levels; how many entries it holds.
+    fn deep_chain(dir: &Path, depth: usize, outside: &Path) -> u64 {
+        let mut fd = rustix::fs::open(dir, walk_flags(), Mode::empty()).unwrap();
+        let mut n = 0;
+        for level in 0..depth {
+            if level % 1000 == 0 {
+                drop(create(&fd, OsStr::new("f")).unwrap());
+                rustix::fs::symlinkat(outside, &fd, "out").unwrap();
+                n += 2;
+            }
+            rustix::fs::mkdirat(&fd, "a", Mode::from_raw_mode(0o755)).unwrap();
+            fd = rustix::fs::openat(&fd, "a", walk_flags(), Mode::empty()).unwrap();
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn a_folder_far_deeper_than_the_stack_allows_is_removed_without_following_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("keep"), b"k").unwrap();
+        let top = dir.path().join("top");
+        std::fs::create_dir(&top).unwrap();
+        let held = deep_chain(&top, 20_000, &outside);
+        // A recursive walk needs far more than this much stack (and one
+        // descriptor per level) for 20,000 levels.
+        let parent = rustix::fs::open(dir.path(), walk_flags(), Mode::empty()).unwrap();
+        let removed = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || remove_below(&parent, OsStr::new("top")))
+            .unwrap()
+            .join()
+            .unwrap();
+        // Not unwrapped: the temporary folder's own (recursive) removal
+        // would overflow the stack on what is left.
+        let removed = match removed {
+            Ok(n) => n,
+            Err(e) => panic!("{e}; left in {}", dir.keep().display()),
+        };
+        assert_eq!(removed, held);
+        assert!(!top.exists());
+        assert_eq!(std::fs::read(outside.join("keep")).unwrap(), b"k");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "only `outside` is left"
+        );
+    }
+
+    #[test]
+    fn a_deep_folder_is_counted_without_recursion() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let top = dir.path().join("top");
+        std::fs::create_dir(&top).unwrap();
+        let held = deep_chain(&top, 600, &outside);
+        let parent = rustix::fs::open(dir.path(), walk_flags(), Mode::empty()).unwrap();
+        let counted = std::thread::Builder::new()
+            .stack_size(64 << 10)
+            .spawn(move || count_below(&parent, OsStr::new("top")))
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap();
+        assert_eq!(counted, held);
+    }
+
+    #[test]
+    fn a_read_only_tree_is_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let top = dir.path().join("top");
+        std::fs::create_dir_all(top.join("b/c")).unwrap();
+        std::fs::write(top.join("b/c/f"), b"x").unwrap();
+        for p in [top.join("b/c"), top.join("b"), top.clone()] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o555)).unwrap();
+        }
+        remove_tree(&top).unwrap();
+        assert!(!top.exists());
+    }
 }
