@@ -182,7 +182,15 @@ impl Lab {
             .unwrap();
         self.nodes[i].labd = Some(child);
         let port = self.nodes[i].port;
+        let log = d.join("labd.log");
+        let labd = self.nodes[i].labd.as_mut().unwrap();
         wait_until("labd to answer", 30, || {
+            // One that exited (its port taken, say) is not waited for:
+            // whatever answers on its port then is not it.
+            if let Ok(Some(status)) = labd.try_wait() {
+                let said = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!("labd {i} exited ({status}):\n{said}");
+            }
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
         });
     }

@@ -254,8 +254,37 @@ fn find_s3s_fs() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A free port on 127.0.0.1.
+/// A free port on 127.0.0.1 for a server a test starts, below the kernel's
+/// ephemeral range: a port from `bind(0)` lies in that range, and between
+/// this check and the server's own bind the outgoing connection of some
+/// other test could take it (a cluster test then saw another process answer
+/// on its node's port and waited in vain for the node).
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static TRIES: AtomicU64 = AtomicU64::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // Ports from 1/3 of `low` up to it: tests in parallel processes pick
+    // at random among them; one process never hands out one twice.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let (from, span) = (u64::from(low / 3), u64::from(low - low / 3).max(1));
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32);
+    for _ in 0..1000 {
+        let k = TRIES.fetch_add(1, Ordering::Relaxed);
+        let mix =
+            (seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let port = (from + (mix >> 17) % span) as u16;
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
