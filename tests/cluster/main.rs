@@ -235,6 +235,40 @@ fn requests_without_the_cluster_secret_are_refused() {
         }
         other => panic!("forged heartbeat: {other:?}"),
     }
+    // A body is not read before its signature checks out: a large one
+    // from someone without the secret is refused from its headers, at once
+    // (not held for the 60 s a request may take, 64 MiB a connection).
+    for signed in [false, true] {
+        use std::io::{Read, Write};
+        let port = lab.nodes[0].port;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut head = format!(
+            "POST /v1/cluster/heartbeat HTTP/1.1\r\nHost: labd\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n",
+            (64 << 20) - 1
+        );
+        if signed {
+            // Every header, with another secret's signature.
+            let k =
+                ClusterKey::new(&Secret::new("another-secret-0123456789abcdef0123456789")).unwrap();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as i64;
+            for (name, value) in k.sign("POST", "/v1/cluster/heartbeat", "gpu1", now, b"{}") {
+                head.push_str(&format!("{name}: {value}\r\n"));
+            }
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(&vec![b' '; 64 << 10]).unwrap();
+        let mut answer = [0u8; 12];
+        s.read_exact(&mut answer)
+            .expect("an answer before the body is sent");
+        assert_eq!(&answer, b"HTTP/1.1 401", "signed: {signed}");
+    }
     // And a heartbeat to a node that does not coordinate.
     let mut own = forged.clone();
     own.node = "gpu0".into();

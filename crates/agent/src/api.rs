@@ -215,6 +215,19 @@ fn member(
     h: &HeaderMap,
     body: &[u8],
 ) -> Result<String, ApiError> {
+    member_head(d, method, uri, h)?
+        .body(body)
+        .map_err(|e| refused(method, uri, e))
+}
+
+/// The signature of a request from another node of the cluster, checked
+/// from its headers alone, before its body is read.
+fn member_head(
+    d: &Daemon,
+    method: &Method,
+    uri: &Uri,
+    h: &HeaderMap,
+) -> Result<crate::cluster::Signed, ApiError> {
     let cluster = d
         .cluster()
         .ok_or_else(|| ApiError::NotMember(format!("{} is in no cluster", d.node_name())))?;
@@ -222,11 +235,13 @@ fn member(
     let get = |k: &str| h.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
     cluster
         .key
-        .verify(method.as_str(), path, get, now_ms(), body)
-        .map_err(|e| {
-            tracing::warn!("refused {method} {}: {e}", uri.path());
-            ApiError::NotMember(e.to_string())
-        })
+        .verify_head(method.as_str(), path, get, now_ms())
+        .map_err(|e| refused(method, uri, e))
+}
+
+fn refused(method: &Method, uri: &Uri, e: crate::cluster::AuthError) -> ApiError {
+    tracing::warn!("refused {method} {}: {e}", uri.path());
+    ApiError::NotMember(e.to_string())
 }
 
 /// A request from another node of the cluster without a body, its
@@ -256,10 +271,14 @@ impl<T: serde::de::DeserializeOwned> axum::extract::FromRequest<Arc<Daemon>> for
 
     async fn from_request(req: axum::extract::Request, d: &Arc<Daemon>) -> Result<Self, ApiError> {
         let (parts, body) = req.into_parts();
+        // Not a byte of the body before the signature checks out.
+        let signed = member_head(d, &parts.method, &parts.uri, &parts.headers)?;
         let bytes = axum::body::to_bytes(body, SIGNED_MAX)
             .await
             .map_err(|e| ApiError::BadRequest(format!("{}: {e}", parts.uri.path())))?;
-        let from = member(d, &parts.method, &parts.uri, &parts.headers, &bytes)?;
+        let from = signed
+            .body(&bytes)
+            .map_err(|e| refused(&parts.method, &parts.uri, e))?;
         let body = serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::BadRequest(format!("{} from {from}: {e}", parts.uri.path())))?;
         Ok(Signed { from, body })

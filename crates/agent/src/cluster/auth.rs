@@ -6,7 +6,10 @@
 //! Signed: the method, the path and query, the sending node, the time and
 //! the BLAKE3 of the body, under a key derived from the secret. Checked:
 //! the signature (constant-time) and the time, within [`SKEW`] of the
-//! receiver's clock.
+//! receiver's clock. The body's hash travels as a header too, so the
+//! receiver checks the signature before it reads a byte of the body (then
+//! the body against that hash): a sender without the secret cannot make a
+//! node hold a large body in memory.
 
 use std::time::Duration;
 
@@ -18,6 +21,8 @@ pub const NODE: &str = "x-labsync-node";
 pub const TIME: &str = "x-labsync-time";
 /// Header: the signature, hex.
 pub const SIGNATURE: &str = "x-labsync-signature";
+/// Header: the BLAKE3 of the body, hex.
+pub const BODY: &str = "x-labsync-body";
 
 /// How far apart the sender's and receiver's clocks may be, and so how
 /// long a captured request could be replayed. Nodes of a lab run NTP.
@@ -52,6 +57,9 @@ pub enum AuthError {
         "bad cluster signature from {0}: a different cluster secret, or the request was altered"
     )]
     Bad(String),
+    /// The body is not the one signed.
+    #[error("the body from {0} is not the one it signed: altered on the way")]
+    BodyAltered(String),
 }
 
 impl ClusterKey {
@@ -71,7 +79,14 @@ impl ClusterKey {
         )))
     }
 
-    fn mac(&self, method: &str, path: &str, node: &str, time: i64, body: &[u8]) -> blake3::Hash {
+    fn mac(
+        &self,
+        method: &str,
+        path: &str,
+        node: &str,
+        time: i64,
+        body: &blake3::Hash,
+    ) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.0);
         // Lengths first: no two different requests hash the same bytes.
         for part in [method.as_bytes(), path.as_bytes(), node.as_bytes()] {
@@ -79,11 +94,11 @@ impl ClusterKey {
             h.update(part);
         }
         h.update(&time.to_le_bytes());
-        h.update(blake3::hash(body).as_bytes());
+        h.update(body.as_bytes());
         h.finalize()
     }
 
-    /// The three headers of a request from `node` at `now_ms`.
+    /// The headers of a request from `node` at `now_ms`.
     pub fn sign(
         &self,
         method: &str,
@@ -91,17 +106,50 @@ impl ClusterKey {
         node: &str,
         now_ms: i64,
         body: &[u8],
-    ) -> [(&'static str, String); 3] {
-        let mac = self.mac(method, path, node, now_ms, body);
+    ) -> [(&'static str, String); 4] {
+        let hash = blake3::hash(body);
+        let mac = self.mac(method, path, node, now_ms, &hash);
         [
             (NODE, node.to_string()),
             (TIME, now_ms.to_string()),
             (SIGNATURE, mac.to_hex().to_string()),
+            (BODY, hash.to_hex().to_string()),
         ]
     }
 
-    /// Checks a request's headers (`get` reads one); the sending node's
-    /// name on success.
+    /// Checks a request's headers (`get` reads one) before its body is
+    /// read: the sending node's name, and the body's hash it signed (which
+    /// the caller checks the body against with [`Signed::body`]).
+    pub fn verify_head(
+        &self,
+        method: &str,
+        path: &str,
+        get: impl Fn(&str) -> Option<String>,
+        now_ms: i64,
+    ) -> Result<Signed, AuthError> {
+        let node = get(NODE).ok_or(AuthError::Missing(NODE))?;
+        let time: i64 = get(TIME)
+            .and_then(|t| t.parse().ok())
+            .ok_or(AuthError::Missing(TIME))?;
+        let sig = get(SIGNATURE)
+            .and_then(|s| blake3::Hash::from_hex(s.trim()).ok())
+            .ok_or(AuthError::Missing(SIGNATURE))?;
+        let body = get(BODY)
+            .and_then(|s| blake3::Hash::from_hex(s.trim()).ok())
+            .ok_or(AuthError::Missing(BODY))?;
+        // Signature first: an unsigned request learns nothing of the clock.
+        // blake3::Hash's equality is constant-time.
+        if self.mac(method, path, &node, time, &body) != sig {
+            return Err(AuthError::Bad(node));
+        }
+        let off = time.saturating_sub(now_ms);
+        if off.unsigned_abs() > SKEW.as_millis() as u64 {
+            return Err(AuthError::Skew(off));
+        }
+        Ok(Signed { node, body })
+    }
+
+    /// [`ClusterKey::verify_head`] and the body: the sending node's name.
     pub fn verify(
         &self,
         method: &str,
@@ -110,23 +158,24 @@ impl ClusterKey {
         now_ms: i64,
         body: &[u8],
     ) -> Result<String, AuthError> {
-        let node = get(NODE).ok_or(AuthError::Missing(NODE))?;
-        let time: i64 = get(TIME)
-            .and_then(|t| t.parse().ok())
-            .ok_or(AuthError::Missing(TIME))?;
-        let sig = get(SIGNATURE)
-            .and_then(|s| blake3::Hash::from_hex(s.trim()).ok())
-            .ok_or(AuthError::Missing(SIGNATURE))?;
-        // Signature first: an unsigned request learns nothing of the clock.
-        // blake3::Hash's equality is constant-time.
-        if self.mac(method, path, &node, time, body) != sig {
-            return Err(AuthError::Bad(node));
+        self.verify_head(method, path, get, now_ms)?.body(body)
+    }
+}
+
+/// A request whose headers passed [`ClusterKey::verify_head`].
+#[derive(Debug)]
+pub struct Signed {
+    node: String,
+    body: blake3::Hash,
+}
+
+impl Signed {
+    /// The sending node's name, once `body` is checked to be the one signed.
+    pub fn body(self, body: &[u8]) -> Result<String, AuthError> {
+        if blake3::hash(body) != self.body {
+            return Err(AuthError::BodyAltered(self.node));
         }
-        let off = time.saturating_sub(now_ms);
-        if off.unsigned_abs() > SKEW.as_millis() as u64 {
-            return Err(AuthError::Skew(off));
-        }
-        Ok(node)
+        Ok(self.node)
     }
 }
 
@@ -140,7 +189,7 @@ mod tests {
         ClusterKey::new(&Secret::new(s)).unwrap()
     }
 
-    fn headers(h: &[(&'static str, String); 3]) -> impl Fn(&str) -> Option<String> {
+    fn headers(h: &[(&'static str, String); 4]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> =
             h.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
         move |k| m.get(k).cloned()
@@ -172,16 +221,38 @@ mod tests {
             ),
             Err(AuthError::Bad(_))
         ));
-        for (m, p, b) in [
-            ("POST", "/v1/cluster/heartbeat", &b"{ }"[..]),
-            ("POST", "/v1/cluster/packs/x", b"{}"),
-            ("GET", "/v1/cluster/heartbeat", b"{}"),
+        for (m, p) in [
+            ("POST", "/v1/cluster/packs/x"),
+            ("GET", "/v1/cluster/heartbeat"),
         ] {
             assert!(matches!(
-                k.verify(m, p, headers(&h), 1_000_000, b),
+                k.verify(m, p, headers(&h), 1_000_000, b"{}"),
                 Err(AuthError::Bad(_))
             ));
         }
+        // Another body under the signed hash; another hash in the header.
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h),
+                1_000_000,
+                b"{ }"
+            ),
+            Err(AuthError::BodyAltered("gpu2".into()))
+        );
+        let mut rehashed = h.clone();
+        rehashed[3].1 = blake3::hash(b"{ }").to_hex().to_string();
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&rehashed),
+                1_000_000,
+                b"{ }"
+            ),
+            Err(AuthError::Bad(_))
+        ));
         let mut renamed = h.clone();
         renamed[0].1 = "gpu3".into();
         assert!(matches!(

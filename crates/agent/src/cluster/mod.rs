@@ -16,7 +16,7 @@ mod warm;
 
 use std::time::Duration;
 
-pub use auth::{AuthError, ClusterKey, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
+pub use auth::{AuthError, ClusterKey, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
 pub use coordinator::Coordinator;
 pub use peers::{ClusterPeers, COUNTS_FILE};
 pub use queue::{ClusterJob, ClusterJobs, Placement, RECENT_SECS};
