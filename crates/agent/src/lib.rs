@@ -44,6 +44,7 @@ pub mod proto;
 mod runner;
 mod secret;
 mod status;
+mod store_guard;
 pub mod tls;
 mod trees;
 mod users;

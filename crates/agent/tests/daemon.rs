@@ -241,3 +241,30 @@ async fn requeue_fields_and_fake_holds_cannot_be_submitted() {
         "{j:?}"
     );
 }
+
+/// labd as root refuses a store folder other users can write: any of them
+/// could plant a symlink there and have labd write, as root, through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_labd_refuses_a_local_store_others_can_write() {
+    use std::os::unix::fs::PermissionsExt;
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: the check is root's");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    std::fs::create_dir_all(store.join("packs")).unwrap();
+    std::fs::set_permissions(store.join("packs"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let e = match Daemon::open(config(dir.path()), inv.clone()).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("labd opened a store others can write"),
+    };
+    assert!(
+        e.contains("packs is writable by others (mode 777)") && e.contains("s3://"),
+        "{e}"
+    );
+    // Made root's alone, it opens.
+    std::fs::set_permissions(store.join("packs"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    Daemon::open(config(dir.path()), inv).await.unwrap();
+}

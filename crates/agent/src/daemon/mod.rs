@@ -421,6 +421,11 @@ fn lock_state_dir(state_dir: &Path) -> Result<File, DaemonError> {
 async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError> {
     let store_error = |e: &dyn std::fmt::Display| open_error(&format!("store {}", cfg.store), e);
     let remote = Remote::open(&cfg.store, &cfg.store_options).map_err(|e| store_error(&e))?;
+    if let Some(root) = remote.local_path("").filter(|_| crate::euid() == 0) {
+        off_runtime(move || crate::store_guard::check_root_store(&root))
+            .await
+            .map_err(DaemonError::Open)?;
+    }
     let repo = Repo::open(remote, None)
         .await
         .map_err(|e| store_error(&e))?;
