@@ -883,6 +883,32 @@ print("closed", sum(closed(s) for s in socks), flush=True)
     attacker.wait().unwrap();
 }
 
+/// A request without a valid token is refused from its headers: labd reads
+/// none of its body (a body up to the 2 MB limit, held for the 60 s a
+/// request may take on each of a user's connections, was memory anyone
+/// who can reach the socket could make labd hold).
+#[test]
+fn a_request_without_a_token_is_refused_before_its_body_is_read() {
+    use std::io::{Read, Write};
+    let n = Node::start(None, "run_as = \"labd\"");
+    let sock = n.addr.strip_prefix("unix://").unwrap().to_string();
+    for auth in ["", "Authorization: Bearer not-a-token-of-anyone\r\n"] {
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let head = format!(
+            "POST /v1/jobs HTTP/1.1\r\nHost: labd\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n{auth}\r\n",
+            (2 << 20) - 1
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(&vec![b' '; 64 << 10]).unwrap();
+        let mut answer = [0u8; 12];
+        s.read_exact(&mut answer)
+            .expect("an answer before the body is sent");
+        assert_eq!(&answer, b"HTTP/1.1 401", "{auth:?}");
+    }
+}
+
 /// Issue 9, point 10: labd on a full disk. Materialising a job's data into
 /// a node cache on a full file system fails the job with a clear error and
 /// leaves no tree behind; the same job runs once space is freed. A final

@@ -55,6 +55,22 @@ fn caller(d: &Daemon, headers: &HeaderMap) -> Result<Caller, ApiError> {
 
 type D = State<Arc<Daemon>>;
 
+/// The caller, as an extractor: checked from the headers, before a
+/// handler's body extractor reads a byte of the body (a request without a
+/// token cannot make labd hold one).
+struct Authed(Caller);
+
+impl axum::extract::FromRequestParts<Arc<Daemon>> for Authed {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        d: &Arc<Daemon>,
+    ) -> Result<Self, ApiError> {
+        caller(d, &parts.headers).map(Authed)
+    }
+}
+
 async fn health() -> &'static str {
     "ok"
 }
@@ -102,10 +118,9 @@ async fn jobs(
 
 async fn submit(
     State(d): D,
-    h: HeaderMap,
+    Authed(c): Authed,
     Json(req): Json<SubmitRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let c = caller(&d, &h)?;
     let view = match d.coordinator() {
         Some(co) => co.submit(&d, &c, req).await?,
         None => d.submit(&c, req).await?,
@@ -349,10 +364,9 @@ async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Resp
 /// Where a job would go, and why not elsewhere: the placer's table.
 async fn explain(
     State(d): D,
-    h: HeaderMap,
+    _: Authed,
     Json(req): Json<SubmitRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
-    caller(&d, &h)?;
     let co = coordinator(&d, "--explain")?;
     Ok(Json(co.explain(&d, &req).await?))
 }
@@ -360,10 +374,9 @@ async fn explain(
 /// Nodes ranked with Slurm's GPUs (`labrun --backend slurm`).
 async fn rank(
     State(d): D,
-    h: HeaderMap,
+    _: Authed,
     Json(ask): Json<crate::proto::RankAsk>,
 ) -> Result<impl IntoResponse, ApiError> {
-    caller(&d, &h)?;
     let co = coordinator(&d, "ranking nodes for Slurm")?;
     Ok(Json(co.rank_for_scheduler(&d, &ask).await?))
 }
@@ -390,10 +403,9 @@ async fn stage_ask(
 /// A Slurm job ended: its stage is released, on the coordinator.
 async fn stage_done_ask(
     State(d): D,
-    h: HeaderMap,
+    Authed(c): Authed,
     Json(done): Json<crate::proto::StageDone>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let c = caller(&d, &h)?;
     let co = coordinator(&d, "releasing a Slurm job's stage")?;
     co.stage_done(&d, &c, done).await?;
     Ok(Json(serde_json::json!({})))
@@ -427,10 +439,9 @@ async fn stage_done_order(
 /// An admin's `labsync warm`, on the coordinator.
 async fn warm_ask(
     State(d): D,
-    h: HeaderMap,
+    Authed(c): Authed,
     Json(ask): Json<crate::cluster::WarmAsk>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let c = caller(&d, &h)?;
     let co = coordinator(&d, "labsync warm")?;
     Ok(Json(co.warm(&d, &c, ask).await?))
 }
