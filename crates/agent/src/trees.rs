@@ -258,6 +258,25 @@ pub fn remove_tree(root: &Path) -> std::io::Result<()> {
     labsync_store::remove_tree(root)
 }
 
+/// Removes a job's (or a stage's) folder: root's, holding root's files and
+/// `work`, its user's. What is in `work` is removed with that user's
+/// rights, not root's: a user who moved someone else's folder into theirs
+/// (from a group-writable project folder, say) makes the removal fail, to
+/// be tried again, instead of having root delete what they could not.
+/// `work` itself, emptied, and the rest go as root; `work` refilled
+/// meanwhile is left for the next try.
+pub fn remove_job_folder(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let work = dir.join("work");
+    if let Ok(md) = std::fs::symlink_metadata(&work) {
+        if md.is_dir() && md.uid() != crate::euid() {
+            labsync_store::empty_tree_as(&work, Some((md.uid(), md.gid())))?;
+            std::fs::remove_dir(&work)?;
+        }
+    }
+    remove_tree(dir)
+}
+
 /// Checks an `--outputs` path: relative, inside the working folder.
 pub fn check_outputs(path: &str) -> Result<(), String> {
     let p = Path::new(path);
@@ -397,6 +416,55 @@ fn link_children(from: &Path, to: &Path) -> Result<(), PrepareError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job's folder is emptied with its user's rights: what another user
+    /// owns in it (moved in by the job's user) stops the removal and is
+    /// kept; the user's own read-only folders go.
+    #[test]
+    fn a_job_folder_is_emptied_as_its_user_and_keeps_what_is_not_theirs() {
+        use std::os::unix::fs::{chown, PermissionsExt};
+        if crate::euid() != 0 {
+            eprintln!("not root: cannot give files to other users");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("j1");
+        let work = job.join("work");
+        std::fs::create_dir_all(work.join("mine/deep")).unwrap();
+        std::fs::create_dir_all(work.join("theirs")).unwrap();
+        std::fs::write(work.join("mine/deep/f"), b"x").unwrap();
+        std::fs::write(work.join("theirs/keep"), b"k").unwrap();
+        std::fs::write(job.join("stage.json"), b"{}").unwrap();
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        for p in [
+            &work,
+            &work.join("mine"),
+            &work.join("mine/deep"),
+            &work.join("mine/deep/f"),
+        ] {
+            chown(p, Some(65534), Some(65534)).unwrap();
+        }
+        // The user's own folder, read-only: still theirs to remove.
+        mode(&work.join("mine/deep"), 0o555);
+        // Another user's folder and file, as in a group project folder.
+        for p in [work.join("theirs"), work.join("theirs/keep")] {
+            chown(&p, Some(4321), Some(4321)).unwrap();
+        }
+        mode(&work.join("theirs"), 0o775);
+        mode(&work, 0o700);
+
+        let e = remove_job_folder(&job).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        assert_eq!(std::fs::read(work.join("theirs/keep")).unwrap(), b"k");
+        assert!(job.join("stage.json").exists(), "nothing removed as root");
+
+        // Once it is gone (its owner took it back), the folder goes.
+        std::fs::remove_dir_all(work.join("theirs")).unwrap();
+        remove_job_folder(&job).unwrap();
+        assert!(!job.exists());
+    }
 
     #[test]
     fn workdir_links_the_top_level_and_makes_outputs_real() {

@@ -326,7 +326,7 @@ pub fn remove_tree(path: &Path) -> io::Result<()> {
     remove_below(&dir, name).map(drop)
 }
 
-/// Folders a removal keeps open at once (see [`remove_below`]).
+/// Folders a removal keeps open at once (see [`empty`]).
 const WALK_OPEN: usize = 64;
 
 /// A folder open during a walk, with the names in it still to visit.
@@ -364,63 +364,114 @@ impl Level {
 /// all it held went: something (its owner, still at work) keeps adding.
 const REREADS: u32 = 8;
 
-/// Empties and removes folder `name` of `parent`; returns how many entries
-/// it held, at any depth.
+/// Entries one removal visits at most: past that, whoever keeps adding to
+/// the tree (or moving what was moved up back down) has it stop with an
+/// error, to be tried again later, rather than run forever.
+const VISITS_MAX: u64 = 50_000_000;
+
+/// Opens folder `name` of `parent` to empty it: made writable and
+/// searchable by its owner first (a read-only shared tree; as another
+/// user than its owner this fails, and the removal with it).
+fn open_to_empty(parent: &OwnedFd, name: &[u8]) -> io::Result<Level> {
+    let fd = rustix::fs::openat(parent, OsStr::from_bytes(name), read_flags(), Mode::empty())?;
+    emptiable(fd, name)
+}
+
+/// The folder open at `fd`, made writable and searchable by its owner.
+fn emptiable(fd: OwnedFd, name: &[u8]) -> io::Result<Level> {
+    let mode = rustix::fs::fstat(&fd)?.st_mode;
+    if mode & 0o700 != 0o700 {
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode((mode | 0o700) & 0o7777))?;
+    }
+    Level::of(fd, name)
+}
+
+/// Removes non-folder `name` of `dir`; one already gone is no error.
+fn unlink_file(dir: &OwnedFd, name: &[u8]) -> io::Result<()> {
+    match rustix::fs::unlinkat(dir, OsStr::from_bytes(name), AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Removes everything in the folder `top` (not the folder itself); returns
+/// how many entries went, at any depth.
 ///
 /// Without recursion: a folder 200,000 levels deep (its owner needs only a
 /// loop of `mkdir a && cd a`) overflowed the stack, and labd removes its
 /// users' job folders. At most [`WALK_OPEN`] levels are open at once: a
-/// folder deeper than that is first moved up into the top folder (never
-/// reopened through `..`, which its owner could redirect), and emptied
-/// from there. No symlink is followed; no name is longer than one folder's.
-fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
-    let open = |parent: &OwnedFd, name: &[u8]| -> io::Result<Level> {
-        let fd = rustix::fs::openat(parent, OsStr::from_bytes(name), read_flags(), Mode::empty())?;
-        // Its entries can only go if it is writable (and searchable) by us.
-        let mode = rustix::fs::fstat(&fd)?.st_mode;
-        if mode & 0o700 != 0o700 {
-            rustix::fs::fchmod(&fd, Mode::from_raw_mode((mode | 0o700) & 0o7777))?;
-        }
-        Level::of(fd, name)
-    };
-    let mut stack = vec![open(parent, name.as_bytes())?];
-    let (mut n, mut moved, mut rereads) = (0u64, 0u64, 0u32);
+/// folder deeper than that is first moved up into `top` (never reopened
+/// through `..`, which its owner could redirect), and emptied from there.
+/// No symlink is followed; no name is longer than one folder's. What the
+/// tree's owner changes meanwhile (a name gone, a file become a folder) is
+/// taken as it comes; one that never stops adding makes it fail after
+/// [`VISITS_MAX`] entries or [`REREADS`] readings of a folder that stays
+/// full.
+fn empty(top: Level) -> io::Result<u64> {
+    let mut stack = vec![top];
+    let (mut n, mut visits, mut rereads, mut moved) = (0u64, 0u64, 0u32, false);
     loop {
         let depth = stack.len();
-        let top = stack.last_mut().expect("never empty here");
-        if let Some((child, is_dir)) = top.entries.next() {
+        let cur = stack.last_mut().expect("never empty here");
+        if let Some((child, is_dir)) = cur.entries.next() {
+            visits += 1;
+            if visits > VISITS_MAX {
+                return Err(io::Error::other(format!(
+                    "{VISITS_MAX} entries visited and still more: left for later"
+                )));
+            }
             if !is_dir {
-                rustix::fs::unlinkat(&top.fd, OsStr::from_bytes(&child), AtFlags::empty())?;
-                n += 1;
+                match rustix::fs::unlinkat(&cur.fd, OsStr::from_bytes(&child), AtFlags::empty()) {
+                    Ok(()) => n += 1,
+                    // Gone, or a folder now: the next reading of this
+                    // folder has it.
+                    Err(rustix::io::Errno::NOENT | rustix::io::Errno::ISDIR) => {}
+                    Err(e) => return Err(e.into()),
+                }
             } else if depth < WALK_OPEN {
-                let level = open(&top.fd, &child)?;
-                stack.push(level);
+                match open_to_empty(&cur.fd, &child) {
+                    Ok(level) => stack.push(level),
+                    Err(e) => match e.raw_os_error().map(rustix::io::Errno::from_raw_os_error) {
+                        Some(rustix::io::Errno::NOENT) => {}
+                        // A file or symlink now.
+                        Some(rustix::io::Errno::NOTDIR | rustix::io::Errno::LOOP) => {
+                            unlink_file(&cur.fd, &child)?;
+                            n += 1;
+                        }
+                        _ => return Err(e),
+                    },
+                }
             } else {
                 // Too deep to open: moved to the top folder, whose names
                 // are read again once it has been through its first ones.
                 let (above, deepest) = stack.split_at(depth - 1);
-                move_up(&deepest[0].fd, &child, &above[0].fd, &mut moved)?;
+                moved |= move_up(&deepest[0].fd, &child, &above[0].fd)?;
             }
             continue;
         }
-        let done = stack.pop().expect("never empty here");
-        let (dir, gone) = match stack.last() {
-            Some(up) => (&up.fd, done.name.as_slice()),
-            None => (parent, name.as_bytes()),
-        };
-        match rustix::fs::unlinkat(dir, OsStr::from_bytes(gone), AtFlags::REMOVEDIR) {
-            Ok(()) if stack.is_empty() => return Ok(n),
-            Ok(()) => n += 1,
-            // Moved up into it (the top folder), or added since it was read.
-            Err(rustix::io::Errno::NOTEMPTY) if stack.is_empty() && moved > 0 => {
-                moved = 0;
-                let mut done = done;
-                done.reread()?;
-                stack.push(done);
+        if depth == 1 {
+            // The top: empty once a fresh reading finds nothing.
+            cur.reread()?;
+            if cur.entries.as_slice().is_empty() {
+                return Ok(n);
             }
+            if !moved {
+                rereads += 1;
+                if rereads > REREADS {
+                    return Err(rustix::io::Errno::NOTEMPTY.into());
+                }
+            }
+            moved = false;
+            continue;
+        }
+        let mut done = stack.pop().expect("never empty here");
+        let up = stack.last().expect("the top is below it");
+        match rustix::fs::unlinkat(&up.fd, OsStr::from_bytes(&done.name), AtFlags::REMOVEDIR) {
+            Ok(()) => n += 1,
+            Err(rustix::io::Errno::NOENT) => {}
+            // Added to since it was read (or a name in it became a folder).
             Err(rustix::io::Errno::NOTEMPTY) if rereads < REREADS => {
                 rereads += 1;
-                let mut done = done;
                 done.reread()?;
                 stack.push(done);
             }
@@ -429,29 +480,70 @@ fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
     }
 }
 
+/// Empties and removes folder `name` of `parent`; returns how many entries
+/// it held, at any depth (see [`empty`]).
+fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
+    let mut n = 0;
+    for _ in 0..REREADS {
+        n += empty(open_to_empty(parent, name.as_bytes())?)?;
+        match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
+            Ok(()) => return Ok(n),
+            // Added to between the last reading and the removal.
+            Err(rustix::io::Errno::NOTEMPTY) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(rustix::io::Errno::NOTEMPTY.into())
+}
+
+/// Removes everything in folder `path` (not `path` itself, which the caller
+/// named: it may be reached through symlinks; nothing below it is) with
+/// the file-system rights of user `who` (uid, gid; no supplementary
+/// groups) instead of the caller's; returns how many entries went.
+///
+/// labd, as root, empties its users' job folders this way: a user who
+/// moved into theirs a folder of someone else's (from a group-writable
+/// project folder, say) has the removal fail on it, rather than root
+/// delete what that user could not.
+pub fn empty_tree_as(path: &Path, who: Option<(u32, u32)>) -> io::Result<u64> {
+    let fd = rustix::fs::open(path, read_flags(), Mode::empty())?;
+    let _as = crate::fsutil::ReadAs::enter(who);
+    empty(emptiable(fd, b"")?)
+}
+
 /// Moves folder `name` of `from` into `to` under a new name, so a walk
-/// reaches what it holds from higher up.
-fn move_up(from: &OwnedFd, name: &[u8], to: &OwnedFd, moved: &mut u64) -> io::Result<()> {
+/// reaches what it holds from higher up; false if it was gone already.
+fn move_up(from: &OwnedFd, name: &[u8], to: &OwnedFd) -> io::Result<bool> {
     use rustix::fs::RenameFlags;
+    use rustix::io::Errno;
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let (mut flags, mut opened) = (RenameFlags::NOREPLACE, false);
     loop {
         let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let new = format!(".labsync-deep-{}-{k}", std::process::id());
-        let flags = RenameFlags::NOREPLACE;
         match rustix::fs::renameat_with(from, OsStr::from_bytes(name), to, new.as_str(), flags) {
-            Ok(()) => {
-                *moved += 1;
-                return Ok(());
+            Ok(()) => return Ok(true),
+            Err(Errno::NOENT) => return Ok(false),
+            // Taken (with NOREPLACE; without it, a folder that is not
+            // empty): another name.
+            Err(Errno::EXIST | Errno::NOTEMPTY) => continue,
+            // NFS and CIFS take no rename flags. Without them a rename can
+            // replace only an empty folder, and only one inside the tree.
+            Err(Errno::INVAL) if !flags.is_empty() => flags = RenameFlags::empty(),
+            // Moving a folder rewrites its `..`: it must be writable.
+            Err(Errno::ACCESS) if !opened => {
+                opened = true;
+                drop(open_to_empty(from, name)?);
             }
-            Err(rustix::io::Errno::EXIST) => continue,
             Err(e) => return Err(e.into()),
         }
     }
 }
 
 /// Entries under folder `name` of `parent`, at any depth, without
-/// recursion. One descriptor per level is open: a folder that cannot be
-/// opened (out of descriptors, no permission) counts as itself alone.
+/// recursion: a lower bound. One descriptor per level is open: a folder
+/// that cannot be opened (out of descriptors, no permission) counts as
+/// itself alone.
 fn count_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
     let mut stack = vec![Level::open(parent, name.as_bytes())?];
     let mut n = 0;
@@ -572,6 +664,48 @@ mod tests {
             1,
             "only `outside` is left"
         );
+    }
+
+    /// As a user (not root), a read-only chain deeper than the folders a
+    /// removal keeps open: each folder moved up is made writable first
+    /// (moving a folder rewrites its `..`).
+    #[test]
+    fn a_read_only_chain_deeper_than_the_open_folders_is_emptied_as_its_user() {
+        use std::os::unix::fs::{chown, PermissionsExt};
+        if rustix::process::geteuid().is_root() {
+            let dir = tempfile::tempdir().unwrap();
+            let top = dir.path().join("top");
+            std::fs::create_dir(&top).unwrap();
+            let held = deep_chain(&top, 200, Path::new("/etc"));
+            let mut p = top.clone();
+            let mut folders = vec![p.clone()];
+            while p.join("a").exists() {
+                p.push("a");
+                folders.push(p.clone());
+            }
+            for f in &folders {
+                for e in std::fs::read_dir(f).unwrap() {
+                    let e = e.unwrap().path();
+                    std::os::unix::fs::lchown(&e, Some(65534), Some(65534)).unwrap();
+                }
+            }
+            chown(&top, Some(65534), Some(65534)).unwrap();
+            for f in folders.iter().rev() {
+                std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o555)).unwrap();
+            }
+            let removed = match empty_tree_as(&top, Some((65534, 65534))) {
+                Ok(n) => n,
+                Err(e) => {
+                    // Root can (no recursion in remove_tree).
+                    remove_tree(&top).unwrap();
+                    panic!("{e}");
+                }
+            };
+            assert_eq!(removed, held);
+            assert_eq!(std::fs::read_dir(&top).unwrap().count(), 0);
+        } else {
+            eprintln!("not root: cannot act as another user");
+        }
     }
 
     #[test]

@@ -56,7 +56,7 @@ mod repo;
 mod snapshot;
 mod verify;
 
-pub use at::remove_tree;
+pub use at::{empty_tree_as, remove_tree};
 pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::ConditionalWrites;

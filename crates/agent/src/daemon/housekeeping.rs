@@ -110,7 +110,7 @@ impl Housekeeping {
                 Err(_) => false,
             };
             if old {
-                match crate::trees::remove_tree(&e.path()) {
+                match crate::trees::remove_job_folder(&e.path()) {
                     Ok(()) => tracing::info!("removed the working folder and log of job {id}"),
                     Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
                 }
@@ -143,7 +143,7 @@ impl Housekeeping {
             if !gone {
                 continue;
             }
-            match crate::trees::remove_tree(&path) {
+            match crate::trees::remove_job_folder(&path) {
                 Ok(()) => tracing::info!("removed the folder of stage {name}"),
                 Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
             }
