@@ -892,20 +892,37 @@ fn a_request_without_a_token_is_refused_before_its_body_is_read() {
     use std::io::{Read, Write};
     let n = Node::start(None, "run_as = \"labd\"");
     let sock = n.addr.strip_prefix("unix://").unwrap().to_string();
-    for auth in ["", "Authorization: Bearer not-a-token-of-anyone\r\n"] {
-        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let head = format!(
-            "POST /v1/jobs HTTP/1.1\r\nHost: labd\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n{auth}\r\n",
-            (2 << 20) - 1
-        );
-        s.write_all(head.as_bytes()).unwrap();
-        s.write_all(&vec![b' '; 64 << 10]).unwrap();
-        let mut answer = [0u8; 12];
-        s.read_exact(&mut answer)
-            .expect("an answer before the body is sent");
-        assert_eq!(&answer, b"HTTP/1.1 401", "{auth:?}");
+    // Every route that takes a body: users' (a token) and nodes' (a
+    // cluster signature, which this labd in no cluster never accepts).
+    let routes = [
+        "/v1/jobs",
+        "/v1/cluster/explain",
+        "/v1/cluster/rank",
+        "/v1/stage",
+        "/v1/stage/done",
+        "/v1/warm",
+        "/v1/cluster/heartbeat",
+        "/v1/cluster/stage",
+        "/v1/cluster/stage/done",
+        "/v1/cluster/warm",
+        "/v1/cluster/locate",
+        "/v1/cluster/jobs",
+    ];
+    for route in routes {
+        for auth in ["", "Authorization: Bearer not-a-token-of-anyone\r\n"] {
+            let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let head = format!(
+                "POST {route} HTTP/1.1\r\nHost: labd\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\n{auth}\r\n",
+                (2 << 20) - 1
+            );
+            s.write_all(head.as_bytes()).unwrap();
+            let mut answer = [0u8; 12];
+            s.read_exact(&mut answer)
+                .unwrap_or_else(|e| panic!("{route}: no answer before the body is sent: {e}"));
+            assert_eq!(&answer, b"HTTP/1.1 401", "{route} {auth:?}");
+        }
     }
 }
 
