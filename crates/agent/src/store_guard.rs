@@ -12,9 +12,11 @@
 
 use std::path::{Path, PathBuf};
 
-/// Checks that no one but root can write in `root` (the store's folder)
-/// or change what its path leads to, and that it holds nothing but
-/// folders and plain files. `Err` says what is wrong and what to do.
+/// Checks that no one but root can write in `root` (the store's folder),
+/// in anything it holds, or change what its path leads to, and that it
+/// holds nothing but folders and plain files (root's, not writable by
+/// others; folders without a default ACL). `Err` says what is wrong and
+/// what to do.
 pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
     let canon = root
         .canonicalize()
@@ -60,6 +62,14 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
                 md.mode() & 0o7777
             ));
         }
+        // A default ACL could make the folders made in it later writable
+        // by others, after this check.
+        if rustix::fs::lgetxattr_query(&dir, "system.posix_acl_default").is_ok_and(|n| n > 0) {
+            return unsafe_store(format!(
+                "{} has a default ACL (getfacl shows it)",
+                dir.display()
+            ));
+        }
         let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         for e in entries {
             let e = e.map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -75,6 +85,24 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
                     "{} is neither a file nor a folder",
                     e.path().display()
                 ));
+            } else {
+                let md = e
+                    .metadata()
+                    .map_err(|err| format!("{}: {err}", e.path().display()))?;
+                if md.uid() != 0 {
+                    return unsafe_store(format!(
+                        "{} belongs to uid {}",
+                        e.path().display(),
+                        md.uid()
+                    ));
+                }
+                if md.mode() & 0o022 != 0 {
+                    return unsafe_store(format!(
+                        "{} is writable by others (mode {:o})",
+                        e.path().display(),
+                        md.mode() & 0o7777
+                    ));
+                }
             }
         }
     }
@@ -133,6 +161,36 @@ mod tests {
         let e = check_root_store(&s).unwrap_err();
         assert!(e.contains("div2k belongs to uid 65534"), "{e}");
         std::os::unix::fs::chown(s.join("refs/div2k"), Some(0), None).unwrap();
+
+        // A file of another user's, or writable by others.
+        let file = s.join("refs/div2k/1");
+        std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
+        let e = check_root_store(&s).unwrap_err();
+        assert!(e.contains("refs/div2k/1 belongs to uid 65534"), "{e}");
+        std::os::unix::fs::chown(&file, Some(0), None).unwrap();
+        set_mode(&file, 0o664);
+        let e = check_root_store(&s).unwrap_err();
+        assert!(e.contains("1 is writable by others (mode 664)"), "{e}");
+        set_mode(&file, 0o644);
+
+        // A default ACL giving the group write (where the file system takes
+        // ACLs): user::rwx, group::rwx, other::r-x, in the kernel's format.
+        let mut acl = 2u32.to_le_bytes().to_vec();
+        for (tag, perm) in [(0x01u16, 7u16), (0x04, 7), (0x20, 5)] {
+            acl.extend(tag.to_le_bytes());
+            acl.extend(perm.to_le_bytes());
+            acl.extend(u32::MAX.to_le_bytes());
+        }
+        let name = "system.posix_acl_default";
+        let flags = rustix::fs::XattrFlags::empty();
+        if rustix::fs::lsetxattr(s.join("packs"), name, &acl, flags).is_ok() {
+            let e = check_root_store(&s).unwrap_err();
+            assert!(e.contains("packs has a default ACL"), "{e}");
+            rustix::fs::lremovexattr(s.join("packs"), name).unwrap();
+        } else {
+            eprintln!("no ACLs on this file system: the default ACL is not tried");
+        }
+        check_root_store(&s).unwrap();
 
         // A symlink planted in it, and a FIFO.
         std::os::unix::fs::symlink("/etc/cron.d", s.join("packs/40")).unwrap();
