@@ -40,7 +40,7 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
         if md.uid() != 0 {
             return unsafe_store(format!("{} belongs to uid {}", above.display(), md.uid()));
         }
-        if md.mode() & 0o022 != 0 && md.mode() & 0o1000 == 0 {
+        if others_write(&md) && md.mode() & 0o1000 == 0 {
             return unsafe_store(format!(
                 "{} is writable by others (mode {:o})",
                 above.display(),
@@ -55,7 +55,7 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
         if md.uid() != 0 {
             return unsafe_store(format!("{} belongs to uid {}", dir.display(), md.uid()));
         }
-        if md.mode() & 0o022 != 0 {
+        if others_write(&md) {
             return unsafe_store(format!(
                 "{} is writable by others (mode {:o})",
                 dir.display(),
@@ -96,7 +96,7 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
                         md.uid()
                     ));
                 }
-                if md.mode() & 0o022 != 0 {
+                if others_write(&md) {
                     return unsafe_store(format!(
                         "{} is writable by others (mode {:o})",
                         e.path().display(),
@@ -107,6 +107,14 @@ pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Whether someone other than root may write it: anyone (o+w), or its
+/// group when that is not root's (a root labd started with umask 002
+/// makes its folders writable by group root, which is fine).
+fn others_write(md: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    md.mode() & 0o002 != 0 || (md.mode() & 0o020 != 0 && md.gid() != 0)
 }
 
 #[cfg(test)]
@@ -149,12 +157,16 @@ mod tests {
         let s = store(dir.path());
         check_root_store(&s).unwrap();
 
-        // A folder of it group-writable (a lab's shared store).
+        // A folder of it group-writable: fine for group root (umask 002);
+        // not for another group (a lab's shared store).
         set_mode(&s.join("packs"), 0o775);
+        check_root_store(&s).unwrap();
+        std::os::unix::fs::chown(s.join("packs"), None, Some(100)).unwrap();
         let e = check_root_store(&s).unwrap_err();
         assert!(e.contains("packs is writable by others (mode 775)"), "{e}");
         assert!(e.contains("s3://"), "{e}");
         set_mode(&s.join("packs"), 0o755);
+        std::os::unix::fs::chown(s.join("packs"), None, Some(0)).unwrap();
 
         // A folder another user made.
         std::os::unix::fs::chown(s.join("refs/div2k"), Some(65534), None).unwrap();
@@ -168,9 +180,9 @@ mod tests {
         let e = check_root_store(&s).unwrap_err();
         assert!(e.contains("refs/div2k/1 belongs to uid 65534"), "{e}");
         std::os::unix::fs::chown(&file, Some(0), None).unwrap();
-        set_mode(&file, 0o664);
+        set_mode(&file, 0o666);
         let e = check_root_store(&s).unwrap_err();
-        assert!(e.contains("1 is writable by others (mode 664)"), "{e}");
+        assert!(e.contains("1 is writable by others (mode 666)"), "{e}");
         set_mode(&file, 0o644);
 
         // A default ACL giving the group write (where the file system takes
