@@ -3,7 +3,8 @@
 //! seconds, in a task of its own: removing a big tree must not hold up
 //! reaping and scheduling.
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,6 +17,20 @@ use super::stages;
 
 /// How often housekeeping runs at most.
 const EVERY: Duration = Duration::from_secs(5);
+
+/// The longest a folder that could not be removed waits for its next try.
+const RETRY_MAX: Duration = Duration::from_secs(3600);
+
+/// Whether a folder whose removal failed `failures` times, the last one
+/// `since` ago, is tried again: after 5 s, then twice as long each time up
+/// to an hour. A folder its user keeps from going (someone else's files
+/// moved into it) must not fill the log with a warning every 5 s.
+fn retry_due(failures: u32, since: Duration) -> bool {
+    let wait = EVERY
+        .checked_mul(1 << failures.saturating_sub(1).min(16))
+        .map_or(RETRY_MAX, |w| w.min(RETRY_MAX));
+    since >= wait
+}
 
 pub(crate) struct Housekeeping {
     node: Arc<Node>,
@@ -32,6 +47,8 @@ pub(crate) struct Housekeeping {
     ran_at: Mutex<Instant>,
     /// A pass is running.
     running: AtomicBool,
+    /// Folders whose removal failed: how often, and when last.
+    failed: Mutex<HashMap<PathBuf, (u32, Instant)>>,
 }
 
 impl Housekeeping {
@@ -52,6 +69,7 @@ impl Housekeeping {
             work_keep,
             ran_at: Mutex::new(Instant::now()),
             running: AtomicBool::new(false),
+            failed: Mutex::new(HashMap::new()),
         }
     }
 
@@ -84,10 +102,36 @@ impl Housekeeping {
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
             }
+            // Failures of folders gone since (by other hands) are forgotten.
+            (me.failed.lock().expect("labd poisoned")).retain(|dir, _| dir.exists());
             me.sweep_work_folders();
             me.sweep_stages();
             me.running.store(false, Ordering::Release);
         }));
+    }
+
+    /// Whether a removal of `dir` is due (see [`retry_due`]).
+    fn may_try(&self, dir: &Path) -> bool {
+        let failed = self.failed.lock().expect("labd poisoned");
+        failed
+            .get(dir)
+            .is_none_or(|(n, at)| retry_due(*n, at.elapsed()))
+    }
+
+    /// Removes a job's or stage's folder, remembering a failure.
+    fn remove(&self, dir: &Path) -> std::io::Result<()> {
+        let done = crate::trees::remove_job_folder(dir);
+        let mut failed = self.failed.lock().expect("labd poisoned");
+        match &done {
+            Ok(()) => {
+                failed.remove(dir);
+            }
+            Err(_) => {
+                let n = failed.get(dir).map_or(0, |(n, _)| *n);
+                failed.insert(dir.to_path_buf(), (n + 1, Instant::now()));
+            }
+        }
+        done
     }
 
     /// Removes the working folders of jobs that ended (outputs saved) more
@@ -109,8 +153,8 @@ impl Housekeeping {
                 Ok(None) => true,
                 Err(_) => false,
             };
-            if old {
-                match crate::trees::remove_job_folder(&e.path()) {
+            if old && self.may_try(&e.path()) {
+                match self.remove(&e.path()) {
                     Ok(()) => tracing::info!("removed the working folder and log of job {id}"),
                     Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
                 }
@@ -140,13 +184,28 @@ impl Housekeeping {
                     .and_then(|m| m.modified())
                     .is_ok_and(|t| t.elapsed().is_ok_and(|e| e.as_secs() > 3600)),
             };
-            if !gone {
+            if !gone || !self.may_try(&path) {
                 continue;
             }
-            match crate::trees::remove_job_folder(&path) {
+            match self.remove(&path) {
                 Ok(()) => tracing::info!("removed the folder of stage {name}"),
                 Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folder_that_cannot_go_is_tried_less_and_less_often() {
+        let s = Duration::from_secs;
+        assert!(!retry_due(1, s(4)) && retry_due(1, s(5)));
+        assert!(!retry_due(2, s(9)) && retry_due(2, s(10)));
+        assert!(!retry_due(5, s(79)) && retry_due(5, s(80)));
+        // Never more than an hour apart, however many failures.
+        assert!(!retry_due(40, s(3599)) && retry_due(40, s(3600)));
     }
 }
