@@ -459,6 +459,16 @@ mod tests {
     use crate::remote::Remote;
     use crate::{PushOptions, RefSpec};
 
+    /// A real (not dry) run with no grace period.
+    fn sweep_now(repo: &Repo) -> Run<'_> {
+        Run {
+            repo,
+            now: now_secs(),
+            grace: 0,
+            dry_run: false,
+        }
+    }
+
     /// gc read the versions when a tree's only version was forgotten; then
     /// a push stored the same tree again, rewriting its snapshot object and
     /// committing a version naming it. gc's sweep, going by the versions it
@@ -487,12 +497,7 @@ mod tests {
             .unwrap()
             .record;
         assert_eq!(again.snapshot, v1.snapshot);
-        let run = Run {
-            repo: &repo,
-            now: now_secs(),
-            grace: 0,
-            dry_run: false,
-        };
+        let run = sweep_now(&repo);
         let mut out = GcOutcome::default();
         run.sweep_snapshots(&marked, &mut out).await.unwrap();
         assert_eq!(out.deleted_snapshots, 0);
@@ -533,12 +538,7 @@ mod tests {
         // A record that does not decode: reading the versions fails.
         let junk = crate::repo::version_key("other", 1);
         repo.remote().put(&junk, "junk".into()).await.unwrap();
-        let run = Run {
-            repo: &repo,
-            now: now_secs(),
-            grace: 0,
-            dry_run: false,
-        };
+        let run = sweep_now(&repo);
         let mut out = GcOutcome::default();
         let err = run.sweep_snapshots(&marked, &mut out).await.unwrap_err();
         assert!(err.to_string().contains("other"), "{err}");
