@@ -14,8 +14,6 @@
 //!   whole under their final key, and a conditional create that did land
 //!   the first time answers "exists" the second, which the caller handles.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use object_store::client::{
@@ -28,14 +26,49 @@ pub(crate) const MAX_RETRIES: u32 = 8;
 /// Time one request may take with its retries.
 pub(crate) const MAX_ELAPSED: Duration = Duration::from_secs(120);
 
-/// Builds the HTTP client for the S3 backend: `object_store`'s, wrapped in
-/// [`Retrying`].
+/// `HttpService` for a type with `async fn send(&self, HttpRequest)`.
+/// The trait is declared with `async_trait`; this is its expansion, so no
+/// macro crate is needed for one method.
+macro_rules! http_service {
+    ($t:ty) => {
+        impl HttpService for $t {
+            fn call<'life0, 'async_trait>(
+                &'life0 self,
+                req: HttpRequest,
+            ) -> std::pin::Pin<
+                Box<
+                    dyn std::future::Future<Output = Result<HttpResponse, HttpError>>
+                        + Send
+                        + 'async_trait,
+                >,
+            >
+            where
+                'life0: 'async_trait,
+                Self: 'async_trait,
+            {
+                Box::pin(self.send(req))
+            }
+        }
+    };
+}
+
+mod plain;
+
+/// Builds the HTTP client for the S3 backend, wrapped in [`Retrying`]:
+/// [`plain::Plain`] for a server spoken to in plain HTTP with no proxy and
+/// no client options set (`plain`), else `object_store`'s own (reqwest).
 #[derive(Debug, Default)]
-pub(crate) struct Connector;
+pub(crate) struct Connector {
+    pub(crate) plain: bool,
+}
 
 impl HttpConnector for Connector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
-        let inner = ReqwestConnector::default().connect(options)?;
+        let inner = if self.plain {
+            HttpClient::new(plain::Plain::new())
+        } else {
+            ReqwestConnector::default().connect(options)?
+        };
         Ok(HttpClient::new(Retrying { inner }))
     }
 }
@@ -125,20 +158,7 @@ impl Retrying {
     }
 }
 
-// `HttpService` is declared with `async_trait`; this is its expansion, so
-// no macro crate is needed for one method.
-impl HttpService for Retrying {
-    fn call<'life0, 'async_trait>(
-        &'life0 self,
-        req: HttpRequest,
-    ) -> Pin<Box<dyn Future<Output = Result<HttpResponse, HttpError>> + Send + 'async_trait>>
-    where
-        'life0: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(self.send(req))
-    }
-}
+http_service!(Retrying);
 
 /// The HTTP status in an `object_store` error, if the server answered one.
 /// `object_store` keeps it in a private type, so it is read from the

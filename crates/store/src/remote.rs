@@ -484,6 +484,9 @@ fn open_backend(
             .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::ProxyUrl))
             .is_some();
     let plain = endpoint.is_some_and(|e| e.starts_with("http://")) && !https_elsewhere;
+    let connector = crate::http::Connector {
+        plain: own_client(plain, options, |k| std::env::var_os(k)),
+    };
     let builder = if plain {
         let key = AmazonS3ConfigKey::Client(ClientConfigKey::NoSystemCertificates);
         builder.with_config(key, "true")
@@ -496,9 +499,33 @@ fn open_backend(
     };
     let store = builder
         .with_retry(no_retries)
-        .with_http_connector(crate::http::Connector)
+        .with_http_connector(connector)
         .build()?;
     Ok((Box::new(store), path))
+}
+
+/// Whether labsync's own client ([`crate::http::Connector`]'s `plain`)
+/// speaks to an S3 server reached in `plain` HTTP: only where reqwest would
+/// add nothing, i.e. with no proxy in the environment (reqwest reads
+/// `http_proxy` and `all_proxy`) and no client options (timeouts, pools,
+/// headers) given for reqwest to apply.
+fn own_client(
+    plain: bool,
+    options: &[(String, String)],
+    env: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> bool {
+    use object_store::aws::AmazonS3ConfigKey;
+    use object_store::ClientConfigKey;
+    let client_options = options.iter().any(|(k, _)| {
+        matches!(
+            k.to_ascii_lowercase().parse(),
+            Ok(AmazonS3ConfigKey::Client(c)) if c != ClientConfigKey::AllowHttp
+        )
+    });
+    let proxy = ["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"]
+        .iter()
+        .any(|k| env(k).is_some_and(|v| !v.is_empty()));
+    plain && !client_options && !proxy
 }
 
 fn now_secs_of(t: Option<std::time::SystemTime>) -> i64 {
@@ -647,5 +674,37 @@ mod tests {
             assert_eq!(names, ["abcdef"], "{len} bytes");
         }
         remote.sync().await.unwrap();
+    }
+
+    #[test]
+    fn labsyncs_own_client_speaks_only_plain_http_with_nothing_for_reqwest_to_add() {
+        let opts = |kv: &[(&str, &str)]| -> Vec<(String, String)> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let no_env = |_: &str| None;
+        let allow = opts(&[("aws_allow_http", "true"), ("aws_region", "x")]);
+        assert!(own_client(true, &allow, no_env));
+        assert!(!own_client(false, &allow, no_env), "https");
+        for k in [
+            "timeout",
+            "connect_timeout",
+            "pool_max_idle_per_host",
+            "user_agent",
+        ] {
+            assert!(!own_client(true, &opts(&[(k, "5s")]), no_env), "{k}");
+        }
+        for var in ["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"] {
+            let env = |k: &str| (k == var).then(|| "http://proxy:3128".into());
+            assert!(!own_client(true, &allow, env), "{var}");
+        }
+        let empty = |k: &str| (k == "http_proxy").then(std::ffi::OsString::new);
+        assert!(
+            own_client(true, &allow, empty),
+            "an empty proxy variable is none"
+        );
+        let https_only = |k: &str| (k == "https_proxy").then(|| "http://proxy:3128".into());
+        assert!(own_client(true, &allow, https_only), "not for http:// URLs");
     }
 }
