@@ -342,9 +342,11 @@ async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Resp
         let mut f = file?;
         let read = off_runtime(move || {
             use std::io::Read;
-            let mut buf = vec![0u8; PIECE];
-            let n = f.read(&mut buf)?;
-            buf.truncate(n);
+            // Read into the buffer's spare room: zeroing a mebibyte first
+            // (`vec![0; PIECE]`) took 4.5% of both CPUs of the follow
+            // benchmark, the peer's largest cost after its copies.
+            let mut buf = Vec::with_capacity(PIECE);
+            (&mut f).take(PIECE as u64).read_to_end(&mut buf)?;
             Ok::<_, std::io::Error>((f, buf))
         })
         .await;
