@@ -35,9 +35,10 @@ use tokio::net::TcpStream;
 
 /// How long a connection may take to open (`object_store`'s default).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long an answer may go without a byte: its head, then each piece of
-/// its body (so a large pack on a slow link is not cut off half way, and a
-/// server that stops answering is).
+/// How long an answer may go without a byte: its head (after the request's
+/// upload, allowed a second per MiB), then each piece of its body (so a
+/// large pack on a slow link is not cut off half way, and a server that
+/// stops answering is).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The client: hyper's pooled one over [`Quick`] connections.
@@ -70,7 +71,8 @@ impl Plain {
                 )),
             );
         }
-        let resp = tokio::time::timeout(self.idle, self.client.request(req))
+        let wait = head_timeout(self.idle, req.body().content_length());
+        let resp = tokio::time::timeout(wait, self.client.request(req))
             .await
             .map_err(|_| HttpError::new(HttpErrorKind::Timeout, timed_out("an answer", self.idle)))?
             .map_err(|e| {
@@ -83,6 +85,12 @@ impl Plain {
             })?;
         Ok(resp.map(|body| HttpResponseBody::new(Idle::new(body, self.idle))))
     }
+}
+
+/// How long an answer's head may take: it comes once the request is sent,
+/// so an upload (a pack) is allowed a second per MiB on top of `idle`.
+fn head_timeout(idle: Duration, upload: usize) -> Duration {
+    idle + Duration::from_secs((upload >> 20) as u64)
 }
 
 fn timed_out(what: &str, idle: Duration) -> std::io::Error {
@@ -345,6 +353,14 @@ mod tests {
             1,
             "kept alive"
         );
+    }
+
+    #[test]
+    fn an_upload_is_allowed_a_second_per_mib_before_its_answer() {
+        let idle = Duration::from_secs(30);
+        assert_eq!(head_timeout(idle, 0), idle);
+        assert_eq!(head_timeout(idle, 1 << 19), idle);
+        assert_eq!(head_timeout(idle, 64 << 20), Duration::from_secs(94));
     }
 
     /// What fails is told apart as the retry policy needs it: no server, a
