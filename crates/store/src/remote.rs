@@ -525,7 +525,19 @@ fn own_client(
     let proxy = ["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"]
         .iter()
         .any(|k| env(k).is_some_and(|v| !v.is_empty()));
-    plain && !client_options && !proxy
+    // It speaks no TLS: not where any address given is https (an
+    // `aws_endpoint_url_s3`, which object_store prefers to the endpoint, or
+    // a credentials URI), nor where plain HTTP was refused outright.
+    let tls_somewhere = options
+        .iter()
+        .any(|(_, v)| v.trim().to_ascii_lowercase().starts_with("https://"));
+    let http_refused = options.iter().any(|(k, v)| {
+        matches!(
+            k.to_ascii_lowercase().parse(),
+            Ok(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+        ) && !v.trim().eq_ignore_ascii_case("true")
+    });
+    plain && !client_options && !proxy && !tls_somewhere && !http_refused
 }
 
 fn now_secs_of(t: Option<std::time::SystemTime>) -> i64 {
@@ -706,5 +718,19 @@ mod tests {
         );
         let https_only = |k: &str| (k == "https_proxy").then(|| "http://proxy:3128".into());
         assert!(own_client(true, &allow, https_only), "not for http:// URLs");
+        // No TLS spoken: an https address anywhere, or http refused, keeps reqwest.
+        for (k, v) in [
+            ("aws_endpoint_url_s3", "https://s3.example.org"),
+            (
+                "aws_container_credentials_full_uri",
+                "HTTPS://creds.example.org/x",
+            ),
+            ("aws_allow_http", "false"),
+        ] {
+            let mut o = allow.clone();
+            o.retain(|(key, _)| key != k);
+            o.push((k.to_string(), v.to_string()));
+            assert!(!own_client(true, &o, no_env), "{k}={v}");
+        }
     }
 }

@@ -24,16 +24,17 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming};
 use hyper::Uri;
-use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use object_store::client::{
     HttpError, HttpErrorKind, HttpRequest, HttpRequestBody, HttpResponse, HttpResponseBody,
     HttpService,
 };
 use tokio::net::TcpStream;
 
-/// How long a connection may take to open (`object_store`'s default).
+/// How long a connection may take to open (`object_store`'s default), in
+/// all over the addresses a name resolves to.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an answer may go without a byte: its head (after the request's
 /// upload, allowed a second per MiB), then each piece of its body (so a
@@ -55,9 +56,18 @@ impl Plain {
     }
 
     fn with_idle(idle: Duration) -> Plain {
+        // reqwest's connector and settings: Happy Eyeballs over the
+        // addresses a name resolves to, keepalive probes on idle sockets.
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        tcp.set_keepalive(Some(Duration::from_secs(15)));
+        tcp.set_keepalive_interval(Some(Duration::from_secs(15)));
+        tcp.set_keepalive_retries(Some(3));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(Quick);
+            .pool_timer(TokioTimer::new())
+            .build(Quick(tcp));
         Plain { client, idle }
     }
 
@@ -74,24 +84,38 @@ impl Plain {
         let wait = head_timeout(self.idle, req.body().content_length());
         let resp = tokio::time::timeout(wait, self.client.request(req))
             .await
-            .map_err(|_| HttpError::new(HttpErrorKind::Timeout, timed_out("an answer", self.idle)))?
+            .map_err(|_| HttpError::new(HttpErrorKind::Timeout, timed_out("an answer", wait)))?
             .map_err(|e| {
                 let kind = if e.is_connect() {
                     HttpErrorKind::Connect
                 } else {
-                    HttpErrorKind::Request
+                    error_kind(&e)
                 };
                 HttpError::new(kind, e)
             })?;
-        Ok(resp.map(|body| HttpResponseBody::new(Idle::new(body, self.idle))))
+        Ok(resp.map(|body| {
+            // The whole body has a deadline too (as reqwest's 30 s for the
+            // whole request had): a server trickling a byte a minute, or
+            // streaming without end, is cut off.
+            let total = match body.size_hint().exact() {
+                Some(n) => head_timeout(self.idle, n.try_into().unwrap_or(usize::MAX)),
+                None => self.idle * UNSIZED_BODY_IDLES,
+            };
+            HttpResponseBody::new(Idle::new(body, self.idle, total))
+        }))
     }
 }
 
 /// How long an answer's head may take: it comes once the request is sent,
-/// so an upload (a pack) is allowed a second per MiB on top of `idle`.
-fn head_timeout(idle: Duration, upload: usize) -> Duration {
-    idle + Duration::from_secs((upload >> 20) as u64)
+/// so an upload (a pack) is allowed a second per MiB on top of `idle`. The
+/// same rule bounds a body of known length.
+fn head_timeout(idle: Duration, bytes: usize) -> Duration {
+    idle + Duration::from_secs((bytes >> 20) as u64)
 }
+
+/// A body of no announced length (a listing) may take this many idle
+/// timeouts in all.
+const UNSIZED_BODY_IDLES: u32 = 4;
 
 fn timed_out(what: &str, idle: Duration) -> std::io::Error {
     std::io::Error::new(
@@ -102,19 +126,22 @@ fn timed_out(what: &str, idle: Duration) -> std::io::Error {
 
 http_service!(Plain);
 
-/// A response body that fails once no piece of it came for `idle`.
+/// A response body that fails once no piece of it came for `idle`, or once
+/// it has taken `total` in all.
 struct Idle {
     body: Incoming,
     idle: Duration,
     timer: Pin<Box<tokio::time::Sleep>>,
+    deadline: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl Idle {
-    fn new(body: Incoming, idle: Duration) -> Idle {
+    fn new(body: Incoming, idle: Duration, total: Duration) -> Idle {
         Idle {
             body,
             idle,
             timer: Box::pin(tokio::time::sleep(idle)),
+            deadline: Box::pin(tokio::time::sleep(total)),
         }
     }
 }
@@ -128,6 +155,15 @@ impl Body for Idle {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, HttpError>>> {
         let this = &mut *self;
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(HttpError::new(
+                HttpErrorKind::Timeout,
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "an answer took longer in all than its size allows",
+                ),
+            ))));
+        }
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(frame) => {
                 let next = tokio::time::Instant::now() + this.idle;
@@ -153,64 +189,66 @@ impl Body for Idle {
     }
 }
 
-/// What object_store makes of the same failure from reqwest: a connection
-/// cut mid-answer is `Interrupted` (asked again), a stall `Timeout`.
+/// What object_store makes of the same failure from reqwest
+/// (`HttpError::reqwest`): a connection closed or cut mid-answer is asked
+/// again (`Request`, `Interrupted`), a stall is a `Timeout`, anything else
+/// (a malformed answer) is not retried.
+fn error_kind(e: &hyper_util::client::legacy::Error) -> HttpErrorKind {
+    chain_kind(e).unwrap_or(HttpErrorKind::Unknown)
+}
+
+/// [`error_kind`] for a body's error; hyper's own body errors that say
+/// nothing more are a cut connection.
 fn body_error_kind(e: &hyper::Error) -> HttpErrorKind {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    chain_kind(e).unwrap_or(HttpErrorKind::Request)
+}
+
+fn chain_kind(e: &(dyn std::error::Error + 'static)) -> Option<HttpErrorKind> {
+    let mut source = Some(e);
     while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            if h.is_closed() || h.is_incomplete_message() || h.is_body_write_aborted() {
+                return Some(HttpErrorKind::Request);
+            }
+            if h.is_timeout() {
+                return Some(HttpErrorKind::Timeout);
+            }
+        }
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
             use std::io::ErrorKind as K;
             match io.kind() {
-                K::TimedOut => return HttpErrorKind::Timeout,
+                K::TimedOut => return Some(HttpErrorKind::Timeout),
                 K::ConnectionAborted | K::ConnectionReset | K::BrokenPipe | K::UnexpectedEof => {
-                    return HttpErrorKind::Interrupted
+                    return Some(HttpErrorKind::Interrupted)
                 }
                 _ => {}
             }
         }
         source = s.source();
     }
-    HttpErrorKind::Request
+    None
 }
 
-/// Opens [`QuickAck`] connections.
+/// Opens [`QuickAck`] connections: hyper-util's connector (reqwest's),
+/// then quick acknowledgements on the socket.
 #[derive(Clone, Debug)]
-pub(crate) struct Quick;
+pub(crate) struct Quick(HttpConnector);
 
 impl tower_service::Service<Uri> for Quick {
     type Response = QuickAck;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = std::io::Result<QuickAck>> + Send>>;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Future = Pin<Box<dyn Future<Output = Result<QuickAck, Self::Error>> + Send>>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        tower_service::Service::poll_ready(&mut self.0, cx).map_err(Into::into)
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
+        let connecting = tower_service::Service::call(&mut self.0, uri);
         Box::pin(async move {
-            let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
-            if uri.scheme_str() != Some("http") {
-                return Err(bad("only http:// is spoken here"));
-            }
-            // `[::1]` in a URI is `::1` to the resolver.
-            let host = uri
-                .host()
-                .ok_or_else(|| bad("no host"))?
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string();
-            let port = uri.port_u16().unwrap_or(80);
-            let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port)))
-                .await
-                .map_err(|_| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no connection within {CONNECT_TIMEOUT:?}"),
-                    )
-                })??;
-            stream.set_nodelay(true)?;
-            quick_ack(&stream);
-            Ok(QuickAck(TokioIo::new(stream)))
+            let io = connecting.await?;
+            quick_ack(io.inner());
+            Ok(QuickAck(io))
         })
     }
 }
@@ -376,20 +414,40 @@ mod tests {
         let e = c.send(get(port, "/x")).await.unwrap_err();
         assert_eq!(e.kind(), HttpErrorKind::Connect, "{e}");
 
-        // `mode` 0: never answers; 1: answers 10 of 100 bytes, then waits;
-        // 2: answers 10 of 100 bytes, then closes.
+        // `mode` 0: never answers; 1: answers 10 of 100 MiB, then waits;
+        // 2: answers 10 of 100 bytes, then closes; 3: answers 100 bytes a
+        // byte every 100 ms (never idle, too slow in all); 4: answers
+        // garbage.
         let serve = |mode: u8| async move {
             let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = l.local_addr().unwrap().port();
             tokio::spawn(async move {
                 let (mut s, _) = l.accept().await.unwrap();
                 read_head(&mut s).await;
-                if mode > 0 {
-                    let head = "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789";
-                    s.write_all(head.as_bytes()).await.unwrap();
-                }
-                if mode == 2 {
-                    return;
+                let head = |len: u64| format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+                match mode {
+                    1 => {
+                        let h = head(100 << 20) + "0123456789";
+                        s.write_all(h.as_bytes()).await.unwrap();
+                    }
+                    2 => {
+                        let h = head(100) + "0123456789";
+                        s.write_all(h.as_bytes()).await.unwrap();
+                        return;
+                    }
+                    3 => {
+                        s.write_all(head(100).as_bytes()).await.unwrap();
+                        for _ in 0..100 {
+                            if s.write_all(b"x").await.is_err() {
+                                return;
+                            }
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                    4 => {
+                        let _ = s.write_all(b"not http at all\r\n\r\n").await;
+                    }
+                    _ => {}
                 }
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 drop(s);
@@ -401,9 +459,18 @@ mod tests {
         let resp = c.send(get(serve(1).await, "/x")).await.unwrap();
         let e = body(resp).await.unwrap_err();
         assert_eq!(e.kind(), HttpErrorKind::Timeout, "{e}");
-        assert!(e.to_string().contains("no byte") || format!("{e:?}").contains("no byte"));
+        assert!(format!("{e:?}").contains("no byte"), "{e:?}");
         let resp = c.send(get(serve(2).await, "/x")).await.unwrap();
         let e = body(resp).await.unwrap_err();
         assert_eq!(e.kind(), HttpErrorKind::Interrupted, "{e:?}");
+        // 100 bytes may take the idle timeout in all (0 MiB more): a
+        // server trickling them 10 s long is cut off, though never idle.
+        let resp = c.send(get(serve(3).await, "/x")).await.unwrap();
+        let e = body(resp).await.unwrap_err();
+        assert_eq!(e.kind(), HttpErrorKind::Timeout, "{e:?}");
+        assert!(format!("{e:?}").contains("in all"), "{e:?}");
+        // A malformed answer is not asked again.
+        let e = c.send(get(serve(4).await, "/x")).await.unwrap_err();
+        assert_eq!(e.kind(), HttpErrorKind::Unknown, "{e:?}");
     }
 }
