@@ -456,17 +456,23 @@ mod tests {
         };
         let e = c.send(get(serve(0).await, "/x")).await.unwrap_err();
         assert_eq!(e.kind(), HttpErrorKind::Timeout, "{e}");
-        let resp = c.send(get(serve(1).await, "/x")).await.unwrap();
-        let e = body(resp).await.unwrap_err();
+        // An answer whose head came and whose body then fails.
+        let body_error = |port: u16| {
+            let c = &c;
+            async move {
+                body(c.send(get(port, "/x")).await.unwrap())
+                    .await
+                    .unwrap_err()
+            }
+        };
+        let e = body_error(serve(1).await).await;
         assert_eq!(e.kind(), HttpErrorKind::Timeout, "{e}");
         assert!(format!("{e:?}").contains("no byte"), "{e:?}");
-        let resp = c.send(get(serve(2).await, "/x")).await.unwrap();
-        let e = body(resp).await.unwrap_err();
+        let e = body_error(serve(2).await).await;
         assert_eq!(e.kind(), HttpErrorKind::Interrupted, "{e:?}");
         // 100 bytes may take the idle timeout in all (0 MiB more): a
         // server trickling them 10 s long is cut off, though never idle.
-        let resp = c.send(get(serve(3).await, "/x")).await.unwrap();
-        let e = body(resp).await.unwrap_err();
+        let e = body_error(serve(3).await).await;
         assert_eq!(e.kind(), HttpErrorKind::Timeout, "{e:?}");
         assert!(format!("{e:?}").contains("in all"), "{e:?}");
         // A malformed answer is not asked again.
