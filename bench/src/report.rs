@@ -394,8 +394,9 @@ fn cold_note(d: &DatasetResult, asked: bool) -> String {
     }
     if let Some(copy) = d.copy_floor {
         s += &format!(
-            "Copy floor (the source read cold by 16 `cat`s while its bytes are written to the \
-             work disk with `dd oflag=direct`, as a push to a local store must): {copy:.2} s.\n"
+            "Copy floor (the source read cold by 16 `cat`s while four `dd oflag=direct` write \
+             as many bytes where the stores are, all at once, as a push to a local store must): \
+             {copy:.2} s.\n"
         );
     }
     for r in d.results.iter().filter(|r| r.tool == Tool::Labsync) {
@@ -464,7 +465,7 @@ mod tests {
         );
         assert!(note.contains("16 parallel `find`s): 0.20 s"), "{note}");
         assert!(
-            note.contains("`dd oflag=direct`, as a push to a local store must): 2.50 s"),
+            note.contains("all at once, as a push to a local store must): 2.50 s"),
             "{note}"
         );
         let unchanged = "re-push, unchanged: 0.30x the floor, 1.50x the stat floor";
