@@ -193,9 +193,17 @@ pub fn run_dataset(cfg: &Config, kind: DatasetKind, rotate: usize) -> io::Result
             Some(r) => r.join(kind.name()),
             None => base.clone(),
         };
-        let copy = copy_floor(&ds.root, ds.bytes, &stores, &logs_dir, cfg.step_timeout);
+        let files = ds.files.len();
+        let copy = copy_floor(
+            &ds.root,
+            files,
+            ds.bytes,
+            &stores,
+            &logs_dir,
+            cfg.step_timeout,
+        );
         (
-            read_floor(&ds.root, &logs_dir, cfg.step_timeout),
+            read_floor(&ds.root, files, &logs_dir, cfg.step_timeout),
             stat,
             copy,
         )
@@ -302,30 +310,14 @@ fn stat_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Option<f64> {
 /// emptied.
 fn copy_floor(
     src: &Path,
+    files: usize,
     bytes: u64,
     stores: &Path,
     logs_dir: &Path,
     timeout: Duration,
 ) -> Option<f64> {
-    const WRITERS: u64 = 4;
-    const BLOCK: u64 = 4 << 20;
-    let blocks = bytes.div_ceil(WRITERS * BLOCK).max(1);
-    let out: Vec<PathBuf> = (0..WRITERS)
-        .map(|i| stores.join(format!("copy-floor.{i}")))
-        .collect();
-    let mut script =
-        String::from("find . -type f -print0 | xargs -0 -P 16 -n 64 cat > /dev/null & r=$!\n");
-    for (i, o) in out.iter().enumerate() {
-        script += &format!(
-            "dd if=/dev/zero of='{}' bs={BLOCK} count={blocks} oflag=direct status=none & w{i}=$!\n",
-            o.display()
-        );
-    }
-    // Fails if any of them did.
-    script += "wait $r";
-    for i in 0..WRITERS {
-        script += &format!(" && wait $w{i}");
-    }
+    let out = [0, 1, 2, 3].map(|i| stores.join(format!("copy-floor.{i}")));
+    let script = crate::runner::read_and_write_script(per_reader(files, 16), bytes, &out);
     let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
     let timed = run_timed(&cmd, &Logs::new(logs_dir, "copy-floor"), timeout, true);
     for o in &out {
@@ -341,14 +333,23 @@ fn copy_floor(
     }
 }
 
+/// Files per `cat` so that `readers` of them all run: `xargs -P N -n 64`
+/// over `sr`'s 400 files made 7 `cat`s, so N = 16 and N = 64 both measured
+/// 7 readers. At most 64 (one process per small file would measure fork).
+fn per_reader(files: usize, readers: usize) -> usize {
+    (files / readers).clamp(1, 64)
+}
+
 /// The parallel-read floor: the source read from an empty page cache by N
-/// readers (`find | xargs -0 -P N -n 64 cat > /dev/null`), for N of 1, 4,
-/// 16 and 64; the steps are compared with the best. Empty where the cache
-/// cannot be emptied.
-fn read_floor(src: &Path, logs_dir: &Path, timeout: Duration) -> Vec<(usize, f64)> {
+/// readers (`find | xargs -0 -P N -n K cat > /dev/null`, K files each, at
+/// most 64, few enough that N of them run), for N of 1, 4, 16 and 64; the
+/// steps are compared with the best. Empty where the cache cannot be
+/// emptied.
+fn read_floor(src: &Path, files: usize, logs_dir: &Path, timeout: Duration) -> Vec<(usize, f64)> {
     let mut out = Vec::new();
     for n in [1usize, 4, 16, 64] {
-        let script = format!("find . -type f -print0 | xargs -0 -P {n} -n 64 cat > /dev/null");
+        let k = per_reader(files, n);
+        let script = format!("find . -type f -print0 | xargs -0 -P {n} -n {k} cat > /dev/null");
         let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
         let logs = Logs::new(logs_dir, &format!("floor-{n}"));
         match run_timed(&cmd, &logs, timeout, true) {
@@ -660,5 +661,61 @@ mod merge_tests {
             m.get(Step::Cold, Tool::Rsync).unwrap().status,
             Status::Error
         );
+    }
+}
+
+#[cfg(test)]
+mod floor_tests {
+    use super::*;
+
+    /// N readers means N `cat`s at once, whatever the number of files.
+    #[test]
+    fn every_reader_of_a_floor_gets_files() {
+        for (files, readers) in [(400, 16), (400, 64), (30, 16), (50_000, 64), (3, 4)] {
+            let k = per_reader(files, readers);
+            let cats = files.div_ceil(k);
+            assert!(
+                cats >= readers.min(files),
+                "{files} files, {readers}: {cats} cats"
+            );
+            assert!((1..=64).contains(&k));
+        }
+        assert_eq!(per_reader(1_000_000, 16), 64);
+    }
+
+    /// The script reads and writes at once and fails when any part fails.
+    #[test]
+    fn the_copy_floor_script_reads_and_writes_at_once_and_fails_loudly() {
+        let dir = std::env::temp_dir().join(format!("copy-floor-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("a"), vec![7u8; 10_000]).unwrap();
+        let outs = [0, 1, 2, 3].map(|i| dir.join(format!("o{i}")));
+        let script = crate::runner::read_and_write_script(1, 5 << 20, &outs);
+        let run = |script: &str| {
+            std::process::Command::new("sh")
+                .args(["-c", script])
+                .current_dir(&src)
+                .status()
+                .unwrap()
+        };
+        // O_DIRECT may be refused where the temporary folder lives (a
+        // tmpfs on an old kernel): then the failure is what is checked.
+        let direct_ok = run(&script).success();
+        for o in &outs {
+            let written = std::fs::metadata(o).map(|m| m.len()).unwrap_or(0);
+            if direct_ok {
+                // 5 MiB over four writers, whole 4 MiB blocks each.
+                assert_eq!(written, 4 << 20, "{}", o.display());
+            }
+        }
+        let broken = outs.clone().map(|o| o.join("no/such/folder"));
+        let script = crate::runner::read_and_write_script(1, 5 << 20, &broken);
+        assert!(
+            !run(&script).success(),
+            "a writer that fails fails the floor"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -105,6 +105,30 @@ pub fn drop_caches() -> bool {
     fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
 }
 
+/// A shell script that reads every file under the current folder cold
+/// with 16 `cat`s (`per_reader` files each) and, at the same time, writes
+/// `bytes` with four `dd oflag=direct`, spread over `outs` (one per
+/// writer, four of them): what a disk takes to do a copy's reads and its
+/// writes at once. It fails if any part failed. `outs` are left for the
+/// caller to remove.
+pub fn read_and_write_script(per_reader: usize, bytes: u64, outs: &[PathBuf; 4]) -> String {
+    const BLOCK: u64 = 4 << 20;
+    let blocks = bytes.div_ceil(outs.len() as u64 * BLOCK).max(1);
+    let mut script =
+        format!("find . -type f -print0 | xargs -0 -P 16 -n {per_reader} cat > /dev/null & r=$!\n");
+    for (i, o) in outs.iter().enumerate() {
+        script += &format!(
+            "dd if=/dev/zero of='{}' bs={BLOCK} count={blocks} oflag=direct status=none & w{i}=$!\n",
+            o.display()
+        );
+    }
+    script += "wait $r";
+    for i in 0..outs.len() {
+        script += &format!(" && wait $w{i}");
+    }
+    script + "\n"
+}
+
 /// Runs `cmd` under `/usr/bin/time -f '%e %M'`, after emptying the page
 /// cache when `cold` (false when that was asked and not allowed). `Err`
 /// carries a one-line reason (exit status plus the last line of stderr).

@@ -22,6 +22,11 @@
 //!   beside the peer run (which goes first alternates), so the two are
 //!   also compared pairwise.
 //!
+//! Before each repetition it also measures the disk's floors: gpu1's packs
+//! read cold by 16 `cat`s, and the same reads while four `dd
+//! oflag=direct` write as many bytes (the peer run writes every fetched
+//! byte to gpu2's cache with `O_DIRECT`; rsync caches nothing).
+//!
 //! Everything runs on one machine. Before each timed step (untimed) dirty
 //! pages are written back and, as root, the page cache is emptied, so each
 //! step reads its source from the disk; the report says which.
@@ -32,7 +37,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use labsync_bench::datagen::{generate, DatasetKind};
-use labsync_bench::runner::drop_caches;
+use labsync_bench::runner::{drop_caches, read_and_write_script};
 
 struct Args {
     bin: PathBuf,
@@ -261,6 +266,33 @@ fn node<'a>(st: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Val
     st["nodes"].as_array()?.iter().find(|n| n["name"] == name)
 }
 
+/// Bytes of the regular files under `dir`.
+fn tree_bytes(dir: &Path) -> u64 {
+    walk(dir).iter().map(|m| m.len()).sum()
+}
+
+/// Regular files under `dir`.
+fn file_count(dir: &Path) -> usize {
+    walk(dir).len()
+}
+
+fn walk(dir: &Path) -> Vec<std::fs::Metadata> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap_or_else(|e| die(&format!("{}: {e}", d.display()))) {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dirs.push(e.path());
+            } else if m.is_file() {
+                out.push(m);
+            }
+        }
+    }
+    out
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -423,8 +455,41 @@ fn main() {
         eprintln!("follow-bench: rsync, run {}: {s:.2} s", r + 1);
         s
     };
-    let (mut peer, mut rsync) = (Vec::new(), Vec::new());
+    // The disk's own floors, each repetition: the peer's packs read cold,
+    // and read while as many bytes are written with O_DIRECT into gpu2's
+    // folder (the peer run writes every byte it fetches to gpu2's cache
+    // with O_DIRECT, and here both nodes share one disk).
+    let packs = lab.node_dir(1).join("cache/packs-v1");
+    let pack_bytes = tree_bytes(&packs);
+    let timed_sh = |script: &str| {
+        drop_caches();
+        let t = Instant::now();
+        let ok = Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&packs)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            die(&format!("floor script failed: {script}"));
+        }
+        t.elapsed().as_secs_f64()
+    };
+    let floor_outs = [0, 1, 2, 3].map(|i| w.join(format!("gpu2/floor.{i}")));
+    let floors = || {
+        let read = timed_sh("find . -type f -print0 | xargs -0 -P 16 -n 1 cat > /dev/null");
+        let both = timed_sh(&read_and_write_script(1, pack_bytes, &floor_outs));
+        for o in &floor_outs {
+            let _ = std::fs::remove_file(o);
+        }
+        eprintln!("follow-bench: floors: read {read:.2} s, read and write {both:.2} s");
+        (read, both)
+    };
+    let (mut peer, mut rsync, mut read_floor, mut rw_floor) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in 0..a.reps {
+        let (read, both) = floors();
+        read_floor.push(read);
+        rw_floor.push(both);
         if r % 2 == 1 {
             rsync.push(rsync_once(r));
         }
@@ -455,6 +520,7 @@ fn main() {
     // Paired: each repetition's peer run against its own rsync run.
     let pairs: Vec<f64> = peer.iter().zip(&rsync).map(|(p, r)| p / r).collect();
     let paired = median(pairs.clone());
+    let (fr, fw) = (median(read_floor.clone()), median(rw_floor.clone()));
     let md = format!(
         "# Data follows the job\n\n{} files, {:.2} GB (the sync benchmark's `sr` set), cached on \
          a peer (gpu1) and not on the node the job runs on (gpu2); three labd processes, an \
@@ -469,7 +535,16 @@ fn main() {
          From the peer against rsync: {:.2}× its time (target ≤ 1); per repetition, against \
          the rsync run beside it: {} (median {paired:.2}×); against the store: \
          {:.2}× faster (target ≥ 1.5). The labrun rows include pushing the (unchanged) code, \
-         placing, fetching, verifying and materialising the data, and starting the job.\n",
+         placing, fetching, verifying and materialising the data, and starting the job.\n\n\
+         The disk's floors, measured before each repetition: the peer's {} packs ({:.2} GB) \
+         read cold by 16 `cat`s, {fr:.2} s {:?}; the same reads while four `dd oflag=direct` \
+         write as many bytes into gpu2's folder, all at once, {fw:.2} s {:?}. The peer run \
+         writes every byte it fetches to gpu2's cache with `O_DIRECT` (so that the next job \
+         and other nodes find it there) and the files it materialises through the page \
+         cache; rsync writes only the files, through the page cache, and nothing of its \
+         writes need reach the disk while it is timed. Here both nodes share one disk, so the \
+         peer run cannot end before the second floor: it took {:.2}× it (median of the \
+         pairs: {:.2}×), rsync {:.2}× the first.\n",
         a.files,
         data.bytes as f64 / 1e9,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -489,6 +564,13 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", "),
         s / p,
+        file_count(&packs),
+        pack_bytes as f64 / 1e9,
+        read_floor,
+        rw_floor,
+        p / fw,
+        median(peer.iter().zip(&rw_floor).map(|(p, f)| p / f).collect()),
+        r / fr,
     );
     print!("{md}");
     let json = serde_json::json!({
@@ -496,6 +578,7 @@ fn main() {
         "peer_s": peer, "store_s": store, "rsync_s": rsync,
         "median": {"peer": p, "store": s, "rsync": r},
         "peer_over_rsync_paired": pairs, "peer_over_rsync_paired_median": paired,
+        "pack_bytes": pack_bytes, "read_floor_s": read_floor, "read_write_floor_s": rw_floor,
     });
     if let Some(dir) = a.out.parent() {
         let _ = std::fs::create_dir_all(dir);
