@@ -185,9 +185,22 @@ impl Lab {
     }
 
     /// Seconds from spawning `labrun` to the first line of the job.
-    fn first_line(&self) -> f64 {
+    /// Also the CPU seconds it cost: labrun's, then each labd's own
+    /// (gpu0, gpu1, gpu2; a job's processes are not counted).
+    fn first_line(&self) -> (f64, [f64; 4]) {
         use std::io::BufRead;
         drop_caches();
+        let pids: Vec<Option<u32>> = self
+            .daemons
+            .iter()
+            .map(|d| d.as_ref().map(|c| c.id()))
+            .collect();
+        let nodes_cpu = || {
+            pids.iter()
+                .map(|p| p.map_or(0.0, |p| cpu_secs(p, false)))
+                .collect::<Vec<_>>()
+        };
+        let (mine, nodes) = (cpu_secs(std::process::id(), true), nodes_cpu());
         let t = Instant::now();
         let mut child = self
             .labrun(&[
@@ -216,14 +229,19 @@ impl Lab {
                 "the job said {line:?} ({status}); see the labd logs in the work folder"
             ));
         }
-        secs
+        let after = nodes_cpu();
+        let mut cpu = [cpu_secs(std::process::id(), true) - mine, 0.0, 0.0, 0.0];
+        for i in 0..3 {
+            cpu[i + 1] = after[i] - nodes[i];
+        }
+        (secs, cpu)
     }
 
     /// [`Lab::first_line`] with gpu2's cache emptied and gpu2 back up;
     /// said as run `r` of `what`.
     fn first_line_on_empty_gpu2(&mut self, what: &str, r: usize) -> f64 {
         self.ready_gpu2();
-        let s = self.first_line();
+        let (s, _) = self.first_line();
         eprintln!("follow-bench: {what}, run {}: {s:.2} s", r + 1);
         s
     }
@@ -272,6 +290,43 @@ impl Drop for Lab {
 
 fn node<'a>(st: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
     st["nodes"].as_array()?.iter().find(|n| n["name"] == name)
+}
+
+/// CPU seconds (user and system) that process `pid` has used, with those
+/// of its children it has waited for when `children`; from
+/// `/proc/PID/stat`, 0 once the process is gone.
+fn cpu_secs(pid: u32, children: bool) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name, which may hold spaces: state is
+    // field 3, utime 14, stime 15, cutime 16, cstime 17.
+    let rest: Vec<u64> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .unwrap_or("")
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    let field = |n: usize| rest.get(n - 3).copied().unwrap_or(0);
+    let mut ticks = field(14) + field(15);
+    if children {
+        ticks += field(16) + field(17);
+    }
+    ticks as f64 / clock_ticks()
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`; 100 where it cannot say).
+fn clock_ticks() -> f64 {
+    static HZ: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *HZ.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    })
 }
 
 /// Bytes of the regular files under `dir`.
@@ -442,9 +497,15 @@ fn main() {
     // Each repetition times the peer run and rsync back to back, which
     // one goes first alternating: the machine's drift hits both alike.
     let rsync_dest = w.join("rsync-out");
+    let rsyncd_pid = rsyncd.id();
+    let rsync_cpu = std::cell::RefCell::new(Vec::<[f64; 2]>::new());
     let rsync_once = |r: usize| {
         let dest = &rsync_dest;
         drop_caches();
+        let (mine, daemon) = (
+            cpu_secs(std::process::id(), true),
+            cpu_secs(rsyncd_pid, true),
+        );
         let t = Instant::now();
         let ok = Command::new("rsync")
             .args([
@@ -460,6 +521,18 @@ fn main() {
         if !ok {
             die("rsync failed");
         }
+        // The daemon's child for this transfer, once the daemon reaped it.
+        let mut served = cpu_secs(rsyncd_pid, true);
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = cpu_secs(rsyncd_pid, true);
+            if now == served && now > daemon {
+                break;
+            }
+            served = now;
+        }
+        let client = cpu_secs(std::process::id(), true) - mine;
+        rsync_cpu.borrow_mut().push([client, served - daemon]);
         eprintln!("follow-bench: rsync, run {}: {s:.2} s", r + 1);
         s
     };
@@ -499,6 +572,7 @@ fn main() {
     };
     let (mut peer, mut rsync, mut read_floor, mut rw_floor) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut peer_cpu: Vec<[f64; 4]> = Vec::new();
     for r in 0..a.reps {
         for k in 0..2 {
             let is_peer = (k == 0) == (r % 2 == 0);
@@ -511,9 +585,10 @@ fn main() {
             read_floor.push(read);
             rw_floor.push(both);
             if is_peer {
-                let s = lab.first_line();
+                let (s, cpu) = lab.first_line();
                 eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
                 peer.push(s);
+                peer_cpu.push(cpu);
             } else {
                 rsync.push(rsync_once(r));
             }
@@ -552,6 +627,24 @@ fn main() {
     };
     let (peer_first, peer_second) = (by_order(&peer, true), by_order(&peer, false));
     let (rsync_second, rsync_first) = (by_order(&rsync, true), by_order(&rsync, false));
+    let col = |v: &[[f64; 4]], i: usize| median(v.iter().map(|c| c[i]).collect());
+    let rc = rsync_cpu.borrow().clone();
+    let rcol = |i: usize| median(rc.iter().map(|c| c[i]).collect());
+    let peer_total = median(peer_cpu.iter().map(|c| c.iter().sum()).collect());
+    let rsync_total = median(rc.iter().map(|c| c[0] + c[1]).collect());
+    let cpu_note = format!(
+        "CPU seconds per run (medians; from /proc, a job's own processes not counted): the peer \
+         case {peer_total:.2} (labrun {:.2}, labd gpu0 {:.2}, gpu1 serving {:.2}, gpu2 \
+         fetching and writing {:.2}); rsync {rsync_total:.2} (client {:.2}, daemon {:.2}). \
+         Both CPUs for the peer run's median wall time are {:.2} CPU seconds.\n",
+        col(&peer_cpu, 0),
+        col(&peer_cpu, 1),
+        col(&peer_cpu, 2),
+        col(&peer_cpu, 3),
+        rcol(0),
+        rcol(1),
+        2.0 * median(peer.clone()),
+    );
     let order_note = if peer_second.is_empty() {
         String::new()
     } else {
@@ -592,7 +685,7 @@ fn main() {
          cache; rsync writes only the files, through the page cache, and nothing of its \
          writes need reach the disk while it is timed. Here both nodes share one disk, so the \
          peer run cannot end before the second floor: it took {:.2}× it (median of the \
-         pairs: {:.2}×), rsync {:.2}× the first.\n\n{order_note}",
+         pairs: {:.2}×), rsync {:.2}× the first.\n\n{order_note}\n{cpu_note}",
         a.files,
         data.bytes as f64 / 1e9,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -627,6 +720,7 @@ fn main() {
         "median": {"peer": p, "store": s, "rsync": r},
         "peer_over_rsync_paired": pairs, "peer_over_rsync_paired_median": paired,
         "pack_bytes": pack_bytes, "read_floor_s": read_floor, "read_write_floor_s": rw_floor,
+        "peer_cpu_s_labrun_gpu0_gpu1_gpu2": peer_cpu, "rsync_cpu_s_client_daemon": rc,
     });
     if let Some(dir) = a.out.parent() {
         let _ = std::fs::create_dir_all(dir);
