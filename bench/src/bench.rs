@@ -348,8 +348,7 @@ fn per_reader(files: usize, readers: usize) -> usize {
 fn read_floor(src: &Path, files: usize, logs_dir: &Path, timeout: Duration) -> Vec<(usize, f64)> {
     let mut out = Vec::new();
     for n in [1usize, 4, 16, 64] {
-        let k = per_reader(files, n);
-        let script = format!("find . -type f -print0 | xargs -0 -P {n} -n {k} cat > /dev/null");
+        let script = crate::runner::read_script(n, per_reader(files, n));
         let cmd = crate::runner::Cmd::new("sh").arg("-c").arg(script).cwd(src);
         let logs = Logs::new(logs_dir, &format!("floor-{n}"));
         match run_timed(&cmd, &logs, timeout, true) {

@@ -105,6 +105,12 @@ pub fn drop_caches() -> bool {
     fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
 }
 
+/// A shell command that reads every file under the current folder with
+/// `readers` `cat`s at once, `per_reader` files each, to `/dev/null`.
+pub fn read_script(readers: usize, per_reader: usize) -> String {
+    format!("find . -type f -print0 | xargs -0 -P {readers} -n {per_reader} cat > /dev/null")
+}
+
 /// A shell script that reads every file under the current folder cold
 /// with 16 `cat`s (`per_reader` files each) and, at the same time, writes
 /// `bytes` with four `dd oflag=direct`, spread over `outs` (one per
@@ -114,8 +120,7 @@ pub fn drop_caches() -> bool {
 pub fn read_and_write_script(per_reader: usize, bytes: u64, outs: &[PathBuf; 4]) -> String {
     const BLOCK: u64 = 4 << 20;
     let blocks = bytes.div_ceil(outs.len() as u64 * BLOCK).max(1);
-    let mut script =
-        format!("find . -type f -print0 | xargs -0 -P 16 -n {per_reader} cat > /dev/null & r=$!\n");
+    let mut script = format!("{} & r=$!\n", read_script(16, per_reader));
     for (i, o) in outs.iter().enumerate() {
         script += &format!(
             "dd if=/dev/zero of='{}' bs={BLOCK} count={blocks} oflag=direct status=none & w{i}=$!\n",

@@ -40,7 +40,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use labsync_bench::datagen::{generate, DatasetKind};
-use labsync_bench::runner::{drop_caches, read_and_write_script};
+use labsync_bench::fsutil::{tree_bytes, walk_files};
+use labsync_bench::runner::{drop_caches, read_and_write_script, read_script};
 
 struct Args {
     bin: PathBuf,
@@ -329,33 +330,6 @@ fn clock_ticks() -> f64 {
     })
 }
 
-/// Bytes of the regular files under `dir`.
-fn tree_bytes(dir: &Path) -> u64 {
-    walk(dir).iter().map(|m| m.len()).sum()
-}
-
-/// Regular files under `dir`.
-fn file_count(dir: &Path) -> usize {
-    walk(dir).len()
-}
-
-fn walk(dir: &Path) -> Vec<std::fs::Metadata> {
-    let mut out = Vec::new();
-    let mut dirs = vec![dir.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap_or_else(|e| die(&format!("{}: {e}", d.display()))) {
-            let e = e.unwrap();
-            let m = e.metadata().unwrap();
-            if m.is_dir() {
-                dirs.push(e.path());
-            } else if m.is_file() {
-                out.push(m);
-            }
-        }
-    }
-    out
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -498,7 +472,6 @@ fn main() {
     // one goes first alternating: the machine's drift hits both alike.
     let rsync_dest = w.join("rsync-out");
     let rsyncd_pid = rsyncd.id();
-    let rsync_cpu = std::cell::RefCell::new(Vec::<[f64; 2]>::new());
     let rsync_once = |r: usize| {
         let dest = &rsync_dest;
         drop_caches();
@@ -532,9 +505,8 @@ fn main() {
             served = now;
         }
         let client = cpu_secs(std::process::id(), true) - mine;
-        rsync_cpu.borrow_mut().push([client, served - daemon]);
         eprintln!("follow-bench: rsync, run {}: {s:.2} s", r + 1);
-        s
+        (s, [client, served - daemon])
     };
     // The disk's own floors, right before every timed run of either tool:
     // the peer's packs read cold, and read while as many bytes are written
@@ -546,7 +518,8 @@ fn main() {
     // and 1.20 s. The floors between them did not remove that: see the
     // report.)
     let packs = lab.node_dir(1).join("cache/packs-v1");
-    let pack_bytes = tree_bytes(&packs);
+    let pack_bytes =
+        tree_bytes(&packs).unwrap_or_else(|e| die(&format!("{}: {e}", packs.display())));
     let timed_sh = |script: &str| {
         drop_caches();
         let t = Instant::now();
@@ -562,7 +535,7 @@ fn main() {
     };
     let floor_outs = [0, 1, 2, 3].map(|i| w.join(format!("gpu2/floor.{i}")));
     let floors = || {
-        let read = timed_sh("find . -type f -print0 | xargs -0 -P 16 -n 1 cat > /dev/null");
+        let read = timed_sh(&read_script(16, 1));
         let both = timed_sh(&read_and_write_script(1, pack_bytes, &floor_outs));
         for o in &floor_outs {
             let _ = std::fs::remove_file(o);
@@ -572,7 +545,7 @@ fn main() {
     };
     let (mut peer, mut rsync, mut read_floor, mut rw_floor) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut peer_cpu: Vec<[f64; 4]> = Vec::new();
+    let (mut peer_cpu, mut rc): (Vec<[f64; 4]>, Vec<[f64; 2]>) = (Vec::new(), Vec::new());
     for r in 0..a.reps {
         for k in 0..2 {
             let is_peer = (k == 0) == (r % 2 == 0);
@@ -590,7 +563,9 @@ fn main() {
                 peer.push(s);
                 peer_cpu.push(cpu);
             } else {
-                rsync.push(rsync_once(r));
+                let (s, cpu) = rsync_once(r);
+                rsync.push(s);
+                rc.push(cpu);
             }
         }
     }
@@ -628,7 +603,6 @@ fn main() {
     let (peer_first, peer_second) = (by_order(&peer, true), by_order(&peer, false));
     let (rsync_second, rsync_first) = (by_order(&rsync, true), by_order(&rsync, false));
     let col = |v: &[[f64; 4]], i: usize| median(v.iter().map(|c| c[i]).collect());
-    let rc = rsync_cpu.borrow().clone();
     let rcol = |i: usize| median(rc.iter().map(|c| c[i]).collect());
     let peer_total = median(peer_cpu.iter().map(|c| c.iter().sum()).collect());
     let rsync_total = median(rc.iter().map(|c| c[0] + c[1]).collect());
@@ -705,7 +679,7 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", "),
         s / p,
-        file_count(&packs),
+        walk_files(&packs).map_or(0, |f| f.len()),
         pack_bytes as f64 / 1e9,
         read_floor,
         rw_floor,
