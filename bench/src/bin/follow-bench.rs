@@ -546,6 +546,8 @@ fn main() {
     let (mut peer, mut rsync, mut read_floor, mut rw_floor) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut peer_cpu, mut rc): (Vec<[f64; 4]>, Vec<[f64; 2]>) = (Vec::new(), Vec::new());
+    // The read-and-write floor measured right before each peer run.
+    let mut peer_rw_floor = Vec::new();
     for r in 0..a.reps {
         for k in 0..2 {
             let is_peer = (k == 0) == (r % 2 == 0);
@@ -562,6 +564,7 @@ fn main() {
                 eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
                 peer.push(s);
                 peer_cpu.push(cpu);
+                peer_rw_floor.push(both);
             } else {
                 let (s, cpu) = rsync_once(r);
                 rsync.push(s);
@@ -635,7 +638,8 @@ fn main() {
             rsync_second.len(),
         )
     };
-    let md = format!(
+    let md =
+        format!(
         "# Data follows the job\n\n{} files, {:.2} GB (the sync benchmark's `sr` set), cached on \
          a peer (gpu1) and not on the node the job runs on (gpu2); three labd processes, an \
          s3s-fs object store and an rsync daemon, all on 127.0.0.1 of one {}-CPU machine; before \
@@ -684,7 +688,7 @@ fn main() {
         read_floor,
         rw_floor,
         p / fw,
-        median(peer.iter().zip(&rw_floor).map(|(p, f)| p / f).collect()),
+        median(peer.iter().zip(&peer_rw_floor).map(|(p, f)| p / f).collect()),
         r / fr,
     );
     print!("{md}");
