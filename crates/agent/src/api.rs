@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use crate::blocking::off_runtime;
-use crate::cluster::now_ms;
+use crate::cluster::{now_ms, wire};
 use crate::daemon::{Caller, Daemon};
 use crate::error::ApiError;
 use crate::proto::{Dispatch, ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
@@ -315,8 +315,14 @@ async fn heartbeat(
 }
 
 /// A pack from this node's cache, for a peer (which verifies it), sent as
-/// it is read: the disk and the network work side by side.
-async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Response, ApiError> {
+/// it is read: the disk and the network work side by side. Over plain TCP
+/// a peer that asks gets it with `sendfile(2)` instead (`cluster::wire`).
+async fn pack(
+    State(d): D,
+    _: FromMember,
+    Path(id): Path<String>,
+    mut req: axum::extract::Request,
+) -> Result<Response, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
         .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
@@ -336,6 +342,28 @@ async fn pack(State(d): D, _: FromMember, Path(id): Path<String>) -> Result<Resp
         )),
         _ => ApiError::Internal(format!("pack {}: {e}", id.short())),
     })?;
+    let asks = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok());
+    let plain = req.extensions().get::<wire::PlainTcp>().is_some();
+    if plain && asks == Some(wire::PROTOCOL) {
+        if let Some(upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
+            tokio::spawn(wire::send(
+                upgrade,
+                file,
+                len,
+                format!("pack {}", id.short()),
+            ));
+            return Response::builder()
+                .status(StatusCode::SWITCHING_PROTOCOLS)
+                .header(header::CONNECTION, "upgrade")
+                .header(header::UPGRADE, wire::PROTOCOL)
+                .header(wire::LENGTH, len)
+                .body(Body::empty())
+                .map_err(|e| ApiError::Internal(e.to_string()));
+        }
+    }
     /// Bytes read and sent at a time.
     const PIECE: usize = 1 << 20;
     let pieces = futures::stream::unfold(Some(file), |file| async move {
@@ -664,6 +692,9 @@ pub async fn serve(
         tokio::spawn(reporter.run(stop_rx.clone()));
     }
     let app = router(daemon);
+    // Requests over plain TCP are marked: a pack may be sent into their
+    // socket with `sendfile` (`cluster::wire`).
+    let plain_app = app.clone().layer(axum::Extension(wire::PlainTcp));
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -716,7 +747,11 @@ pub async fn serve(
             }
             continue;
         };
-        let (app, mut stop, tls) = (app.clone(), stop_rx.clone(), tls.clone());
+        let app = match (&io, &tls) {
+            (Io::Tcp(_), None) => plain_app.clone(),
+            _ => app.clone(),
+        };
+        let (mut stop, tls) = (stop_rx.clone(), tls.clone());
         conns.spawn(async move {
             let _slot = slot;
             // The handshake runs here, not in the accept loop: a client that
@@ -792,7 +827,10 @@ async fn serve_one<S>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+    // Upgrades: a peer's pack may switch to `sendfile` (`cluster::wire`).
+    let conn = http
+        .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
+        .with_upgrades();
     tokio::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => r,

@@ -11,7 +11,7 @@ use hyper::header;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
-use crate::cluster::ClusterKey;
+use crate::cluster::{wire, ClusterKey};
 use crate::error::ClientError;
 use crate::proto::{
     ClusterStatus, Dispatch, DispatchReply, ErrorBody, Heartbeat, HeartbeatReply, Info, JobView,
@@ -141,6 +141,18 @@ impl Client {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<hyper::Response<Bytes>, ClientError> {
+        self.exchange_as(method, path, body, None).await
+    }
+
+    /// [`Client::exchange`], asking to switch to `upgrade` (over plain TCP
+    /// only): the answer's body is then what came after the switch.
+    async fn exchange_as(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        upgrade: Option<&str>,
+    ) -> Result<hyper::Response<Bytes>, ClientError> {
         let connect = |source| ClientError::Connect {
             endpoint: self.endpoint.to_string(),
             source,
@@ -154,6 +166,12 @@ impl Client {
         }
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let upgrade = upgrade.filter(|_| matches!(self.endpoint, Endpoint::Tcp(_)));
+        if let Some(protocol) = upgrade {
+            req = req
+                .header(header::CONNECTION, "upgrade")
+                .header(header::UPGRADE, protocol);
         }
         let body = body.unwrap_or_default();
         if let Some((key, node)) = &self.signer {
@@ -213,14 +231,33 @@ impl Client {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        let asked = req.headers().contains_key(header::UPGRADE);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| self.protocol(e))?;
-        tokio::spawn(conn);
-        let resp = sender
+        tokio::spawn(conn.with_upgrades());
+        let mut resp = sender
             .send_request(req)
             .await
             .map_err(|e| self.protocol(e))?;
+        if asked && resp.status() == hyper::StatusCode::SWITCHING_PROTOCOLS {
+            let len = (resp.headers().get(wire::LENGTH))
+                .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+                .ok_or_else(|| {
+                    self.protocol(format!("switched without a {} header", wire::LENGTH))
+                })?;
+            if len > MAX_ANSWER {
+                return Err(self.protocol(format!("an answer of more than {MAX_ANSWER} bytes")));
+            }
+            let upgraded = hyper::upgrade::on(&mut resp)
+                .await
+                .map_err(|e| self.protocol(e))?;
+            let bytes = wire::receive(upgraded, len)
+                .await
+                .map_err(|e| self.protocol(e))?;
+            let (parts, _) = resp.into_parts();
+            return Ok(hyper::Response::from_parts(parts, bytes));
+        }
         let (parts, body) = resp.into_parts();
         let length = parts
             .headers
@@ -319,9 +356,9 @@ impl Client {
     /// A pack from a peer's cache (a cluster client). Unverified: the
     /// caller checks it against its id.
     pub async fn pack(&self, id: &labsync_store::PackId) -> Result<Bytes, ClientError> {
-        let resp = self
-            .exchange(hyper::Method::GET, &format!("/v1/cluster/packs/{id}"), None)
-            .await?;
+        let path = format!("/v1/cluster/packs/{id}");
+        let resp =
+            (self.exchange_as(hyper::Method::GET, &path, None, Some(wire::PROTOCOL))).await?;
         Ok(resp.into_body())
     }
 
@@ -543,7 +580,7 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
 /// advice ends with the buffer, never reaching memory the allocator hands
 /// out later (smaller buffers may come from its reused heap). The pages
 /// beyond the answer are never touched, so they cost address space only.
-fn big_buffer(n: usize) -> (Vec<u8>, usize) {
+pub(crate) fn big_buffer(n: usize) -> (Vec<u8>, usize) {
     const ALIGN: usize = 4096;
     const OWN_MAPPING: usize = (32 << 20) + ALIGN;
     if n < 4 << 20 {
@@ -645,6 +682,17 @@ mod tests {
             MAX_ANSWER + 1
         );
         let err = Client::new(answer_once(announced, 1).await, None)
+            .pack(&pack)
+            .await;
+        assert!(err.unwrap_err().to_string().contains("more than"));
+
+        let switched = format!(
+            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{}: {}\r\n\r\n",
+            wire::PROTOCOL,
+            wire::LENGTH,
+            MAX_ANSWER + 1
+        );
+        let err = Client::new(answer_once(switched, 1).await, None)
             .pack(&pack)
             .await;
         assert!(err.unwrap_err().to_string().contains("more than"));

@@ -28,7 +28,7 @@
 //! | method | path | body → answer |
 //! |---|---|---|
 //! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
-//! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer) |
+//! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer); over plain TCP, with `Upgrade: labsync-pack`, `101` and then the bytes by `sendfile` (`cluster::wire`) |
 //! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
 //! | POST | `/v1/cluster/warm` | [`crate::cluster::WarmOrder`] → `{}` (the coordinator to an agent) |
 //! | POST | `/v1/cluster/locate` | `[PackId]` → [`Located`] (to the coordinator: who holds what) |

@@ -13,6 +13,7 @@ mod queue;
 mod reporter;
 mod stage;
 mod warm;
+pub(crate) mod wire;
 
 use std::time::Duration;
 
