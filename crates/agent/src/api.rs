@@ -347,14 +347,13 @@ async fn pack(
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok());
     let plain = req.extensions().get::<wire::PlainTcp>().is_some();
-    if plain && asks == Some(wire::PROTOCOL) {
+    let slot = (plain && asks == Some(wire::PROTOCOL))
+        .then(wire::slot)
+        .flatten();
+    if let Some(slot) = slot {
         if let Some(upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
-            tokio::spawn(wire::send(
-                upgrade,
-                file,
-                len,
-                format!("pack {}", id.short()),
-            ));
+            let what = format!("pack {}", id.short());
+            tokio::spawn(wire::send(upgrade, file, len, what, slot));
             return Response::builder()
                 .status(StatusCode::SWITCHING_PROTOCOLS)
                 .header(header::CONNECTION, "upgrade")

@@ -34,6 +34,21 @@ pub const LENGTH: &str = "x-labsync-pack-length";
 /// A peer that stops reading for this long loses its transfer.
 const SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A transfer still going after this long is ended, however it trickles.
+const SEND_MAX: Duration = Duration::from_secs(600);
+
+/// Transfers at once, each a thread of its own. An upgraded connection no
+/// longer counts against labd's connection caps, so these are bounded
+/// here; past them a pack goes as a body, as over TLS.
+const AT_ONCE: usize = 32;
+
+static SENDING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(AT_ONCE);
+
+/// Room for one more transfer by `sendfile`, if there is any.
+pub fn slot() -> Option<tokio::sync::SemaphorePermit<'static>> {
+    SENDING.try_acquire().ok()
+}
+
 /// Marks requests that came over plain TCP (no TLS): only those may
 /// switch, since only there is the socket the file can be sent into.
 #[derive(Clone, Copy, Debug)]
@@ -42,7 +57,14 @@ pub struct PlainTcp;
 /// Sends `len` bytes of `file` on the connection `upgrade` hands over
 /// once the `101` answer is out; logs what went wrong (the fetching node
 /// sees a short pack and fetches it elsewhere).
-pub async fn send(upgrade: hyper::upgrade::OnUpgrade, file: std::fs::File, len: u64, what: String) {
+pub async fn send(
+    upgrade: hyper::upgrade::OnUpgrade,
+    file: std::fs::File,
+    len: u64,
+    what: String,
+    slot: tokio::sync::SemaphorePermit<'static>,
+) {
+    let _slot = slot;
     let sent = async {
         let upgraded = upgrade.await.map_err(io::Error::other)?;
         let parts = upgraded
@@ -65,8 +87,14 @@ pub async fn send(upgrade: hyper::upgrade::OnUpgrade, file: std::fs::File, len: 
 fn send_file(socket: &std::net::TcpStream, file: &std::fs::File, len: u64) -> io::Result<()> {
     socket.set_nonblocking(false)?;
     socket.set_write_timeout(Some(SEND_TIMEOUT))?;
-    let mut offset = 0u64;
+    let (mut offset, started) = (0u64, std::time::Instant::now());
     while offset < len {
+        if started.elapsed() > SEND_MAX {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{offset} of {len} bytes sent in {SEND_MAX:?}"),
+            ));
+        }
         let left = usize::try_from(len - offset)
             .unwrap_or(usize::MAX)
             .min(1 << 30);
@@ -134,7 +162,8 @@ mod tests {
                     assert_eq!(asked.unwrap(), PROTOCOL);
                     let up = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
                     let file = std::fs::File::open(&path).unwrap();
-                    tokio::spawn(send(up.unwrap(), file, announced, "test".into()));
+                    let slot = slot().unwrap();
+                    tokio::spawn(send(up.unwrap(), file, announced, "test".into(), slot));
                     let resp = hyper::Response::builder()
                         .status(hyper::StatusCode::SWITCHING_PROTOCOLS)
                         .header(hyper::header::CONNECTION, "upgrade")
