@@ -573,6 +573,11 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
     lab.wait_for("gpu0's counts", 20, |s| {
         Lab::node(s, "gpu0").is_some_and(|n| n.fetched.from_peers >= total)
     });
+    // Between nodes in clear, the holders sent the packs with sendfile.
+    lab.wait_for("the holders' counts", 20, |s| {
+        let by_sendfile: u64 = s.nodes.iter().map(|n| n.fetched.served_by_sendfile).sum();
+        by_sendfile >= total
+    });
     let f = Lab::node(&lab.status(), "gpu0").unwrap().fetched.clone();
     assert!(
         f.from_store < total / 10,
@@ -850,6 +855,12 @@ fn with_tls_nodes_speak_only_tls() {
     lab.wait_for("packs from gpu1, over TLS", 20, |s| {
         Lab::node(s, &node).is_some_and(|n| n.fetched.from_peers >= total)
     });
+    // gpu1 sent them as bodies through TLS: sendfile is for clear links only.
+    lab.wait_for("gpu1's counts", 20, |s| {
+        Lab::node(s, "gpu1").is_some_and(|n| n.fetched.served_to_peers >= total)
+    });
+    let served = Lab::node(&lab.status(), "gpu1").unwrap().fetched.clone();
+    assert_eq!(served.served_by_sendfile, 0, "{served:?}");
 
     // In clear, to a TLS port: no answer.
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -353,7 +353,8 @@ async fn pack(
     if let Some(slot) = slot {
         if let Some(upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
             let what = format!("pack {}", id.short());
-            tokio::spawn(wire::send(upgrade, file, len, what, slot));
+            let sent = move || d.served(len, true);
+            tokio::spawn(wire::send(upgrade, file, len, what, slot, sent));
             return Response::builder()
                 .status(StatusCode::SWITCHING_PROTOCOLS)
                 .header(header::CONNECTION, "upgrade")
@@ -363,6 +364,8 @@ async fn pack(
                 .map_err(|e| ApiError::Internal(e.to_string()));
         }
     }
+    // Counted as answered: a body cut short is the fetching node's to see.
+    d.served(len, false);
     /// Bytes read and sent at a time.
     const PIECE: usize = 1 << 20;
     let pieces = futures::stream::unfold(Some(file), |file| async move {

@@ -271,6 +271,13 @@ pub struct FetchCounts {
     /// The same for fetches from the store.
     #[serde(default)]
     pub store_rate: Option<u64>,
+    /// Bytes of packs this node sent to peers (kept when the counts are
+    /// next written, at a fetch).
+    #[serde(default)]
+    pub served_to_peers: u64,
+    /// Of those, bytes sent with `sendfile` (peers on plain TCP).
+    #[serde(default)]
+    pub served_by_sendfile: u64,
 }
 
 impl FetchCounts {

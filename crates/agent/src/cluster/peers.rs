@@ -89,6 +89,17 @@ impl ClusterPeers {
         }
     }
 
+    /// `bytes` of a pack sent to a peer, with `sendfile` or as a body.
+    /// Counted in memory only: written with the rest at the next fetch
+    /// (packs go out several at once, and the file has one writer).
+    pub fn served(&self, bytes: u64, by_sendfile: bool) {
+        let mut c = self.counts.lock().expect("peers poisoned");
+        c.served_to_peers += bytes;
+        if by_sendfile {
+            c.served_by_sendfile += bytes;
+        }
+    }
+
     /// Bytes fetched by source so far.
     pub fn counts(&self) -> FetchCounts {
         self.counts.lock().expect("peers poisoned").clone()

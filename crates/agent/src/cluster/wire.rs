@@ -55,17 +55,18 @@ pub fn slot() -> Option<tokio::sync::SemaphorePermit<'static>> {
 pub struct PlainTcp;
 
 /// Sends `len` bytes of `file` on the connection `upgrade` hands over
-/// once the `101` answer is out; logs what went wrong (the fetching node
-/// sees a short pack and fetches it elsewhere).
+/// once the `101` answer is out, then calls `sent`; logs what went wrong
+/// (the fetching node sees a short pack and fetches it elsewhere).
 pub async fn send(
     upgrade: hyper::upgrade::OnUpgrade,
     file: std::fs::File,
     len: u64,
     what: String,
     slot: tokio::sync::SemaphorePermit<'static>,
+    sent: impl FnOnce() + Send,
 ) {
     let _slot = slot;
-    let sent = async {
+    let done = async {
         let upgraded = upgrade.await.map_err(io::Error::other)?;
         let parts = upgraded
             .downcast::<TokioIo<TcpStream>>()
@@ -77,8 +78,9 @@ pub async fn send(
             .await
             .map_err(io::Error::other)?
     };
-    if let Err(e) = sent.await {
-        tracing::debug!("sending {what}: {e}");
+    match done.await {
+        Ok(()) => sent(),
+        Err(e) => tracing::debug!("sending {what}: {e}"),
     }
 }
 
@@ -163,7 +165,14 @@ mod tests {
                     let up = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
                     let file = std::fs::File::open(&path).unwrap();
                     let slot = slot().unwrap();
-                    tokio::spawn(send(up.unwrap(), file, announced, "test".into(), slot));
+                    tokio::spawn(send(
+                        up.unwrap(),
+                        file,
+                        announced,
+                        "test".into(),
+                        slot,
+                        || {},
+                    ));
                     let resp = hyper::Response::builder()
                         .status(hyper::StatusCode::SWITCHING_PROTOCOLS)
                         .header(hyper::header::CONNECTION, "upgrade")

@@ -372,6 +372,13 @@ impl Daemon {
         &self.warms
     }
 
+    /// `bytes` of a pack sent to a peer (in a cluster).
+    pub(crate) fn served(&self, bytes: u64, by_sendfile: bool) {
+        if let Some(p) = &self.peers {
+            p.served(bytes, by_sendfile);
+        }
+    }
+
     /// Bytes fetched by source (in a cluster).
     pub(crate) fn fetched(&self) -> crate::proto::FetchCounts {
         self.peers.as_ref().map(|p| p.counts()).unwrap_or_default()

@@ -24,11 +24,14 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
             if let Some(f) = &fetched {
                 t += &format!(
                     "\nfetched by labd: {} from peers, {} from the store; {} corrupt copies \
-                     from peers refused, {} tries at peers failed",
+                     from peers refused, {} tries at peers failed\n\
+                     served to peers: {} ({} by sendfile)",
                     human_bytes(f.from_peers),
                     human_bytes(f.from_store),
                     f.corrupt_from_peers,
-                    f.failed_from_peers
+                    f.failed_from_peers,
+                    human_bytes(f.served_to_peers),
+                    human_bytes(f.served_by_sendfile)
                 );
             }
             t
