@@ -641,6 +641,7 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
     );
     let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
     assert!(text.contains("corrupt copies from peers refused"), "{text}");
+    assert!(text.contains("served to peers: "), "{text}");
 }
 
 /// 6: `labsync warm` fills and pins the named node's cache, with its

@@ -97,6 +97,13 @@ fn print_node(n: &NodeStatus, now: u64) {
         }
         println!("{line}");
     }
+    if f.served_to_peers > 0 {
+        println!(
+            "  served to peers: {} ({} by sendfile)",
+            gib(f.served_to_peers),
+            gib(f.served_by_sendfile)
+        );
+    }
     if !n.data.is_empty() {
         let data: Vec<String> = n
             .data
