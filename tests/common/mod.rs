@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 /// One of labsync-cli's binaries, from the folder cargo put this test in
 /// (`target/<profile>/deps/<test>-*` → `target/<profile>/NAME`).
 /// `cargo test --workspace` builds them before any test runs; a test run
-/// of this package alone does not, and says so here.
+/// of this package alone does not, and says so here: when one is missing,
+/// and when one is older than the workspace's sources (a test would
+/// otherwise pass or fail on what the code was, not what it is).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     let dir = exe
@@ -17,13 +19,50 @@ pub fn bin(name: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target/<profile>/deps");
     let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: run the tests with `scripts/test.sh` or `cargo test --workspace` \
-         (which build labsync-cli's binaries), or `cargo build -p labsync-cli --bins` first",
-        path.display()
-    );
+    let build = "run the tests with `scripts/test.sh` or `cargo test --workspace` (which \
+                 build labsync-cli's binaries), or `cargo build -p labsync-cli --bins` first";
+    assert!(path.is_file(), "{} is missing: {build}", path.display());
+    let built = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .expect("the binary's time");
+    if let Some((changed, source)) = newest_source(&dir.join(format!("{name}.d"))) {
+        assert!(
+            changed <= built,
+            "{} is older than {}, which it is built from: {build}",
+            path.display(),
+            source.display()
+        );
+    }
     path
+}
+
+/// The newest of the files cargo built a binary from, as its dep-info file
+/// `deps` (next to the binary, `target/<profile>/NAME.d`) lists them, and
+/// its time; `None` when there is no such file.
+fn newest_source(deps: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
+    let text = std::fs::read_to_string(deps).ok()?;
+    // `target: dep dep …`, a space inside a name escaped as `\ `.
+    let (_, list) = text.lines().next()?.split_once(": ")?;
+    let mut names = Vec::new();
+    let mut name = String::new();
+    let mut chars = list.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => name.extend(chars.next()),
+            ' ' => names.push(std::mem::take(&mut name)),
+            c => name.push(c),
+        }
+    }
+    names.push(name);
+    names
+        .into_iter()
+        .filter(|n| !n.is_empty())
+        .filter_map(|n| {
+            let p = PathBuf::from(n);
+            let t = std::fs::metadata(&p).and_then(|m| m.modified()).ok()?;
+            Some((t, p))
+        })
+        .max_by_key(|(t, _)| *t)
 }
 
 /// Polls `f` every 25 ms until it holds; fails the test after `secs`.
