@@ -601,7 +601,9 @@ fn slurm_jobs_save_their_outputs_when_cancelled_or_out_of_time() {
 
 /// A stage whose step was killed with SIGKILL (its `labrun` never says the
 /// step ended) is released once Slurm says the job no longer runs: its
-/// trees are not held against eviction for the stage's 30 days.
+/// trees are not held against eviction for the stage's 30 days. The node
+/// asks Slurm about all its stages' jobs with one `squeue`: a job still
+/// running beside it on the node keeps its stage.
 #[test]
 fn a_stage_whose_step_was_killed_is_released() {
     let Some(slurm) = Slurm::start(&["gpu0", "gpu1", "gpu2"]) else {
@@ -611,10 +613,10 @@ fn a_stage_whose_step_was_killed_is_released() {
         return;
     };
     lab.dataset("div2k", 11);
-    let job = ok(
-        &lab,
-        &slurm,
-        &[
+    // Both jobs on gpu0 (two GPUs), so its labd holds both stages.
+    let _blockers: Vec<String> = ["gpu1", "gpu2"].iter().map(|n| slurm.block(n)).collect();
+    let submit = || {
+        let args = [
             "-d",
             "--data",
             "div2k",
@@ -622,43 +624,77 @@ fn a_stage_whose_step_was_killed_is_released() {
             "sh",
             "-c",
             "echo staged && sleep 600",
-        ],
-    );
-    let id = id_of(&job);
-    let node = slurm.running_on(&id, 60);
-    let record = lab
-        .dir
-        .path()
-        .join(&node)
-        .join("state/slurm")
-        .join(format!("{id}.1"))
-        .join("stage.json");
-    let released = || -> Option<bool> {
+        ];
+        let job = ok(&lab, &slurm, &args);
+        let id = id_of(&job);
+        assert_eq!(slurm.running_on(&id, 60), "gpu0");
+        wait_until("the job's step to run", 60, || {
+            std::thread::sleep(Duration::from_millis(200));
+            let log = labrun(&lab, &slurm, &["logs", job.trim()]).stdout;
+            String::from_utf8_lossy(&log).contains("staged")
+        });
+        id
+    };
+    let (killed_id, live_id) = (submit(), submit());
+    let released = |id: &str| -> Option<bool> {
+        let record = lab
+            .dir
+            .path()
+            .join("gpu0/state/slurm")
+            .join(format!("{id}.1"))
+            .join("stage.json");
         let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).ok()?).ok()?;
         Some(!rec["released"].is_null())
     };
-    wait_until("the job's step to run", 60, || {
-        std::thread::sleep(Duration::from_millis(200));
-        let log = labrun(&lab, &slurm, &["logs", job.trim()]).stdout;
-        String::from_utf8_lossy(&log).contains("staged")
-    });
-    assert_eq!(released(), Some(false), "{}", record.display());
+    assert_eq!(released(&killed_id), Some(false));
+    assert_eq!(released(&live_id), Some(false));
     // SIGKILL to the step's labrun (`scancel --signal=KILL` would send
     // SIGTERM first, and labrun would release the stage itself).
-    let pid = step_pid(&id).expect("the job's `labrun _slurm-job` process");
+    let pid = step_pid(&killed_id).expect("the job's `labrun _slurm-job` process");
     let killed = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
         .status()
         .unwrap();
     assert!(killed.success());
-    let state = slurm.ended(&id, 60);
-    eprintln!("Slurm job {id} ended {state} after its step's labrun was killed");
-    assert_eq!(released(), Some(false), "released by someone else");
+    let state = slurm.ended(&killed_id, 60);
+    eprintln!("Slurm job {killed_id} ended {state} after its step's labrun was killed");
+    assert_eq!(
+        released(&killed_id),
+        Some(false),
+        "released by someone else"
+    );
     // labd asks Slurm about stages older than 30 s, every 30 s.
     wait_until("labd to release the stage of the killed job", 120, || {
         std::thread::sleep(Duration::from_millis(500));
-        released() == Some(true)
+        released(&killed_id) == Some(true)
     });
+    assert_eq!(
+        released(&live_id),
+        Some(false),
+        "the stage of job {live_id}, still running on gpu0, was released"
+    );
+    // What labd's one query relies on, from this Slurm: several ids are
+    // answered from every job slurmctld knows, an unknown one left out
+    // without an error; one unknown id alone is an error.
+    let squeue = |ids: &str| {
+        slurm
+            .cmd("squeue")
+            .args(["-h", "--states=all", "-j", ids, "-o", "%A|%T|%B|%u"])
+            .output()
+            .unwrap()
+    };
+    let o = squeue(&format!("{killed_id},{live_id},4000000"));
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{o:?}");
+    assert!(text.contains(&format!("{live_id}|RUNNING|gpu0|")), "{text}");
+    assert!(text.contains(&format!("{killed_id}|{state}|")), "{text}");
+    assert!(!text.contains("4000000"), "{text}");
+    let o = squeue("4000000");
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("Invalid job id"),
+        "{o:?}"
+    );
 }
 
 /// The pid of Slurm job `id`'s `labrun _slurm-job` (its environment says
