@@ -471,6 +471,12 @@ fn open_backend(
             Err(_) => b,
         },
     );
+    if let Some(why) = missing_keys(&builder) {
+        return Err(object_store::Error::Generic {
+            store: "S3",
+            source: why.into(),
+        });
+    }
     // Over plain HTTP (a lab's own S3 server) no certificate is ever
     // checked: the system's trust store is not read. Reading it (every file
     // of /etc/ssl/certs) took 125 ms of a 190 ms `labsync push` with a cold
@@ -502,6 +508,43 @@ fn open_backend(
         .with_http_connector(connector)
         .build()?;
     Ok((Box::new(store), path))
+}
+
+/// Why an S3 server of the lab's own (a store with an endpoint) cannot be
+/// spoken to with what `builder` was given: no keys, and nothing else that
+/// names where credentials come from. `object_store` would then ask a
+/// cloud's instance metadata service (169.254.169.254) for them, which a
+/// lab's own server never takes: on a network where nothing answers there,
+/// every command waited out connection timeouts, and where something does,
+/// its refusal was reported as if the store had refused. Said at once
+/// instead. The cloud itself (no endpoint) keeps instance credentials.
+fn missing_keys(builder: &object_store::aws::AmazonS3Builder) -> Option<String> {
+    use object_store::aws::AmazonS3ConfigKey as K;
+    let has = |k: K| {
+        builder
+            .get_config_value(&k)
+            .is_some_and(|v| !v.trim().is_empty())
+    };
+    let endpoint = builder.get_config_value(&K::Endpoint)?;
+    let anonymous = builder
+        .get_config_value(&K::SkipSignature)
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    let named = [
+        K::AccessKeyId,
+        K::SecretAccessKey,
+        K::WebIdentityTokenFile,
+        K::ContainerCredentialsRelativeUri,
+        K::ContainerCredentialsFullUri,
+        K::MetadataEndpoint,
+    ];
+    if anonymous || named.into_iter().any(has) {
+        return None;
+    }
+    Some(format!(
+        "no credentials for the S3 server at {endpoint}: set AWS_ACCESS_KEY_ID and \
+         AWS_SECRET_ACCESS_KEY to the keys of your user there (AWS_SKIP_SIGNATURE=true \
+         for a bucket anyone may read)"
+    ))
 }
 
 /// Whether labsync's own client ([`crate::http::Connector`]'s `plain`)
@@ -686,6 +729,50 @@ mod tests {
             assert_eq!(names, ["abcdef"], "{len} bytes");
         }
         remote.sync().await.unwrap();
+    }
+
+    #[test]
+    fn a_labs_own_s3_server_without_keys_is_said_at_once() {
+        let opts = |kv: &[(&str, &str)]| -> Vec<(String, String)> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // Port 9 (discard): nothing is asked of any server, and no
+        // instance metadata service either.
+        let server = [
+            ("aws_endpoint", "http://127.0.0.1:9"),
+            ("aws_allow_http", "true"),
+            ("aws_region", "us-east-1"),
+        ];
+        let t = std::time::Instant::now();
+        let Err(err) = Remote::open("s3://b/x", &opts(&server)) else {
+            panic!("opened without keys");
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.contains("no credentials for the S3 server at http://127.0.0.1:9"),
+            "{msg}"
+        );
+        assert!(msg.contains("AWS_ACCESS_KEY_ID"), "{msg}");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "said at once"
+        );
+        let with = |kv: &[(&str, &str)]| {
+            let mut o = opts(&server);
+            o.extend(opts(kv));
+            Remote::open("s3://b/x", &o)
+        };
+        assert!(with(&[("aws_access_key_id", "k"), ("aws_secret_access_key", "s")]).is_ok());
+        assert!(with(&[("aws_skip_signature", "true")]).is_ok(), "anonymous");
+        // Half a pair is object_store's own error, naming the missing half.
+        let Err(half) = with(&[("aws_access_key_id", "k")]) else {
+            panic!("opened with half a pair of keys");
+        };
+        assert!(half.to_string().contains("ecret"), "{half}");
+        // The cloud itself (no endpoint) may take instance credentials.
+        assert!(Remote::open("s3://b/x", &opts(&[("aws_region", "us-east-1")])).is_ok());
     }
 
     #[test]
