@@ -731,13 +731,15 @@ mod tests {
         remote.sync().await.unwrap();
     }
 
+    /// Backend options from pairs.
+    fn opts(kv: &[(&str, &str)]) -> Vec<(String, String)> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
     #[test]
     fn a_labs_own_s3_server_without_keys_is_said_at_once() {
-        let opts = |kv: &[(&str, &str)]| -> Vec<(String, String)> {
-            kv.iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
         // Port 9 (discard): nothing is asked of any server, and no
         // instance metadata service either.
         let server = [
@@ -777,11 +779,6 @@ mod tests {
 
     #[test]
     fn labsyncs_own_client_speaks_only_plain_http_with_nothing_for_reqwest_to_add() {
-        let opts = |kv: &[(&str, &str)]| -> Vec<(String, String)> {
-            kv.iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
         let no_env = |_: &str| None;
         let allow = opts(&[("aws_allow_http", "true"), ("aws_region", "x")]);
         assert!(own_client(true, &allow, no_env));
