@@ -12,8 +12,7 @@
 //! stage's folder goes after `work_keep`. A stage whose step could not
 //! release it (killed with SIGKILL, the node rebooted) is released by labd
 //! once Slurm says its job no longer runs here (checked every
-//! [`STAGE_CHECK_EVERY`], one `squeue` for the jobs of all the node's
-//! stages); without that check, after [`STAGE_TTL`].
+//! [`STAGE_CHECK_EVERY`]); without that check, after [`STAGE_TTL`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -136,38 +135,15 @@ fn job_over(answer: Result<&str, &str>, job: &str, node: &str) -> Option<bool> {
     Some(ENDED.contains(&j.state) || elsewhere)
 }
 
-/// [`job_over`] for each of `jobs`, from one `squeue -j A,B,…` answer.
-///
-/// `squeue` asks slurmctld differently for one job id and for several
-/// (src/squeue/opts.c: only a list of one sets `job_id`): one is loaded
-/// alone, and a job Slurm has forgotten is an error ("Invalid job id");
-/// several are picked out of every job slurmctld knows, and a forgotten
-/// one is simply not listed. So with several, a successful answer without
-/// a job's line says Slurm has forgotten it, and an error says nothing of
-/// any one job.
-fn jobs_over<'a>(
-    answer: Result<&str, &str>,
-    jobs: &[&'a str],
-    node: &str,
-) -> Vec<(&'a str, Option<bool>)> {
-    if let [job] = jobs {
-        return vec![(*job, job_over(answer, job, node))];
-    }
-    jobs.iter()
-        .map(|&job| {
-            let over = match answer {
-                Ok(out) if job_line(out, job).is_none() => Some(true),
-                Ok(out) => job_over(Ok(out), job, node),
-                Err(_) => None,
-            };
-            (job, over)
-        })
-        .collect()
+/// Whether environment variable `k` changes what `squeue` lists: its
+/// `SQUEUE_*` defaults (users, accounts, partitions, QOS, names, clusters
+/// of a federation…) and `SLURM_CLUSTERS`. labd's environment (a systemd
+/// unit's, an admin's shell) must not hide a job from the check, which
+/// would then refuse the job's stages, or keep them held.
+fn squeue_filter(k: &std::ffi::OsStr) -> bool {
+    let k = k.as_encoded_bytes();
+    k.starts_with(b"SQUEUE_") || k == b"SLURM_CLUSTERS"
 }
-
-/// Job ids one `squeue` is asked about at most (its command line stays
-/// short).
-const JOBS_PER_SQUEUE: usize = 200;
 
 /// Stages a user may hold unreleased on one node at once.
 pub const STAGES_PER_USER: usize = 64;
@@ -355,42 +331,37 @@ impl Daemon {
             return;
         };
         let now = unix_now();
-        let due: Vec<(String, StageRecord)> = recs
-            .into_iter()
-            .filter_map(|(name, rec)| Some((name, rec?)))
-            .filter(|(_, rec)| {
-                holds_trees(rec, now)
-                    && now >= rec.at.saturating_add(STAGE_CHECK_AFTER)
-                    && check_job_id(&rec.job).is_ok()
-            })
-            .collect();
-        // One squeue for the jobs of every stage here, not one per job: a
-        // node's labd asks slurmctld once per check, however many stages
-        // it holds.
-        let mut jobs: Vec<&str> = due.iter().map(|(_, rec)| rec.job.as_str()).collect();
-        jobs.sort_unstable();
-        jobs.dedup();
-        let mut over: std::collections::HashMap<String, Option<bool>> = Default::default();
-        for batch in jobs.chunks(JOBS_PER_SQUEUE) {
-            match self.squeue_jobs(check, batch).await {
-                Ok(out) => {
-                    let text = String::from_utf8_lossy(&out.stdout);
-                    let err = String::from_utf8_lossy(&out.stderr);
-                    let answer = if out.status.success() {
-                        Ok(&*text)
-                    } else {
-                        Err(&*err)
-                    };
-                    for (job, o) in jobs_over(answer, batch, &self.cfg.node_name) {
-                        over.insert(job.to_string(), o);
-                    }
-                }
-                Err(e) => tracing::debug!("checking the stages of jobs {}: {e}", batch.join(",")),
+        let mut asked: std::collections::HashMap<String, Option<bool>> = Default::default();
+        for (name, rec) in recs {
+            let Some(rec) = rec else { continue };
+            if !holds_trees(&rec, now) || now < rec.at.saturating_add(STAGE_CHECK_AFTER) {
+                continue;
             }
-        }
-        for (name, rec) in &due {
-            if over.get(&rec.job).copied().flatten() == Some(true) {
-                match self.release_stage(&rec.user, name).await {
+            let over = match asked.get(&rec.job) {
+                Some(o) => *o,
+                None => {
+                    let o = match self.squeue_job(check, &rec.job).await {
+                        Ok(out) => {
+                            let text = String::from_utf8_lossy(&out.stdout);
+                            let err = String::from_utf8_lossy(&out.stderr);
+                            let answer = if out.status.success() {
+                                Ok(&*text)
+                            } else {
+                                Err(&*err)
+                            };
+                            job_over(answer, &rec.job, &self.cfg.node_name)
+                        }
+                        Err(e) => {
+                            tracing::debug!("checking stage {name}: {e}");
+                            None
+                        }
+                    };
+                    asked.insert(rec.job.clone(), o);
+                    o
+                }
+            };
+            if over == Some(true) {
+                match self.release_stage(&rec.user, &name).await {
                     Ok(()) => tracing::info!(
                         "stage {name} of {}: Slurm job {} no longer runs here; released",
                         rec.user,
@@ -408,22 +379,20 @@ impl Daemon {
         check: &super::SlurmCheck,
         job: &str,
     ) -> Result<std::process::Output, ApiError> {
-        self.squeue_jobs(check, &[job]).await
-    }
-
-    /// `squeue -h --states=all -j JOB,JOB,… -o JOB_FORMAT`, under the
-    /// check's timeout (see [`jobs_over`] for how one job and several
-    /// differ).
-    async fn squeue_jobs(
-        &self,
-        check: &super::SlurmCheck,
-        jobs: &[&str],
-    ) -> Result<std::process::Output, ApiError> {
-        let (job, what) = (jobs.join(","), if jobs.len() == 1 { "job" } else { "jobs" });
         let mut cmd = tokio::process::Command::new("squeue");
-        cmd.args(["-h", "--states=all", "-j", &job, "-o", JOB_FORMAT])
+        // `--local`: in a federation, squeue asks every cluster and drops
+        // one that does not answer, this one included, without an error:
+        // a job of this node would then be "Invalid job id", and its stage
+        // released. The job runs here, so this cluster's controller is the
+        // one that knows it.
+        cmd.args(["-h", "--local", "--states=all", "-j", job, "-o", JOB_FORMAT])
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
+        for (k, _) in std::env::vars_os() {
+            if squeue_filter(&k) {
+                cmd.env_remove(k);
+            }
+        }
         if let Some(c) = &check.conf {
             cmd.env("SLURM_CONF", c);
         }
@@ -431,14 +400,14 @@ impl Daemon {
             .await
             .map_err(|_| {
                 ApiError::Conflict(format!(
-                    "cannot check Slurm {what} {job}: squeue did not answer within {} s \
+                    "cannot check Slurm job {job}: squeue did not answer within {} s \
                      (is slurmctld up?)",
                     check.timeout.as_secs()
                 ))
             })?
             .map_err(|e| {
                 ApiError::Conflict(format!(
-                    "cannot check Slurm {what} {job} with squeue on {}: {e}",
+                    "cannot check Slurm job {job} with squeue on {}: {e}",
                     self.cfg.node_name
                 ))
             })
@@ -758,38 +727,22 @@ mod tests {
     }
 
     #[test]
-    fn one_squeue_answers_for_every_job_of_a_node() {
-        let answer = "12|RUNNING|gpu1|alice\n13|COMPLETED|gpu1|bob\n14|RUNNING|gpu2|carol\n";
-        let over = jobs_over(Ok(answer), &["12", "13", "14", "15"], "gpu1");
-        assert_eq!(
-            over,
-            [
-                ("12", Some(false)),
-                ("13", Some(true)),
-                // Requeued onto another node.
-                ("14", Some(true)),
-                // Asked among several and not listed: Slurm forgot it.
-                ("15", Some(true)),
-            ]
-        );
-        // An error for several ids says nothing of any one job.
-        let down = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)";
-        assert_eq!(
-            jobs_over(Err(down), &["12", "13"], "gpu1"),
-            [("12", None), ("13", None)]
-        );
-        let invalid = "slurm_load_jobs error: Invalid job id specified";
-        assert_eq!(
-            jobs_over(Err(invalid), &["12", "13"], "gpu1"),
-            [("12", None), ("13", None)]
-        );
-        // One id alone is asked as before: an error can name it gone, and
-        // an answer without its line keeps the stage.
-        assert_eq!(
-            jobs_over(Err(invalid), &["12"], "gpu1"),
-            [("12", Some(true))]
-        );
-        assert_eq!(jobs_over(Ok(""), &["12"], "gpu1"), [("12", None)]);
+    fn no_squeue_default_from_labds_environment_filters_the_check() {
+        use std::ffi::OsStr;
+        for k in [
+            "SQUEUE_USERS",
+            "SQUEUE_PARTITION",
+            "SQUEUE_ACCOUNT",
+            "SQUEUE_QOS",
+            "SQUEUE_NAMES",
+            "SQUEUE_FEDERATION",
+            "SLURM_CLUSTERS",
+        ] {
+            assert!(squeue_filter(OsStr::new(k)), "{k}");
+        }
+        for k in ["SLURM_CONF", "PATH", "HOME", "SQUEUE", "MY_SQUEUE_USERS"] {
+            assert!(!squeue_filter(OsStr::new(k)), "{k}");
+        }
     }
 
     #[test]
