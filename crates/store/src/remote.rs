@@ -510,40 +510,55 @@ fn open_backend(
     Ok((Box::new(store), path))
 }
 
-/// Why an S3 server of the lab's own (a store with an endpoint) cannot be
-/// spoken to with what `builder` was given: no keys, and nothing else that
-/// names where credentials come from. `object_store` would then ask a
-/// cloud's instance metadata service (169.254.169.254) for them, which a
-/// lab's own server never takes: on a network where nothing answers there,
-/// every command waited out connection timeouts, and where something does,
-/// its refusal was reported as if the store had refused. Said at once
-/// instead. The cloud itself (no endpoint) keeps instance credentials.
+/// Why an S3 server of the lab's own (a store with an endpoint outside
+/// AWS) cannot be spoken to with what `builder` was given: no keys, and
+/// nothing else `object_store` takes credentials from. It would then ask a
+/// cloud's instance metadata service (169.254.169.254), which a lab's own
+/// server never takes: on a network where nothing answers there, every
+/// command waited out connection timeouts, and where something does, its
+/// refusal was reported as if the store had refused. Said at once instead.
+/// AWS itself (no endpoint, or one under amazonaws.com: a VPC or FIPS
+/// endpoint) keeps instance credentials.
 fn missing_keys(builder: &object_store::aws::AmazonS3Builder) -> Option<String> {
     use object_store::aws::AmazonS3ConfigKey as K;
-    let has = |k: K| {
+    let get = |k: K| {
         builder
             .get_config_value(&k)
-            .is_some_and(|v| !v.trim().is_empty())
+            .filter(|v| !v.trim().is_empty())
     };
-    let endpoint = builder.get_config_value(&K::Endpoint)?;
-    let anonymous = builder
-        .get_config_value(&K::SkipSignature)
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
-    let named = [
-        K::AccessKeyId,
-        K::SecretAccessKey,
-        K::WebIdentityTokenFile,
-        K::ContainerCredentialsRelativeUri,
-        K::ContainerCredentialsFullUri,
-        K::MetadataEndpoint,
-    ];
-    if anonymous || named.into_iter().any(has) {
+    let has = |k: K| get(k).is_some();
+    // `build` prefers aws_endpoint_url_s3 to aws_endpoint.
+    let endpoint = get(K::S3Endpoint).or_else(|| get(K::Endpoint))?;
+    let host = url::Url::parse(&endpoint)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
+        .unwrap_or_default();
+    let aws = [".amazonaws.com", ".amazonaws.com.cn"]
+        .iter()
+        .any(|d| host.ends_with(d));
+    // object_store's own reading of a boolean.
+    let anonymous = get(K::SkipSignature).is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "on" | "yes" | "y"
+        )
+    });
+    // Each source as `build` takes it: a pair where it needs both (one key
+    // of a pair alone is object_store's own error, which names the other).
+    let given = has(K::AccessKeyId)
+        || has(K::SecretAccessKey)
+        || (has(K::WebIdentityTokenFile) && has(K::RoleArn))
+        || has(K::ContainerCredentialsRelativeUri)
+        || (has(K::ContainerCredentialsFullUri) && has(K::ContainerAuthorizationTokenFile))
+        || has(K::MetadataEndpoint);
+    if aws || anonymous || given {
         return None;
     }
     Some(format!(
         "no credentials for the S3 server at {endpoint}: set AWS_ACCESS_KEY_ID and \
          AWS_SECRET_ACCESS_KEY to the keys of your user there (AWS_SKIP_SIGNATURE=true \
-         for a bucket anyone may read)"
+         for a bucket anyone may read, AWS_METADATA_ENDPOINT for credentials from an \
+         instance metadata service)"
     ))
 }
 
@@ -767,7 +782,47 @@ mod tests {
             Remote::open("s3://b/x", &o)
         };
         assert!(with(&[("aws_access_key_id", "k"), ("aws_secret_access_key", "s")]).is_ok());
-        assert!(with(&[("aws_skip_signature", "true")]).is_ok(), "anonymous");
+        for yes in ["true", "1", "Yes", "on"] {
+            assert!(
+                with(&[("aws_skip_signature", yes)]).is_ok(),
+                "anonymous: {yes}"
+            );
+        }
+        // Sources `build` takes only in pairs: one alone names none.
+        for half in [
+            ("aws_web_identity_token_file", "/run/token"),
+            (
+                "aws_container_credentials_full_uri",
+                "http://127.0.0.1:9/creds",
+            ),
+            ("aws_skip_signature", "false"),
+        ] {
+            let Err(e) = with(&[half]) else {
+                panic!("opened with only {half:?}");
+            };
+            assert!(e.to_string().contains("no credentials"), "{half:?}: {e}");
+        }
+        assert!(with(&[
+            ("aws_web_identity_token_file", "/run/token"),
+            ("aws_role_arn", "arn:aws:iam::1:role/r")
+        ])
+        .is_ok());
+        // The endpoint `build` prefers is the one looked at.
+        let mut preferred = opts(&[("aws_region", "us-east-1"), ("aws_allow_http", "true")]);
+        preferred.extend(opts(&[("aws_endpoint_url_s3", "http://127.0.0.1:9")]));
+        let Err(e) = Remote::open("s3://b/x", &preferred) else {
+            panic!("aws_endpoint_url_s3 without keys opened");
+        };
+        assert!(e.to_string().contains("no credentials"), "{e}");
+        // An AWS endpoint of its own (VPC, FIPS) may take instance credentials.
+        let vpc = [
+            (
+                "aws_endpoint",
+                "https://bucket.vpce-1a2b.s3.us-east-1.vpce.amazonaws.com",
+            ),
+            ("aws_region", "us-east-1"),
+        ];
+        assert!(Remote::open("s3://b/x", &opts(&vpc)).is_ok());
         // Half a pair is object_store's own error, naming the missing half.
         let Err(half) = with(&[("aws_access_key_id", "k")]) else {
             panic!("opened with half a pair of keys");
