@@ -39,6 +39,13 @@ pub fn bin(name: &str) -> PathBuf {
 /// The newest of the files cargo built a binary from, as its dep-info file
 /// `deps` (next to the binary, `target/<profile>/NAME.d`) lists them, and
 /// its time; `None` when there is no such file.
+///
+/// Cargo writes that file when it builds the binary as one of the units
+/// asked for (`cargo build -p labsync-cli --bins`), not when it builds it
+/// for `cargo test --workspace`'s own use: after only the latter there may
+/// be none (no check) or an older list (files added since are not looked
+/// at). Either way a binary is never called stale while cargo would call
+/// it fresh, except with a source dated in the future.
 fn newest_source(deps: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
     let text = std::fs::read_to_string(deps).ok()?;
     // `target: dep dep …`, a space inside a name escaped as `\ `.
