@@ -280,6 +280,22 @@ impl Slurm {
 
 impl Drop for Slurm {
     fn drop(&mut self) {
+        // Jobs still running (blockers, `sleep 600`s, the command of a step
+        // whose labrun was killed, which proctrack/linuxproc loses) would
+        // outlive the test by minutes, as would their slurmstepd. Every
+        // process of this Slurm, daemons included, has its SLURM_CONF in
+        // its environment: all are killed, twice over in case one forked.
+        let mine = format!("SLURM_CONF={}", self.conf.display());
+        for _ in 0..2 {
+            let pids = pids_with_env(mine.as_bytes());
+            if !pids.is_empty() {
+                let _ = Command::new("kill")
+                    .arg("-KILL")
+                    .args(pids.iter().map(u32::to_string))
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
         for c in self.slurmds.iter_mut().chain(self.ctld.as_mut()) {
             let _ = c.kill();
             let _ = c.wait();
@@ -287,6 +303,21 @@ impl Drop for Slurm {
         let _ = self.munged.kill();
         let _ = self.munged.wait();
     }
+}
+
+/// Processes (not this one) whose environment holds `var` (`NAME=value`).
+fn pids_with_env(var: &[u8]) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != std::process::id())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == var))
+        })
+        .collect()
 }
 
 /// The `[slurm]` section every labd gets: Slurm's commands (the nodes
