@@ -135,14 +135,17 @@ fn job_over(answer: Result<&str, &str>, job: &str, node: &str) -> Option<bool> {
     Some(ENDED.contains(&j.state) || elsewhere)
 }
 
-/// Whether environment variable `k` changes what `squeue` lists: its
-/// `SQUEUE_*` defaults (users, accounts, partitions, QOS, names, clusters
-/// of a federation…) and `SLURM_CLUSTERS`. labd's environment (a systemd
-/// unit's, an admin's shell) must not hide a job from the check, which
-/// would then refuse the job's stages, or keep them held.
+/// Whether environment variable `k` changes what `squeue` lists or how it
+/// reads its arguments: its `SQUEUE_*` defaults (users, accounts,
+/// partitions, QOS, names, clusters of a federation…), `SLURM_CLUSTERS`,
+/// `SLURM_JWT` (squeue would ask as that token's user, to whom a job may
+/// be hidden: "Invalid job id", read as gone) and `POSIXLY_CORRECT`.
+/// labd's environment (a systemd unit's, an admin's shell) must not hide a
+/// job from the check, which would then refuse the job's stages, or
+/// release them while it runs.
 fn squeue_filter(k: &std::ffi::OsStr) -> bool {
     let k = k.as_encoded_bytes();
-    k.starts_with(b"SQUEUE_") || k == b"SLURM_CLUSTERS"
+    k.starts_with(b"SQUEUE_") || matches!(k, b"SLURM_CLUSTERS" | b"SLURM_JWT" | b"POSIXLY_CORRECT")
 }
 
 /// Stages a user may hold unreleased on one node at once.
@@ -385,7 +388,10 @@ impl Daemon {
         // a job of this node would then be "Invalid job id", and its stage
         // released. The job runs here, so this cluster's controller is the
         // one that knows it.
-        cmd.args(["-h", "--local", "--states=all", "-j", job, "-o", JOB_FORMAT])
+        // Each option one argument (`--jobs=ID`): with POSIXLY_CORRECT set,
+        // getopt would stop at a separate one.
+        let (jobs, format) = (format!("--jobs={job}"), format!("--format={JOB_FORMAT}"));
+        cmd.args(["--noheader", "--local", "--states=all", &jobs, &format])
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         for (k, _) in std::env::vars_os() {
@@ -737,6 +743,8 @@ mod tests {
             "SQUEUE_NAMES",
             "SQUEUE_FEDERATION",
             "SLURM_CLUSTERS",
+            "SLURM_JWT",
+            "POSIXLY_CORRECT",
         ] {
             assert!(squeue_filter(OsStr::new(k)), "{k}");
         }
