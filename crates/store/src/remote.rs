@@ -471,7 +471,7 @@ fn open_backend(
             Err(_) => b,
         },
     );
-    if let Some(why) = missing_keys(&builder) {
+    if let Some(why) = missing_keys(url, &builder) {
         return Err(object_store::Error::Generic {
             store: "S3",
             source: why.into(),
@@ -519,7 +519,7 @@ fn open_backend(
 /// refusal was reported as if the store had refused. Said at once instead.
 /// AWS itself (no endpoint, or one under amazonaws.com: a VPC or FIPS
 /// endpoint) keeps instance credentials.
-fn missing_keys(builder: &object_store::aws::AmazonS3Builder) -> Option<String> {
+fn missing_keys(url: &url::Url, builder: &object_store::aws::AmazonS3Builder) -> Option<String> {
     use object_store::aws::AmazonS3ConfigKey as K;
     let get = |k: K| {
         builder
@@ -527,11 +527,18 @@ fn missing_keys(builder: &object_store::aws::AmazonS3Builder) -> Option<String> 
             .filter(|v| !v.trim().is_empty())
     };
     let has = |k: K| get(k).is_some();
-    // `build` prefers aws_endpoint_url_s3 to aws_endpoint.
-    let endpoint = get(K::S3Endpoint).or_else(|| get(K::Endpoint))?;
+    // A store named by an https:// URL (Cloudflare R2, an AWS bucket's
+    // own address) is spoken to there; otherwise `build` prefers
+    // aws_endpoint_url_s3 to aws_endpoint.
+    let named =
+        matches!(url.scheme(), "http" | "https").then(|| url.origin().ascii_serialization());
+    let endpoint = named.or_else(|| get(K::S3Endpoint).or_else(|| get(K::Endpoint)))?;
     let host = url::Url::parse(&endpoint)
         .ok()
-        .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
+        .and_then(|u| {
+            u.host_str()
+                .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
+        })
         .unwrap_or_default();
     let aws = [".amazonaws.com", ".amazonaws.com.cn"]
         .iter()
@@ -814,11 +821,23 @@ mod tests {
             panic!("aws_endpoint_url_s3 without keys opened");
         };
         assert!(e.to_string().contains("no credentials"), "{e}");
+        // A store named by its https:// address is judged by it: R2 needs
+        // keys, a bucket's own AWS address does not.
+        let region = opts(&[("aws_region", "auto")]);
+        let Err(e) = Remote::open("https://acct.r2.cloudflarestorage.com/b/x", &region) else {
+            panic!("R2 without keys opened");
+        };
+        assert!(
+            e.to_string()
+                .contains("no credentials for the S3 server at https://acct.r2"),
+            "{e}"
+        );
+        assert!(Remote::open("https://b.s3.us-east-1.amazonaws.com/x", &region).is_ok());
         // An AWS endpoint of its own (VPC, FIPS) may take instance credentials.
         let vpc = [
             (
                 "aws_endpoint",
-                "https://bucket.vpce-1a2b.s3.us-east-1.vpce.amazonaws.com",
+                "https://bucket.vpce-1a2b.s3.us-east-1.vpce.amazonaws.com.",
             ),
             ("aws_region", "us-east-1"),
         ];
