@@ -782,6 +782,32 @@ fn a_pending_job_is_re_ranked_when_its_data_is_cached() {
         assert!(slurm.cmd("scancel").arg(b).status().unwrap().success());
         slurm.ended(b, 60);
     }
+    // Someone else's pending job, and a job whose comment holds a newline
+    // and, after it, a line naming that job with this job's comment: the
+    // coordinator, which changes jobs as root, must not take it for one of
+    // labrun's.
+    let victim = slurm.sbatch(&[
+        "--hold",
+        "--gres=gpu:1",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "true",
+    ]);
+    let comment = slurm.job_field(&id, "Comment");
+    assert!(comment.starts_with("labsync:"), "{comment}");
+    let planted = format!("--comment=nightly\n{victim}|{comment}");
+    let planter = slurm.sbatch(&["--hold", &planted, "-o", "/dev/null", "--wrap", "true"]);
+    let listing = slurm
+        .cmd("squeue")
+        .args(["-h", "-t", "PENDING", "-o", "%i|%k"])
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
+    assert!(
+        listing.contains(&format!("\n{victim}|{comment}")),
+        "the planted line is not in squeue's listing, so this test shows nothing: {listing}"
+    );
     lab.cache_on(2, "div2k");
     let log = lab.dir.path().join("gpu0").join("labd.log");
     wait_until("the coordinator to re-rank the job", 60, || {
@@ -790,6 +816,20 @@ fn a_pending_job_is_re_ranked_when_its_data_is_cached() {
             .unwrap_or_default()
             .contains(&format!("pending Slurm job {id} now prefers lsn_gpu2"))
     });
+    let refused = format!("pending Slurm job {victim}: its comment is not one");
+    wait_until("the coordinator to look at the planted line", 30, || {
+        std::thread::sleep(Duration::from_millis(200));
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains(&refused) || slurm.job_field(&victim, "Prefer").contains("lsn_")
+    });
+    let prefer = slurm.job_field(&victim, "Prefer");
+    assert!(
+        !prefer.contains("lsn_"),
+        "job {victim} was re-ranked: Prefer={prefer}"
+    );
+    for j in [&victim, &planter] {
+        assert!(slurm.cmd("scancel").arg(j).status().unwrap().success());
+    }
     let released = slurm
         .cmd("scontrol")
         .args(["release", &id])

@@ -19,6 +19,16 @@ use super::submit::parse_comment;
 use super::{feature_of, Slurm};
 use crate::labd_config::SlurmRerank;
 
+/// Whether `out`, squeue's `%k` for one job asked alone, is a single line
+/// that reads as the comment labrun writes for (`gpus`, `snaps`).
+fn own_comment(out: &str, gpus: u32, snaps: &[String]) -> bool {
+    let mut lines = out.lines().filter(|l| !l.trim().is_empty());
+    match (lines.next(), lines.next()) {
+        (Some(l), None) => parse_comment(l.trim()).is_some_and(|(g, s)| g == gpus && s == snaps),
+        _ => false,
+    }
+}
+
 /// Runs the re-ranking until labd stops.
 pub async fn run(daemon: Arc<Daemon>, cfg: SlurmRerank) {
     let slurm = Slurm {
@@ -103,6 +113,29 @@ async fn pass(
         if told.get(&id) == Some(&list) {
             continue;
         }
+        // The listing's lines are partly users' words: a comment holding a
+        // newline can add a line naming another user's pending job. So the
+        // job is asked about alone before root changes it.
+        let asked = [
+            "--noheader".to_string(),
+            format!("--jobs={id}"),
+            "--format=%k".to_string(),
+        ];
+        match slurm.run("squeue", &asked, None).await {
+            Ok(out) if own_comment(&out, gpus, &snaps) => {}
+            Ok(_) => {
+                tracing::warn!(
+                    "pending Slurm job {id}: its comment is not one labrun wrote (a line of \
+                     another job's comment named it?); not re-ranked"
+                );
+                told.insert(id, list);
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!("cannot check pending Slurm job {id}: {e:#}");
+                continue;
+            }
+        }
         let update = [
             "update".to_string(),
             format!("JobId={id}"),
@@ -117,4 +150,27 @@ async fn pass(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_jobs_own_comment_confirms_a_line_of_the_listing() {
+        let snaps = vec!["a1".to_string(), "b2".to_string()];
+        assert!(own_comment("labsync:v1:2:a1,b2\n", 2, &snaps));
+        // Another job's comment, or another request.
+        assert!(!own_comment("nightly build\n", 2, &snaps));
+        assert!(!own_comment("labsync:v1:1:a1,b2\n", 2, &snaps));
+        assert!(!own_comment("labsync:v1:2:a1\n", 2, &snaps));
+        // A comment of several lines (it may have planted the line asked
+        // about), or none.
+        assert!(!own_comment(
+            "labsync:v1:2:a1,b2\n77|labsync:v1:2:a1,b2\n",
+            2,
+            &snaps
+        ));
+        assert!(!own_comment("", 2, &snaps));
+    }
 }
