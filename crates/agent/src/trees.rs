@@ -333,8 +333,11 @@ fn build_workdir(
             work,
         ))?;
     let mut own = vec![open_dir_nofollow(work)?];
+    // The symlinks this build made to folders of the code tree: the only
+    // ones ever followed to make outputs real.
+    let mut made = HashMap::new();
     if let Some(code) = code {
-        link_children(code, work)?;
+        link_children(code, work, &mut made)?;
     }
     if let Some(out) = outputs {
         check_outputs(out).map_err(|e| PrepareError::Outputs(out.into(), e))?;
@@ -344,23 +347,22 @@ fn build_workdir(
             dir.push(name);
             match std::fs::symlink_metadata(&dir) {
                 Ok(m) if m.file_type().is_symlink() => {
-                    // A folder of the code tree: make it real, its entries linked.
-                    // Only links made here, into the tree, are followed: a
-                    // symlink that came with the code could point anywhere,
-                    // and labd may be root.
-                    let target =
-                        std::fs::read_link(&dir).map_err(PrepareError::io("read link", &dir))?;
-                    if !code.is_some_and(|c| target.is_absolute() && target.starts_with(c)) {
+                    // A folder of the code tree: make it real, its entries
+                    // linked. Only a link this build made to a real folder
+                    // of the tree is followed. A symlink that came with the
+                    // code could point anywhere, and labd may be root: a
+                    // check of its text let `<code>/../../home/bob` through
+                    // (`..` is a component like any other to starts_with),
+                    // and `<code>/m` where the code's own `m` leads out.
+                    let Some(target) = made.get(&dir).cloned() else {
                         return Err(PrepareError::Outputs(
                             out.into(),
                             format!("{} is a symlink in the code", dir.display()),
                         ));
-                    }
+                    };
                     std::fs::remove_file(&dir).map_err(PrepareError::io("unlink", &dir))?;
                     std::fs::create_dir(&dir).map_err(PrepareError::io("create", &dir))?;
-                    if target.is_dir() {
-                        link_children(&target, &dir)?;
-                    }
+                    link_children(&target, &dir, &mut made)?;
                 }
                 Ok(m) if m.is_dir() => {}
                 Ok(_) => {
@@ -395,18 +397,33 @@ fn open_dir_nofollow(path: &Path) -> Result<(PathBuf, std::fs::File), PrepareErr
     Ok((path.to_path_buf(), f))
 }
 
-fn link_children(from: &Path, to: &Path) -> Result<(), PrepareError> {
+/// Links the entries of folder `from` (of the code tree) into `to`: a
+/// folder as a symlink to it (recorded in `made`, link → folder), a
+/// symlink as a copy of it (never followed), a plain file as a hard link
+/// (a copy on another file system). Anything else (a FIFO, a device) is
+/// left out: opened as root to be copied, a FIFO blocks and a device
+/// node acts.
+fn link_children(
+    from: &Path,
+    to: &Path,
+    made: &mut HashMap<PathBuf, PathBuf>,
+) -> Result<(), PrepareError> {
     for entry in std::fs::read_dir(from).map_err(PrepareError::io("read", from))? {
         let entry = entry.map_err(PrepareError::io("read", from))?;
         let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        // The entry's own type: a symlink is not followed.
         let ft = entry.file_type().map_err(PrepareError::io("stat", &src))?;
         let res = if ft.is_dir() {
-            std::os::unix::fs::symlink(&src, &dst)
+            std::os::unix::fs::symlink(&src, &dst).map(|()| {
+                made.insert(dst.clone(), src.clone());
+            })
         } else if ft.is_symlink() {
             std::fs::read_link(&src).and_then(|t| std::os::unix::fs::symlink(t, &dst))
-        } else {
+        } else if ft.is_file() {
             // A hard link shares the read-only inode; another file system gets a copy.
             std::fs::hard_link(&src, &dst).or_else(|_| std::fs::copy(&src, &dst).map(drop))
+        } else {
+            Ok(())
         };
         res.map_err(PrepareError::io("link", &dst))?;
     }
@@ -511,6 +528,49 @@ mod tests {
             make_workdir(Some(&code2), &dir.path().join("w3"), Some("ckpt/x"), None).unwrap_err();
         assert!(e.to_string().contains("is a symlink in the code"), "{e}");
         assert!(!Path::new("/etc/x").exists());
+        // Nor one whose text starts with the code's path: through `..`, or
+        // through a link of the code's own that leads out.
+        let outside = dir.path().join("bob");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret"), "bob's").unwrap();
+        let code3 = dir.path().join("code3");
+        std::fs::create_dir_all(&code3).unwrap();
+        std::os::unix::fs::symlink(code3.join("../bob"), code3.join("up")).unwrap();
+        std::os::unix::fs::symlink(&outside, code3.join("m")).unwrap();
+        std::os::unix::fs::symlink(code3.join("m"), code3.join("chain")).unwrap();
+        for (k, link) in ["up", "chain"].into_iter().enumerate() {
+            let w = dir.path().join(format!("w4-{k}"));
+            let out = format!("{link}/o");
+            let e = make_workdir(Some(&code3), &w, Some(&out), None).unwrap_err();
+            assert!(
+                e.to_string().contains("is a symlink in the code"),
+                "{link}: {e}"
+            );
+            // Left as the code's symlink (whose target is the user's own
+            // rights to reach), not made a real folder of bob's files.
+            let kind = std::fs::symlink_metadata(w.join(link)).unwrap().file_type();
+            assert!(
+                kind.is_symlink(),
+                "{link}: made real, bob's files linked in"
+            );
+            assert!(!outside.join("o").exists());
+        }
+        // Only plain files are linked or copied: a FIFO in a tree is left
+        // out (opened as root to be copied, it would block).
+        let code4 = dir.path().join("code4");
+        std::fs::create_dir_all(code4.join("d")).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(code4.join("d/fifo"))
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let w = dir.path().join("w5");
+        make_workdir(Some(&code4), &w, Some("d/o"), None).unwrap();
+        assert!(w.join("d/o").is_dir());
+        assert!(
+            std::fs::symlink_metadata(w.join("d/fifo")).is_err(),
+            "a FIFO linked in"
+        );
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
         remove_tree(&code).unwrap();
         assert!(!code.exists());
