@@ -230,22 +230,71 @@ fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(f(m)))
 }
 
-/// Clears setuid and setgid on every file and folder under `root` (which
-/// only root can write: nothing below is a symlink swapped in meanwhile).
+/// Clears setuid and setgid on every file and folder under `root`, through
+/// descriptors only: each entry is opened without following a symlink
+/// (`O_NOFOLLOW`; files also `O_NONBLOCK`, so a FIFO cannot block), checked
+/// on that handle, and changed with `fchmod` on it. Folders of old trees
+/// are not all root's alone (a pull that ended early left users' modes on
+/// them), and a user who can rename in one could swap an entry for a
+/// symlink between a look by path and a `chmod` by path, which follows
+/// it: root would then change the mode of whatever it points to.
 fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d)? {
-            let p = entry?.path();
-            let m = std::fs::symlink_metadata(&p)?;
-            if m.file_type().is_symlink() {
+    use rustix::fs::{fchmod, fstat, openat, AtFlags, Dir, FileType, Mode, OFlags};
+    let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let file_flags =
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let strip = |fd: &std::os::fd::OwnedFd| -> std::io::Result<()> {
+        let mode = fstat(fd)?.st_mode;
+        if mode & 0o6000 != 0 {
+            fchmod(fd, Mode::from_raw_mode(mode & 0o7777 & !0o6000))?;
+        }
+        Ok(())
+    };
+    let top = rustix::fs::open(root, dir_flags, Mode::empty())?;
+    strip(&top)?;
+    let mut stack = vec![top];
+    while let Some(dir) = stack.pop() {
+        let mut names = Vec::new();
+        for ent in Dir::read_from(&dir)? {
+            let ent = ent?;
+            let name = ent.file_name().to_owned();
+            if !matches!(name.to_bytes(), b"." | b"..") {
+                names.push(name);
+            }
+        }
+        for name in names {
+            let st = match rustix::fs::statat(&dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let kind = FileType::from_raw_mode(st.st_mode);
+            if st.st_mode & 0o6000 == 0 && kind != FileType::Directory {
                 continue;
             }
-            if m.permissions().mode() & 0o6000 != 0 {
-                set_mode(&p, |m| m & !0o6000)?;
-            }
-            if m.is_dir() {
-                stack.push(p);
+            let flags = match kind {
+                FileType::Directory => dir_flags,
+                FileType::RegularFile => file_flags,
+                // A symlink is never followed; nothing else holds setid bits
+                // that matter.
+                _ => continue,
+            };
+            let fd = match openat(&dir, &name, flags, Mode::empty()) {
+                Ok(fd) => fd,
+                // Swapped meanwhile for a symlink, or gone: not followed.
+                Err(
+                    rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR,
+                ) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            // The handle's own type: a swap for a FIFO or device is left alone.
+            match FileType::from_raw_mode(fstat(&fd)?.st_mode) {
+                FileType::Directory => {
+                    strip(&fd)?;
+                    stack.push(fd);
+                }
+                FileType::RegularFile => strip(&fd)?,
+                _ => {}
             }
         }
     }
@@ -590,8 +639,16 @@ mod tests {
             .unwrap();
         std::fs::set_permissions(old.join("d"), std::fs::Permissions::from_mode(0o2755)).unwrap();
         std::fs::hard_link(old.join("d/su"), dir.path().join("linked")).unwrap();
+        // A symlink in an old tree (planted by a user who could write in a
+        // folder of it) is not followed: what it points to keeps its mode.
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::write(&elsewhere, "x").unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o4755)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, old.join("d/planted")).unwrap();
+        std::os::unix::fs::symlink(dir.path(), old.join("d/up")).unwrap();
         Trees::new(&cache).unwrap();
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&elsewhere), 0o4755, "a symlink was followed");
         assert_eq!(mode(&old.join("d/su")), 0o755);
         assert_eq!(mode(&old.join("d")), 0o755);
         assert_eq!(mode(&dir.path().join("linked")), 0o755, "the same inode");
