@@ -82,9 +82,22 @@ pub(super) struct FilesCacheFile {
 }
 
 impl FilesCacheFile {
-    /// The cache file for `root` in the folder `dir`.
-    pub fn new(dir: &Path, store: &str, params: ChunkerParams, root: &Path) -> FilesCacheFile {
-        let key = blake3::hash(format!("{store}\0{}", root.display()).as_bytes()).to_hex();
+    /// The cache file for `root` in the folder `dir`, read as user `uid`
+    /// (`None`: as this process's own user).
+    ///
+    /// A hit skips opening the file: a cache shared by every user a root
+    /// labd pushes for would let one user's push take in a file only
+    /// another user could read, from that user's earlier push of the same
+    /// folder. So each user's pushes have caches of their own.
+    pub fn new(
+        dir: &Path,
+        store: &str,
+        params: ChunkerParams,
+        root: &Path,
+        uid: Option<u32>,
+    ) -> FilesCacheFile {
+        let user = uid.map_or(String::new(), |u| format!("\0uid {u}"));
+        let key = blake3::hash(format!("{store}\0{}{user}", root.display()).as_bytes()).to_hex();
         FilesCacheFile {
             path: dir.join(format!("{}.bin", &key[..32])),
             store: store.to_string(),
@@ -357,4 +370,24 @@ pub(super) fn unsettled_after(settle: Option<Duration>) -> Option<i64> {
             .unwrap_or_default();
         now.saturating_sub(d).as_nanos() as i64
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A root labd's pushes for different users never share a files cache
+    /// (a hit skips opening the file), and a push as this process's own
+    /// user keeps the cache it had.
+    #[test]
+    fn each_user_has_a_files_cache_of_their_own() {
+        let (dir, root) = (Path::new("/cache/files"), Path::new("/data/shared"));
+        let params = ChunkerParams::default();
+        let path = |uid| FilesCacheFile::new(dir, "store-id", params, root, uid).path;
+        let (own, alice, bob) = (path(None), path(Some(1000)), path(Some(1001)));
+        assert!(own != alice && alice != bob && own != bob);
+        assert_eq!(alice, path(Some(1000)), "the same user, the same cache");
+        let key = blake3::hash(b"store-id\0/data/shared").to_hex();
+        assert_eq!(own, dir.join(format!("{}.bin", &key[..32])), "unchanged");
+    }
 }

@@ -118,8 +118,10 @@ pub async fn push(
     // the scan (that it is still the newest) instead of two.
     let (index, latest) = tokio::join!(live_index(repo), repo.latest(&opts.name));
     let (index, latest) = (Arc::new(index?), latest?);
-    let cache_file = (opts.files_cache.as_deref())
-        .map(|dir| FilesCacheFile::new(dir, &config.id, config.params, &root));
+    let cache_file = (opts.files_cache.as_deref()).map(|dir| {
+        let uid = opts.read_as.map(|(uid, _)| uid);
+        FilesCacheFile::new(dir, &config.id, config.params, &root, uid)
+    });
 
     let uploads = Uploads::start(repo);
     let settings = ReadSettings {
