@@ -1376,10 +1376,28 @@ fn outputs_are_read_as_the_jobs_user() {
         return;
     }
     let n = Node::start(None, "outputs_retry_s = 1");
+    // Whether the folder is there is looked at as the job's user too: a
+    // link into a folder only root may enter is no folder, and the answer
+    // says nothing of what root would have seen there.
+    let closed = n.path("closed");
+    std::fs::create_dir_all(closed.join("inside")).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let script = format!("rm -rf ckpt; ln -s {}/inside ckpt", closed.display());
+    let id = n.detach(
+        "tok-nobody-0123456789",
+        &["--outputs", "ckpt", "--", "bash", "-c", &script],
+    );
+    wait_until("the final push to be settled", 30, || {
+        let j = n.job(&id);
+        j.ended() && !j.meta.outputs_pending
+    });
+    let err = n.job(&id).meta.outputs_error.unwrap();
+    assert!(err.contains("left no ckpt folder"), "{err}");
+    // A folder the user may enter but not read: the push itself is refused.
     let secret = n.path("root-only");
     std::fs::create_dir_all(&secret).unwrap();
     std::fs::write(secret.join("key"), "root's").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o711)).unwrap();
     let script = format!("rm -rf ckpt; ln -s {} ckpt; echo swapped", secret.display());
     let id = n.detach(
         "tok-nobody-0123456789",

@@ -232,6 +232,17 @@ impl Drop for ReadAs {
     }
 }
 
+/// Runs `f` on this thread with the file-system rights of user `who`
+/// (uid, gid; `None`: the caller's own), as [`ReadAs`] does for a push: a
+/// look at a path a user controls (a job's outputs folder, which may be a
+/// symlink to anywhere) then tells root's caller only what that user may
+/// see. Call it off the async runtime: a look can block (an automount, a
+/// dead NFS server).
+pub fn as_user<T>(who: Option<(u32, u32)>, f: impl FnOnce() -> T) -> T {
+    let _as = ReadAs::enter(who);
+    f()
+}
+
 /// The alignment `O_DIRECT` asks of buffer address, file offset and length:
 /// the largest logical block size in use (4096 on every common disk).
 pub(crate) const DIRECT_ALIGN: usize = 4096;
@@ -268,6 +279,42 @@ pub(crate) fn open_direct(_: &Path) -> Option<std::fs::File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A look as another user sees what that user may see: not a folder
+    /// behind one only root can enter; and the thread is itself again after.
+    #[test]
+    fn a_look_as_a_user_has_that_users_rights() {
+        use std::os::unix::fs::PermissionsExt;
+        if effective_uid() != 0 {
+            eprintln!("not root: cannot look as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let private = dir.path().join("root-only");
+        std::fs::create_dir_all(private.join("inside")).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(private.join("inside"), &link).unwrap();
+        let nobody = Some((65534, 65534));
+        assert!(
+            !as_user(nobody, || link.is_dir()),
+            "seen through root's eyes"
+        );
+        assert!(as_user(None, || link.is_dir()));
+        assert!(link.is_dir(), "the thread's own rights are back");
+    }
+
+    /// The effective uid, read from /proc (no unsafe call).
+    fn effective_uid() -> u32 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(u32::MAX)
+    }
 
     /// From an aligned start (written from where it is) and from a
     /// misaligned one (copied through the bounce buffer) alike.

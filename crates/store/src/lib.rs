@@ -61,7 +61,7 @@ pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::ConditionalWrites;
 pub use error::{Error, Result};
-pub use fsutil::blocking;
+pub use fsutil::{as_user, blocking};
 pub use gc::{condemned_packs, gc, GcOutcome};
 pub use id::{ChunkId, PackId, SnapshotId};
 pub use index::{Index, IndexPack};

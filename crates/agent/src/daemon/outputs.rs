@@ -133,6 +133,7 @@ impl OutputsSaver {
         };
         let dir = work.join(out);
         let (result, unreadable) = self.push_folder(&job, &dir, out, last).await;
+        let left_none = !outputs_folder_is_there(&job, &dir).await;
         // Failed final pushes are counted (periodic ones are not: a store
         // that was down during the run must not cost the last checkpoint).
         let attempts = {
@@ -156,7 +157,7 @@ impl OutputsSaver {
         // outputs cannot be read as its user gets UNREADABLE_TRIES tries, not
         // an eternity of them holding its folder and trees.
         let gave_up = unreadable && attempts >= UNREADABLE_TRIES;
-        let settled = last && (result.is_ok() || !dir.is_dir() || gave_up);
+        let settled = last && (result.is_ok() || left_none || gave_up);
         let result = match result {
             Err(e) if gave_up => Err(format!(
                 "{e} (gave up after {attempts} tries: the job's user cannot read its outputs)"
@@ -205,7 +206,7 @@ impl OutputsSaver {
         out: &str,
         last: bool,
     ) -> (Result<String, String>, bool) {
-        if !dir.is_dir() {
+        if !outputs_folder_is_there(job, dir).await {
             return (Err(format!("the job left no {out} folder to save")), false);
         }
         let opts = PushOptions {
@@ -224,7 +225,10 @@ impl OutputsSaver {
         match push(&self.repo, dir, &opts, Arc::new(NoProgress)).await {
             Ok(o) => (Ok(o.record.label()), false),
             Err(e) => {
-                let canon = dir.canonicalize().ok();
+                let (d, who) = (dir.to_path_buf(), job.meta.run_as);
+                let canon =
+                    off_runtime(move || labsync_store::as_user(who, || d.canonicalize().ok()))
+                        .await;
                 let unreadable = matches!(&e, labsync_store::Error::Io { path, .. }
                     if path.starts_with(dir)
                         || canon.as_ref().is_some_and(|c| path.starts_with(c)));
@@ -240,4 +244,13 @@ impl OutputsSaver {
             .checked_mul(1u32 << doublings)
             .map_or(OUTPUTS_RETRY_MAX, |d| d.min(OUTPUTS_RETRY_MAX))
     }
+}
+
+/// Whether `job`'s outputs folder `dir` is a folder, as the job's user
+/// sees it (the job controls that path: a symlink to `/root/…` must not
+/// tell root's answer), looked at off the runtime (a symlink into an
+/// automount or a dead NFS server blocks a look).
+async fn outputs_folder_is_there(job: &JobRecord, dir: &std::path::Path) -> bool {
+    let (d, who) = (dir.to_path_buf(), job.meta.run_as);
+    off_runtime(move || labsync_store::as_user(who, || d.is_dir())).await
 }
