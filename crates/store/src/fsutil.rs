@@ -233,7 +233,7 @@ impl Drop for ReadAs {
 }
 
 /// Runs `f` on this thread with the file-system rights of user `who`
-/// (uid, gid; `None`: the caller's own), as [`ReadAs`] does for a push: a
+/// (uid, gid; `None`: the caller's own), as a push reads a job's files: a
 /// look at a path a user controls (a job's outputs folder, which may be a
 /// symlink to anywhere) then tells root's caller only what that user may
 /// see. Call it off the async runtime: a look can block (an automount, a
