@@ -1379,14 +1379,18 @@ fn outputs_are_read_as_the_jobs_user() {
     // Whether the folder is there is looked at as the job's user too: a
     // link into a folder only root may enter is no folder, and the answer
     // says nothing of what root would have seen there.
+    // A job of nobody's whose outputs folder `ckpt` is a symlink to `to`.
+    let linking_to = |to: &std::path::Path| {
+        let script = format!("rm -rf ckpt; ln -s {} ckpt", to.display());
+        n.detach(
+            "tok-nobody-0123456789",
+            &["--outputs", "ckpt", "--", "bash", "-c", &script],
+        )
+    };
     let closed = n.path("closed");
     std::fs::create_dir_all(closed.join("inside")).unwrap();
     std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let script = format!("rm -rf ckpt; ln -s {}/inside ckpt", closed.display());
-    let id = n.detach(
-        "tok-nobody-0123456789",
-        &["--outputs", "ckpt", "--", "bash", "-c", &script],
-    );
+    let id = linking_to(&closed.join("inside"));
     wait_until("the final push to be settled", 30, || {
         let j = n.job(&id);
         j.ended() && !j.meta.outputs_pending
@@ -1398,11 +1402,7 @@ fn outputs_are_read_as_the_jobs_user() {
     std::fs::create_dir_all(&secret).unwrap();
     std::fs::write(secret.join("key"), "root's").unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o711)).unwrap();
-    let script = format!("rm -rf ckpt; ln -s {} ckpt; echo swapped", secret.display());
-    let id = n.detach(
-        "tok-nobody-0123456789",
-        &["--outputs", "ckpt", "--", "bash", "-c", &script],
-    );
+    let id = linking_to(&secret);
     // The failed final push is retried later (10 s, 60 s); its first failure is enough here.
     wait_until("the final push to fail", 30, || {
         let j = n.job(&id);

@@ -686,38 +686,35 @@ mod tests {
             .await;
         assert!(err.unwrap_err().to_string().contains("more than"));
 
-        let switched = format!(
-            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{}: {}\r\n\r\n",
-            wire::PROTOCOL,
-            wire::LENGTH,
-            MAX_ANSWER + 1
-        );
-        let err = Client::new(answer_once(switched, 1).await, None)
+        // A 101 switching to the pack protocol, announcing `length` bytes
+        // (or nothing).
+        let switched = |length: Option<usize>| {
+            let announced = length.map_or(String::new(), |n| format!("{}: {n}\r\n", wire::LENGTH));
+            format!(
+                "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{announced}\r\n",
+                wire::PROTOCOL
+            )
+        };
+        let err = Client::new(answer_once(switched(Some(MAX_ANSWER + 1)), 1).await, None)
             .pack(&pack)
             .await;
         assert!(err.unwrap_err().to_string().contains("more than"));
 
         // A peer that switches without saying how much: refused.
-        let unsized_switch = format!(
-            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n\r\n",
-            wire::PROTOCOL
-        );
-        let err = Client::new(answer_once(unsized_switch, len).await, None)
+        let err = Client::new(answer_once(switched(None), len).await, None)
             .pack(&pack)
             .await;
         assert!(err.unwrap_err().to_string().contains("without"));
 
         // One that sends more than it announced: only what it announced
         // is read, into the aligned buffer.
-        let switched = format!(
-            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{}: {len}\r\n\r\n",
-            wire::PROTOCOL,
-            wire::LENGTH,
-        );
-        let got = Client::new(answer_once(switched, len + (1 << 20)).await, None)
-            .pack(&pack)
-            .await
-            .unwrap();
+        let got = Client::new(
+            answer_once(switched(Some(len)), len + (1 << 20)).await,
+            None,
+        )
+        .pack(&pack)
+        .await
+        .unwrap();
         assert_eq!(got.len(), len);
         assert!(got.iter().all(|&b| b == 7));
         assert_eq!(got.as_ptr() as usize % 4096, 0);
