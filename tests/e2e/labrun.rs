@@ -799,6 +799,58 @@ fn job_logs_keep_head_and_tail_under_their_cap() {
     assert!(out.contains("bytes of output cut here"), "readers are told");
     assert!(!out.contains('\0'), "the hole is never read as zeros");
     assert!(out.len() < 2 << 20, "{}", out.len());
+
+    // A job holds its log itself (its stdout): one that clears O_APPEND
+    // and writes back into the part labd cut keeps the file's size, and
+    // is cut again all the same.
+    let refill = r#"
+import fcntl, os, sys, time
+def held():
+    return os.fstat(1).st_blocks * 512
+def wait_below(n):
+    deadline = time.time() + 20
+    while held() > n and time.time() < deadline:
+        time.sleep(0.05)
+line = b"x" * 1023 + b"\n"
+for _ in range(4096):
+    os.write(1, line)
+wait_below(2 << 20)
+size = os.fstat(1).st_size
+fcntl.fcntl(1, fcntl.F_SETFL, fcntl.fcntl(1, fcntl.F_GETFL) & ~os.O_APPEND)
+for off in range(1 << 20, 3 << 20, 1 << 20):
+    os.pwrite(1, b"y" * (1 << 20), off)
+assert os.fstat(1).st_size == size
+sys.stderr.write("refilled, %d bytes held\n" % held())
+wait_below(2 << 20)
+sys.stderr.write("after, %d bytes held\n" % held())
+"#;
+    let second = n.detach(
+        ALICE,
+        &["--gpus", "0", "--", "/usr/bin/python3", "-c", refill],
+    );
+    wait_until("the refilling job to end", 60, || n.ended(&second));
+    let out = n.ok(ALICE, &["logs", &second]);
+    assert!(
+        out.contains("refilled, ") && !out.contains("Error"),
+        "the job wrote back into the cut part: {}",
+        &out[out.len().saturating_sub(600)..]
+    );
+    // Asked of the file the job holds: the log itself goes with the
+    // working folder soon after the job ends.
+    let held: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("after, ")?.strip_suffix(" bytes held"))
+        .unwrap_or_else(|| panic!("no last report: {}", &out[out.len().saturating_sub(600)..]))
+        .parse()
+        .unwrap();
+    assert!(
+        held <= bound,
+        "written back into, the cut part was cut again: {held} bytes on disk"
+    );
+    assert!(
+        !out.contains("yyyy"),
+        "what was written into the cut is never read"
+    );
     wait_until("the log to go with the folder", 30, || !log.exists());
 }
 

@@ -76,41 +76,59 @@ impl JobLogs {
     /// per line), everything between its first half and its last half is
     /// punched out. The job keeps appending to the same file; readers
     /// skipping the hole are told how much was cut.
+    ///
+    /// The job holds the file itself (its stdout) and may clear `O_APPEND`
+    /// on it, then write back into the cut part, which does not move the
+    /// file's size. So the blocks the file holds decide too: past the cap,
+    /// the cut part is punched again from its start.
     pub fn bound(&self, id: &str) {
+        use std::os::unix::fs::MetadataExt;
         // One at a time: a kill's tick may run beside the ticker's, and a
         // cut must only ever grow.
         let _one = self.bounding.lock().expect("labd poisoned");
         let cap = self.log_max;
+        let limit = cap + cap / 8;
         let path = self.node.log_path(id);
-        let Ok(size) = std::fs::metadata(&path).map(|m| m.len()) else {
+        let Ok(md) = std::fs::symlink_metadata(&path) else {
             return;
         };
+        let size = md.len();
+        let held = md.blocks() * 512;
         self.wake(id, Some(size));
         let Ok(Some(rec)) = self.node.job(id) else {
             return;
         };
-        const BLOCK: u64 = 4096;
         // Bytes [start, done) are cut already; start is fixed at the first cut.
         let start = rec
             .meta
             .log_cut
-            .map_or((cap / 2).div_ceil(BLOCK) * BLOCK, |(s, _)| s);
+            .map_or((cap / 2).div_ceil(LOG_BLOCK) * LOG_BLOCK, |(s, _)| s);
         let done = rec.meta.log_cut.map_or(start, |(_, e)| e);
         let on_disk = start + size.saturating_sub(done);
-        let end = size.saturating_sub(cap / 2) / BLOCK * BLOCK;
-        if on_disk <= cap + cap / 8 || end <= done {
+        let end = size.saturating_sub(cap / 2) / LOG_BLOCK * LOG_BLOCK;
+        let grew = on_disk > limit && end > done;
+        let overfull = held > limit;
+        if !grew && !overfull {
             return;
         }
-        // Recorded before the bytes go, so a reader never reads the hole
-        // as zeros: it either sees the cut or reads bytes still there.
-        if let Err(e) = self
-            .node
-            .update_meta(id, |m| m.log_cut = Some((start, end)))
-        {
-            tracing::error!("job state: {e}");
-            return;
+        if grew {
+            // Recorded before the bytes go, so a reader never reads the
+            // hole as zeros: it either sees the cut or reads bytes still
+            // there.
+            if let Err(e) = self
+                .node
+                .update_meta(id, |m| m.log_cut = Some((start, end)))
+            {
+                tracing::error!("job state: {e}");
+                return;
+            }
         }
-        if let Err(e) = punch_hole(&path, done, end - done) {
+        let cut = if grew { end } else { done };
+        // Written back into, the cut part goes again whole; otherwise only
+        // what is new in it.
+        let from = if overfull { start } else { done };
+        let freed = cut_log(&path, from..cut);
+        if let Err(e) = freed {
             // Once per job: a file system without hole punching (NFS) would
             // say it ten times a second.
             if self
@@ -127,6 +145,9 @@ impl JobLogs {
         }
     }
 }
+
+/// Logs are cut at multiples of this.
+const LOG_BLOCK: u64 = 4096;
 
 fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {
     let mut f = match File::open(path) {
@@ -175,24 +196,30 @@ pub(crate) fn read_log(
     }
 }
 
-/// Frees `len` bytes of `path` from `offset` (the file keeps its size).
+/// Frees the bytes `range` of the log at `path` (the file keeps its size).
 #[allow(unsafe_code)]
-fn punch_hole(path: &Path, offset: u64, len: u64) -> std::io::Result<()> {
+fn cut_log(path: &Path, range: std::ops::Range<u64>) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    let f = File::options().write(true).open(path)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    if range.is_empty() {
+        return Ok(());
+    }
+    let f = File::options()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
     // SAFETY: fallocate(2) on a descriptor we own, with plain integers; it
     // touches no memory of ours.
     let rc = unsafe {
         libc::fallocate(
             f.as_raw_fd(),
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset as libc::off_t,
-            len as libc::off_t,
+            range.start as libc::off_t,
+            (range.end - range.start) as libc::off_t,
         )
     };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    Ok(())
 }
