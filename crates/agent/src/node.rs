@@ -664,10 +664,22 @@ impl Node {
             (ended, sessions)
         };
         // Whatever the leaders left behind in their sessions and cgroups
-        // goes too, before their GPUs are freed.
-        for (id, sid) in sessions {
-            self.kill_job(&id, sid, Duration::from_secs(2));
-        }
+        // goes too, before their GPUs are freed: all jobs at once, so one
+        // grace period, not one per job, holds up the tick (a user whose
+        // jobs leave processes that ignore SIGTERM could otherwise stall
+        // the node's scheduling and log bounding for minutes).
+        std::thread::scope(|scope| {
+            for (id, sid) in &sessions {
+                let kill = move || self.kill_job(id, *sid, Duration::from_secs(2));
+                let spawned = std::thread::Builder::new()
+                    .name("labd-reap".into())
+                    .spawn_scoped(scope, kill);
+                if spawned.is_err() {
+                    // No thread to be had: this one is killed here.
+                    self.kill_job(id, *sid, Duration::from_secs(2));
+                }
+            }
+        });
         {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut result = Ok(());

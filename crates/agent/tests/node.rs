@@ -194,6 +194,53 @@ fn kill_ends_the_whole_session_and_frees_the_gpu() {
     );
 }
 
+/// Jobs that end leaving processes which ignore SIGTERM each cost a grace
+/// period (2 s) before those are killed: their leftovers are killed all at
+/// once, so five such jobs hold one reap for about 2 s, not 10 (one after
+/// another, the reap cannot take less than five grace periods).
+#[test]
+fn leftovers_of_jobs_ending_together_are_killed_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), Arc::new(NoGpus));
+    let ids: Vec<String> = (0..5)
+        .map(|_| {
+            n.submit(job("trap '' TERM; sleep 300 & echo up", 0, dir.path()))
+                .unwrap()
+        })
+        .collect();
+    let sids: Vec<u32> = ids
+        .iter()
+        .map(|id| match state_of(&n, id) {
+            JobState::Running { sid, .. } => sid,
+            s => panic!("{id} is {s:?}"),
+        })
+        .collect();
+    // Every leader has exited (a zombie is no member) and left its sleep.
+    wait_until("the leaders to exit", || {
+        ids.iter()
+            .all(|id| std::fs::read_to_string(n.log_path(id)).unwrap_or_default() == "up\n")
+            && sids.iter().all(|&sid| session_members(sid).len() == 1)
+    });
+    let t = Instant::now();
+    let mut ended = Vec::new();
+    while ended.len() < ids.len() {
+        ended.extend(n.reap().unwrap().into_iter().map(|(id, _)| id));
+        assert!(t.elapsed() < Duration::from_secs(30), "ended: {ended:?}");
+    }
+    let took = t.elapsed();
+    for sid in &sids {
+        assert!(
+            session_members(*sid).is_empty(),
+            "left alive: {:?}",
+            session_members(*sid)
+        );
+    }
+    assert!(
+        took < Duration::from_secs(7),
+        "the leftovers of five jobs were killed one job after another: {took:?}"
+    );
+}
+
 #[test]
 fn no_gpus_node_refuses_gpu_jobs_and_runs_cpu_jobs() {
     let dir = tempfile::tempdir().unwrap();
