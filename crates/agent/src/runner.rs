@@ -57,7 +57,6 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
     let log = File::options().create(true).append(true).open(&spec.log)?;
     let mut cmd = Command::new(prog);
     cmd.args(args)
-        .current_dir(&spec.cwd)
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
@@ -71,8 +70,15 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         // Before the switch to the user: moving a process needs root.
         join_cgroup(&mut cmd, procs.try_clone()?);
     }
-    if let Some((uid, gid)) = spec.user {
-        become_user(&mut cmd, uid, gid);
+    match spec.user {
+        // The working folder is entered as the user, after the switch:
+        // `Command::current_dir` would enter it as root, before any
+        // pre-exec step, and a job would start inside a folder its user
+        // could never have entered.
+        Some((uid, gid)) => become_user(&mut cmd, uid, gid, &spec.cwd)?,
+        None => {
+            cmd.current_dir(&spec.cwd);
+        }
     }
     Ok(Started {
         child: cmd.spawn()?,
@@ -112,9 +118,12 @@ fn join_cgroup(cmd: &mut Command, procs: File) {
 
 /// The job runs as `uid` with its primary group and all its supplementary
 /// groups (`video`/`render` for `/dev/nvidia*` on some systems, the lab's
-/// data groups). `Command::uid` would drop the supplementary ones.
+/// data groups), in `cwd`, entered as that user. `Command::uid` would drop
+/// the supplementary ones.
 #[allow(unsafe_code)]
-fn become_user(cmd: &mut Command, uid: u32, gid: u32) {
+fn become_user(cmd: &mut Command, uid: u32, gid: u32, cwd: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let cwd = std::ffi::CString::new(cwd.as_os_str().as_bytes())?;
     // Looked up before the fork: NSS is not async-signal-safe.
     let mut groups: Vec<libc::gid_t> = vec![gid];
     if let Some(user) = crate::users::user_by_uid(uid) {
@@ -138,19 +147,21 @@ fn become_user(cmd: &mut Command, uid: u32, gid: u32) {
         }
     }
     // SAFETY: the closure runs in the forked child before exec and makes
-    // only setgroups/setgid/setuid system calls, which are async-signal-safe,
-    // on memory prepared before the fork.
+    // only setgroups/setgid/setuid/chdir system calls, which are
+    // async-signal-safe, on memory prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setgroups(groups.len(), groups.as_ptr()) == -1
                 || libc::setgid(gid) == -1
                 || libc::setuid(uid) == -1
+                || libc::chdir(cwd.as_ptr()) == -1
             {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
     }
+    Ok(())
 }
 
 /// Every live process whose session id is `sid`.
@@ -258,6 +269,38 @@ mod tests {
         assert_eq!(status.code(), Some(3));
         let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
         assert!(log.contains("out j1") && log.contains("err"), "{log}");
+    }
+
+    /// A job run as its user enters its working folder as that user: one
+    /// it could not enter itself is refused, not entered as root.
+    #[test]
+    fn the_working_folder_is_entered_as_the_user() {
+        use std::os::unix::fs::PermissionsExt;
+        if crate::euid() != 0 {
+            eprintln!("not root: cannot run a job as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        mode(dir.path(), 0o711);
+        let (open, closed) = (dir.path().join("open"), dir.path().join("closed"));
+        std::fs::create_dir(&open).unwrap();
+        std::fs::create_dir(&closed).unwrap();
+        mode(&open, 0o755);
+        mode(&closed, 0o700);
+        let as_nobody = |cwd: &Path| JobSpec {
+            cwd: cwd.to_path_buf(),
+            user: Some((65534, 65534)),
+            ..spec(dir.path(), "echo in $(pwd) as $(id -u)")
+        };
+        let mut s = spawn(&as_nobody(&open)).unwrap();
+        assert!(s.child.wait().unwrap().success());
+        let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
+        assert_eq!(log, format!("in {} as 65534\n", open.display()));
+        let e = spawn(&as_nobody(&closed)).map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
     }
 
     /// A pid reused by a process that leads no session, or by a session
