@@ -55,7 +55,7 @@ impl Trees {
         // place, and the folder stays for the admin to remove.
         let old = cache.root().join("trees-v1");
         if old.is_dir() {
-            strip_setid_bits(&old).map_err(PrepareError::io("strip setuid bits in", &old))?;
+            strip_setid_bits(&old, None).map_err(PrepareError::io("strip setuid bits in", &old))?;
         }
         let root = cache.root().join("trees-v2");
         std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
@@ -238,15 +238,18 @@ fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
 /// them), and a user who can rename in one could swap an entry for a
 /// symlink between a look by path and a `chmod` by path, which follows
 /// it: root would then change the mode of whatever it points to.
-fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
+///
+/// With `owner`, only what that uid owns is changed (the rest is still
+/// walked through).
+fn strip_setid_bits(root: &Path, owner: Option<u32>) -> std::io::Result<()> {
     use rustix::fs::{fchmod, fstat, openat, AtFlags, Dir, FileType, Mode, OFlags};
     let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let file_flags =
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
     let strip = |fd: &std::os::fd::OwnedFd| -> std::io::Result<()> {
-        let mode = fstat(fd)?.st_mode;
-        if mode & 0o6000 != 0 {
-            fchmod(fd, Mode::from_raw_mode(mode & 0o7777 & !0o6000))?;
+        let st = fstat(fd)?;
+        if st.st_mode & 0o6000 != 0 && owner.is_none_or(|o| o == st.st_uid) {
+            fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777 & !0o6000))?;
         }
         Ok(())
     };
@@ -299,6 +302,48 @@ fn strip_setid_bits(root: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Strips the setuid and setgid bits a labd from before modes were masked
+/// left on root's copies in jobs' and stages' working folders
+/// (`<state>/jobs/*/work`, `<state>/slurm/*/work`). It copied files of
+/// its trees there where it could not hard-link them, modes and all, and
+/// as root: a setuid file of the store became a setuid-root program in the
+/// user's folder. Only files and folders root owns change; the users' own
+/// keep their modes. Done once, on a node that still has trees-v1 (the
+/// mark of such a labd), and marked done in `state_dir`.
+pub fn strip_old_setid_copies(cache: &NodeCache, state_dir: &Path) -> std::io::Result<()> {
+    let done = state_dir.join("old-copies-setid-stripped");
+    if !cache.root().join("trees-v1").is_dir() || done.exists() {
+        return Ok(());
+    }
+    for top in ["jobs", "slurm"] {
+        let top = state_dir.join(top);
+        let entries = match std::fs::read_dir(&top) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        for e in entries {
+            let e = e?;
+            // Only labd makes entries here; a symlink is not followed all
+            // the same.
+            if !e.file_type()?.is_dir() {
+                continue;
+            }
+            let work = e.path().join("work");
+            // The walk opens nothing through a symlink, `work` included.
+            match strip_setid_bits(&work, Some(crate::euid())) {
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+                    ) => {}
+                other => other?,
+            }
+        }
+    }
+    std::fs::write(&done, "")
 }
 
 /// Removes a tree that was made read-only for sharing (at any depth, no
@@ -652,6 +697,42 @@ mod tests {
         assert_eq!(mode(&old.join("d/su")), 0o755);
         assert_eq!(mode(&old.join("d")), 0o755);
         assert_eq!(mode(&dir.path().join("linked")), 0o755, "the same inode");
+
+        // Root's copies in working folders lose theirs once, the users'
+        // own files keep theirs.
+        let state = dir.path().join("state");
+        let work = state.join("jobs/j1/work");
+        let stage = state.join("slurm/s1/work/sub");
+        std::fs::create_dir_all(&work).unwrap();
+        std::fs::create_dir_all(&stage).unwrap();
+        std::fs::create_dir_all(state.join("jobs/j2")).unwrap();
+        let setid = |p: &Path, m: u32| {
+            std::fs::write(p, "x").unwrap();
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+        };
+        setid(&work.join("copy"), 0o4755);
+        setid(&stage.join("copy"), 0o6755);
+        let theirs = work.join("theirs");
+        setid(&theirs, 0o4750);
+        std::os::unix::fs::symlink(&elsewhere, work.join("planted")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, state.join("jobs/j3")).unwrap();
+        let root = crate::euid() == 0;
+        if root {
+            // chown clears the bits: set again after.
+            std::os::unix::fs::lchown(&theirs, Some(65534), Some(65534)).unwrap();
+            std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o4750)).unwrap();
+        }
+        strip_old_setid_copies(&cache, &state).unwrap();
+        assert_eq!(mode(&work.join("copy")), 0o755);
+        assert_eq!(mode(&stage.join("copy")), 0o755);
+        assert_eq!(mode(&elsewhere), 0o4755, "a symlink was followed");
+        if root {
+            assert_eq!(mode(&theirs), 0o4750, "a user's own file was changed");
+        }
+        // Once: a copy made later (by hand, here) is not looked for again.
+        setid(&work.join("later"), 0o4755);
+        strip_old_setid_copies(&cache, &state).unwrap();
+        assert_eq!(mode(&work.join("later")), 0o4755);
     }
 
     /// Issue 19, point 1: a version whose paths go past `PATH_MAX` under the

@@ -205,6 +205,13 @@ impl Daemon {
             None => cache,
         };
         let trees = Trees::new(&cache).map_err(|e| open_error("the shared trees", &e))?;
+        if let Err(e) = crate::trees::strip_old_setid_copies(&cache, &cfg.state_dir) {
+            // Tried again at the next start.
+            tracing::error!(
+                "cannot strip setuid bits from old copies in the working folders under {}: {e}",
+                cfg.state_dir.display()
+            );
+        }
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
         set_modes(&cfg.state_dir, &jobs_dir)?;
