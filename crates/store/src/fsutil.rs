@@ -211,9 +211,29 @@ impl ReadAs {
             libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
             let old_gid = libc::syscall(libc::SYS_setfsgid, gid);
             let old_uid = libc::syscall(libc::SYS_setfsuid, uid);
-            ReadAs {
+            let entered = ReadAs {
                 saved: Some((old_uid, old_gid, groups)),
+            };
+            // setfsuid and setfsgid say nothing when they fail (a process
+            // without CAP_SETUID or CAP_SETGID, root in a capability-bound
+            // unit say): an invalid id (-1) changes nothing and returns the
+            // one in force. Reading on with the process's own rights could
+            // read what the user may not; this read goes no further (the
+            // drop, as the panic unwinds, restores the thread).
+            let now_uid = libc::syscall(libc::SYS_setfsuid, u32::MAX);
+            let now_gid = libc::syscall(libc::SYS_setfsgid, u32::MAX);
+            let now_groups =
+                libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<libc::gid_t>());
+            if (now_uid, now_gid, now_groups)
+                != (libc::c_long::from(uid), libc::c_long::from(gid), 0)
+            {
+                panic!(
+                    "cannot read files as uid {uid} gid {gid}: this process may not switch its \
+                     file-system ids (it lacks CAP_SETUID or CAP_SETGID); refusing to read \
+                     with its own rights instead"
+                );
             }
+            entered
         }
     }
 }
@@ -302,6 +322,32 @@ mod tests {
         );
         assert!(as_user(None, || link.is_dir()));
         assert!(link.is_dir(), "the thread's own rights are back");
+    }
+
+    /// A thread that cannot switch its file-system ids (no CAP_SETUID and
+    /// CAP_SETGID in force) reads nothing as another user, rather than
+    /// reading with its own rights.
+    #[test]
+    fn a_look_that_cannot_switch_users_is_refused() {
+        use rustix::thread::{capabilities, set_capabilities, CapabilitySet};
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("not root: cannot look as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let probe = dir.path().to_path_buf();
+        // Capabilities are per thread: only this one loses them.
+        let looked = std::thread::spawn(move || {
+            let mut caps = capabilities(None).unwrap();
+            caps.effective -= CapabilitySet::SETUID | CapabilitySet::SETGID;
+            set_capabilities(None, caps).unwrap();
+            std::panic::catch_unwind(|| as_user(Some((65534, 65534)), || probe.is_dir()))
+        })
+        .join()
+        .unwrap();
+        let why = looked.expect_err("read on with root's rights");
+        let why = why.downcast_ref::<String>().unwrap();
+        assert!(why.contains("cannot read files as uid 65534"), "{why}");
     }
 
     /// From an aligned start (written from where it is) and from a
