@@ -84,6 +84,17 @@ impl Cgroups {
         self.base.join(job)
     }
 
+    /// The `cgroup.procs` of the hierarchy's root (tests move a process
+    /// out of its job's cgroup with it).
+    #[cfg(test)]
+    pub(crate) fn root_procs(&self) -> PathBuf {
+        self.base
+            .ancestors()
+            .nth(2)
+            .expect("<hierarchy>/labsync/<labd>")
+            .join("cgroup.procs")
+    }
+
     /// Makes the job's cgroup and opens its `cgroup.procs` for the job's
     /// first process to write itself into before it runs anything.
     pub fn create(&self, job: &str) -> std::io::Result<File> {

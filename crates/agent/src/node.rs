@@ -565,12 +565,11 @@ impl Node {
             match runner::spawn(&spec) {
                 Ok(mut st) => {
                     let sid = st.sid();
+                    // Our child, unwaited: its pid cannot change hands yet.
+                    let start = runner::start_ticks(sid);
                     let recorded = self.state.update(&id, |r| {
                         r.gpus = gpus;
-                        r.state = JobState::Running {
-                            sid,
-                            start: runner::start_ticks(sid),
-                        };
+                        r.state = JobState::Running { sid, start };
                         r.started_at = Some(unix_now());
                         r.meta.preparing = None;
                         r.queued = None;
@@ -579,7 +578,7 @@ impl Node {
                         // A job the database does not know runs would hold
                         // its GPUs unseen: it is stopped, its lease freed,
                         // and it stays queued to start again.
-                        self.kill_job(&id, sid, Duration::ZERO);
+                        self.kill_job(&id, (sid, start), Duration::ZERO);
                         // Never a blocking wait under the queue's lock (a
                         // leader stuck in the kernel would hang labd).
                         let _ = st.child.try_wait();
@@ -651,13 +650,13 @@ impl Node {
                 }
             }
             // From memory: nothing between collecting and recording can fail.
-            let running: HashMap<String, u32> = self
+            let running: HashMap<String, (u32, Option<u64>)> = self
                 .state
                 .running()
                 .into_iter()
-                .map(|(id, sid, _)| (id, sid))
+                .map(|(id, sid, start)| (id, (sid, start)))
                 .collect();
-            let sessions: Vec<(String, u32)> = ended
+            let sessions: Vec<(String, (u32, Option<u64>))> = ended
                 .iter()
                 .filter_map(|(id, _)| Some((id.clone(), *running.get(id)?)))
                 .collect();
@@ -669,14 +668,14 @@ impl Node {
         // jobs leave processes that ignore SIGTERM could otherwise stall
         // the node's scheduling and log bounding for minutes).
         std::thread::scope(|scope| {
-            for (id, sid) in &sessions {
-                let kill = move || self.kill_job(id, *sid, Duration::from_secs(2));
+            for (id, session) in &sessions {
+                let kill = move || self.kill_job(id, *session, Duration::from_secs(2));
                 let spawned = std::thread::Builder::new()
                     .name("labd-reap".into())
                     .spawn_scoped(scope, kill);
                 if spawned.is_err() {
                     // No thread to be had: this one is killed here.
-                    self.kill_job(id, *sid, Duration::from_secs(2));
+                    self.kill_job(id, *session, Duration::from_secs(2));
                 }
             }
         });
@@ -706,14 +705,31 @@ impl Node {
 
     /// SIGTERM to every process of the job (its session and its cgroup),
     /// SIGKILL to what is left after `grace`, until none is left.
-    fn kill_job(&self, id: &str, sid: u32, grace: Duration) {
+    ///
+    /// The session is the one its leader (`sid`, started at `start` clock
+    /// ticks) led, unless another process holds that pid now: Linux gives
+    /// a pid out again only when no process has it as its session id any
+    /// more, so the job's session is then empty, and the processes with
+    /// that session id are someone else's (a login, another job).
+    fn kill_job(&self, id: &str, (sid, start): (u32, Option<u64>), grace: Duration) {
+        let reused = start.is_some_and(|s| runner::start_ticks(sid).is_some_and(|now| now != s));
+        if reused {
+            tracing::info!(
+                "job {id}: its leader's pid {sid} is another process's now; its session is gone"
+            );
+        }
+        let session = |grace| {
+            if !reused {
+                runner::kill_session(sid, grace);
+            }
+        };
         let Some(cg) = &self.cgroups else {
-            runner::kill_session(sid, grace);
+            session(grace);
             return;
         };
         let deadline = std::time::Instant::now() + grace;
         cg.terminate(id);
-        runner::kill_session(sid, grace);
+        session(grace);
         while !cg.members(id).is_empty() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -723,9 +739,10 @@ impl Node {
         cg.remove(id);
     }
 
-    fn sid_of(&self, id: &str) -> Result<Option<u32>, NodeError> {
+    /// The session of a running job: its id and its leader's start.
+    fn session_of(&self, id: &str) -> Result<Option<(u32, Option<u64>)>, NodeError> {
         Ok(self.state.job(id)?.and_then(|j| match j.state {
-            JobState::Running { sid, .. } => Some(sid),
+            JobState::Running { sid, start } => Some((sid, start)),
             _ => None,
         }))
     }
@@ -763,13 +780,13 @@ impl Node {
                 return Ok(());
             }
         }
-        let Some(sid) = self.sid_of(id)? else {
+        let Some(session) = self.session_of(id)? else {
             return Err(match self.state.job(id)? {
                 Some(_) => NodeError::Refused(format!("job {id} has already ended")),
                 None => NodeError::NoJob(id.into()),
             });
         };
-        self.kill_job(id, sid, grace);
+        self.kill_job(id, session, grace);
         // The ending is recorded under the queue's lock, as the reaper
         // records its own: whichever sees the exit first records the real
         // status, and the other leaves it alone.
@@ -861,6 +878,60 @@ mod tests {
                         .is_ok_and(|s| s.rfind(')').is_some_and(|i| s[i + 2..].starts_with('Z')))
             })
             .collect()
+    }
+
+    /// A job adopted after a restart whose leader's pid went to another
+    /// process (here: its record says the leader started at another
+    /// time) ends without a signal to that pid's session, which is not the
+    /// job's any more.
+    #[test]
+    fn a_session_whose_pid_changed_hands_is_not_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = || NodeConfig {
+            state_dir: dir.path().join("state"),
+            foreign_limit: 256 << 20,
+            inventory_deadline: Duration::from_secs(2),
+            max_queued_per_user: 1000,
+        };
+        let id = {
+            let n = Node::open(cfg(), Arc::new(crate::NoGpus)).unwrap();
+            n.submit(Submit {
+                user: "alice".into(),
+                argv: vec!["sleep".into(), "300".into()],
+                cwd: dir.path().to_path_buf(),
+                env: vec![],
+                gpus: 0,
+                min_free_bytes: 0,
+                run_as: None,
+                meta: Default::default(),
+            })
+            .unwrap()
+        }; // gone without cleaning up, as after kill -9
+        let n = Node::open(cfg(), Arc::new(crate::NoGpus)).unwrap();
+        let Some(JobState::Running {
+            sid,
+            start: Some(start),
+        }) = n.job(&id).unwrap().map(|r| r.state)
+        else {
+            panic!("not adopted")
+        };
+        n.state
+            .update(&id, |r| {
+                r.state = JobState::Running {
+                    sid,
+                    start: Some(start + 1),
+                }
+            })
+            .unwrap();
+        // Another process with that pid would not be in the job's cgroup.
+        if let Some(cg) = &n.cgroups {
+            std::fs::write(cg.root_procs(), sid.to_string()).unwrap();
+        }
+        let ended = n.reap().unwrap();
+        assert_eq!(ended.len(), 1, "{ended:?}");
+        let alive = runner::alive(sid, Some(start));
+        runner::kill_session(sid, Duration::ZERO);
+        assert!(alive, "the process now holding the pid was killed");
     }
 
     /// Issue 9, point 8: when the record of a started job cannot be written,
