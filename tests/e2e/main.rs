@@ -195,6 +195,62 @@ fn exit_codes_and_messages() {
     );
 }
 
+/// An admin's `labsync push` as root into a local store a lab member can
+/// write is refused before anything is written: the member could have
+/// planted a symlink (here `packs/<xx>` to another folder) and root's
+/// push would write its packs through it. The same store made root's
+/// alone takes the push.
+#[test]
+fn root_refuses_a_local_store_others_can_write() {
+    use std::os::unix::fs::PermissionsExt;
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: the check is root's");
+        return;
+    }
+    let lab = Lab::new();
+    std::fs::set_permissions(lab.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let src = lab.path("div2k");
+    write_tree(&src, 20);
+    lab.ok(&["push", s(&src)]);
+    let packs = lab.path("store/packs");
+    std::fs::set_permissions(&packs, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // What a member could do there: every pack folder a symlink elsewhere.
+    let elsewhere = lab.path("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    for i in 0..=255u8 {
+        let d = packs.join(format!("{i:02x}"));
+        if !d.exists() {
+            std::os::unix::fs::symlink(&elsewhere, &d).unwrap();
+        }
+    }
+    write_tree(&lab.path("div2k/more"), 20);
+    let o = lab.run(&["push", s(&src)]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("runs as root") && err.contains("packs is writable by others (mode 1777)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("s3://") && err.contains("chmod -R go-w"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&elsewhere).unwrap().count(),
+        0,
+        "root wrote through a planted symlink"
+    );
+    // The planted links gone and the folder root's alone again, it pushes.
+    for i in 0..=255u8 {
+        let d = packs.join(format!("{i:02x}"));
+        if d.is_symlink() {
+            std::fs::remove_file(&d).unwrap();
+        }
+    }
+    std::fs::set_permissions(&packs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    lab.ok(&["push", s(&src)]);
+}
+
 /// What `n` `labsync push` processes racing to one name did.
 struct Race {
     /// The versions the pushes that said "ok" reported, with their snapshots.

@@ -65,6 +65,7 @@ pub use secret::{RedactedOptions, Secret};
 pub use status::{
     classify, free_gpus, process_session, process_user, ForeignProcess, GpuState, GpuStatus,
 };
+pub use store_guard::check_root_store;
 pub use trees::{check_outputs, make_workdir, remove_tree, Trees};
 pub use users::{current_user, euid, user_by_name, user_by_uid, UnixUser};
 pub use watchdog::{Reading, Watchdog};

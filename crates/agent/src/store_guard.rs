@@ -1,5 +1,5 @@
-//! labd as root with a store in a local folder: refused when anyone but
-//! root can write in that folder.
+//! Root (labd, or an admin's `labsync push`) with a store in a local
+//! folder: refused when anyone but root can write in that folder.
 //!
 //! The store's objects are reached by path (`object_store`'s local backend
 //! follows symlinks, and so do plain `open` and `rename`). A user who can
@@ -17,17 +17,18 @@ use std::path::{Path, PathBuf};
 /// holds nothing but folders and plain files (root's, not writable by
 /// others; folders without a default ACL). `Err` says what is wrong and
 /// what to do.
-pub(crate) fn check_root_store(root: &Path) -> Result<(), String> {
+pub fn check_root_store(root: &Path) -> Result<(), String> {
     let canon = root
         .canonicalize()
         .map_err(|e| format!("{}: {e}", root.display()))?;
     let unsafe_store = |what: String| {
         Err(format!(
-            "labd runs as root and its store {} is a local folder other users can \
-             change: {what}. Whoever can write there can plant a symlink and have labd \
-             write, as root, wherever it points. Keep a store that users write on an \
-             S3-compatible server (store = \"s3://…\"), or make this folder root's alone \
-             (chown -R root: {0}; chmod -R go-w {0}) if only root writes it.",
+            "this runs as root and its store {} is a local folder other users can \
+             change: {what}. Whoever can write there can plant a symlink and have root \
+             write wherever it points (labd saving a job's outputs, an admin's push). \
+             Run this as a lab user rather than root, keep a store that users write on \
+             an S3-compatible server (store = \"s3://…\"), or make this folder root's \
+             alone (chown -R root: {0}; chmod -R go-w {0}) if only root writes it.",
             canon.display()
         ))
     };

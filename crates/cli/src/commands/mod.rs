@@ -105,9 +105,11 @@ pub struct StoreContext {
 }
 
 impl StoreContext {
-    /// Opens the store.
+    /// Opens the store; as root, only a local one that no one else can
+    /// change ([`labsync_agent::check_root_store`]).
     pub async fn repo(&self) -> Result<Repo> {
         let remote = Remote::open(&self.settings.store, &self.settings.store_options)?;
+        refuse_shared_local_store_as_root(&remote).await?;
         Repo::open(remote, None)
             .await
             .with_context(|| format!("cannot open store {}", self.settings.store))
@@ -120,6 +122,18 @@ impl StoreContext {
             self.settings.cache_max,
         )?)
     }
+}
+
+/// As root, a store in a local folder others can write is refused: a
+/// lab member could plant a symlink in it and have root's push (or prune,
+/// or any write) go wherever it points.
+pub async fn refuse_shared_local_store_as_root(remote: &labsync_store::Remote) -> Result<()> {
+    let Some(root) = remote.local_path("").filter(|_| labsync_agent::euid() == 0) else {
+        return Ok(());
+    };
+    labsync_agent::off_runtime(move || labsync_agent::check_root_store(&root))
+        .await
+        .map_err(anyhow::Error::msg)
 }
 
 /// Exit status 0 or 1.

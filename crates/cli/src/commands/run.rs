@@ -398,6 +398,7 @@ async fn data_refs(
 async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
     let remote = Remote::open(&info.store, &s.store_options)
         .with_context(|| format!("cannot open labd's store {}", info.store))?;
+    super::refuse_shared_local_store_as_root(&remote).await?;
     Repo::open(remote, None)
         .await
         .with_context(|| format!("cannot open labd's store {}", info.store))
