@@ -7,6 +7,7 @@
 //! first and SIGKILL after a grace period, until none is left; GPU processes
 //! of the session are the job's own, never "foreign".
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -74,7 +75,7 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         // The working folder is entered as the user, after the switch:
         // `Command::current_dir` would enter it as root, before any
         // pre-exec step, and a job would start inside a folder its user
-        // could never have entered.
+        // could not enter.
         Some((uid, gid)) => become_user(&mut cmd, uid, gid, &spec.cwd)?,
         None => {
             cmd.current_dir(&spec.cwd);
@@ -120,10 +121,20 @@ fn join_cgroup(cmd: &mut Command, procs: File) {
 /// groups (`video`/`render` for `/dev/nvidia*` on some systems, the lab's
 /// data groups), in `cwd`, entered as that user. `Command::uid` would drop
 /// the supplementary ones.
+///
+/// `cwd` is found by root (a `jobs/<id>/work` under labd's own folders,
+/// however tight labd's umask made them) and opened without following a
+/// symlink at its end; entering it (`fchdir`) after the switch asks the
+/// user's search permission on that folder itself.
 #[allow(unsafe_code)]
 fn become_user(cmd: &mut Command, uid: u32, gid: u32, cwd: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let cwd = std::ffi::CString::new(cwd.as_os_str().as_bytes())?;
+    use rustix::fs::{Mode, OFlags};
+    use std::os::fd::AsRawFd;
+    let cwd = rustix::fs::open(
+        cwd,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
     // Looked up before the fork: NSS is not async-signal-safe.
     let mut groups: Vec<libc::gid_t> = vec![gid];
     if let Some(user) = crate::users::user_by_uid(uid) {
@@ -147,14 +158,16 @@ fn become_user(cmd: &mut Command, uid: u32, gid: u32, cwd: &Path) -> std::io::Re
         }
     }
     // SAFETY: the closure runs in the forked child before exec and makes
-    // only setgroups/setgid/setuid/chdir system calls, which are
-    // async-signal-safe, on memory prepared before the fork.
+    // only setgroups/setgid/setuid/fchdir system calls, which are
+    // async-signal-safe, on memory and a descriptor prepared before the
+    // fork (`cwd` lives in the closure; close-on-exec, the job does not
+    // inherit it).
     unsafe {
         cmd.pre_exec(move || {
             if libc::setgroups(groups.len(), groups.as_ptr()) == -1
                 || libc::setgid(gid) == -1
                 || libc::setuid(uid) == -1
-                || libc::chdir(cwd.as_ptr()) == -1
+                || libc::fchdir(cwd.as_raw_fd()) == -1
             {
                 return Err(std::io::Error::last_os_error());
             }
@@ -166,13 +179,33 @@ fn become_user(cmd: &mut Command, uid: u32, gid: u32, cwd: &Path) -> std::io::Re
 
 /// Every live process whose session id is `sid`.
 pub fn session_members(sid: u32) -> Vec<u32> {
+    members_of(&HashSet::from([sid]))
+}
+
+/// Every live process whose session id is one of `sids` (one pass over
+/// `/proc` for all of them).
+fn members_of(sids: &HashSet<u32>) -> Vec<u32> {
+    if sids.is_empty() {
+        return Vec::new();
+    }
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| crate::process_session(pid) == Some(sid) && !is_zombie(pid))
+        .filter(|&pid| {
+            crate::process_session(pid).is_some_and(|s| sids.contains(&s)) && !is_zombie(pid)
+        })
         .collect()
+}
+
+/// Whether pid `sid`, whose process started at `start` clock ticks, is
+/// another process's now. Linux hands a pid out again only when no
+/// process has it as its session id any more: the session it led is then
+/// empty, and processes with that session id are someone else's (a
+/// login, another job).
+pub fn changed_hands(sid: u32, start: Option<u64>) -> bool {
+    start.is_some_and(|s| start_ticks(sid).is_some_and(|now| now != s))
 }
 
 fn is_zombie(pid: u32) -> bool {
@@ -195,19 +228,34 @@ pub(crate) fn signal(pid: u32, sig: libc::c_int) {
 /// `grace`, repeated until the session is empty (a process forking while it
 /// is killed is caught on the next round). Returns how many were SIGKILLed.
 pub fn kill_session(sid: u32, grace: Duration) -> usize {
-    for pid in session_members(sid) {
+    kill_sessions(&[(sid, None)], grace)
+}
+
+/// [`kill_session`] for several sessions at once, under one grace period.
+/// Each is its leader's pid and when that leader started (`None`: not
+/// known); one whose pid [`changed_hands`] is left alone, as checked
+/// before every round.
+pub fn kill_sessions(sessions: &[(u32, Option<u64>)], grace: Duration) -> usize {
+    let live = || -> HashSet<u32> {
+        sessions
+            .iter()
+            .filter(|(sid, start)| !changed_hands(*sid, *start))
+            .map(|(sid, _)| *sid)
+            .collect()
+    };
+    for pid in members_of(&live()) {
         signal(pid, libc::SIGTERM);
     }
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline {
-        if session_members(sid).is_empty() {
+        if members_of(&live()).is_empty() {
             return 0;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut killed = 0;
     for _ in 0..100 {
-        let left = session_members(sid);
+        let left = members_of(&live());
         if left.is_empty() {
             break;
         }
@@ -301,6 +349,18 @@ mod tests {
         assert_eq!(log, format!("in {} as 65534\n", open.display()));
         let e = spawn(&as_nobody(&closed)).map(|_| ()).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        // A folder of the user's own inside root's tight ones (labd under
+        // umask 077 makes jobs/<id> 0700): found by root, entered by the
+        // user.
+        let theirs = closed.join("work");
+        std::fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        mode(&theirs, 0o700);
+        std::fs::remove_file(dir.path().join("log")).unwrap();
+        let mut s = spawn(&as_nobody(&theirs)).unwrap();
+        assert!(s.child.wait().unwrap().success());
+        let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
+        assert_eq!(log, format!("in {} as 65534\n", theirs.display()));
     }
 
     /// A pid reused by a process that leads no session, or by a session
