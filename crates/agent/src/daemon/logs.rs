@@ -79,8 +79,9 @@ impl JobLogs {
     ///
     /// The job holds the file itself (its stdout) and may clear `O_APPEND`
     /// on it, then write back into the cut part, which does not move the
-    /// file's size. So the blocks the file holds decide too: past the cap,
-    /// the cut part is punched again from its start.
+    /// file's size. So when the file holds more blocks than the cap (XFS
+    /// counts its preallocation past the end there too) and there is data
+    /// in the cut part (`SEEK_DATA`), that part is punched again whole.
     pub fn bound(&self, id: &str) {
         use std::os::unix::fs::MetadataExt;
         // One at a time: a kill's tick may run beside the ticker's, and a
@@ -107,8 +108,12 @@ impl JobLogs {
         let on_disk = start + size.saturating_sub(done);
         let end = size.saturating_sub(cap / 2) / LOG_BLOCK * LOG_BLOCK;
         let grew = on_disk > limit && end > done;
-        let overfull = held > limit;
-        if !grew && !overfull {
+        let refilled = held > limit
+            && done > start
+            // Where punching failed once (NFS), it is not tried each tick.
+            && !self.warned.lock().expect("labd poisoned").contains(id)
+            && data_between(&path, start, done);
+        if !grew && !refilled {
             return;
         }
         if grew {
@@ -126,7 +131,7 @@ impl JobLogs {
         let cut = if grew { end } else { done };
         // Written back into, the cut part goes again whole; otherwise only
         // what is new in it.
-        let from = if overfull { start } else { done };
+        let from = if refilled { start } else { done };
         let freed = cut_log(&path, from..cut);
         if let Err(e) = freed {
             // Once per job: a file system without hole punching (NFS) would
@@ -194,6 +199,20 @@ pub(crate) fn read_log(
             Ok((bytes, next))
         }
     }
+}
+
+/// Whether the log at `path` holds data (not a hole) anywhere in
+/// `[start, end)`; false where it cannot be told.
+fn data_between(path: &Path, start: u64, end: u64) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return false;
+    };
+    rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(start)).is_ok_and(|at| at < end)
 }
 
 /// Frees the bytes `range` of the log at `path` (the file keeps its size).
