@@ -667,18 +667,7 @@ impl Node {
         // grace period, not one per job, holds up the tick (a user whose
         // jobs leave processes that ignore SIGTERM could otherwise stall
         // the node's scheduling and log bounding for minutes).
-        std::thread::scope(|scope| {
-            for (id, session) in &sessions {
-                let kill = move || self.kill_job(id, *session, Duration::from_secs(2));
-                let spawned = std::thread::Builder::new()
-                    .name("labd-reap".into())
-                    .spawn_scoped(scope, kill);
-                if spawned.is_err() {
-                    // No thread to be had: this one is killed here.
-                    self.kill_job(id, *session, Duration::from_secs(2));
-                }
-            }
-        });
+        self.kill_jobs(&sessions, Duration::from_secs(2));
         {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut result = Ok(());
@@ -704,39 +693,36 @@ impl Node {
     }
 
     /// SIGTERM to every process of the job (its session and its cgroup),
-    /// SIGKILL to what is left after `grace`, until none is left.
-    ///
-    /// The session is the one its leader (`sid`, started at `start` clock
-    /// ticks) led, unless another process holds that pid now: Linux gives
-    /// a pid out again only when no process has it as its session id any
-    /// more, so the job's session is then empty, and the processes with
-    /// that session id are someone else's (a login, another job).
-    fn kill_job(&self, id: &str, (sid, start): (u32, Option<u64>), grace: Duration) {
-        let reused = start.is_some_and(|s| runner::start_ticks(sid).is_some_and(|now| now != s));
-        if reused {
-            tracing::info!(
-                "job {id}: its leader's pid {sid} is another process's now; its session is gone"
-            );
-        }
-        let session = |grace| {
-            if !reused {
-                runner::kill_session(sid, grace);
-            }
-        };
+    /// SIGKILL to what is left after `grace`, until none is left. The
+    /// session is its leader's pid and start ([`runner::kill_sessions`]):
+    /// once the pid is another process's, only the cgroup is the job's.
+    fn kill_job(&self, id: &str, session: (u32, Option<u64>), grace: Duration) {
+        self.kill_jobs(&[(id.to_string(), session)], grace);
+    }
+
+    /// [`Node::kill_job`] for several jobs at once, under one grace period.
+    fn kill_jobs(&self, jobs: &[(String, (u32, Option<u64>))], grace: Duration) {
+        let sessions: Vec<(u32, Option<u64>)> = jobs.iter().map(|(_, s)| *s).collect();
         let Some(cg) = &self.cgroups else {
-            session(grace);
+            runner::kill_sessions(&sessions, grace);
             return;
         };
         let deadline = std::time::Instant::now() + grace;
-        cg.terminate(id);
-        session(grace);
-        while !cg.members(id).is_empty() && std::time::Instant::now() < deadline {
+        for (id, _) in jobs {
+            cg.terminate(id);
+        }
+        runner::kill_sessions(&sessions, grace);
+        while jobs.iter().any(|(id, _)| !cg.members(id).is_empty())
+            && std::time::Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
-        if !cg.kill(id, Duration::from_secs(5)) {
-            tracing::warn!("job {id}: processes of its cgroup would not die");
+        for (id, _) in jobs {
+            if !cg.kill(id, Duration::from_secs(5)) {
+                tracing::warn!("job {id}: processes of its cgroup would not die");
+            }
+            cg.remove(id);
         }
-        cg.remove(id);
     }
 
     /// The session of a running job: its id and its leader's start.
