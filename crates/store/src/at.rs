@@ -507,7 +507,7 @@ fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
 /// delete what that user could not.
 pub fn empty_tree_as(path: &Path, who: Option<(u32, u32)>) -> io::Result<u64> {
     let fd = rustix::fs::open(path, read_flags(), Mode::empty())?;
-    let _as = crate::fsutil::ReadAs::enter(who);
+    let _as = crate::fsutil::ReadAs::try_enter(who)?;
     empty(emptiable(fd, b"")?)
 }
 

@@ -196,10 +196,16 @@ pub(crate) struct ReadAs {
 }
 
 impl ReadAs {
+    /// Switches this thread to `who` (`None`: stays itself), or says it
+    /// cannot. setfsuid and setfsgid say nothing when they fail (a process
+    /// without CAP_SETUID or CAP_SETGID, root in a capability-bound unit
+    /// say): an invalid id (-1) changes nothing and returns the one in
+    /// force, so the ids are read back. Reading on with the process's own
+    /// rights could read what the user may not.
     #[allow(unsafe_code)]
-    pub(crate) fn enter(who: Option<(u32, u32)>) -> ReadAs {
+    pub(crate) fn try_enter(who: Option<(u32, u32)>) -> std::io::Result<ReadAs> {
         let Some((uid, gid)) = who else {
-            return ReadAs { saved: None };
+            return Ok(ReadAs { saved: None });
         };
         // SAFETY: these system calls change only this thread's credentials;
         // the buffers passed are valid for the lengths given.
@@ -211,15 +217,10 @@ impl ReadAs {
             libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
             let old_gid = libc::syscall(libc::SYS_setfsgid, gid);
             let old_uid = libc::syscall(libc::SYS_setfsuid, uid);
+            // Dropped on the error too: the thread is itself again.
             let entered = ReadAs {
                 saved: Some((old_uid, old_gid, groups)),
             };
-            // setfsuid and setfsgid say nothing when they fail (a process
-            // without CAP_SETUID or CAP_SETGID, root in a capability-bound
-            // unit say): an invalid id (-1) changes nothing and returns the
-            // one in force. Reading on with the process's own rights could
-            // read what the user may not; this read goes no further (the
-            // drop, as the panic unwinds, restores the thread).
             let now_uid = libc::syscall(libc::SYS_setfsuid, u32::MAX);
             let now_gid = libc::syscall(libc::SYS_setfsgid, u32::MAX);
             let now_groups =
@@ -227,14 +228,25 @@ impl ReadAs {
             if (now_uid, now_gid, now_groups)
                 != (libc::c_long::from(uid), libc::c_long::from(gid), 0)
             {
-                panic!(
-                    "cannot read files as uid {uid} gid {gid}: this process may not switch its \
-                     file-system ids (it lacks CAP_SETUID or CAP_SETGID); refusing to read \
-                     with its own rights instead"
-                );
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "cannot read files as uid {uid} gid {gid}: this process may not switch \
+                         its file-system ids (it lacks CAP_SETUID or CAP_SETGID); refusing to \
+                         read with its own rights instead"
+                    ),
+                ));
             }
-            entered
+            Ok(entered)
         }
+    }
+
+    /// [`ReadAs::try_enter`] on a worker thread of a push whose start
+    /// already switched once ([`try_enter`](ReadAs::try_enter) in
+    /// `source_root`): a thread that cannot is a broken invariant, and
+    /// reads nothing.
+    pub(crate) fn enter(who: Option<(u32, u32)>) -> ReadAs {
+        ReadAs::try_enter(who).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
@@ -257,10 +269,10 @@ impl Drop for ReadAs {
 /// look at a path a user controls (a job's outputs folder, which may be a
 /// symlink to anywhere) then tells root's caller only what that user may
 /// see. Call it off the async runtime: a look can block (an automount, a
-/// dead NFS server).
-pub fn as_user<T>(who: Option<(u32, u32)>, f: impl FnOnce() -> T) -> T {
-    let _as = ReadAs::enter(who);
-    f()
+/// dead NFS server). `Err` when this thread cannot switch to `who`.
+pub fn as_user<T>(who: Option<(u32, u32)>, f: impl FnOnce() -> T) -> std::io::Result<T> {
+    let _as = ReadAs::try_enter(who)?;
+    Ok(f())
 }
 
 /// The alignment `O_DIRECT` asks of buffer address, file offset and length:
@@ -317,16 +329,16 @@ mod tests {
         std::os::unix::fs::symlink(private.join("inside"), &link).unwrap();
         let nobody = Some((65534, 65534));
         assert!(
-            !as_user(nobody, || link.is_dir()),
+            !as_user(nobody, || link.is_dir()).unwrap(),
             "seen through root's eyes"
         );
-        assert!(as_user(None, || link.is_dir()));
+        assert!(as_user(None, || link.is_dir()).unwrap());
         assert!(link.is_dir(), "the thread's own rights are back");
     }
 
     /// A thread that cannot switch its file-system ids (no CAP_SETUID and
     /// CAP_SETGID in force) reads nothing as another user, rather than
-    /// reading with its own rights.
+    /// reading with its own rights, and is itself again after.
     #[test]
     fn a_look_that_cannot_switch_users_is_refused() {
         use rustix::thread::{capabilities, set_capabilities, CapabilitySet};
@@ -337,17 +349,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let probe = dir.path().to_path_buf();
         // Capabilities are per thread: only this one loses them.
-        let looked = std::thread::spawn(move || {
+        let (looked, emptied, fsuid) = std::thread::spawn(move || {
             let mut caps = capabilities(None).unwrap();
             caps.effective -= CapabilitySet::SETUID | CapabilitySet::SETGID;
             set_capabilities(None, caps).unwrap();
-            std::panic::catch_unwind(|| as_user(Some((65534, 65534)), || probe.is_dir()))
+            let looked = as_user(Some((65534, 65534)), || probe.is_dir());
+            let emptied = crate::empty_tree_as(&probe, Some((65534, 65534)));
+            // SAFETY: an invalid id changes nothing and returns the one in force.
+            #[allow(unsafe_code)]
+            let fsuid = unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) };
+            (looked, emptied, fsuid)
         })
         .join()
         .unwrap();
-        let why = looked.expect_err("read on with root's rights");
-        let why = why.downcast_ref::<String>().unwrap();
+        let why = looked.expect_err("read on with root's rights").to_string();
         assert!(why.contains("cannot read files as uid 65534"), "{why}");
+        let why = emptied.expect_err("emptied with root's rights").to_string();
+        assert!(why.contains("lacks CAP_SETUID"), "{why}");
+        assert_eq!(fsuid, 0, "the thread is root again");
     }
 
     /// From an aligned start (written from where it is) and from a

@@ -133,7 +133,7 @@ impl OutputsSaver {
         };
         let dir = work.join(out);
         let (result, unreadable) = self.push_folder(&job, &dir, out, last).await;
-        let left_none = !outputs_folder_is_there(&job, &dir).await;
+        let left_none = outputs_folder_is_there(&job, &dir).await == Ok(false);
         // Failed final pushes are counted (periodic ones are not: a store
         // that was down during the run must not cost the last checkpoint).
         let attempts = {
@@ -206,8 +206,10 @@ impl OutputsSaver {
         out: &str,
         last: bool,
     ) -> (Result<String, String>, bool) {
-        if !outputs_folder_is_there(job, dir).await {
-            return (Err(format!("the job left no {out} folder to save")), false);
+        match outputs_folder_is_there(job, dir).await {
+            Ok(true) => {}
+            Ok(false) => return (Err(format!("the job left no {out} folder to save")), false),
+            Err(e) => return (Err(e), false),
         }
         let opts = PushOptions {
             name: format!("runs/{}", job.id),
@@ -226,9 +228,12 @@ impl OutputsSaver {
             Ok(o) => (Ok(o.record.label()), false),
             Err(e) => {
                 let (d, who) = (dir.to_path_buf(), job.meta.run_as);
-                let canon =
-                    off_runtime(move || labsync_store::as_user(who, || d.canonicalize().ok()))
-                        .await;
+                let canon = off_runtime(move || {
+                    labsync_store::as_user(who, || d.canonicalize().ok())
+                        .ok()
+                        .flatten()
+                })
+                .await;
                 let unreadable = matches!(&e, labsync_store::Error::Io { path, .. }
                     if path.starts_with(dir)
                         || canon.as_ref().is_some_and(|c| path.starts_with(c)));
@@ -250,7 +255,10 @@ impl OutputsSaver {
 /// sees it (the job controls that path: a symlink to `/root/…` must not
 /// tell root's answer), looked at off the runtime (a symlink into an
 /// automount or a dead NFS server blocks a look).
-async fn outputs_folder_is_there(job: &JobRecord, dir: &std::path::Path) -> bool {
+/// `Err` when labd cannot look as that user.
+async fn outputs_folder_is_there(job: &JobRecord, dir: &std::path::Path) -> Result<bool, String> {
     let (d, who) = (dir.to_path_buf(), job.meta.run_as);
-    off_runtime(move || labsync_store::as_user(who, || d.is_dir())).await
+    off_runtime(move || labsync_store::as_user(who, || d.is_dir()))
+        .await
+        .map_err(|e| e.to_string())
 }

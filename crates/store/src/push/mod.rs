@@ -194,7 +194,10 @@ pub async fn push(
 async fn source_root(src: &Path, read_as: Option<(u32, u32)>) -> Result<PathBuf> {
     let src = src.to_path_buf();
     blocking(move || {
-        let _as = crate::fsutil::ReadAs::enter(read_as);
+        // The first switch of the push: a process that cannot switch
+        // stops here with an error (its worker threads would panic).
+        let _as = crate::fsutil::ReadAs::try_enter(read_as)
+            .map_err(Error::io("read as its owner", &src))?;
         src.canonicalize().map_err(Error::io("open source", &src))
     })
     .await
