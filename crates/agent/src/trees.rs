@@ -55,7 +55,15 @@ impl Trees {
         // place, and the folder stays for the admin to remove.
         let old = cache.root().join("trees-v1");
         if old.is_dir() {
-            strip_setid_bits(&old, None).map_err(PrepareError::io("strip setuid bits in", &old))?;
+            let passed = strip_setid_bits(&old, None)
+                .map_err(PrepareError::io("strip setuid bits in", &old))?;
+            if passed > 0 {
+                tracing::warn!(
+                    "{passed} entries of {} could not be looked at for setuid bits; remove \
+                     that folder once no job runs on it",
+                    old.display()
+                );
+            }
         }
         let root = cache.root().join("trees-v2");
         std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
@@ -239,69 +247,91 @@ fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
 /// symlink between a look by path and a `chmod` by path, which follows
 /// it: root would then change the mode of whatever it points to.
 ///
-/// With `owner`, only what that uid owns is changed (the rest is still
-/// walked through).
-fn strip_setid_bits(root: &Path, owner: Option<u32>) -> std::io::Result<()> {
-    use rustix::fs::{fchmod, fstat, openat, AtFlags, Dir, FileType, Mode, OFlags};
+/// With `owner`, only files and folders that uid owns change, and only
+/// files with one link (a copy, not a link a user made to someone else's
+/// program). The walk stays on `root`'s file system, holds one descriptor
+/// per level, and goes past an entry it cannot look at (a user's FUSE
+/// mount, an entry swapped meanwhile): it returns how many it went past.
+fn strip_setid_bits(root: &Path, owner: Option<u32>) -> std::io::Result<u64> {
+    use rustix::fs::{fchmod, fstat, openat, AtFlags, Dir, FileType, Mode, OFlags, Stat};
+    use std::os::fd::OwnedFd;
     let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let file_flags =
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let strip = |fd: &std::os::fd::OwnedFd| -> std::io::Result<()> {
-        let st = fstat(fd)?;
-        if st.st_mode & 0o6000 != 0 && owner.is_none_or(|o| o == st.st_uid) {
+    let ours = |st: &Stat| {
+        owner.is_none_or(|o| {
+            o == st.st_uid
+                && (FileType::from_raw_mode(st.st_mode) == FileType::Directory || st.st_nlink == 1)
+        })
+    };
+    let strip = |fd: &OwnedFd, st: &Stat| -> std::io::Result<()> {
+        if st.st_mode & 0o6000 != 0 && ours(st) {
             fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777 & !0o6000))?;
         }
         Ok(())
     };
-    let top = rustix::fs::open(root, dir_flags, Mode::empty())?;
-    strip(&top)?;
-    let mut stack = vec![top];
-    while let Some(dir) = stack.pop() {
+    let names = |dir: &OwnedFd| -> std::io::Result<Vec<std::ffi::CString>> {
         let mut names = Vec::new();
-        for ent in Dir::read_from(&dir)? {
-            let ent = ent?;
-            let name = ent.file_name().to_owned();
+        for ent in Dir::read_from(dir)? {
+            let name = ent?.file_name().to_owned();
             if !matches!(name.to_bytes(), b"." | b"..") {
                 names.push(name);
             }
         }
-        for name in names {
-            let st = match rustix::fs::statat(&dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => st,
-                Err(rustix::io::Errno::NOENT) => continue,
-                Err(e) => return Err(e.into()),
-            };
-            let kind = FileType::from_raw_mode(st.st_mode);
-            if st.st_mode & 0o6000 == 0 && kind != FileType::Directory {
+        Ok(names)
+    };
+    let top = rustix::fs::open(root, dir_flags, Mode::empty())?;
+    let top_st = fstat(&top)?;
+    strip(&top, &top_st)?;
+    let mut passed = 0u64;
+    // One frame per level: the folder, and its entries still to look at.
+    let mut stack = vec![(names(&top)?, top)];
+    while let Some((left, dir)) = stack.last_mut() {
+        let Some(name) = left.pop() else {
+            stack.pop();
+            continue;
+        };
+        let st = match rustix::fs::statat(&*dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(rustix::io::Errno::NOENT) => continue,
+            Err(_) => {
+                passed += 1;
                 continue;
             }
-            let flags = match kind {
-                FileType::Directory => dir_flags,
-                FileType::RegularFile => file_flags,
-                // A symlink is never followed; nothing else holds setid bits
-                // that matter.
-                _ => continue,
-            };
-            let fd = match openat(&dir, &name, flags, Mode::empty()) {
-                Ok(fd) => fd,
-                // Swapped meanwhile for a symlink, or gone: not followed.
-                Err(
-                    rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR,
-                ) => continue,
-                Err(e) => return Err(e.into()),
-            };
-            // The handle's own type: a swap for a FIFO or device is left alone.
-            match FileType::from_raw_mode(fstat(&fd)?.st_mode) {
-                FileType::Directory => {
-                    strip(&fd)?;
-                    stack.push(fd);
-                }
-                FileType::RegularFile => strip(&fd)?,
-                _ => {}
+        };
+        let kind = FileType::from_raw_mode(st.st_mode);
+        let flags = match kind {
+            FileType::Directory if st.st_dev == top_st.st_dev => dir_flags,
+            FileType::RegularFile if st.st_mode & 0o6000 != 0 && ours(&st) => file_flags,
+            // A symlink is never followed; nothing else holds setid bits
+            // that matter; another file system (a mount) is not walked.
+            _ => continue,
+        };
+        let fd = match openat(&*dir, &name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            // Gone meanwhile.
+            Err(rustix::io::Errno::NOENT) => continue,
+            // Swapped for a symlink, or anything else: gone past.
+            Err(_) => {
+                passed += 1;
+                continue;
             }
+        };
+        // The handle's own type: a swap for a FIFO or device is left alone.
+        let st = fstat(&fd)?;
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::Directory if st.st_dev == top_st.st_dev => {
+                strip(&fd, &st)?;
+                match names(&fd) {
+                    Ok(n) => stack.push((n, fd)),
+                    Err(_) => passed += 1,
+                }
+            }
+            FileType::RegularFile => strip(&fd, &st)?,
+            _ => {}
         }
     }
-    Ok(())
+    Ok(passed)
 }
 
 /// Strips the setuid and setgid bits a labd from before modes were masked
@@ -309,14 +339,15 @@ fn strip_setid_bits(root: &Path, owner: Option<u32>) -> std::io::Result<()> {
 /// (`<state>/jobs/*/work`, `<state>/slurm/*/work`). It copied files of
 /// its trees there where it could not hard-link them, modes and all, and
 /// as root: a setuid file of the store became a setuid-root program in the
-/// user's folder. Only files and folders root owns change; the users' own
-/// keep their modes. Done once, on a node that still has trees-v1 (the
-/// mark of such a labd), and marked done in `state_dir`.
-pub fn strip_old_setid_copies(cache: &NodeCache, state_dir: &Path) -> std::io::Result<()> {
+/// user's folder. Only root's files with one link and root's folders
+/// change; the users' own keep their modes. Done once per state folder
+/// (marked done there); returns how many entries it could not look at.
+pub fn strip_old_setid_copies(state_dir: &Path) -> std::io::Result<u64> {
     let done = state_dir.join("old-copies-setid-stripped");
-    if !cache.root().join("trees-v1").is_dir() || done.exists() {
-        return Ok(());
+    if done.exists() {
+        return Ok(0);
     }
+    let mut passed = 0;
     for top in ["jobs", "slurm"] {
         let top = state_dir.join(top);
         let entries = match std::fs::read_dir(&top) {
@@ -334,16 +365,18 @@ pub fn strip_old_setid_copies(cache: &NodeCache, state_dir: &Path) -> std::io::R
             let work = e.path().join("work");
             // The walk opens nothing through a symlink, `work` included.
             match strip_setid_bits(&work, Some(crate::euid())) {
+                Ok(n) => passed += n,
                 Err(e)
                     if matches!(
                         e.raw_os_error(),
                         Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
                     ) => {}
-                other => other?,
+                Err(_) => passed += 1,
             }
         }
     }
-    std::fs::write(&done, "")
+    std::fs::write(&done, "")?;
+    Ok(passed)
 }
 
 /// Removes a tree that was made read-only for sharing (at any depth, no
@@ -722,7 +755,16 @@ mod tests {
             std::os::unix::fs::lchown(&theirs, Some(65534), Some(65534)).unwrap();
             std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o4750)).unwrap();
         }
-        strip_old_setid_copies(&cache, &state).unwrap();
+        // A user's own hard link to root's setuid program (where
+        // protected_hardlinks allows it) is not a copy: left alone.
+        setid(&dir.path().join("program"), 0o4755);
+        std::fs::hard_link(dir.path().join("program"), work.join("link")).unwrap();
+        assert_eq!(strip_old_setid_copies(&state).unwrap(), 0);
+        assert_eq!(
+            mode(&work.join("link")),
+            0o4755,
+            "a linked program was changed"
+        );
         assert_eq!(mode(&work.join("copy")), 0o755);
         assert_eq!(mode(&stage.join("copy")), 0o755);
         assert_eq!(mode(&elsewhere), 0o4755, "a symlink was followed");
@@ -731,7 +773,7 @@ mod tests {
         }
         // Once: a copy made later (by hand, here) is not looked for again.
         setid(&work.join("later"), 0o4755);
-        strip_old_setid_copies(&cache, &state).unwrap();
+        strip_old_setid_copies(&state).unwrap();
         assert_eq!(mode(&work.join("later")), 0o4755);
     }
 

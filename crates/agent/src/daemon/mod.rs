@@ -205,13 +205,26 @@ impl Daemon {
             None => cache,
         };
         let trees = Trees::new(&cache).map_err(|e| open_error("the shared trees", &e))?;
-        if let Err(e) = crate::trees::strip_old_setid_copies(&cache, &cfg.state_dir) {
-            // Tried again at the next start.
-            tracing::error!(
-                "cannot strip setuid bits from old copies in the working folders under {}: {e}",
-                cfg.state_dir.display()
+        // Once per node, beside the start: the walk goes through users'
+        // folders, where a look can block (a FUSE mount of theirs).
+        let state_dir = cfg.state_dir.clone();
+        let _ = std::thread::Builder::new()
+            .name("labd-setid".into())
+            .spawn(
+                move || match crate::trees::strip_old_setid_copies(&state_dir) {
+                    Ok(0) => {}
+                    Ok(n) => tracing::warn!(
+                        "{n} entries of the working folders under {} could not be looked at for \
+                     setuid copies",
+                        state_dir.display()
+                    ),
+                    // Tried again at the next start.
+                    Err(e) => tracing::error!(
+                    "cannot strip setuid bits from old copies in the working folders under {}: {e}",
+                    state_dir.display()
+                ),
+                },
             );
-        }
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
         set_modes(&cfg.state_dir, &jobs_dir)?;
