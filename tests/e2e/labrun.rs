@@ -747,15 +747,13 @@ fn job_ids_stay_unique_when_the_state_is_lost() {
         third != first && third != second,
         "the state folder was lost, the store was not: {first} {second} {third}"
     );
-    // A ref anyone can write names a job near u64::MAX: ignored, not wrapped.
+    // Refs anyone can write name a job near u64::MAX, and one just below
+    // the last id labd gives: ignored, not wrapped, and no ids used up.
     std::fs::create_dir_all(n.path("evil")).unwrap();
-    let o = n.labsync(&[
-        "push",
-        n.path("evil").to_str().unwrap(),
-        "--name",
-        "runs/j18446744073709551614",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for name in ["runs/j18446744073709551614", "runs/j999999999999"] {
+        let o = n.labsync(&["push", n.path("evil").to_str().unwrap(), "--name", name]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
     n.crash();
     n.restart();
     let fourth = run(&n);

@@ -40,14 +40,23 @@ fn never_fits(status: &[GpuStatus], gpus: u32, min_free: u64) -> Option<String> 
     })
 }
 
-/// `n` of a job id `j{n}`; numbers past 10^12 (no node runs that many
-/// jobs, but a store ref anyone can write may say so) are not ids.
+/// Job numbers are below this: no node runs that many jobs, but a store
+/// ref anyone can write may say so.
+pub const JOB_NUMBERS: u64 = 1_000_000_000_000;
+
+/// `n` of a job id `j{n}`; numbers from [`JOB_NUMBERS`] on are not ids.
 pub fn job_number(id: &str) -> Option<u64> {
     id.strip_prefix('j')?
         .parse()
         .ok()
-        .filter(|&n| n < 1_000_000_000_000)
+        .filter(|&n| n < JOB_NUMBERS)
 }
+
+/// The highest job number outputs in the store may make new ids start
+/// above. A lab member can push `runs/j<N>` for any `N`: one near
+/// [`JOB_NUMBERS`] would leave no ids to give, so store refs past this
+/// (a thousand times more jobs than any lab runs) are not taken for jobs.
+pub const STORE_NUMBERS: u64 = 1_000_000_000;
 
 /// The cgroups of this labd's jobs, named after its state folder; said once
 /// in the log when there are none.
@@ -371,9 +380,10 @@ impl Node {
         // its job would vanish from labd's view while holding its GPUs.
         let id = loop {
             let n = inner.next;
-            inner.next = n
-                .checked_add(1)
-                .ok_or_else(|| NodeError::Refused("job ids exhausted".into()))?;
+            if n >= JOB_NUMBERS {
+                return Err(NodeError::Refused("job ids exhausted".into()));
+            }
+            inner.next = n + 1;
             let id = format!("j{n}");
             if self.state.job(&id)?.is_none() {
                 break id;

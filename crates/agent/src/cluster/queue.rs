@@ -195,6 +195,10 @@ impl ClusterJobs {
             {
                 n += 1;
             }
+            // Never an id that is not one: all such jobs would be one.
+            if n >= crate::node::JOB_NUMBERS {
+                return Err(self.err("job ids exhausted"));
+            }
             meta.insert("next", n + 1).map_err(|e| self.err(e))?;
             let job = ClusterJob {
                 id: format!("j{n}"),
@@ -423,7 +427,8 @@ mod tests {
             .map(|j| j.id)
             .collect();
         assert_eq!(ids, vec![fresh.id.clone()], "loaded again at open");
-        let mut all: Vec<String> = db.ended().unwrap().into_iter().map(|j| j.id).collect();
+        let ended = db.ended().unwrap();
+        let mut all: Vec<String> = ended.into_iter().map(|j| j.id).collect();
         all.sort();
         assert_eq!(all, vec![fresh.id, old.id]);
     }
@@ -455,6 +460,15 @@ mod tests {
         assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j3");
         assert_eq!(db.create("alice", req(), 13, 40).unwrap().id, "j40");
         assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j41");
+        // The last id there is, then none: never one every job would share.
+        let last = crate::node::JOB_NUMBERS - 1;
+        assert_eq!(
+            db.create("alice", req(), 13, last).unwrap().id,
+            format!("j{last}")
+        );
+        let e = db.create("alice", req(), 13, 0).unwrap_err();
+        assert!(e.to_string().contains("job ids exhausted"), "{e}");
+        assert_eq!(db.live().len(), 6);
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&path).unwrap().permissions(),
         );

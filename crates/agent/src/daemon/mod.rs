@@ -462,7 +462,8 @@ async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError
     Ok(repo)
 }
 
-/// The highest `N` of the `runs/j<N>` outputs in the store.
+/// The highest `N` of the `runs/j<N>` outputs in the store, below
+/// [`crate::node::STORE_NUMBERS`].
 async fn highest_run(repo: &Repo) -> Result<Option<u64>, DaemonError> {
     let runs = repo
         .remote()
@@ -475,6 +476,7 @@ async fn highest_run(repo: &Repo) -> Result<Option<u64>, DaemonError> {
             let rest = o.key.strip_prefix("refs/runs/")?;
             crate::node::job_number(rest.split_once('/')?.0)
         })
+        .filter(|&n| n < crate::node::STORE_NUMBERS)
         .max())
 }
 
