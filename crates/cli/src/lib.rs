@@ -52,6 +52,33 @@ pub fn start(bin: &str, log_var: &str, default_filter: &str) -> Option<tokio::ru
     }
 }
 
+/// `s` with its control characters (C0, DEL and C1, newlines too) written
+/// as escapes (`\u{1b}`), for one field of a listing: other users' job
+/// commands, and what the store's records say about who pushed, reach a
+/// terminal only as text, never as bytes it acts on (colours, the
+/// window's title, the clipboard, a carriage return over another row).
+pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
+    shown_but(s, &[])
+}
+
+/// [`shown`], leaving the characters in `keep` as they are (a whole
+/// listing's own newlines).
+pub fn shown_but<'a>(s: &'a str, keep: &[char]) -> std::borrow::Cow<'a, str> {
+    let escape = |c: char| c.is_control() && !keep.contains(&c);
+    if !s.chars().any(escape) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if escape(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// `1.02 GB` (decimal units, as `du -h --si` and the examples).
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];
@@ -91,6 +118,20 @@ pub fn human_time(secs: i64) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn control_characters_are_shown_as_text() {
+        assert_eq!(shown("train.py --lr 0.1"), "train.py --lr 0.1");
+        assert_eq!(
+            shown("a\x1b]52;c;aGk=\x07b\rc\u{9b}2J\nd"),
+            "a\\u{1b}]52;c;aGk=\\u{7}b\\rc\\u{9b}2J\\nd"
+        );
+        assert_eq!(
+            shown_but("row one\nrow\x1b two", &['\n']),
+            "row one\nrow\\u{1b} two"
+        );
+    }
+
     use super::*;
 
     #[test]

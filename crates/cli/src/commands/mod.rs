@@ -89,7 +89,8 @@ impl Printer {
         } else if !self.quiet {
             let text = human();
             if !text.is_empty() {
-                println!("{text}");
+                // Records and names from the store are anyone's to write.
+                println!("{}", crate::shown_but(&text, &['\n', '\t']));
             }
         }
     }

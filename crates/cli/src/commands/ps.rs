@@ -54,8 +54,9 @@ pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
             j.user,
             gpus,
             runtime(j),
-            state_words(j),
-            j.argv.join(" ")
+            crate::shown(&state_words(j)),
+            // Other users' commands: text, never bytes a terminal acts on.
+            crate::shown(&j.argv.join(" "))
         );
     }
     Ok(ExitCode::SUCCESS)
