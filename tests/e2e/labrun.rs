@@ -711,6 +711,43 @@ fn labd_refuses_unsafe_configs() {
 
 /// Issue 9, point 13: job ids stay unique when labd's database, or its
 /// whole state folder, is lost: a new job never pushes a second `runs/j1`.
+/// A submission whose command and environment are past 256 KiB is
+/// refused with what to do (labd keeps, lists and heartbeats every job's
+/// command); and `labrun ps --all` shows another user's command as text,
+/// its control characters escaped, never as bytes a terminal acts on.
+#[test]
+fn huge_commands_are_refused_and_listings_show_commands_as_text() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    std::fs::create_dir_all(n.path("code")).unwrap();
+    let big = "x".repeat(100_000);
+    let o = n
+        .labrun_cmd(Some(ALICE), &["-d", "--gpus", "0", "--", "true"])
+        .envs((1..=3).map(|i| (format!("BIG{i}"), big.clone())))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "taken: {err}");
+    assert!(
+        err.contains("bytes: at most 256 KiB") && err.contains("environment"),
+        "{err}"
+    );
+    let id = n.bash(ALICE, 0, "sleep 30 # \x1b]0;pwned\x07\rrow");
+    let listed = n.ok(BOB, &["ps", "--all"]);
+    let row = listed
+        .lines()
+        .find(|l| l.starts_with(id.as_str()))
+        .unwrap_or_else(|| panic!("{id} not listed: {listed}"));
+    assert!(
+        row.contains(r"sleep 30 # \u{1b}]0;pwned\u{7}\rrow"),
+        "{row:?}"
+    );
+    assert!(
+        !listed.contains('\x1b') && !listed.contains('\r'),
+        "{listed:?}"
+    );
+    n.ok(ALICE, &["kill", &id]);
+}
+
 #[test]
 fn job_ids_stay_unique_when_the_state_is_lost() {
     let mut n = Node::start(None, "run_as = \"labd\"");

@@ -232,6 +232,21 @@ impl ClusterJobs {
         live: &mut BTreeMap<u64, ClusterJob>,
         job: &ClusterJob,
     ) -> Result<(), LeaseError> {
+        // An ended job's environment (its submitter's tokens and keys, as
+        // often as not) is needed no more: neither kept nor listed.
+        let ended;
+        let job = if matches!(job.placement, Placement::Ended { .. }) && !job.req.env.is_empty() {
+            ended = ClusterJob {
+                req: SubmitRequest {
+                    env: Vec::new(),
+                    ..job.req.clone()
+                },
+                ..job.clone()
+            };
+            &ended
+        } else {
+            job
+        };
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         {
             let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
@@ -349,6 +364,7 @@ mod tests {
     fn req() -> SubmitRequest {
         SubmitRequest {
             argv: vec!["true".into()],
+            env: vec![("WANDB_API_KEY".into(), "secret".into())],
             gpus: 1,
             ..Default::default()
         }
@@ -428,6 +444,14 @@ mod tests {
             .collect();
         assert_eq!(ids, vec![fresh.id.clone()], "loaded again at open");
         let ended = db.ended().unwrap();
+        assert!(
+            ended.iter().all(|j| j.req.env.is_empty()),
+            "an ended job's environment is kept"
+        );
+        assert!(db
+            .ended_since(now - RECENT_SECS)
+            .iter()
+            .all(|j| j.req.env.is_empty()));
         let mut all: Vec<String> = ended.into_iter().map(|j| j.id).collect();
         all.sort();
         assert_eq!(all, vec![fresh.id, old.id]);

@@ -92,9 +92,12 @@ impl Coordinator {
     }
 }
 
-/// Nodes at most, and GPUs on one node at most, in a ranking asked for.
+/// Nodes at most, GPUs on one node at most, and GPUs in all at most, in
+/// a ranking asked for (the view the placer builds holds every GPU: ten
+/// thousand nodes of 1,024 would be hundreds of MB per request).
 const MAX_NODES: usize = 10_000;
 const MAX_GPUS: u32 = 1024;
+const MAX_ALL_GPUS: u64 = 65_536;
 
 /// A ranking's nodes as a user sent them: bounded, each once, free ≤ GPUs.
 fn check_nodes(nodes: &[labsync_placer::SchedulerNode]) -> Result<(), ApiError> {
@@ -102,6 +105,12 @@ fn check_nodes(nodes: &[labsync_placer::SchedulerNode]) -> Result<(), ApiError> 
         return Err(ApiError::BadRequest(format!(
             "{} nodes to rank: at most {MAX_NODES}",
             nodes.len()
+        )));
+    }
+    let all: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
+    if all > MAX_ALL_GPUS {
+        return Err(ApiError::BadRequest(format!(
+            "{all} GPUs in the nodes to rank: at most {MAX_ALL_GPUS} in all"
         )));
     }
     let mut seen = std::collections::HashSet::new();
@@ -158,6 +167,15 @@ mod tests {
         assert!(check_nodes(&[node("a", MAX_GPUS + 1, 0)]).is_err());
         assert!(check_nodes(&[node("a", 2, 3)]).is_err());
         assert!(check_nodes(&[node("a", 2, 2), node("a", 2, 2)]).is_err());
+        let many: Vec<_> = (0..65)
+            .map(|i| node(&format!("n{i}"), MAX_GPUS, 0))
+            .collect();
+        let e = check_nodes(&many).unwrap_err().to_string();
+        assert!(
+            e.contains("66560 GPUs") && e.contains("at most 65536"),
+            "{e}"
+        );
+        assert!(check_nodes(&many[..64]).is_ok());
         let many: Vec<_> = (0..=MAX_NODES)
             .map(|i| node(&format!("n{i}"), 1, 1))
             .collect();

@@ -92,11 +92,40 @@ pub(crate) fn check_user_request(req: &SubmitRequest) -> Result<(), ApiError> {
 /// The longest hold: a week.
 pub const MAX_HOLD_S: u64 = 7 * 86_400;
 
-/// A request labd refuses before reserving anything: no command, an
-/// outputs folder outside the code, a data variable that is not one.
+/// The most bytes a job's command and environment may take together, and
+/// the most datasets it may name: far past any real job's (Linux itself
+/// takes at most 128 KiB in one argument), and small enough that a
+/// user's queued and recent jobs, which labd keeps, heartbeats and lists,
+/// cannot fill its memory or a heartbeat.
+pub const MAX_COMMAND_BYTES: usize = 256 << 10;
+/// See [`MAX_COMMAND_BYTES`].
+pub const MAX_DATASETS: usize = 64;
+
+/// A request labd refuses before reserving anything: no command, one or
+/// an environment past [`MAX_COMMAND_BYTES`], an outputs folder outside
+/// the code, a data variable that is not one.
 pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     if req.argv.is_empty() {
         return Err(ApiError::BadRequest("no command to run".into()));
+    }
+    let bytes: usize = req.argv.iter().map(|a| a.len() + 1).sum::<usize>()
+        + req
+            .env
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 2)
+            .sum::<usize>();
+    if bytes > MAX_COMMAND_BYTES {
+        return Err(ApiError::BadRequest(format!(
+            "the command and its environment take {bytes} bytes: at most {} KiB; put long \
+             scripts in a file of the code, and leave large variables out of the environment",
+            MAX_COMMAND_BYTES >> 10
+        )));
+    }
+    if req.data.len() > MAX_DATASETS {
+        return Err(ApiError::BadRequest(format!(
+            "{} datasets: at most {MAX_DATASETS} per job",
+            req.data.len()
+        )));
     }
     if let Some(s) = req.hold_s {
         if s == 0 || s > MAX_HOLD_S {
