@@ -1187,3 +1187,52 @@ fn a_waiting_jobs_data_is_prefetched_where_it_will_likely_run() {
         lab.job(&j)
     );
 }
+
+/// A submission names each dataset by label and snapshot; nodes fetch a
+/// waiting job's data ahead by its label. A label that is not a version,
+/// or whose snapshot is another, is refused at the coordinator: a user
+/// cannot make nodes fetch a dataset their job does not read, nor spoil
+/// another job's prefetch with a label that fails.
+#[test]
+fn a_label_that_names_another_snapshot_is_refused() {
+    use labsync_agent::proto::{DataRef, SubmitRequest, TreeRef};
+    let Some(lab) = Lab::start(2) else { return };
+    lab.dataset("a", 1);
+    lab.dataset("b", 2);
+    let snapshot = |name: &str| -> String {
+        let log: serde_json::Value =
+            serde_json::from_str(&lab.labsync(0, &["--json", "log", name])).unwrap();
+        log["versions"][0]["snapshot"].as_str().unwrap().to_string()
+    };
+    let (a, b) = (snapshot("a"), snapshot("b"));
+    assert_ne!(a, b);
+    let ep: Endpoint = lab.url(0).parse().unwrap();
+    let alice = Client::new(ep, Some(Secret::new(ALICE)));
+    let ask = |label: &str, snapshot: &str| SubmitRequest {
+        argv: vec!["true".into()],
+        data: vec![DataRef {
+            env: "LABRUN_DATA_X".into(),
+            tree: TreeRef {
+                label: label.into(),
+                snapshot: snapshot.into(),
+            },
+        }],
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let refused = |req: SubmitRequest| match rt.block_on(alice.submit(&req)) {
+        Err(ClientError::Status {
+            status: 400,
+            message,
+        }) => message,
+        other => panic!("{:?} taken: {other:?}", req.data[0].tree),
+    };
+    let e = refused(ask("a@v1", &b));
+    assert!(e.contains("a@v1 is snapshot") && e.contains(&b), "{e}");
+    let e = refused(ask("a", &a));
+    assert!(e.contains("is not a version"), "{e}");
+    let e = refused(ask("nosuch@v1", &a));
+    assert!(e.contains("nosuch@v1"), "{e}");
+    let job = rt.block_on(alice.submit(&ask("a@v1", &a))).unwrap();
+    lab.wait_for("the job to end", 30, |_| lab.job(&job.id).ended());
+}

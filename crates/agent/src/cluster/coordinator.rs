@@ -78,6 +78,9 @@ pub struct Coordinator {
     pub(super) ending: Mutex<()>,
     /// Prefetches sent: (node, snapshot) → when.
     pub(super) prefetched: Mutex<HashMap<(String, SnapshotId), std::time::Instant>>,
+    /// Version labels (`NAME@vN`, which never move) checked against the
+    /// store: label → snapshot id.
+    pub(super) checked_labels: Mutex<HashMap<String, String>>,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -134,6 +137,7 @@ impl Coordinator {
             usage: Mutex::new(usage),
             ending: Mutex::new(()),
             prefetched: Mutex::new(HashMap::new()),
+            checked_labels: Mutex::new(HashMap::new()),
         })
     }
 

@@ -128,6 +128,7 @@ impl Coordinator {
                 caller.user
             )));
         }
+        self.check_labels(d, &req).await?;
         let ranking = self.explain(d, &req).await?;
         if !ranking.rows.is_empty()
             && ranking
@@ -155,6 +156,52 @@ impl Coordinator {
         tracing::info!("job {} of {} queued in the cluster", job.id, job.user);
         self.wake.notify_one();
         Ok(self.view_of(&job))
+    }
+
+    /// Each tree's label is a version (`NAME@vN`) whose snapshot is the
+    /// one the request names. Nodes fetch a queued job's data ahead by its
+    /// label, and the label a job says for a snapshot is the one used:
+    /// unchecked, a user could make nodes fetch any dataset, or hold up
+    /// another user's prefetch with a label that fails.
+    async fn check_labels(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<(), ApiError> {
+        /// Checked labels kept at most (then forgotten and read again).
+        const KEPT: usize = 100_000;
+        for t in req.code.iter().chain(req.data.iter().map(|x| &x.tree)) {
+            let known = self
+                .checked_labels
+                .lock()
+                .expect("coordinator poisoned")
+                .get(&t.label)
+                == Some(&t.snapshot);
+            if known {
+                continue;
+            }
+            let spec: labsync_store::RefSpec = t
+                .label
+                .parse()
+                .ok()
+                .filter(|s: &labsync_store::RefSpec| s.version.is_some())
+                .ok_or_else(|| {
+                    ApiError::BadRequest(format!("{:?} is not a version (NAME@vN)", t.label))
+                })?;
+            let rec = d.repo().resolve(&spec).await.map_err(|e| {
+                ApiError::BadRequest(format!("{}: {}", t.label, crate::blocking::chain(&e)))
+            })?;
+            if rec.snapshot.to_string() != t.snapshot {
+                return Err(ApiError::BadRequest(format!(
+                    "{} is snapshot {}, not {}",
+                    t.label,
+                    rec.snapshot.short(),
+                    t.snapshot
+                )));
+            }
+            let mut checked = self.checked_labels.lock().expect("coordinator poisoned");
+            if checked.len() >= KEPT {
+                checked.clear();
+            }
+            checked.insert(t.label.clone(), t.snapshot.clone());
+        }
+        Ok(())
     }
 
     /// One scheduling pass: dispatches sent again where unanswered, queued
