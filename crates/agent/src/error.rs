@@ -30,6 +30,9 @@ pub enum LeaseError {
         /// What redb said.
         detail: String,
     },
+    /// A user has as many jobs queued as one may.
+    #[error("{0}")]
+    TooMany(String),
 }
 
 /// Why labd refused or failed a request; each maps to one HTTP status.

@@ -18,7 +18,7 @@ use crate::client::{Client, Endpoint};
 use crate::cluster::queue::{ClusterJob, Placement};
 use crate::cluster::{now_ms, Coordinator, WarmOrder};
 use crate::daemon::{check_user_request, Caller, Daemon, LogRead};
-use crate::error::{ApiError, ClientError};
+use crate::error::{ApiError, ClientError, LeaseError};
 use crate::leases::{unix_now, JobState};
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
 
@@ -120,12 +120,12 @@ impl Coordinator {
                 req.gpus
             )));
         }
+        // Said before the store is read; counted again as the job is made.
         let queued = self.jobs.queued_of(&caller.user);
         if queued >= d.max_queued_per_user() {
-            return Err(ApiError::TooMany(format!(
-                "{} has {queued} jobs queued, the most one user may (max_queued_per_user); \
-                 wait for some to start or kill some",
-                caller.user
+            return Err(ApiError::TooMany(super::queue::too_many(
+                &caller.user,
+                queued,
             )));
         }
         self.check_labels(d, &req).await?;
@@ -151,8 +151,17 @@ impl Coordinator {
         }
         let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
         let job = (self.jobs)
-            .create(&caller.user, req, unix_now(), floor)
-            .map_err(db)?;
+            .create_queued(
+                &caller.user,
+                req,
+                unix_now(),
+                floor,
+                d.max_queued_per_user(),
+            )
+            .map_err(|e| match e {
+                LeaseError::TooMany(m) => ApiError::TooMany(m),
+                e => db(e),
+            })?;
         tracing::info!("job {} of {} queued in the cluster", job.id, job.user);
         self.wake.notify_one();
         Ok(self.view_of(&job))
@@ -323,7 +332,13 @@ impl Coordinator {
         for dec in decisions {
             match dec {
                 Decision::Start { id, choice } => {
+                    let mut placing = false;
                     let placed = self.jobs.update(&id, |j| {
+                        // Killed (or placed) since the plan was made: left.
+                        if !matches!(j.placement, Placement::Queued { .. }) {
+                            return false;
+                        }
+                        placing = true;
                         j.placement = Placement::Dispatched {
                             node: choice.node.to_string(),
                             gpus: choice.gpus.clone(),
@@ -333,7 +348,7 @@ impl Coordinator {
                         true
                     });
                     match placed {
-                        Ok(Some(j)) => {
+                        Ok(Some(j)) if placing => {
                             tracing::info!(
                                 "job {id} placed on {} GPU(s) {:?}, {} to fetch",
                                 choice.node,
@@ -342,7 +357,7 @@ impl Coordinator {
                             );
                             self.send(d, j)
                         }
-                        Ok(None) => {}
+                        Ok(_) => {}
                         Err(e) => tracing::error!("cluster jobs: {e}"),
                     }
                 }
@@ -467,6 +482,14 @@ impl Coordinator {
 
     /// Ends a job that never ran.
     fn end(&self, j: &ClusterJob, reason: String) {
+        if let Err(e) = self.jobs.put(&self.ended(j, reason)) {
+            tracing::error!("cluster jobs: {e}");
+        }
+        self.drop_promises(&j.id);
+    }
+
+    /// `j` ended here (never started on a node) for `reason`.
+    fn ended(&self, j: &ClusterJob, reason: String) -> ClusterJob {
         let mut view = self.synthesized(j, None);
         view.state = JobState::Failed { reason };
         view.ended_at = Some(unix_now());
@@ -475,10 +498,7 @@ impl Coordinator {
         ended.placement = Placement::Ended {
             view: Box::new(view),
         };
-        if let Err(e) = self.jobs.put(&ended) {
-            tracing::error!("cluster jobs: {e}");
-        }
-        self.drop_promises(&j.id);
+        ended
     }
 
     fn is_up(&self, node: &str) -> bool {
@@ -837,16 +857,39 @@ impl Coordinator {
         caller: &Caller,
         id: &str,
     ) -> Result<JobView, ApiError> {
-        let j = self.get(id)?;
+        let mut j = self.get(id)?;
         Self::own(caller, &j, "kill")?;
+        if matches!(j.placement, Placement::Queued { .. }) {
+            // Ended only if still queued, in one step: a pass placing it
+            // meanwhile has sent it to a node, where it is killed below
+            // (ended here regardless, it would run there unseen).
+            let reason = format!("killed by {} while queued", caller.user);
+            let now = self
+                .jobs
+                .update(id, |x| {
+                    if !matches!(x.placement, Placement::Queued { .. }) {
+                        return false;
+                    }
+                    *x = self.ended(x, reason);
+                    true
+                })
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            match now {
+                Some(x) if matches!(x.placement, Placement::Ended { .. }) => {
+                    self.drop_promises(id);
+                    return Ok(self.view_of(&x));
+                }
+                Some(x) => j = x,
+                None => j = self.get(id)?,
+            }
+        }
         match &j.placement {
             Placement::Ended { .. } => {
                 Err(ApiError::Conflict(format!("job {id} has already ended")))
             }
-            Placement::Queued { .. } => {
-                self.end(&j, format!("killed by {} while queued", caller.user));
-                Ok(self.view_of(&self.get(id)?))
-            }
+            Placement::Queued { .. } => Err(ApiError::Conflict(format!(
+                "job {id} was placed while it was killed; try again"
+            ))),
             Placement::Dispatched { node, .. } => {
                 // Killed by its owner (or an admin): not to be requeued,
                 // even if it was being preempted.

@@ -79,6 +79,14 @@ impl ClusterJob {
     }
 }
 
+/// Why `user`, with `queued` jobs queued, may queue no more.
+pub fn too_many(user: &str, queued: usize) -> String {
+    format!(
+        "{user} has {queued} jobs queued, the most one user may (max_queued_per_user); \
+         wait for some to start or kill some"
+    )
+}
+
 /// How long an ended job stays in `labrun ps`'s default listing.
 pub const RECENT_SECS: u64 = 86_400;
 
@@ -178,7 +186,28 @@ impl ClusterJobs {
         now: u64,
         floor: u64,
     ) -> Result<ClusterJob, LeaseError> {
+        self.create_queued(user, req, now, floor, usize::MAX)
+    }
+
+    /// [`ClusterJobs::create`], refused ([`LeaseError::TooMany`]) when
+    /// `user` has `max_queued` jobs queued: counted under the lock the
+    /// record is made under, so submissions at once cannot all slip in.
+    pub fn create_queued(
+        &self,
+        user: &str,
+        req: SubmitRequest,
+        now: u64,
+        floor: u64,
+        max_queued: usize,
+    ) -> Result<ClusterJob, LeaseError> {
         let mut live = self.live.lock().expect("jobs poisoned");
+        let queued = live
+            .values()
+            .filter(|j| j.user == user && matches!(j.placement, Placement::Queued { .. }))
+            .count();
+        if queued >= max_queued {
+            return Err(LeaseError::TooMany(too_many(user, queued)));
+        }
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         let job = {
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
@@ -492,6 +521,12 @@ mod tests {
         );
         let e = db.create("alice", req(), 13, 0).unwrap_err();
         assert!(e.to_string().contains("job ids exhausted"), "{e}");
+        // alice has 5 queued (bob's is dispatched): a limit of 5 is full.
+        let e = db.create_queued("alice", req(), 13, 0, 5).unwrap_err();
+        assert!(
+            matches!(&e, LeaseError::TooMany(m) if m.contains("alice has 5 jobs queued")),
+            "{e}"
+        );
         assert_eq!(db.live().len(), 6);
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&path).unwrap().permissions(),
