@@ -715,6 +715,15 @@ impl Repo {
 
     /// Resolves `NAME[@vN]` to its version record.
     pub async fn resolve(&self, spec: &RefSpec) -> Result<VersionRecord> {
+        // A version is one read; only a miss lists them all, to say what
+        // there is.
+        if let Some(v) = spec.version {
+            match self.read_record(&version_key(&spec.name, v)).await {
+                Ok(r) if !r.forgotten => return Ok(r),
+                Ok(_) | Err(Error::NotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let versions = self.versions(&spec.name).await?;
         if versions.is_empty() {
             return Err(Error::NotFound {
