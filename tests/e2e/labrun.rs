@@ -709,8 +709,6 @@ fn labd_refuses_unsafe_configs() {
     }
 }
 
-/// Issue 9, point 13: job ids stay unique when labd's database, or its
-/// whole state folder, is lost: a new job never pushes a second `runs/j1`.
 /// A submission whose command and environment are past 256 KiB is
 /// refused with what to do (labd keeps, lists and heartbeats every job's
 /// command); and `labrun ps --all` shows another user's command as text,
@@ -727,9 +725,14 @@ fn huge_commands_are_refused_and_listings_show_commands_as_text() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "taken: {err}");
+    // Said by labrun before it pushes anything, with what to unset.
     assert!(
-        err.contains("bytes: at most 256 KiB") && err.contains("environment"),
+        err.contains("at most 256 KiB") && err.contains("BIG1 (100006 bytes)"),
         "{err}"
+    );
+    assert!(
+        !n.path("store/refs").join("code").exists(),
+        "the code was pushed first"
     );
     let id = n.bash(ALICE, 0, "sleep 30 # \x1b]0;pwned\x07\rrow");
     let listed = n.ok(BOB, &["ps", "--all"]);
@@ -748,6 +751,8 @@ fn huge_commands_are_refused_and_listings_show_commands_as_text() {
     n.ok(ALICE, &["kill", &id]);
 }
 
+/// Issue 9, point 13: job ids stay unique when labd's database, or its
+/// whole state folder, is lost: a new job never pushes a second `runs/j1`.
 #[test]
 fn job_ids_stay_unique_when_the_state_is_lost() {
     let mut n = Node::start(None, "run_as = \"labd\"");

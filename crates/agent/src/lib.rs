@@ -54,7 +54,9 @@ pub use api::{router, serve, ConnLimits, Listener};
 pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor};
 pub use client::{Client, Endpoint, LogPiece};
-pub use daemon::{Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck};
+pub use daemon::{
+    Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck, MAX_COMMAND_BYTES, MAX_DATASETS,
+};
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};

@@ -73,6 +73,9 @@ impl Coordinator {
         d: &Arc<Daemon>,
         req: &SubmitRequest,
     ) -> Result<Vec<SnapshotId>, ApiError> {
+        // Bounded for a ranking or an --explain as for a submission: each
+        // snapshot's pack list is read and kept.
+        crate::daemon::check_size(req)?;
         let ids = snapshots_of(req)?;
         for id in &ids {
             if self.knows(id) {

@@ -13,7 +13,8 @@ mod ops;
 mod outputs;
 mod stages;
 
-pub(crate) use ops::check_user_request;
+pub(crate) use ops::{check_size, check_user_request};
+pub use ops::{MAX_COMMAND_BYTES, MAX_DATASETS};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

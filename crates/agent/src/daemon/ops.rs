@@ -108,6 +108,30 @@ pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     if req.argv.is_empty() {
         return Err(ApiError::BadRequest("no command to run".into()));
     }
+    check_size(req)?;
+    if let Some(s) = req.hold_s {
+        if s == 0 || s > MAX_HOLD_S {
+            return Err(ApiError::BadRequest(format!(
+                "--hold of {s} s: hold GPUs for 1 s to {} days",
+                MAX_HOLD_S / 86_400
+            )));
+        }
+        if req.argv != ["sleep".to_string(), s.to_string()] {
+            return Err(ApiError::BadRequest(
+                "a hold runs no command of its own (its command is `sleep` for the hold's length)"
+                    .into(),
+            ));
+        }
+    }
+    if let Some(o) = &req.outputs {
+        check_outputs(o).map_err(ApiError::BadRequest)?;
+    }
+    check_data_vars(&req.data)
+}
+
+/// A request's command, environment and datasets within
+/// [`MAX_COMMAND_BYTES`] and [`MAX_DATASETS`].
+pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
     let bytes: usize = req.argv.iter().map(|a| a.len() + 1).sum::<usize>()
         + req
             .env
@@ -127,24 +151,7 @@ pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
             req.data.len()
         )));
     }
-    if let Some(s) = req.hold_s {
-        if s == 0 || s > MAX_HOLD_S {
-            return Err(ApiError::BadRequest(format!(
-                "--hold of {s} s: hold GPUs for 1 s to {} days",
-                MAX_HOLD_S / 86_400
-            )));
-        }
-        if req.argv != ["sleep".to_string(), s.to_string()] {
-            return Err(ApiError::BadRequest(
-                "a hold runs no command of its own (its command is `sleep` for the hold's length)"
-                    .into(),
-            ));
-        }
-    }
-    if let Some(o) = &req.outputs {
-        check_outputs(o).map_err(ApiError::BadRequest)?;
-    }
-    check_data_vars(&req.data)
+    Ok(())
 }
 
 /// Each dataset's variable is `LABRUN_DATA_` and capitals, digits or `_`.

@@ -120,6 +120,13 @@ pub async fn run(
             client.endpoint()
         );
     }
+    // Variables that are not UTF-8 cannot travel as JSON strings; they stay behind.
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .filter(|(k, _)| k != "LABRUN_TOKEN")
+        .collect();
+    // Said before anything is pushed (labd refuses the same).
+    check_size(&argv, &env, a.data.len())?;
     let repo = open_repo(&info, s).await?;
     let code_name = a.name.clone().unwrap_or_else(|| {
         format!(
@@ -141,11 +148,7 @@ pub async fn run(
     };
     let req = SubmitRequest {
         argv,
-        // Variables that are not UTF-8 cannot travel as JSON strings; they stay behind.
-        env: std::env::vars_os()
-            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-            .filter(|(k, _)| k != "LABRUN_TOKEN")
-            .collect(),
+        env,
         code: Some(code_ref.clone()),
         data,
         gpus,
@@ -393,6 +396,36 @@ async fn data_refs(
         });
     }
     Ok(out)
+}
+
+/// The command and environment within what labd takes
+/// ([`labsync_agent::MAX_COMMAND_BYTES`], [`labsync_agent::MAX_DATASETS`]);
+/// past it, the error names the largest variables.
+fn check_size(argv: &[String], env: &[(String, String)], datasets: usize) -> Result<()> {
+    use labsync_agent::{MAX_COMMAND_BYTES, MAX_DATASETS};
+    if datasets > MAX_DATASETS {
+        bail!("{datasets} datasets: at most {MAX_DATASETS} per job");
+    }
+    let var = |(k, v): &(String, String)| k.len() + v.len() + 2;
+    let bytes: usize =
+        argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(var).sum::<usize>();
+    if bytes > MAX_COMMAND_BYTES {
+        let mut big: Vec<&(String, String)> = env.iter().collect();
+        big.sort_by_key(|kv| std::cmp::Reverse(var(kv)));
+        let big: Vec<String> = big
+            .iter()
+            .take(5)
+            .map(|kv| format!("{} ({} bytes)", kv.0, var(kv)))
+            .collect();
+        bail!(
+            "the command and your environment take {bytes} bytes, and a job's may take at most \
+             {} KiB; the largest variables are {}: unset the ones the job does not need \
+             (env -u NAME labrun …), or put a long script in a file of the code",
+            MAX_COMMAND_BYTES >> 10,
+            big.join(", ")
+        );
+    }
+    Ok(())
 }
 
 async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
