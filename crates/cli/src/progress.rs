@@ -89,7 +89,8 @@ impl Progress for Bar {
 
     fn warn(&self, message: &str) {
         if !self.quiet {
-            self.bar.suspend(|| eprintln!("warning: {message}"));
+            self.bar
+                .suspend(|| eprintln!("warning: {}", crate::shown(message)));
         }
     }
 }

@@ -19,7 +19,7 @@ pub async fn explain(client: &Client, json: bool, id: &str) -> Result<ExitCode> 
         return Ok(ExitCode::SUCCESS);
     }
     let j = &e.job;
-    println!("{} ({}): {}", j.id, j.user, state_words(j));
+    println!("{} ({}): {}", j.id, j.user, crate::shown(&state_words(j)));
     if let Some(r) = &e.ranking {
         print!("{}", ranking_table(r, j.gpus_wanted));
     }

@@ -14,7 +14,7 @@ pub async fn kill(client: &Client, json: bool, quiet: bool, id: &str) -> Result<
     if json {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else if !quiet {
-        println!("{}: {}", j.id, state_words(&j));
+        println!("{}: {}", j.id, crate::shown(&state_words(&j)));
     }
     Ok(ExitCode::SUCCESS)
 }

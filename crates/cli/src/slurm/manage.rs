@@ -87,7 +87,14 @@ pub async fn ps(slurm: &Slurm, json: bool, all: bool) -> Result<ExitCode> {
     for r in rows {
         println!(
             "{:<14} {:<10} {:<12} {:<10} {:<12} {:<20} {}",
-            r.id, r.user, r.gres, r.time, r.state, r.node_or_reason, r.name
+            crate::shown(&r.id),
+            crate::shown(&r.user),
+            crate::shown(&r.gres),
+            crate::shown(&r.time),
+            crate::shown(&r.state),
+            // Slurm's reason and the job's name are its submitter's text.
+            crate::shown(&r.node_or_reason),
+            crate::shown(&r.name)
         );
     }
     Ok(ExitCode::SUCCESS)
