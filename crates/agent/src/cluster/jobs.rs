@@ -904,7 +904,82 @@ impl Coordinator {
                         })
                         .map_err(|e| ApiError::Internal(e.to_string()))?;
                 }
+                if let Placement::Dispatched {
+                    confirmed: false, ..
+                } = &j.placement
+                {
+                    return self.kill_unconfirmed(d, caller, id).await;
+                }
                 let view = self.kill_on(d, node, id, &caller.user).await?;
+                tracing::info!("job {id} killed by {} on {node}", caller.user);
+                Ok(view)
+            }
+        }
+    }
+
+    /// Kills a job whose dispatch its node has not confirmed: it may be
+    /// on its way, so its node may not know it yet (a kill there finds
+    /// nothing, and the dispatch lands after). The job's dispatch slot is
+    /// taken first (no dispatch of it is sent while it is held), waiting
+    /// for one in flight to be answered; then it is killed on its node,
+    /// or, when its node does not have it, ended here.
+    async fn kill_unconfirmed(
+        &self,
+        d: &Arc<Daemon>,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<JobView, ApiError> {
+        struct Slot<'a>(&'a std::sync::Mutex<HashSet<String>>, &'a str);
+        impl Drop for Slot<'_> {
+            fn drop(&mut self) {
+                self.0.lock().expect("coordinator poisoned").remove(self.1);
+            }
+        }
+        let deadline = std::time::Instant::now() + FORWARD + Duration::from_secs(2);
+        while !self
+            .inflight
+            .lock()
+            .expect("coordinator poisoned")
+            .insert(id.to_string())
+        {
+            if std::time::Instant::now() > deadline {
+                return Err(ApiError::Conflict(format!(
+                    "job {id} is being sent to its node; try again in a moment"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _slot = Slot(&self.inflight, id);
+        let j = self.get(id)?;
+        let Placement::Dispatched {
+            node, confirmed, ..
+        } = &j.placement
+        else {
+            return Err(ApiError::Conflict(format!("job {id} has already ended")));
+        };
+        match self.kill_on(d, node, id, &caller.user).await {
+            Err(ApiError::NotFound(_)) if !confirmed => {
+                // Not there, and nothing on its way: it never started.
+                let reason = format!("killed by {} before it reached {node}", caller.user);
+                let ended = self
+                    .jobs
+                    .update(id, |x| {
+                        if !matches!(x.placement, Placement::Dispatched { .. }) {
+                            return false;
+                        }
+                        *x = self.ended(x, reason);
+                        true
+                    })
+                    .map_err(|e| ApiError::Internal(e.to_string()))?;
+                self.drop_promises(id);
+                tracing::info!(
+                    "job {id} killed by {} before it reached {node}",
+                    caller.user
+                );
+                Ok(self.view_of(&ended.unwrap_or(j)))
+            }
+            other => {
+                let view = other?;
                 tracing::info!("job {id} killed by {} on {node}", caller.user);
                 Ok(view)
             }
