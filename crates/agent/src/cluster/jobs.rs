@@ -863,23 +863,11 @@ impl Coordinator {
         let mut j = self.get(id)?;
         Self::own(caller, &j, "kill")?;
         if matches!(j.placement, Placement::Queued { .. }) {
-            // Ended only if still queued, in one step: a pass placing it
-            // meanwhile has sent it to a node, where it is killed below
-            // (ended here regardless, it would run there unseen).
-            let reason = format!("killed by {} while queued", caller.user);
-            let now = self
-                .jobs
-                .update(id, |x| {
-                    if !matches!(x.placement, Placement::Queued { .. }) {
-                        return false;
-                    }
-                    *x = self.ended(x, reason);
-                    true
-                })
-                .map_err(|e| ApiError::Internal(e.to_string()))?;
-            match now {
+            // A pass placing it meanwhile has sent it to a node, where it
+            // is killed below (ended here regardless, it would run there
+            // unseen).
+            match self.end_if_queued(caller, id)? {
                 Some(x) if matches!(x.placement, Placement::Ended { .. }) => {
-                    self.drop_promises(id);
                     return Ok(self.view_of(&x));
                 }
                 Some(x) => j = x,
@@ -917,12 +905,38 @@ impl Coordinator {
         }
     }
 
+    /// Ends job `id`, killed by `caller`, if it is still queued, in one
+    /// step under the queue's lock; the job after (`None`: not live).
+    fn end_if_queued(&self, caller: &Caller, id: &str) -> Result<Option<ClusterJob>, ApiError> {
+        let reason = format!("killed by {} while queued", caller.user);
+        let now = self
+            .jobs
+            .update(id, |x| {
+                if !matches!(x.placement, Placement::Queued { .. }) {
+                    return false;
+                }
+                *x = self.ended(x, reason);
+                true
+            })
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        if now
+            .as_ref()
+            .is_some_and(|x| matches!(x.placement, Placement::Ended { .. }))
+        {
+            self.drop_promises(id);
+        }
+        Ok(now)
+    }
+
     /// Kills a job whose dispatch its node has not confirmed: it may be
     /// on its way, so its node may not know it yet (a kill there finds
     /// nothing, and the dispatch lands after). The job's dispatch slot is
     /// taken first (no dispatch of it is sent while it is held), waiting
-    /// for one in flight to be answered; then it is killed on its node,
-    /// or, when its node does not have it, ended here.
+    /// for one in flight to be answered; then the job is dropped from the
+    /// queue if that answer put it back, or killed on its node. A node
+    /// that does not have it may still be working on a dispatch that timed
+    /// out here, so the job is not ended on that alone: the user is told
+    /// to try again, and the next dispatch's answer settles where it is.
     async fn kill_unconfirmed(
         &self,
         d: &Arc<Daemon>,
@@ -951,38 +965,30 @@ impl Coordinator {
         }
         let _slot = Slot(&self.inflight, id);
         let j = self.get(id)?;
-        let Placement::Dispatched {
-            node, confirmed, ..
-        } = &j.placement
-        else {
-            return Err(ApiError::Conflict(format!("job {id} has already ended")));
-        };
-        match self.kill_on(d, node, id, &caller.user).await {
-            Err(ApiError::NotFound(_)) if !confirmed => {
-                // Not there, and nothing on its way: it never started.
-                let reason = format!("killed by {} before it reached {node}", caller.user);
-                let ended = self
-                    .jobs
-                    .update(id, |x| {
-                        if !matches!(x.placement, Placement::Dispatched { .. }) {
-                            return false;
-                        }
-                        *x = self.ended(x, reason);
-                        true
-                    })
-                    .map_err(|e| ApiError::Internal(e.to_string()))?;
-                self.drop_promises(id);
-                tracing::info!(
-                    "job {id} killed by {} before it reached {node}",
-                    caller.user
-                );
-                Ok(self.view_of(&ended.unwrap_or(j)))
+        match &j.placement {
+            Placement::Ended { .. } => {
+                Err(ApiError::Conflict(format!("job {id} has already ended")))
             }
-            other => {
-                let view = other?;
-                tracing::info!("job {id} killed by {} on {node}", caller.user);
-                Ok(view)
-            }
+            // Its node answered that its GPUs were taken: queued again.
+            Placement::Queued { .. } => match self.end_if_queued(caller, id)? {
+                Some(x) if matches!(x.placement, Placement::Ended { .. }) => Ok(self.view_of(&x)),
+                _ => Err(ApiError::Conflict(format!(
+                    "job {id} was placed while it was killed; try again"
+                ))),
+            },
+            Placement::Dispatched {
+                node, confirmed, ..
+            } => match self.kill_on(d, node, id, &caller.user).await {
+                Err(ApiError::NotFound(_)) if !confirmed => Err(ApiError::Conflict(format!(
+                    "job {id} is on its way to {node}, which does not have it yet; try again \
+                     in a moment"
+                ))),
+                other => {
+                    let view = other?;
+                    tracing::info!("job {id} killed by {} on {node}", caller.user);
+                    Ok(view)
+                }
+            },
         }
     }
 
