@@ -268,6 +268,37 @@ fn requests_without_the_cluster_secret_are_refused() {
             .expect("an answer before the body is sent");
         assert_eq!(&answer, b"HTTP/1.1 401", "signed: {signed}");
     }
+    // A signed request captured and sent again (on a network without
+    // TLS): taken once, refused the second time.
+    let path = format!("/v1/cluster/packs/{id}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let captured: String = right
+        .sign("GET", &path, "gpu0", now, b"")
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    let send = || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", lab.nodes[1].port)).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let head =
+            format!("GET {path} HTTP/1.1\r\nHost: labd\r\n{captured}Connection: close\r\n\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer[..answer.len().min(400)]).to_string()
+    };
+    let first = send();
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    let again = send();
+    assert!(
+        again.starts_with("HTTP/1.1 401") && again.contains("replay"),
+        "{again}"
+    );
     // And a heartbeat to a node that does not coordinate.
     let mut own = forged.clone();
     own.node = "gpu0".into();

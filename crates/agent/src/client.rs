@@ -176,7 +176,8 @@ impl Client {
         let body = body.unwrap_or_default();
         if let Some((key, node)) = &self.signer {
             let method = req.method_ref().map_or("GET", |m| m.as_str()).to_string();
-            for (name, value) in key.sign(&method, path, node, crate::cluster::now_ms(), &body) {
+            for (name, value) in key.sign(&method, path, node, crate::cluster::signing_ms(), &body)
+            {
                 req = req.header(name, value);
             }
         }

@@ -10,7 +10,16 @@
 //! receiver checks the signature before it reads a byte of the body (then
 //! the body against that hash): a sender without the secret cannot make a
 //! node hold a large body in memory.
+//!
+//! A signature is taken once: a receiver remembers those it took for as
+//! long as their time is within [`SKEW`], and refuses one again (a
+//! request captured on a network without TLS and sent again). Senders
+//! sign with a time that never repeats in their process
+//! ([`crate::cluster::signing_ms`]), so no two of their requests are
+//! alike.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::secret::Secret;
@@ -31,9 +40,38 @@ pub const SKEW: Duration = Duration::from_secs(60);
 /// The shortest cluster secret accepted, in characters.
 pub const MIN_SECRET: usize = 32;
 
-/// The key requests are signed with.
+/// The key requests are signed with, and the signatures it took (shared
+/// by its clones: one node's routes).
 #[derive(Clone)]
-pub struct ClusterKey([u8; 32]);
+pub struct ClusterKey {
+    key: [u8; 32],
+    seen: Arc<Mutex<Seen>>,
+}
+
+/// Signatures taken, with their request times, until those are past
+/// [`SKEW`] (a request that old is refused anyway).
+#[derive(Default)]
+struct Seen {
+    taken: HashMap<[u8; 32], i64>,
+    /// `taken`'s size after the last pruning: pruned again at twice that.
+    pruned_at: usize,
+}
+
+impl Seen {
+    fn has(&self, sig: &blake3::Hash) -> bool {
+        self.taken.contains_key(sig.as_bytes())
+    }
+
+    /// Takes `sig` (of a request at `time`); false if it was taken before.
+    fn take(&mut self, sig: &blake3::Hash, time: i64, now_ms: i64) -> bool {
+        if self.taken.len() >= (2 * self.pruned_at).max(1024) {
+            let oldest = now_ms - SKEW.as_millis() as i64;
+            self.taken.retain(|_, t| *t >= oldest);
+            self.pruned_at = self.taken.len();
+        }
+        self.taken.insert(*sig.as_bytes(), time).is_none()
+    }
+}
 
 impl std::fmt::Debug for ClusterKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -52,6 +90,9 @@ pub enum AuthError {
     /// The clocks are further apart than [`SKEW`], or it is a replay.
     #[error("request time {0} ms off this node's clock (more than {SKEW:?}): check NTP")]
     Skew(i64),
+    /// A request this node took already, sent again.
+    #[error("a request from {0} this node took already, sent again (a replay)")]
+    Replay(String),
     /// Signed with another secret, or altered on the way.
     #[error(
         "bad cluster signature from {0}: a different cluster secret, or the request was altered"
@@ -73,10 +114,10 @@ impl ClusterKey {
                 s.len()
             ));
         }
-        Ok(ClusterKey(blake3::derive_key(
-            "labsync 2026-12 cluster request signing v1",
-            s.as_bytes(),
-        )))
+        Ok(ClusterKey {
+            key: blake3::derive_key("labsync 2026-12 cluster request signing v1", s.as_bytes()),
+            seen: Arc::default(),
+        })
     }
 
     fn mac(
@@ -87,7 +128,7 @@ impl ClusterKey {
         time: i64,
         body: &blake3::Hash,
     ) -> blake3::Hash {
-        let mut h = blake3::Hasher::new_keyed(&self.0);
+        let mut h = blake3::Hasher::new_keyed(&self.key);
         // Lengths first: no two different requests hash the same bytes.
         for part in [method.as_bytes(), path.as_bytes(), node.as_bytes()] {
             h.update(&(part.len() as u64).to_le_bytes());
@@ -146,7 +187,18 @@ impl ClusterKey {
         if off.unsigned_abs() > SKEW.as_millis() as u64 {
             return Err(AuthError::Skew(off));
         }
-        Ok(Signed { node, body })
+        // Said before the body is read; taken once the body checks out.
+        if self.seen.lock().expect("seen poisoned").has(&sig) {
+            return Err(AuthError::Replay(node));
+        }
+        Ok(Signed {
+            node,
+            body,
+            sig,
+            time,
+            now_ms,
+            seen: self.seen.clone(),
+        })
     }
 
     /// [`ClusterKey::verify_head`] and the body: the sending node's name.
@@ -163,17 +215,32 @@ impl ClusterKey {
 }
 
 /// A request whose headers passed [`ClusterKey::verify_head`].
-#[derive(Debug)]
 pub struct Signed {
     node: String,
     body: blake3::Hash,
+    sig: blake3::Hash,
+    time: i64,
+    now_ms: i64,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl std::fmt::Debug for Signed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Signed").field("node", &self.node).finish()
+    }
 }
 
 impl Signed {
-    /// The sending node's name, once `body` is checked to be the one signed.
+    /// The sending node's name, once `body` is checked to be the one
+    /// signed and the signature taken (refused if it was, meanwhile).
     pub fn body(self, body: &[u8]) -> Result<String, AuthError> {
         if blake3::hash(body) != self.body {
             return Err(AuthError::BodyAltered(self.node));
+        }
+        let fresh =
+            (self.seen.lock().expect("seen poisoned")).take(&self.sig, self.time, self.now_ms);
+        if !fresh {
+            return Err(AuthError::Replay(self.node));
         }
         Ok(self.node)
     }
@@ -230,16 +297,50 @@ mod tests {
                 Err(AuthError::Bad(_))
             ));
         }
-        // Another body under the signed hash; another hash in the header.
+        // The same request again (captured and replayed): refused.
         assert_eq!(
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
                 headers(&h),
+                1_000_900,
+                b"{}"
+            ),
+            Err(AuthError::Replay("gpu2".into()))
+        );
+        // Another body under the signed hash; another hash in the header.
+        let h2 = k.sign("POST", "/v1/cluster/heartbeat", "gpu2", 1_000_001, b"{}");
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h2),
                 1_000_000,
                 b"{ }"
             ),
             Err(AuthError::BodyAltered("gpu2".into()))
+        );
+        // A body refused takes nothing: the right one still goes through,
+        // once; a clone of the key (another route) knows it too.
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h2),
+                1_000_000,
+                b"{}"
+            ),
+            Ok("gpu2".to_string())
+        );
+        assert_eq!(
+            k.clone().verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                headers(&h2),
+                1_000_000,
+                b"{}"
+            ),
+            Err(AuthError::Replay("gpu2".into()))
         );
         let mut rehashed = h.clone();
         rehashed[3].1 = blake3::hash(b"{ }").to_hex().to_string();
@@ -291,6 +392,31 @@ mod tests {
             k.verify("GET", "/", |_| None, 0, b""),
             Err(AuthError::Missing(NODE))
         );
+    }
+
+    /// Signatures are remembered while their time is within the skew, and
+    /// forgotten after (their requests are refused as too old anyway).
+    #[test]
+    fn signatures_are_remembered_only_within_the_skew() {
+        let k = key(&"s".repeat(40));
+        let skew = SKEW.as_millis() as i64;
+        for t in 0..1024 {
+            let h = k.sign("GET", "/v1/cluster/packs/x", "gpu1", t, b"");
+            assert!(k
+                .verify("GET", "/v1/cluster/packs/x", headers(&h), t, b"")
+                .is_ok());
+        }
+        // Past the skew, the next one taken prunes them all.
+        let late = 1024 + skew + 1;
+        let h = k.sign("GET", "/v1/cluster/packs/x", "gpu1", late, b"");
+        assert!(k
+            .verify("GET", "/v1/cluster/packs/x", headers(&h), late, b"")
+            .is_ok());
+        assert_eq!(k.seen.lock().unwrap().taken.len(), 1);
+        // Times a process signs with never repeat.
+        let mut times: Vec<i64> = (0..1000).map(|_| crate::cluster::signing_ms()).collect();
+        times.dedup();
+        assert_eq!(times.len(), 1000);
     }
 
     #[test]
