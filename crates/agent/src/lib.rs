@@ -55,7 +55,8 @@ pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor};
 pub use client::{Client, Endpoint, LogPiece};
 pub use daemon::{
-    Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck, MAX_COMMAND_BYTES, MAX_DATASETS,
+    command_bytes, variable_bytes, Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck,
+    MAX_COMMAND_BYTES, MAX_DATASETS,
 };
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;

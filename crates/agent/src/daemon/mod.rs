@@ -14,7 +14,7 @@ mod outputs;
 mod stages;
 
 pub(crate) use ops::{check_size, check_user_request};
-pub use ops::{MAX_COMMAND_BYTES, MAX_DATASETS};
+pub use ops::{command_bytes, variable_bytes, MAX_COMMAND_BYTES, MAX_DATASETS};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

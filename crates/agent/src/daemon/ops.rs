@@ -129,15 +129,21 @@ pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
     check_data_vars(&req.data)
 }
 
+/// The bytes a command and its environment take, as
+/// [`MAX_COMMAND_BYTES`] counts them (labrun checks with the same count).
+pub fn command_bytes(argv: &[String], env: &[(String, String)]) -> usize {
+    argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(variable_bytes).sum::<usize>()
+}
+
+/// The bytes one variable of an environment takes (`NAME=value` and its end).
+pub fn variable_bytes((k, v): &(String, String)) -> usize {
+    k.len() + v.len() + 2
+}
+
 /// A request's command, environment and datasets within
 /// [`MAX_COMMAND_BYTES`] and [`MAX_DATASETS`].
 pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
-    let bytes: usize = req.argv.iter().map(|a| a.len() + 1).sum::<usize>()
-        + req
-            .env
-            .iter()
-            .map(|(k, v)| k.len() + v.len() + 2)
-            .sum::<usize>();
+    let bytes = command_bytes(&req.argv, &req.env);
     if bytes > MAX_COMMAND_BYTES {
         return Err(ApiError::BadRequest(format!(
             "the command and its environment take {bytes} bytes: at most {} KiB; put long \

@@ -402,20 +402,18 @@ async fn data_refs(
 /// ([`labsync_agent::MAX_COMMAND_BYTES`], [`labsync_agent::MAX_DATASETS`]);
 /// past it, the error names the largest variables.
 fn check_size(argv: &[String], env: &[(String, String)], datasets: usize) -> Result<()> {
-    use labsync_agent::{MAX_COMMAND_BYTES, MAX_DATASETS};
+    use labsync_agent::{command_bytes, variable_bytes, MAX_COMMAND_BYTES, MAX_DATASETS};
     if datasets > MAX_DATASETS {
         bail!("{datasets} datasets: at most {MAX_DATASETS} per job");
     }
-    let var = |(k, v): &(String, String)| k.len() + v.len() + 2;
-    let bytes: usize =
-        argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(var).sum::<usize>();
+    let bytes = command_bytes(argv, env);
     if bytes > MAX_COMMAND_BYTES {
         let mut big: Vec<&(String, String)> = env.iter().collect();
-        big.sort_by_key(|kv| std::cmp::Reverse(var(kv)));
+        big.sort_by_key(|kv| std::cmp::Reverse(variable_bytes(kv)));
         let big: Vec<String> = big
             .iter()
             .take(5)
-            .map(|kv| format!("{} ({} bytes)", kv.0, var(kv)))
+            .map(|kv| format!("{} ({} bytes)", kv.0, variable_bytes(kv)))
             .collect();
         bail!(
             "the command and your environment take {bytes} bytes, and a job's may take at most \
