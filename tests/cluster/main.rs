@@ -803,6 +803,63 @@ fn a_stopped_node_keeps_its_job_and_jobs_elsewhere_run() {
     lab.wait_for("gpu2's GPUs free again", 20, |s| all(s, "gpu2", true));
 }
 
+/// A job on a node that is down can be killed: it is ended at once (a
+/// node that never comes back does not keep it, and its GPUs, for good),
+/// and when the node does come back it stops the job there and frees its
+/// GPUs.
+#[test]
+fn a_job_killed_while_its_node_is_down_is_stopped_when_the_node_returns() {
+    let Some(lab) = Lab::start(3) else { return };
+    let all_free = |s: &ClusterStatus, node: &str| {
+        Lab::node(s, node)
+            .is_some_and(|n| (n.gpus.iter()).all(|g| g.state == labsync_agent::GpuState::Free))
+    };
+    lab.hold_gpus(0, true);
+    lab.hold_gpus(1, true);
+    lab.wait_for("gpu0 and gpu1 held", 20, |s| {
+        !all_free(s, "gpu0") && !all_free(s, "gpu1")
+    });
+    let marker = format!("killed-while-down-{}", std::process::id());
+    let script = format!("exec -a {marker} sleep 300");
+    let long = lab
+        .ok(&["-d", "--gpus", "1", "--", "bash", "-c", &script])
+        .trim()
+        .to_string();
+    assert_eq!(lab.running(&long), "gpu2");
+    let alive = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline")).is_ok_and(|c| c.starts_with(marker.as_bytes()))
+        })
+    };
+    wait_until("the job's process to start", 20, alive);
+
+    lab.signal(2, "STOP");
+    lab.wait_for("gpu2 down", 20, |s| {
+        matches!(
+            Lab::node(s, "gpu2").map(|n| &n.health),
+            Some(NodeHealth::Down { .. })
+        )
+    });
+    let o = lab.labrun(&["kill", &long]);
+    assert!(o.status.success(), "kill while gpu2 is down: {o:?}");
+    let j = lab.job(&long);
+    assert!(j.ended(), "{j:?}");
+    match &j.state {
+        JobState::Failed { reason } => {
+            assert!(reason.contains("while its node gpu2 was down"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(alive(), "gpu2 is stopped: so is the job, for now");
+
+    lab.signal(2, "CONT");
+    wait_until("gpu2 to kill the job", 30, || !alive());
+    lab.wait_for("gpu2's GPUs free again", 20, |s| all_free(s, "gpu2"));
+    assert!(lab.job(&long).ended(), "and it stays ended");
+    lab.hold_gpus(0, false);
+    lab.hold_gpus(1, false);
+}
+
 /// As another user: through the coordinator bob can neither kill nor read
 /// alice's job on its node, ps shows him none of her environment, and his
 /// token opens none of the routes between nodes.

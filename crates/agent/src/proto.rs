@@ -351,6 +351,11 @@ pub struct HeartbeatReply {
     /// The delta did not follow what the coordinator holds (it restarted,
     /// or a reply was lost): send the whole inventory next.
     pub want_full: bool,
+    /// Jobs it lists as active that have ended at the coordinator: killed
+    /// by their owner (or an admin) while this node was down. The node
+    /// kills them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kill: Vec<String>,
 }
 
 /// Whether the coordinator hears from a node.

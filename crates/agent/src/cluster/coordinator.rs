@@ -15,7 +15,7 @@ use labsync_placer::{
 };
 use labsync_store::{PackId, SnapshotId};
 
-use crate::cluster::queue::ClusterJobs;
+use crate::cluster::queue::{ClusterJobs, Placement};
 use crate::cluster::LabConfig;
 use crate::error::{ApiError, LeaseError};
 use crate::proto::{
@@ -184,6 +184,7 @@ impl Coordinator {
             .node
             .parse()
             .map_err(|e: labsync_placer::BadNodeName| ApiError::BadRequest(e.to_string()))?;
+        let kill = self.ended_here(sender, &hb.jobs);
         let mut v = self.view.lock().expect("coordinator poisoned");
         let follows = v
             .members
@@ -213,7 +214,10 @@ impl Coordinator {
                 })
             });
         }
-        let mut reply = HeartbeatReply::default();
+        let mut reply = HeartbeatReply {
+            kill,
+            ..HeartbeatReply::default()
+        };
         if hb.inventory.full {
             cluster.clear_cached(&name);
         }
@@ -256,6 +260,22 @@ impl Coordinator {
             },
         );
         Ok(reply)
+    }
+
+    /// Of the jobs `node` lists as active, those ended here on that node
+    /// (killed while it was down): it is to kill them.
+    fn ended_here(&self, node: &str, jobs: &[JobView]) -> Vec<String> {
+        jobs.iter()
+            .filter(|j| !j.ended())
+            .filter(|j| match self.jobs.get(&j.id) {
+                Ok(Some(x)) => match &x.placement {
+                    Placement::Ended { view } => view.node.as_deref() == Some(node),
+                    _ => false,
+                },
+                _ => false,
+            })
+            .map(|j| j.id.clone())
+            .collect()
     }
 
     /// The nodes that are up.

@@ -574,19 +574,28 @@ impl Coordinator {
 
     fn answered(&self, job: &ClusterJob, node: &str, reply: Result<DispatchReply, ClientError>) {
         let r = match reply {
-            Ok(DispatchReply::Accepted { .. }) => self.jobs.update(&job.id, |j| {
-                if let Placement::Dispatched { confirmed, .. } = &mut j.placement {
-                    *confirmed = true;
-                }
-                true
-            }),
+            Ok(DispatchReply::Accepted { .. }) => {
+                self.jobs.update(&job.id, |j| match &mut j.placement {
+                    Placement::Dispatched {
+                        confirmed, node: n, ..
+                    } if n == node => {
+                        *confirmed = true;
+                        true
+                    }
+                    _ => false,
+                })
+            }
             Ok(DispatchReply::Stale { why }) => {
                 tracing::info!(
                     "job {}: {node} refused a stale placement ({why}); placing it again",
                     job.id
                 );
                 self.drop_promises(&job.id);
+                // Only from this dispatch: not a job ended meanwhile.
                 self.jobs.update(&job.id, |j| {
+                    if !matches!(&j.placement, Placement::Dispatched { node: n, .. } if n == node) {
+                        return false;
+                    }
                     j.placement = Placement::Queued {
                         why: Some(format!(
                             "{node}'s GPUs were taken meanwhile; placing it again"
@@ -597,8 +606,16 @@ impl Coordinator {
             }
             Ok(DispatchReply::Refused { why }) => {
                 tracing::warn!("job {}: {node} refused it: {why}", job.id);
-                self.end(job, format!("{node} refused it: {why}"));
-                Ok(None)
+                self.drop_promises(&job.id);
+                let reason = format!("{node} refused it: {why}");
+                self.jobs.update(&job.id, |j| {
+                    if !matches!(&j.placement, Placement::Dispatched { node: n, .. } if n == node) {
+                        return false;
+                    }
+                    let ended = self.ended(j, reason.clone());
+                    *j = ended;
+                    true
+                })
             }
             Err(e) => {
                 // Unknown whether it arrived: sent again to the same node
@@ -898,6 +915,9 @@ impl Coordinator {
                 {
                     return self.kill_unconfirmed(d, caller, id).await;
                 }
+                if !self.is_up(node) {
+                    return self.kill_while_down(caller, id, node);
+                }
                 let view = self.kill_on(d, node, id, &caller.user).await?;
                 tracing::info!("job {id} killed by {} on {node}", caller.user);
                 Ok(view)
@@ -976,6 +996,9 @@ impl Coordinator {
                     "job {id} was placed while it was killed; try again"
                 ))),
             },
+            Placement::Dispatched { node, .. } if !self.is_up(node) => {
+                self.kill_while_down(caller, id, node)
+            }
             Placement::Dispatched {
                 node, confirmed, ..
             } => match self.kill_on(d, node, id, &caller.user).await {
@@ -990,6 +1013,51 @@ impl Coordinator {
                 }
             },
         }
+    }
+
+    /// Ends job `id`, dispatched to `node`, which is down: a node that
+    /// never comes back must not keep it (and its GPUs, against its
+    /// user's cap) for good. It is ended here, as its node last reported
+    /// it, and charged until now; if `node` comes back with it running,
+    /// its heartbeat's answer tells it to kill it
+    /// ([`super::Coordinator::heartbeat`]). Not ended if it moved on
+    /// meanwhile.
+    fn kill_while_down(&self, caller: &Caller, id: &str, node: &str) -> Result<JobView, ApiError> {
+        let j = self.get(id)?;
+        let mut view = self.view_of(&j);
+        view.state = JobState::Failed {
+            reason: format!(
+                "killed by {} while its node {node} was down; stopped there if {node} comes back",
+                caller.user
+            ),
+        };
+        view.why = None;
+        view.node = Some(node.to_string());
+        view.ended_at = Some(unix_now());
+        view.meta.outputs_pending = false;
+        let mut ended = false;
+        self.jobs
+            .update(id, |x| {
+                if !matches!(&x.placement, Placement::Dispatched { node: n, .. } if n == node) {
+                    return false;
+                }
+                x.placement = Placement::Ended {
+                    view: Box::new(view.clone()),
+                };
+                x.preempted = None;
+                ended = true;
+                true
+            })
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        if !ended {
+            return Err(ApiError::Conflict(format!(
+                "job {id} changed while it was killed; try again"
+            )));
+        }
+        self.drop_promises(id);
+        self.charge(&j, &view);
+        tracing::info!("job {id} killed by {} while {node} is down", caller.user);
+        Ok(view)
     }
 
     /// Kills job `id` on `node` (SIGTERM, SIGKILL after the node's grace;

@@ -4,14 +4,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use labsync_store::{NodeCache, PackId, SnapshotId};
 
 use crate::blocking::off_runtime;
 use crate::client::Client;
 use crate::cluster::{now_ms, ClusterConfig, Coordinator};
-use crate::daemon::Daemon;
+use crate::daemon::{Caller, Daemon};
 use crate::proto::{CacheSummary, CachedTree, Heartbeat, InventoryDelta};
 
 /// The cache as last read: packs with sizes, snapshots with their packs.
@@ -35,7 +35,14 @@ pub struct Reporter {
     current: Inventory,
     /// The cache state file's (mtime, length) when `current` was read.
     stamp: Option<(SystemTime, u64)>,
+    /// Jobs the coordinator had ended while this node was down, with when
+    /// their kill was started (not started again within [`KILL_AGAIN`]).
+    killing: HashMap<String, Instant>,
 }
+
+/// How long a kill the coordinator asked for is given before it is asked
+/// for again.
+const KILL_AGAIN: Duration = Duration::from_secs(60);
 
 fn read_inventory(cache: &NodeCache) -> Result<Inventory, String> {
     let st = cache.status().map_err(|e| e.to_string())?;
@@ -79,6 +86,7 @@ impl Reporter {
             acked: None,
             current: Inventory::default(),
             stamp: None,
+            killing: HashMap::new(),
         }
     }
 
@@ -178,7 +186,34 @@ impl Reporter {
         } else {
             Some((self.seq, self.current.clone()))
         };
+        self.kill_ended(reply.kill);
         Ok(())
+    }
+
+    /// Kills, in the background, the jobs the coordinator ended while this
+    /// node was down (their owner killed them meanwhile).
+    fn kill_ended(&mut self, ids: Vec<String>) {
+        self.killing
+            .retain(|id, at| ids.contains(id) && at.elapsed() < KILL_AGAIN);
+        for id in ids {
+            if self.killing.contains_key(&id) {
+                continue;
+            }
+            self.killing.insert(id.clone(), Instant::now());
+            let daemon = self.daemon.clone();
+            tokio::spawn(async move {
+                let by = Caller {
+                    user: "the coordinator (killed while this node was down)".into(),
+                    admin: true,
+                };
+                match daemon.kill(&by, &id).await {
+                    Ok(_) => tracing::info!(
+                        "job {id} killed: the coordinator ended it while this node was down"
+                    ),
+                    Err(e) => tracing::warn!("job {id}, ended by the coordinator: {e}"),
+                }
+            });
+        }
     }
 
     /// Beats every `heartbeat`, and at once when a job ends, until
