@@ -144,6 +144,14 @@ fn job_over(answer: Result<&str, &str>, job: &str, node: &str) -> Option<bool> {
     Some(ENDED.contains(&j.state) || elsewhere)
 }
 
+/// Whether `squeue`'s answer shows `job` running on `node`.
+fn runs_here(answer: Result<&str, &str>, job: &str, node: &str) -> bool {
+    answer
+        .ok()
+        .and_then(|out| job_line(out, job))
+        .is_some_and(|j| j.state == "RUNNING" && j.batch_host == node)
+}
+
 /// Whether environment variable `k` changes what `squeue` lists or how it
 /// reads its arguments: its `SQUEUE_*` defaults (users, accounts,
 /// partitions, QOS, names, clusters of a federation…), `SLURM_CLUSTERS`,
@@ -374,13 +382,14 @@ impl Daemon {
             return;
         };
         let now = unix_now();
-        let mut asked: std::collections::HashMap<String, Option<bool>> = Default::default();
+        // Per job: over, and whether Slurm shows it running here.
+        let mut asked: std::collections::HashMap<String, (Option<bool>, bool)> = Default::default();
         for (name, rec) in recs {
             let Some(rec) = rec else { continue };
             if !holds_trees(&rec, now) || now < rec.at.saturating_add(STAGE_CHECK_AFTER) {
                 continue;
             }
-            let over = match asked.get(&rec.job) {
+            let (over, here) = match asked.get(&rec.job) {
                 Some(o) => *o,
                 None => {
                     let o = match self.squeue_job(check, &rec.job).await {
@@ -392,11 +401,15 @@ impl Daemon {
                             } else {
                                 Err(&*err)
                             };
-                            job_over(answer, &rec.job, &self.cfg.node_name)
+                            let node = &self.cfg.node_name;
+                            (
+                                job_over(answer, &rec.job, node),
+                                runs_here(answer, &rec.job, node),
+                            )
                         }
                         Err(e) => {
                             tracing::debug!("checking stage {name}: {e}");
-                            None
+                            (None, false)
                         }
                     };
                     asked.insert(rec.job.clone(), o);
@@ -412,8 +425,9 @@ impl Daemon {
                     ),
                     Err(e) => tracing::warn!("releasing stage {name}: {e}"),
                 },
-                // Still running here: held for STAGE_TTL from now.
-                Some(false) if now >= rec.at.max(rec.seen.unwrap_or(0)) + SEEN_EVERY => {
+                // Running here: held for STAGE_TTL from now (not a job
+                // held or suspended for ever).
+                Some(false) if here && now >= rec.at.max(rec.seen.unwrap_or(0)) + SEEN_EVERY => {
                     let dir = self.stages_dir().join(&name);
                     let r = off_runtime(move || mark_seen(&dir, now)).await;
                     if let Err(e) = r {
@@ -883,6 +897,22 @@ mod tests {
         assert!(why("13|RUNNING|gpu1|alice", "gpu1", None).contains("shows no job 12"));
         // A line with more fields than asked for is no job's.
         assert!(why("12|RUNNING|gpu1|alice|x", "gpu1", None).contains("shows no job 12"));
+    }
+
+    #[test]
+    fn only_a_job_running_here_renews_its_stage() {
+        let here = |l: &str| runs_here(Ok(l), "12", "gpu1");
+        assert!(here("12|RUNNING|gpu1|alice\n"));
+        for l in [
+            "12|RUNNING|gpu2|alice\n",
+            "12|SUSPENDED|gpu1|alice\n",
+            "12|REQUEUE_HOLD|gpu1|alice\n",
+            "13|RUNNING|gpu1|alice\n",
+            "",
+        ] {
+            assert!(!here(l), "{l:?}");
+        }
+        assert!(!runs_here(Err("slurm_load_jobs error"), "12", "gpu1"));
     }
 
     #[test]
