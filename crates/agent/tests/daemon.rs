@@ -159,6 +159,57 @@ async fn listings_read_the_gpus_once_and_the_queue_is_capped_per_user() {
     }
 }
 
+/// A client that goes away while its job is being recorded (its request's
+/// future dropped half way) does not leave the job reserved and never
+/// prepared: it is prepared and runs all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_dropped_half_way_still_prepares_its_job() {
+    use std::future::Future;
+    let dir = tempfile::tempdir().unwrap();
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let d = Daemon::open(config(dir.path()), inv).await.unwrap();
+    let me = alice();
+    let mut submit = Box::pin(d.submit(&me, bash("true", 1)));
+    // Polled until the job is being recorded (off the runtime), then
+    // dropped without being polled again: what a closed connection does.
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let id = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            assert!(
+                submit.as_mut().poll(&mut cx).is_pending(),
+                "the submission ended before the test could drop it"
+            );
+            for _ in 0..200 {
+                if let Some(j) = d.jobs().await.unwrap().into_iter().next() {
+                    return j.id;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    })
+    .await
+    .expect("the job to be recorded");
+    drop(submit);
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            d.tick().await;
+            let j = d.jobs().await.unwrap().into_iter().find(|j| j.id == id);
+            if j.is_some_and(|j| j.ended()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the job dropped half way to be prepared, run and ended");
+    let view = d.job(&id).await.unwrap();
+    assert!(
+        matches!(view.state, JobState::Exited { code: Some(0), .. }),
+        "{view:?}"
+    );
+}
+
 /// Issue 13: one labd has no tiers; a job asking for one is refused at
 /// submit, saying so, instead of being taken first come, first served as
 /// if the tier had been granted.

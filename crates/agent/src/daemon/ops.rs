@@ -371,13 +371,21 @@ impl Daemon {
             run_as,
             meta: self.job_meta(&req, run_as),
         };
-        let node = self.node.clone();
-        let s = submit.clone();
-        let id = off_runtime(move || node.reserve(&s)).await?;
-        let work = self.cfg.state_dir.join("jobs").join(&id).join("work");
-        submit.cwd = work.clone();
-        submit.meta.work = Some(work);
-        self.prepare_in_background(id.clone(), req, submit);
+        // Reserved and handed to its preparation in a task of its own: a
+        // client that goes away drops this future, and a job reserved that
+        // nothing prepares would hold its place (and GPUs) for good.
+        let me = self.clone();
+        let id = tokio::spawn(async move {
+            let (node, s) = (me.node.clone(), submit.clone());
+            let id = off_runtime(move || node.reserve(&s)).await?;
+            let work = me.cfg.state_dir.join("jobs").join(&id).join("work");
+            submit.cwd = work.clone();
+            submit.meta.work = Some(work);
+            me.prepare_in_background(id.clone(), req, submit);
+            Ok::<_, ApiError>(id)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("submitting: {e}")))??;
         self.job(&id).await
     }
 
@@ -414,24 +422,36 @@ impl Daemon {
             d.id.clone(),
             d.gpus.clone(),
         );
-        let fresh = off_runtime(move || {
-            let known = node.job(&id)?.is_some();
-            node.reserve_placed(&id, &s, &gpus).map(|()| !known)
+        // Leased and handed to its preparation in a task of its own: the
+        // coordinator giving up on this answer drops this future, and a
+        // job leased that nothing prepares would hold its GPUs for good
+        // (a dispatch sent again finds it known and leaves it).
+        let (me, req, job) = (self.clone(), d.req.clone(), d.id.clone());
+        let placed = tokio::spawn(async move {
+            let fresh = off_runtime(move || {
+                let known = node.job(&id)?.is_some();
+                node.reserve_placed(&id, &s, &gpus).map(|()| !known)
+            })
+            .await;
+            if let Ok(true) = fresh {
+                me.prepare_in_background(job, req, submit);
+            }
+            fresh
         })
         .await;
-        match fresh {
-            Ok(true) => {
+        match placed {
+            Ok(Ok(true)) => {
                 tracing::info!(
                     "job {} of {} placed here on GPU(s) {:?}",
                     d.id,
                     d.user,
                     d.gpus
                 );
-                self.prepare_in_background(d.id.clone(), d.req, submit);
             }
-            Ok(false) => {}
-            Err(NodeError::Stale(why)) => return DispatchReply::Stale { why },
-            Err(e) => return refused(e.into()),
+            Ok(Ok(false)) => {}
+            Ok(Err(NodeError::Stale(why))) => return DispatchReply::Stale { why },
+            Ok(Err(e)) => return refused(e.into()),
+            Err(e) => return refused(ApiError::Internal(format!("placing: {e}"))),
         }
         match self.job(&d.id).await {
             Ok(job) => DispatchReply::Accepted { job: Box::new(job) },
