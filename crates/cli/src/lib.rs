@@ -52,11 +52,14 @@ pub fn start(bin: &str, log_var: &str, default_filter: &str) -> Option<tokio::ru
     }
 }
 
-/// `s` with its control characters (C0, DEL and C1, newlines too) written
-/// as escapes (`\u{1b}`), for one field of a listing: other users' job
-/// commands, and what the store's records say about who pushed, reach a
-/// terminal only as text, never as bytes it acts on (colours, the
-/// window's title, the clipboard, a carriage return over another row).
+/// `s` with its control characters (C0, DEL and C1, newlines too) and the
+/// invisible marks that reorder or hide text (bidirectional overrides and
+/// isolates, zero-width characters) written as escapes (`\u{1b}`), for one
+/// field of a listing: other users' job commands, and what the store's
+/// records say about who pushed, reach a terminal only as text, never as
+/// bytes it acts on (colours, the window's title, the clipboard, a
+/// carriage return over another row) nor as a row that reads otherwise
+/// than it is.
 pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
     shown_but(s, &[])
 }
@@ -64,7 +67,7 @@ pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
 /// [`shown`], leaving the characters in `keep` as they are (a whole
 /// listing's own newlines).
 pub fn shown_but<'a>(s: &'a str, keep: &[char]) -> std::borrow::Cow<'a, str> {
-    let escape = |c: char| c.is_control() && !keep.contains(&c);
+    let escape = |c: char| (c.is_control() || invisible(c)) && !keep.contains(&c);
     if !s.chars().any(escape) {
         return std::borrow::Cow::Borrowed(s);
     }
@@ -77,6 +80,17 @@ pub fn shown_but<'a>(s: &'a str, keep: &[char]) -> std::borrow::Cow<'a, str> {
         }
     }
     std::borrow::Cow::Owned(out)
+}
+
+/// Format characters that change how the text around them reads: the
+/// bidirectional marks, embeddings, overrides and isolates, and the
+/// zero-width ones.
+fn invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{61c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}'
+            | '\u{feff}'
+    )
 }
 
 /// `1.02 GB` (decimal units, as `du -h --si` and the examples).
@@ -130,6 +144,12 @@ mod tests {
             shown_but("row one\nrow\x1b two", &['\n']),
             "row one\nrow\\u{1b} two"
         );
+        // A right-to-left override makes a command read otherwise.
+        assert_eq!(
+            shown("python \u{202e}yp.niart\u{202c} x\u{200b}y\u{2066}z"),
+            "python \\u{202e}yp.niart\\u{202c} x\\u{200b}y\\u{2066}z"
+        );
+        assert_eq!(shown("données ✓ 数据"), "données ✓ 数据");
     }
 
     use super::*;
