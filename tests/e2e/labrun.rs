@@ -892,6 +892,52 @@ sys.stderr.write("after, %d bytes held\n" % held())
         "what was written into the cut is never read"
     );
     wait_until("the log to go with the folder", 30, || !log.exists());
+
+    // Or it allocates disk through it, charged to root: 64 MiB past its
+    // end (KEEP_SIZE), and 16 MiB as unwritten blocks in the cut part.
+    let hoard = r#"
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+def held():
+    return os.fstat(1).st_blocks * 512
+line = b"z" * 1023 + b"\n"
+for _ in range(4096):
+    os.write(1, line)
+time.sleep(1)
+size = os.fstat(1).st_size
+if libc.fallocate(1, 1, size, 64 << 20) != 0 or libc.fallocate(1, 1, 1 << 20, 16 << 20) != 0:
+    sys.stderr.write("fallocate failed: errno %d\n" % ctypes.get_errno())
+    sys.exit(3)
+sys.stderr.write("hoarded, %d bytes held\n" % held())
+deadline = time.time() + 20
+while held() > (2 << 20) and time.time() < deadline:
+    time.sleep(0.05)
+sys.stderr.write("after, %d bytes held\n" % held())
+"#;
+    let third = n.detach(
+        ALICE,
+        &["--gpus", "0", "--", "/usr/bin/python3", "-c", hoard],
+    );
+    wait_until("the hoarding job to end", 60, || n.ended(&third));
+    let out = n.ok(ALICE, &["logs", &third]);
+    let report = |what: &str| -> u64 {
+        out.lines()
+            .find_map(|l| l.strip_prefix(what)?.strip_suffix(" bytes held"))
+            .unwrap_or_else(|| panic!("no {what:?}: {}", &out[out.len().saturating_sub(600)..]))
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        report("hoarded, ") > 64 << 20,
+        "the job did allocate: {}",
+        &out[out.len().saturating_sub(600)..]
+    );
+    let held = report("after, ");
+    assert!(
+        held <= bound,
+        "allocated by the job, freed: {held} bytes on disk"
+    );
 }
 
 /// Issue 9, point 12: a local user without a token can connect to a shared

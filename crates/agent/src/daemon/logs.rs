@@ -82,6 +82,11 @@ impl JobLogs {
     /// file's size. So when the file holds more blocks than the cap (XFS
     /// counts its preallocation past the end there too) and there is data
     /// in the cut part (`SEEK_DATA`), that part is punched again whole.
+    /// It may also `fallocate` it: blocks past the end (`KEEP_SIZE`), or
+    /// unwritten ones in the cut part (holes to `SEEK_DATA`), charged to
+    /// root, whom no quota stops. A file holding two caps more than its
+    /// data has them freed: the cut part punched, the file truncated to its
+    /// own size (which frees what lies past it on ext4 and XFS).
     pub fn bound(&self, id: &str) {
         use std::os::unix::fs::MetadataExt;
         // One at a time: a kill's tick may run beside the ticker's, and a
@@ -108,6 +113,26 @@ impl JobLogs {
         let on_disk = start + size.saturating_sub(done);
         let end = size.saturating_sub(cap / 2) / LOG_BLOCK * LOG_BLOCK;
         let grew = on_disk > limit && end > done;
+        let hoarded = held > on_disk.saturating_add(2 * cap)
+            && !self.warned.lock().expect("labd poisoned").contains(id);
+        if hoarded {
+            match free_hoard(&path, start..done) {
+                Ok(()) => tracing::warn!(
+                    "job {id}: its log held {held} bytes of disk for {on_disk} bytes of output \
+                     (space allocated by the job); freed"
+                ),
+                Err(e) => {
+                    self.warned
+                        .lock()
+                        .expect("labd poisoned")
+                        .insert(id.to_string());
+                    tracing::warn!(
+                        "job {id}: its log holds {held} bytes of disk for {on_disk} bytes of \
+                         output, and they cannot be freed: {e}"
+                    );
+                }
+            }
+        }
         let refilled = held > limit
             && done > start
             // Where punching failed once (NFS), it is not tried each tick.
@@ -213,6 +238,21 @@ fn data_between(path: &Path, start: u64, end: u64) -> bool {
         return false;
     };
     rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(start)).is_ok_and(|at| at < end)
+}
+
+/// Frees what a job allocated in its log beyond its output: the cut part
+/// `cut` punched again, and the blocks past the end of the file dropped by
+/// truncating it to its own size. Bytes the job appends between the size
+/// read and the truncation are lost: only a job allocating disk this way
+/// gets here.
+fn free_hoard(path: &Path, cut: std::ops::Range<u64>) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    cut_log(path, cut)?;
+    let f = File::options()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    f.set_len(f.metadata()?.len())
 }
 
 /// Frees the bytes `range` of the log at `path` (the file keeps its size).
