@@ -185,14 +185,20 @@ pub async fn blocking<T: Send + 'static>(
 }
 
 /// While alive, this thread reads files as another user: its file-system
-/// uid and gid (setfsuid(2), setfsgid(2)) are switched and its supplementary
-/// groups dropped, so permission checks are that user's and root's file
-/// capabilities are off. Linux keeps these per thread; the raw system calls
+/// uid and gid (setfsuid(2), setfsgid(2)) are switched, its supplementary
+/// groups dropped and its effective capabilities cleared, so permission
+/// checks are that user's. setfsuid alone drops only the file capabilities:
+/// with CAP_SYSLOG, CAP_SYS_PTRACE or CAP_SYS_ADMIN still in force, a job
+/// that swaps a folder of its outputs for a symlink to `/proc` would have
+/// root read kernel addresses (`kallsyms`) or other users' memory maps into
+/// its snapshot. Linux keeps all of these per thread; the raw system calls
 /// are used because libc wrappers may apply id changes to every thread.
 /// labd, running as root, pushes a job's outputs this way, so a job cannot
 /// make it read what its user may not (a symlink to `/root`, say).
 pub(crate) struct ReadAs {
     saved: Option<(libc::c_long, libc::c_long, Vec<libc::gid_t>)>,
+    /// The thread's capabilities before, put back first when it leaves.
+    caps: Option<rustix::thread::CapabilitySets>,
 }
 
 impl ReadAs {
@@ -205,8 +211,22 @@ impl ReadAs {
     #[allow(unsafe_code)]
     pub(crate) fn try_enter(who: Option<(u32, u32)>) -> std::io::Result<ReadAs> {
         let Some((uid, gid)) = who else {
-            return Ok(ReadAs { saved: None });
+            return Ok(ReadAs {
+                saved: None,
+                caps: None,
+            });
         };
+        let refused = |why: String| {
+            std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "cannot read files as uid {uid} gid {gid}: {why}; refusing to read with \
+                     this process's own rights instead"
+                ),
+            )
+        };
+        let caps = rustix::thread::capabilities(None)
+            .map_err(|e| refused(format!("cannot read this thread's capabilities ({e})")))?;
         // SAFETY: these system calls change only this thread's credentials;
         // the buffers passed are valid for the lengths given.
         unsafe {
@@ -218,8 +238,9 @@ impl ReadAs {
             let old_gid = libc::syscall(libc::SYS_setfsgid, gid);
             let old_uid = libc::syscall(libc::SYS_setfsuid, uid);
             // Dropped on the error too: the thread is itself again.
-            let entered = ReadAs {
+            let mut entered = ReadAs {
                 saved: Some((old_uid, old_gid, groups)),
+                caps: None,
             };
             let now_uid = libc::syscall(libc::SYS_setfsuid, u32::MAX);
             let now_gid = libc::syscall(libc::SYS_setfsgid, u32::MAX);
@@ -228,15 +249,18 @@ impl ReadAs {
             if (now_uid, now_gid, now_groups)
                 != (libc::c_long::from(uid), libc::c_long::from(gid), 0)
             {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    format!(
-                        "cannot read files as uid {uid} gid {gid}: this process may not switch \
-                         its file-system ids (it lacks CAP_SETUID or CAP_SETGID); refusing to \
-                         read with its own rights instead"
-                    ),
+                return Err(refused(
+                    "this process may not switch its file-system ids (it lacks CAP_SETUID or \
+                     CAP_SETGID)"
+                        .into(),
                 ));
             }
+            // Last: switching the ids above needs CAP_SETUID and CAP_SETGID.
+            let mut none = caps;
+            none.effective = rustix::thread::CapabilitySet::empty();
+            entered.caps = Some(caps);
+            rustix::thread::set_capabilities(None, none)
+                .map_err(|e| refused(format!("cannot clear its capabilities ({e})")))?;
             Ok(entered)
         }
     }
@@ -253,6 +277,13 @@ impl ReadAs {
 impl Drop for ReadAs {
     #[allow(unsafe_code)]
     fn drop(&mut self) {
+        // First: setting the ids back needs CAP_SETUID and CAP_SETGID.
+        if let Some(caps) = self.caps.take() {
+            if let Err(e) = rustix::thread::set_capabilities(None, caps) {
+                // Within the permitted set, raising them back cannot fail.
+                panic!("cannot restore this thread's capabilities: {e}");
+            }
+        }
         if let Some((uid, gid, groups)) = self.saved.take() {
             // SAFETY: as in `enter`; restores what it saved, on the same thread.
             unsafe {
@@ -334,6 +365,18 @@ mod tests {
         );
         assert!(as_user(None, || link.is_dir()).unwrap());
         assert!(link.is_dir(), "the thread's own rights are back");
+        // None of root's capabilities is in force meanwhile (CAP_SYSLOG,
+        // CAP_SYS_PTRACE: what /proc shows), and all are back after.
+        use rustix::thread::capabilities;
+        let before = capabilities(None).unwrap();
+        let inside = as_user(nobody, || capabilities(None).unwrap()).unwrap();
+        assert!(inside.effective.is_empty(), "{:?}", inside.effective);
+        assert_eq!(inside.permitted, before.permitted);
+        assert_eq!(capabilities(None).unwrap().effective, before.effective);
+        assert!(
+            as_user(nobody, || std::fs::read_dir(&private).is_err()).unwrap(),
+            "nobody cannot list root's 0700 folder"
+        );
     }
 
     /// A thread that cannot switch its file-system ids (no CAP_SETUID and
