@@ -1562,6 +1562,31 @@ fn outputs_are_read_as_the_jobs_user() {
     assert!(err.contains("gave up after 3 tries"), "{err}");
 }
 
+/// Outputs no snapshot can hold (a folder deeper than 256 levels) do not
+/// heal by waiting either: the final push is given up after three tries,
+/// and the job settles (its folder and trees are not held for ever).
+#[test]
+fn outputs_too_deep_to_save_are_given_up() {
+    let n = Node::start(None, "outputs_retry_s = 1");
+    let script = "mkdir -p ckpt && cd ckpt && for i in $(seq 300); do mkdir d && cd d; done";
+    // nobody's where labd is root (jobs run as their users), else labd's.
+    let id = n.detach(
+        "tok-nobody-0123456789",
+        &["--outputs", "ckpt", "--", "bash", "-c", script],
+    );
+    wait_until("labd to give up on the final push", 60, || {
+        let j = n.job(&id);
+        j.ended() && !j.meta.outputs_pending
+    });
+    let j = n.job(&id);
+    assert_eq!(j.meta.outputs_saved, None, "{j:?}");
+    let err = j.meta.outputs_error.unwrap();
+    assert!(
+        err.contains("more than 256 folders deep") && err.contains("gave up after 3 tries"),
+        "{err}"
+    );
+}
+
 /// A cluster node listens on TCP: the same API, the same tokens.
 #[test]
 fn tcp_listener_serves_the_same_api() {

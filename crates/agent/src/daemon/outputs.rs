@@ -38,8 +38,9 @@ pub(crate) struct OutputsSaver {
     retry: Duration,
     /// Jobs whose outputs are being pushed right now.
     pushing: Mutex<HashSet<String>>,
-    /// When each running job's outputs were last pushed, and failed final pushes.
-    pushed_at: Mutex<HashMap<String, (Instant, u32)>>,
+    /// When each running job's outputs were last pushed, failed final
+    /// pushes, and of those the ones that failed on the outputs themselves.
+    pushed_at: Mutex<HashMap<String, (Instant, u32, u32)>>,
 }
 
 /// What the saver needs besides the engine and the store.
@@ -85,11 +86,19 @@ impl OutputsSaver {
                     .expect("labd poisoned")
                     .insert(j.id.clone())
             {
-                let me = self.clone();
+                /// Takes the job off `pushing` however its push ends (a
+                /// panic too: else it would never be pushed again).
+                struct Done(Arc<OutputsSaver>, String);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        let mut p = self.0.pushing.lock().unwrap_or_else(|e| e.into_inner());
+                        p.remove(&self.1);
+                    }
+                }
+                let done = Done(self.clone(), j.id.clone());
                 tokio::spawn(async move {
-                    let id = j.id.clone();
-                    me.push(j, ended).await;
-                    me.pushing.lock().expect("labd poisoned").remove(&id);
+                    done.0.push(j, ended).await;
+                    drop(done);
                 });
             }
         }
@@ -102,7 +111,9 @@ impl OutputsSaver {
             _ if ended => {
                 j.meta.outputs_pending
                     && match self.pushed_at.lock().expect("labd poisoned").get(&j.id) {
-                        Some(&(t, failed)) if failed > 0 => t.elapsed() >= self.retry_delay(failed),
+                        Some(&(t, failed, _)) if failed > 0 => {
+                            t.elapsed() >= self.retry_delay(failed)
+                        }
                         _ => true,
                     }
             }
@@ -115,7 +126,7 @@ impl OutputsSaver {
                     .get(&j.id)
                     .copied();
                 match at {
-                    Some((t, _)) => t.elapsed() >= every,
+                    Some((t, _, _)) => t.elapsed() >= every,
                     None => j.started_at.is_some_and(|s| {
                         crate::leases::unix_now().saturating_sub(s) >= every.as_secs()
                     }),
@@ -136,11 +147,18 @@ impl OutputsSaver {
         let left_none = outputs_folder_is_there(&job, &dir).await == Ok(false);
         // Failed final pushes are counted (periodic ones are not: a store
         // that was down during the run must not cost the last checkpoint).
-        let attempts = {
+        // And those that failed on the outputs themselves, apart: a store
+        // that was down twice must not make one passing error final.
+        let (attempts, unreadable_attempts) = {
             let mut at = self.pushed_at.lock().expect("labd poisoned");
-            let e = at.entry(job.id.clone()).or_insert((Instant::now(), 0));
-            *e = (Instant::now(), e.1 + u32::from(last && result.is_err()));
-            e.1
+            let e = at.entry(job.id.clone()).or_insert((Instant::now(), 0, 0));
+            let failed = last && result.is_err();
+            *e = (
+                Instant::now(),
+                e.1 + u32::from(failed),
+                e.2 + u32::from(failed && unreadable),
+            );
+            (e.1, e.2)
         };
         match &result {
             Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
@@ -156,11 +174,11 @@ impl OutputsSaver {
         // that left no outputs folder has nothing to wait for; one whose
         // outputs cannot be read as its user gets UNREADABLE_TRIES tries, not
         // an eternity of them holding its folder and trees.
-        let gave_up = unreadable && attempts >= UNREADABLE_TRIES;
+        let gave_up = unreadable && unreadable_attempts >= UNREADABLE_TRIES;
         let settled = last && (result.is_ok() || left_none || gave_up);
         let result = match result {
             Err(e) if gave_up => Err(format!(
-                "{e} (gave up after {attempts} tries: the job's user cannot read its outputs)"
+                "{e} (gave up after {attempts} tries: its outputs cannot be saved as they are)"
             )),
             r => r,
         };
@@ -234,9 +252,12 @@ impl OutputsSaver {
                         .flatten()
                 })
                 .await;
-                let unreadable = matches!(&e, labsync_store::Error::Io { path, .. }
-                    if path.starts_with(dir)
-                        || canon.as_ref().is_some_and(|c| path.starts_with(c)));
+                // A push's only Invalid errors are about its source (a
+                // tree deeper than a snapshot keeps, a nameless root).
+                let unreadable = matches!(&e, labsync_store::Error::Invalid { .. })
+                    || matches!(&e, labsync_store::Error::Io { path, .. }
+                        if path.starts_with(dir)
+                            || canon.as_ref().is_some_and(|c| path.starts_with(c)));
                 (Err(chain(&e)), unreadable)
             }
         }
