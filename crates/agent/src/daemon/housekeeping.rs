@@ -88,6 +88,15 @@ impl Housekeeping {
         }
         let me = self.clone();
         tokio::spawn(off_runtime(move || {
+            /// Lets the next pass run however this one ends (a panic in a
+            /// removal too: else eviction and sweeping would stop for good).
+            struct Idle<'a>(&'a std::sync::atomic::AtomicBool);
+            impl Drop for Idle<'_> {
+                fn drop(&mut self) {
+                    self.0.store(false, Ordering::Release);
+                }
+            }
+            let _idle = Idle(&me.running);
             let node = me.node.clone();
             let stages = me.stages_dir.clone();
             // Asked under the tree's lock, so read afresh each time: a
@@ -106,7 +115,6 @@ impl Housekeeping {
             (me.failed.lock().expect("labd poisoned")).retain(|dir, _| dir.exists());
             me.sweep_work_folders();
             me.sweep_stages();
-            me.running.store(false, Ordering::Release);
         }));
     }
 
@@ -156,7 +164,11 @@ impl Housekeeping {
             if old && self.may_try(&e.path()) {
                 match self.remove(&e.path()) {
                     Ok(()) => tracing::info!("removed the working folder and log of job {id}"),
-                    Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
+                    Err(err) => {
+                        // The log stays with the folder it tells of.
+                        tracing::warn!("cannot remove {}: {err}", e.path().display());
+                        continue;
+                    }
                 }
                 let log = self.node.log_path(&id);
                 if let Err(err) = std::fs::remove_file(&log) {
