@@ -136,8 +136,17 @@ impl Cgroups {
                     let _ = write_to(&p.join("cgroup.kill"), "1");
                 }
                 Flavor::V2 => {
+                    // Before Linux 5.14 (no cgroup.kill): frozen first
+                    // where it can be (5.2+), so no member forks a new one
+                    // between the read of the list and the signals; a
+                    // frozen process still dies of SIGKILL.
+                    let freeze = p.join("cgroup.freeze");
+                    let frozen = write_to(&freeze, "1").is_ok();
                     for pid in self.members(job) {
                         crate::runner::signal(pid, libc::SIGKILL);
+                    }
+                    if frozen {
+                        let _ = write_to(&freeze, "0");
                     }
                 }
                 Flavor::V1Freezer => {
