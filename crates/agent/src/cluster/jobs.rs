@@ -909,39 +909,18 @@ impl Coordinator {
                         })
                         .map_err(|e| ApiError::Internal(e.to_string()))?;
                 }
-                let killed = if let Placement::Dispatched {
+                if let Placement::Dispatched {
                     confirmed: false, ..
                 } = &j.placement
                 {
-                    self.kill_unconfirmed(d, caller, id).await
-                } else if !self.is_up(node) {
-                    self.kill_while_down(caller, id, node)
-                } else {
-                    let view = self.kill_on(d, node, id, &caller.user).await;
-                    if view.is_ok() {
-                        tracing::info!("job {id} killed by {} on {node}", caller.user);
-                    }
-                    view
-                };
-                // Not killed (its node did not answer, say): still being
-                // preempted, if it was, so a pass does not stop another
-                // job for the same GPUs meanwhile.
-                if let (Err(_), Some(mark)) = (&killed, &j.preempted) {
-                    let r = self.jobs.update(id, |x| {
-                        if x.preempted.is_some()
-                            || !matches!(&x.placement, Placement::Dispatched { node: n, .. } if n == node)
-                        {
-                            return false;
-                        }
-                        x.preempted = Some(mark.clone());
-                        x.preempted_at = j.preempted_at;
-                        true
-                    });
-                    if let Err(e) = r {
-                        tracing::error!("cluster jobs: {e}");
-                    }
+                    return self.kill_unconfirmed(d, caller, id).await;
                 }
-                killed
+                if !self.is_up(node) {
+                    return self.kill_while_down(caller, id, node);
+                }
+                let view = self.kill_on(d, node, id, &caller.user).await?;
+                tracing::info!("job {id} killed by {} on {node}", caller.user);
+                Ok(view)
             }
         }
     }
