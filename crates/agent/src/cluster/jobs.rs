@@ -504,6 +504,19 @@ impl Coordinator {
         ended
     }
 
+    /// Whether `node` is another node than `d`'s, which the coordinator
+    /// has marked down (not merely not heard from since it started).
+    fn is_down(&self, d: &Daemon, node: &str) -> bool {
+        if node == d.node_name() {
+            return false;
+        }
+        let v = self.view.lock().expect("coordinator poisoned");
+        node.parse::<NodeName>()
+            .ok()
+            .and_then(|n| v.cluster.node(&n).map(|x| !x.is_up()))
+            .unwrap_or(false)
+    }
+
     fn is_up(&self, node: &str) -> bool {
         let v = self.view.lock().expect("coordinator poisoned");
         node.parse::<NodeName>()
@@ -915,7 +928,7 @@ impl Coordinator {
                 {
                     return self.kill_unconfirmed(d, caller, id).await;
                 }
-                if !self.is_up(node) {
+                if self.is_down(d, node) {
                     return self.kill_while_down(caller, id, node);
                 }
                 let view = self.kill_on(d, node, id, &caller.user).await?;
@@ -996,7 +1009,7 @@ impl Coordinator {
                     "job {id} was placed while it was killed; try again"
                 ))),
             },
-            Placement::Dispatched { node, .. } if !self.is_up(node) => {
+            Placement::Dispatched { node, .. } if self.is_down(d, node) => {
                 self.kill_while_down(caller, id, node)
             }
             Placement::Dispatched {
@@ -1025,6 +1038,14 @@ impl Coordinator {
     fn kill_while_down(&self, caller: &Caller, id: &str, node: &str) -> Result<JobView, ApiError> {
         let j = self.get(id)?;
         let mut view = self.view_of(&j);
+        // Its node said it ended (its outputs being saved when it went
+        // down): its own record comes back with the node.
+        if view.ended() {
+            return Err(ApiError::Conflict(format!(
+                "job {id} had already ended when {node} went down; its record comes back \
+                 with {node}"
+            )));
+        }
         view.state = JobState::Failed {
             reason: format!(
                 "killed by {} while its node {node} was down; stopped there if {node} comes back",
