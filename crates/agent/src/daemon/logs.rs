@@ -24,6 +24,8 @@ pub(crate) struct JobLogs {
     bounding: Mutex<()>,
     /// Jobs whose log could not be cut (said once each).
     warned: Mutex<HashSet<String>>,
+    /// Jobs whose log held disk they allocated, freed (said once each).
+    hoarders: Mutex<HashSet<String>>,
 }
 
 impl JobLogs {
@@ -34,6 +36,7 @@ impl JobLogs {
             watch: Mutex::new(HashMap::new()),
             bounding: Mutex::new(()),
             warned: Mutex::new(HashSet::new()),
+            hoarders: Mutex::new(HashSet::new()),
         }
     }
 
@@ -116,11 +119,22 @@ impl JobLogs {
         let hoarded = held > on_disk.saturating_add(2 * cap)
             && !self.warned.lock().expect("labd poisoned").contains(id);
         if hoarded {
-            match free_hoard(&path, start..done) {
-                Ok(()) => tracing::warn!(
-                    "job {id}: its log held {held} bytes of disk for {on_disk} bytes of output \
-                     (space allocated by the job); freed"
-                ),
+            let keep = on_disk.saturating_add(2 * cap);
+            match free_hoard(&path, start..done, held, keep) {
+                Ok(truncated) => {
+                    let first = (self.hoarders.lock().expect("labd poisoned")).insert(id.into());
+                    if first || truncated {
+                        tracing::warn!(
+                            "job {id}: its log held {held} bytes of disk for {on_disk} bytes of \
+                             output; freed{}",
+                            if truncated {
+                                " (allocated past its end by the job)"
+                            } else {
+                                ""
+                            }
+                        );
+                    }
+                }
                 Err(e) => {
                     self.warned
                         .lock()
@@ -240,25 +254,39 @@ fn data_between(path: &Path, start: u64, end: u64) -> bool {
     rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(start)).is_ok_and(|at| at < end)
 }
 
-/// Frees what a job allocated in its log beyond its output: the cut part
-/// `cut` punched again, and the blocks past the end of the file dropped by
-/// truncating it to its own size. Bytes the job appends between the size
-/// read and the truncation are lost: only a job allocating disk this way
-/// gets here.
-fn free_hoard(path: &Path, cut: std::ops::Range<u64>) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    cut_log(path, cut)?;
+/// Frees what the log at `path` holds beyond its output (`held` bytes of
+/// disk where `keep` would do): the cut part `cut` punched again, then
+/// what lies past the end punched too (XFS frees its preallocation and
+/// what a job allocated there so; ext4 stops a punch at the file's size).
+/// Still over `keep` (ext4), the file is truncated to its own size, which
+/// frees the blocks past it, unless its size moved meanwhile; a byte the
+/// job appends between that look and the truncation is lost, and only a
+/// job that allocated disk past its log's end gets there. True when it
+/// did.
+fn free_hoard(
+    path: &Path,
+    cut: std::ops::Range<u64>,
+    held: u64,
+    keep: u64,
+) -> std::io::Result<bool> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let f = File::options()
         .write(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)?;
-    f.set_len(f.metadata()?.len())
+    punch(&f, cut)?;
+    let size = f.metadata()?.len();
+    let _ = punch(&f, size..size.saturating_add(held));
+    let md = f.metadata()?;
+    if md.blocks() * 512 > keep && md.len() == size {
+        f.set_len(size)?;
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// Frees the bytes `range` of the log at `path` (the file keeps its size).
-#[allow(unsafe_code)]
 fn cut_log(path: &Path, range: std::ops::Range<u64>) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     if range.is_empty() {
         return Ok(());
@@ -267,6 +295,16 @@ fn cut_log(path: &Path, range: std::ops::Range<u64>) -> std::io::Result<()> {
         .write(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)?;
+    punch(&f, range)
+}
+
+/// Punches the bytes `range` of `f` out (its size stays).
+#[allow(unsafe_code)]
+fn punch(f: &File, range: std::ops::Range<u64>) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if range.is_empty() {
+        return Ok(());
+    }
     // SAFETY: fallocate(2) on a descriptor we own, with plain integers; it
     // touches no memory of ours.
     let rc = unsafe {
