@@ -258,9 +258,10 @@ impl ReadAs {
             // Last: switching the ids above needs CAP_SETUID and CAP_SETGID.
             let mut none = caps;
             none.effective = rustix::thread::CapabilitySet::empty();
-            entered.caps = Some(caps);
             rustix::thread::set_capabilities(None, none)
                 .map_err(|e| refused(format!("cannot clear its capabilities ({e})")))?;
+            // Only once cleared: restoring what was never changed could fail.
+            entered.caps = Some(caps);
             Ok(entered)
         }
     }
