@@ -270,19 +270,35 @@ pub(crate) fn expired(rec: &StageRecord, now: u64, work_keep: Duration) -> bool 
 /// (see [`StageRecord::seen`]).
 const SEEN_EVERY: u64 = 86_400;
 
-/// Stages of one Slurm job a node makes at most (a requeued job stages
-/// again, a released stage's folder stays for `work_keep`).
-pub const STAGES_PER_JOB: u32 = 64;
+/// Stage folders a user has here at most for one Slurm job (a requeued job
+/// stages again; a released stage's folder stays for `work_keep`).
+pub const STAGES_PER_JOB: usize = 64;
+
+/// Stage folders a user has here at most, released or not: what a user
+/// staging and releasing in a loop can leave for the sweep.
+pub const STAGE_FOLDERS_PER_USER: usize = 1024;
+
+/// Names `<job>.<n>` tried for one job id (users' stages under one id
+/// together; others may have taken some).
+const NAMES_PER_JOB: u32 = 10_000;
+
+/// One change to the stages' records at a time: the cap's count and the
+/// new folder, and each record's read-change-write.
+static RECORDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn records_lock() -> std::sync::MutexGuard<'static, ()> {
+    RECORDS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Makes `<dir>/<job>.<n>` for the first `n` free; its path and name.
-/// `None` when the job has [`STAGES_PER_JOB`] folders already.
+/// `None` when [`NAMES_PER_JOB`] are taken.
 fn new_stage_dir(dir: &Path, job: &str) -> std::io::Result<Option<(PathBuf, String)>> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     std::fs::create_dir_all(dir)?;
     // Users reach their working folders through it (its path is all they
     // are told); they can list none of it, and only labd writes it.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
-    for n in 1..=STAGES_PER_JOB {
+    for n in 1..=NAMES_PER_JOB {
         let name = format!("{job}.{n}");
         let path = dir.join(&name);
         match std::fs::DirBuilder::new().mode(0o711).create(&path) {
@@ -631,27 +647,48 @@ impl Daemon {
 }
 
 /// Makes a stage for `rec` in `dir` (on `node`) unless its user holds
-/// [`STAGES_PER_USER`] already: its folder, with its record written. One
-/// at a time, so that requests at once cannot each count fewer than the
-/// cap. A folder whose record cannot be written is removed again.
+/// [`STAGES_PER_USER`] already, or has [`STAGES_PER_JOB`] folders for its
+/// job or [`STAGE_FOLDERS_PER_USER`] in all: its folder, with its record
+/// written. One at a time, so that requests at once cannot each count
+/// fewer than the cap. A folder whose record cannot be written is removed
+/// again.
 fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, String), ApiError> {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let held = held_by(dir, &rec.user, rec.at)
-        .map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
+    let _one = records_lock();
+    let recs =
+        records(dir).map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
+    let theirs = || {
+        recs.iter()
+            .filter_map(|(_, r)| r.as_ref())
+            .filter(|r| r.user == rec.user)
+    };
+    let held = theirs().filter(|r| holds_trees(r, rec.at)).count();
+    let user = &rec.user;
     if held >= STAGES_PER_USER {
         return Err(ApiError::TooMany(format!(
-            "{} holds {held} stages on {node} not yet released (at most {STAGES_PER_USER}): \
-             a stage is released when its job's step ends",
-            rec.user
+            "{user} holds {held} stages on {node} not yet released (at most {STAGES_PER_USER}): \
+             a stage is released when its job's step ends"
+        )));
+    }
+    let of_job = theirs().filter(|r| r.job == rec.job).count();
+    if of_job >= STAGES_PER_JOB {
+        return Err(ApiError::TooMany(format!(
+            "{user} has staged Slurm job {} {of_job} times on {node} (at most \
+             {STAGES_PER_JOB}; a released stage's folder stays for work_keep)",
+            rec.job
+        )));
+    }
+    let folders = theirs().count();
+    if folders >= STAGE_FOLDERS_PER_USER {
+        return Err(ApiError::TooMany(format!(
+            "{user} has {folders} stage folders on {node} (at most {STAGE_FOLDERS_PER_USER}; \
+             a released stage's folder stays for work_keep)"
         )));
     }
     let (path, name) = new_stage_dir(dir, &rec.job)
         .map_err(|e| ApiError::Internal(format!("cannot record the stage: {e}")))?
         .ok_or_else(|| {
             ApiError::TooMany(format!(
-                "Slurm job {} has been staged {STAGES_PER_JOB} times on {node} (a released \
-                 stage's folder stays for work_keep)",
+                "Slurm job {} has {NAMES_PER_JOB} stage folders on {node}",
                 rec.job
             ))
         })?;
@@ -664,6 +701,7 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
 
 /// Rewrites the record in `stage_dir` with `change` applied.
 fn rewrite(stage_dir: &Path, change: impl FnOnce(&mut StageRecord)) -> std::io::Result<()> {
+    let _one = records_lock();
     let bytes = std::fs::read(stage_dir.join("stage.json"))?;
     let mut rec: StageRecord = serde_json::from_slice(&bytes).map_err(std::io::Error::other)?;
     change(&mut rec);
@@ -684,6 +722,7 @@ fn mark_failed(stage_dir: &Path, now: u64) -> std::io::Result<()> {
 }
 
 /// Stages `user` holds unreleased in `dir` at `now`.
+#[cfg(test)]
 fn held_by(dir: &Path, user: &str, now: u64) -> std::io::Result<usize> {
     Ok(records(dir)?
         .iter()
@@ -697,6 +736,7 @@ fn held_by(dir: &Path, user: &str, now: u64) -> std::io::Result<usize> {
 /// Releases the stage in folder `dir` (named `stage`) for `user`, whose it
 /// must be.
 fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), ApiError> {
+    let _one = records_lock();
     let rec: StageRecord = std::fs::read(dir.join("stage.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
@@ -807,7 +847,22 @@ mod tests {
         release_in(&p, "bob", &name, 101).unwrap();
         let over = new_stage(d, &record("bob", "1008", 100), "gpu1").unwrap_err();
         assert!(
-            matches!(&over, ApiError::TooMany(m) if m.contains("job 1008 has been staged 64 times")),
+            matches!(&over, ApiError::TooMany(m) if m.contains("staged Slurm job 1008 64 times")),
+            "{over:?}"
+        );
+        // Bob's folders under that id do not stop Carol's stage of it.
+        new_stage(d, &record("carol", "1008", 100), "gpu1").unwrap();
+        // Nor does anyone get more than STAGE_FOLDERS_PER_USER folders
+        // here, released or not, whatever job ids they name.
+        for k in 0..STAGE_FOLDERS_PER_USER {
+            let (p, _) = new_stage_dir(d, &format!("5{k}")).unwrap().unwrap();
+            let mut r = record("dave", &format!("5{k}"), 100);
+            r.released = Some(101);
+            write_record(&p, &r).unwrap();
+        }
+        let over = new_stage(d, &record("dave", "42", 200), "gpu1").unwrap_err();
+        assert!(
+            matches!(&over, ApiError::TooMany(m) if m.contains("1024 stage folders")),
             "{over:?}"
         );
     }
