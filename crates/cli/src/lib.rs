@@ -82,14 +82,20 @@ pub fn shown_but<'a>(s: &'a str, keep: &[char]) -> std::borrow::Cow<'a, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Format characters that change how the text around them reads: the
-/// bidirectional marks, embeddings, overrides and isolates, and the
-/// zero-width ones.
+/// Characters that change how the text around them reads, or hide: the
+/// bidirectional marks, embeddings, overrides and isolates, the zero-width
+/// ones, the soft hyphen, the line and paragraph separators and the tags.
 fn invisible(c: char) -> bool {
     matches!(
         c,
-        '\u{61c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}'
+        '\u{ad}'
+            | '\u{61c}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{2028}'..='\u{202e}'
+            | '\u{2060}'..='\u{2069}'
             | '\u{feff}'
+            | '\u{e0000}'..='\u{e007f}'
     )
 }
 
@@ -148,6 +154,10 @@ mod tests {
         assert_eq!(
             shown("python \u{202e}yp.niart\u{202c} x\u{200b}y\u{2066}z"),
             "python \\u{202e}yp.niart\\u{202c} x\\u{200b}y\\u{2066}z"
+        );
+        assert_eq!(
+            shown("a\u{2028}b\u{ad}c\u{e0041}"),
+            "a\\u{2028}b\\u{ad}c\\u{e0041}"
         );
         assert_eq!(shown("données ✓ 数据"), "données ✓ 数据");
     }

@@ -178,7 +178,8 @@ impl OutputsSaver {
         let settled = last && (result.is_ok() || left_none || gave_up);
         let result = match result {
             Err(e) if gave_up => Err(format!(
-                "{e} (gave up after {attempts} tries: its outputs cannot be saved as they are)"
+                "{e} (gave up after {unreadable_attempts} tries: its outputs cannot be saved as \
+                 they are)"
             )),
             r => r,
         };
