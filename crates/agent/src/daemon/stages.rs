@@ -278,6 +278,11 @@ pub const STAGES_PER_JOB: usize = 64;
 /// staging and releasing in a loop can leave for the sweep.
 pub const STAGE_FOLDERS_PER_USER: usize = 1024;
 
+/// Distinct trees (code and data snapshots) a user's unreleased stages
+/// hold here at most: eviction cannot take them, so without a bound one
+/// running job could pin 64 stages of 65 trees each past `trees_max`.
+pub const STAGE_TREES_PER_USER: usize = 128;
+
 /// Names `<job>.<n>` tried for one job id (users' stages under one id
 /// together; others may have taken some).
 const NAMES_PER_JOB: u32 = 10_000;
@@ -669,6 +674,18 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
              a stage is released when its job's step ends"
         )));
     }
+    let pinned: std::collections::HashSet<&str> = theirs()
+        .filter(|r| holds_trees(r, rec.at))
+        .chain(std::iter::once(rec))
+        .flat_map(|r| r.trees.iter().map(String::as_str))
+        .collect();
+    if pinned.len() > STAGE_TREES_PER_USER {
+        return Err(ApiError::TooMany(format!(
+            "{user}'s stages on {node} would hold {} different code and data trees (at most \
+             {STAGE_TREES_PER_USER}): release stages whose jobs are done",
+            pinned.len()
+        )));
+    }
     let of_job = theirs().filter(|r| r.job == rec.job).count();
     if of_job >= STAGES_PER_JOB {
         return Err(ApiError::TooMany(format!(
@@ -837,6 +854,21 @@ mod tests {
         );
         // Another user is not held back by her.
         new_stage(d, &record("bob", "7", 100), "gpu1").unwrap();
+        // Nor does one pin more than STAGE_TREES_PER_USER trees at once.
+        let many = |n: usize, from: usize| {
+            let mut r = record("erin", &format!("7{from}"), 100);
+            r.trees = (from..from + n).map(|k| format!("t{k}")).collect();
+            r
+        };
+        new_stage(d, &many(65, 0), "gpu1").unwrap();
+        new_stage(d, &many(63, 65), "gpu1").unwrap();
+        // The same trees again cost nothing more; one new tree is over.
+        new_stage(d, &many(64, 60), "gpu1").unwrap();
+        let over = new_stage(d, &many(1, 128), "gpu1").unwrap_err();
+        assert!(
+            matches!(&over, ApiError::TooMany(m) if m.contains("129 different code and data trees")),
+            "{over:?}"
+        );
         // Staged, released and staged again: at most STAGES_PER_JOB
         // folders of one job, released or not.
         for _ in 1..STAGES_PER_JOB {
