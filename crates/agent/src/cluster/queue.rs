@@ -82,9 +82,21 @@ impl ClusterJob {
 /// Why `user`, with `queued` jobs queued, may queue no more.
 pub fn too_many(user: &str, queued: usize) -> String {
     format!(
-        "{user} has {queued} jobs queued, the most one user may (max_queued_per_user); \
-         wait for some to start or kill some"
+        "{user} has {queued} jobs queued or running without GPUs, the most one user may \
+         (max_queued_per_user); wait for some to start or end, or kill some"
     )
+}
+
+/// Whether `j` counts against its user's `max_queued_per_user`: queued,
+/// or running without GPUs. Those start at once and so leave the queue,
+/// and no GPU cap bounds them: without this a user could run any number.
+fn counted(j: &ClusterJob, user: &str) -> bool {
+    j.user == user
+        && match &j.placement {
+            Placement::Queued { .. } => true,
+            Placement::Dispatched { .. } => j.req.gpus == 0,
+            Placement::Ended { .. } => false,
+        }
 }
 
 /// How long an ended job stays in `labrun ps`'s default listing.
@@ -201,10 +213,7 @@ impl ClusterJobs {
         max_queued: usize,
     ) -> Result<ClusterJob, LeaseError> {
         let mut live = self.live.lock().expect("jobs poisoned");
-        let queued = live
-            .values()
-            .filter(|j| j.user == user && matches!(j.placement, Placement::Queued { .. }))
-            .count();
+        let queued = live.values().filter(|j| counted(j, user)).count();
         if queued >= max_queued {
             return Err(LeaseError::TooMany(too_many(user, queued)));
         }
@@ -324,13 +333,14 @@ impl ClusterJobs {
             .collect()
     }
 
-    /// Live jobs of `user` that are queued.
+    /// Live jobs of `user` that count against `max_queued_per_user`:
+    /// queued, or running without GPUs.
     pub fn queued_of(&self, user: &str) -> usize {
         self.live
             .lock()
             .expect("jobs poisoned")
             .values()
-            .filter(|j| j.user == user && matches!(j.placement, Placement::Queued { .. }))
+            .filter(|j| counted(j, user))
             .count()
     }
 
@@ -509,8 +519,27 @@ mod tests {
         assert_eq!(live.len(), 2);
         assert_eq!(live[1].placement, b.placement);
         assert_eq!(db.queued_of("alice"), 1);
+        // A job running without GPUs counts (it left the queue at once, and
+        // no GPU cap bounds it); one running on GPUs does not.
+        assert_eq!(db.queued_of("bob"), 0);
+        let mut cpu = db
+            .create("bob", SubmitRequest { gpus: 0, ..req() }, 13, 0)
+            .unwrap();
+        cpu.placement = Placement::Dispatched {
+            node: "gpu2".into(),
+            gpus: vec![],
+            at: 13,
+            confirmed: true,
+        };
+        db.put(&cpu).unwrap();
+        assert_eq!(db.queued_of("bob"), 1);
+        let e = db.create_queued("bob", req(), 13, 0, 1).unwrap_err();
+        assert!(
+            matches!(&e, LeaseError::TooMany(m) if m.contains("queued or running without GPUs")),
+            "{e}"
+        );
         // Above the floor (the highest runs/ in the store), never a number used.
-        assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j3");
+        assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j4");
         assert_eq!(db.create("alice", req(), 13, 40).unwrap().id, "j40");
         assert_eq!(db.create("alice", req(), 13, 0).unwrap().id, "j41");
         // The last id there is, then none: never one every job would share.
@@ -527,7 +556,7 @@ mod tests {
             matches!(&e, LeaseError::TooMany(m) if m.contains("alice has 5 jobs queued")),
             "{e}"
         );
-        assert_eq!(db.live().len(), 6);
+        assert_eq!(db.live().len(), 7);
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&path).unwrap().permissions(),
         );
