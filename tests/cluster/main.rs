@@ -882,6 +882,12 @@ fn another_users_job_is_neither_killed_nor_read_through_the_coordinator() {
     assert!(id.status.success(), "{id:?}");
     let id = String::from_utf8(id.stdout).unwrap().trim().to_string();
     let node = lab.running(&id);
+    // Heartbeats carry no commands; the coordinator shows the job's own.
+    assert_eq!(
+        lab.job(&id).argv,
+        ["bash", "-c", "echo private-output; sleep 60"],
+        "the running job's command"
+    );
     for args in [vec!["kill", id.as_str()], vec!["logs", id.as_str()]] {
         let o = lab.labrun_as_bob(&args);
         assert!(!o.status.success(), "bob {args:?}: {o:?}");

@@ -798,7 +798,11 @@ impl Coordinator {
                         });
                 let from_node = member.and_then(|m| m.jobs.iter().find(|x| x.id == j.id));
                 let mut view = match from_node {
-                    Some(x) => x.clone(),
+                    // Heartbeats carry no commands: the job's own here.
+                    Some(x) => JobView {
+                        argv: j.req.argv.clone(),
+                        ..x.clone()
+                    },
                     None => {
                         let mut s = self.synthesized(j, Some(format!("sent to {node}")));
                         s.node = Some(node.clone());

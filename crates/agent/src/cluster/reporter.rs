@@ -140,9 +140,17 @@ impl Reporter {
     pub async fn beat(&mut self) -> Result<(), String> {
         self.refresh().await;
         let gpus = self.daemon.gpus().await.map_err(|e| e.to_string())?;
+        // Without their commands: the coordinator has each job's own, and
+        // a user's many jobs with long command lines (up to 256 KiB each)
+        // would push a heartbeat past what the coordinator reads, and get
+        // the node marked down.
         let jobs = (self.daemon.jobs().await.map_err(|e| e.to_string())?)
             .into_iter()
             .filter(|j| !j.ended())
+            .map(|mut j| {
+                j.argv = Vec::new();
+                j
+            })
             .collect();
         self.seq += 1;
         let hb = Heartbeat {
