@@ -753,6 +753,41 @@ async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
     assert!(!stale.exists(), "a stale temporary file is removed");
 }
 
+/// Warms alone (a coordinator prefetching for a long queue) keep the node
+/// cache under its cap, as pulls do: the least recently used goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warms_keep_the_cache_under_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    let cache = NodeCache::open(&env.root.join("small-cache"), 3_000_000).unwrap();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let src = env.root.join(name);
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(
+            src.join("data"),
+            support::random_bytes(1_200_000, 200 + i as u64),
+        )
+        .unwrap();
+        push(&env.repo, &src, &opts(name, &env.cache), np())
+            .await
+            .unwrap();
+        labsync_store::warm(&env.repo, &cache, &name.parse().unwrap(), np())
+            .await
+            .unwrap();
+    }
+    let st = cache.status().unwrap();
+    let labels: Vec<_> = st.snapshots.iter().map(|s| s.1.label.clone()).collect();
+    assert!(
+        st.used_bytes <= 3_000_000,
+        "{} bytes: {labels:?}",
+        st.used_bytes
+    );
+    // The one just warmed stays; one of the others (all used within the
+    // same second here) made room.
+    assert!(labels.contains(&"c@v1".to_string()), "{labels:?}");
+    assert_eq!(labels.len(), 2, "{labels:?}");
+}
+
 fn walk_files(p: &Path) -> usize {
     std::fs::read_dir(p).map_or(0, |rd| {
         rd.flatten()

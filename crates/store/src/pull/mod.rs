@@ -974,7 +974,17 @@ pub async fn warm(
         &repo.config().id,
         packs.clone(),
     )?;
-    let (n, bytes) = cache.fetch_packs(&repo, &packs, &progress).await?;
+    let fetched = cache.fetch_packs(&repo, &packs, &progress).await;
+    // Bounded like a pull's: the cap applied after the fetch, ended or
+    // failed (a failed one may have brought most of it). Warms alone (a
+    // coordinator prefetching for a long queue) grew the cache past its
+    // cap until the disk was full and other jobs' pulls were refused.
+    for label in cache.enforce_cap(Some(record.snapshot))? {
+        progress.warn(&format!(
+            "evicted {label} from the node cache (over its size cap)"
+        ));
+    }
+    let (n, bytes) = fetched?;
     Ok((record, n, bytes))
 }
 
