@@ -989,6 +989,49 @@ fn with_tls_nodes_speak_only_tls() {
     );
 }
 
+/// A job that ended and is still saving its outputs holds no GPU: its
+/// node's heartbeat says it ended, so `labrun ps` shows it so, and its
+/// user's next job is not held back by the GPU cap meanwhile.
+#[test]
+fn a_job_saving_its_outputs_holds_no_gpu_of_its_users_cap() {
+    let rules = "[lab]\nmax_gpus_per_user = 1\n";
+    let Some(lab) = Lab::start_full(1, false, "outputs_retry_s = 60\n", rules) else {
+        return;
+    };
+    // Outputs no snapshot can hold: its final push fails, and is tried
+    // again after a minute.
+    let deep = "mkdir -p ckpt && cd ckpt && for i in $(seq 300); do mkdir d && cd d; done";
+    let first = lab
+        .ok(&[
+            "-d",
+            "--gpus",
+            "1",
+            "--outputs",
+            "ckpt",
+            "--",
+            "bash",
+            "-c",
+            deep,
+        ])
+        .trim()
+        .to_string();
+    wait_until("the first job to end, its outputs not saved", 30, || {
+        let j = lab.job(&first);
+        j.ended() && j.meta.outputs_pending && j.meta.outputs_error.is_some()
+    });
+    let second = lab
+        .ok(&["-d", "--gpus", "1", "--", "echo", "second"])
+        .trim()
+        .to_string();
+    wait_until("the second job to run and end", 20, || {
+        lab.job(&second).ended()
+    });
+    assert!(
+        lab.job(&first).meta.outputs_pending,
+        "the first is still saving its outputs"
+    );
+}
+
 /// Issue 13: the coordinator's queue goes by the lab's tiers (a deadline
 /// grant lifts a user's job above earlier ones), a tier a user may not
 /// have is refused at submit, and no user runs more GPUs than the cap;

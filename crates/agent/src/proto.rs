@@ -337,7 +337,7 @@ pub struct Heartbeat {
     pub seq: u64,
     /// Its GPUs.
     pub gpus: Vec<GpuStatus>,
-    /// Its active jobs.
+    /// Its active jobs, and those ended that still save their outputs.
     pub jobs: Vec<JobView>,
     /// Its cache.
     pub cache: CacheSummary,
@@ -401,7 +401,8 @@ pub struct NodeStatus {
     pub last_heartbeat: u64,
     /// Its GPUs, as of that heartbeat.
     pub gpus: Vec<GpuStatus>,
-    /// Its active jobs, as of that heartbeat.
+    /// Its active jobs (and those ended that still save their outputs),
+    /// as of that heartbeat.
     pub jobs: Vec<JobView>,
     /// Cache use and cap, bytes.
     pub cache_used: u64,

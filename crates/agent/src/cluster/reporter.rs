@@ -144,9 +144,11 @@ impl Reporter {
         // a user's many jobs with long command lines (up to 256 KiB each)
         // would push a heartbeat past what the coordinator reads, and get
         // the node marked down.
+        // Ended ones still saving their outputs too: they hold no GPU, and
+        // the coordinator must not count them against their user's cap.
         let jobs = (self.daemon.jobs().await.map_err(|e| e.to_string())?)
             .into_iter()
-            .filter(|j| !j.ended())
+            .filter(|j| !j.ended() || j.meta.outputs_pending)
             .map(|mut j| {
                 j.argv = Vec::new();
                 j
