@@ -877,12 +877,7 @@ sys.stderr.write("after, %d bytes held\n" % held())
     );
     // Asked of the file the job holds: the log itself goes with the
     // working folder soon after the job ends.
-    let held: u64 = out
-        .lines()
-        .find_map(|l| l.strip_prefix("after, ")?.strip_suffix(" bytes held"))
-        .unwrap_or_else(|| panic!("no last report: {}", &out[out.len().saturating_sub(600)..]))
-        .parse()
-        .unwrap();
+    let held = held_report(&out, "after, ");
     assert!(
         held <= bound,
         "written back into, the cut part was cut again: {held} bytes on disk"
@@ -921,13 +916,7 @@ sys.stderr.write("after, %d bytes held\n" % held())
     );
     wait_until("the hoarding job to end", 60, || n.ended(&third));
     let out = n.ok(ALICE, &["logs", &third]);
-    let report = |what: &str| -> u64 {
-        out.lines()
-            .find_map(|l| l.strip_prefix(what)?.strip_suffix(" bytes held"))
-            .unwrap_or_else(|| panic!("no {what:?}: {}", &out[out.len().saturating_sub(600)..]))
-            .parse()
-            .unwrap()
-    };
+    let report = |what: &str| held_report(&out, what);
     assert!(
         report("hoarded, ") > 64 << 20,
         "the job did allocate: {}",
@@ -938,6 +927,15 @@ sys.stderr.write("after, %d bytes held\n" % held())
         held <= bound,
         "allocated by the job, freed: {held} bytes on disk"
     );
+}
+
+/// The bytes a log-test job said it held, on its line `<what>N bytes held`.
+fn held_report(out: &str, what: &str) -> u64 {
+    out.lines()
+        .find_map(|l| l.strip_prefix(what)?.strip_suffix(" bytes held"))
+        .unwrap_or_else(|| panic!("no {what:?}: {}", &out[out.len().saturating_sub(600)..]))
+        .parse()
+        .unwrap()
 }
 
 /// Issue 9, point 12: a local user without a token can connect to a shared

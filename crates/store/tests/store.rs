@@ -681,22 +681,24 @@ async fn push_of_many_small_files_writes_few_objects() {
     env.pull_matches("small", &src, "out").await;
 }
 
+/// Pushes a folder `name` holding one file of `len` random bytes (`seed`)
+/// as `name@v1`.
+async fn push_random(env: &Env, name: &str, len: usize, seed: u64) {
+    let src = env.root.join(name);
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("data"), support::random_bytes(len, seed)).unwrap();
+    push(&env.repo, &src, &opts(name, &env.cache), np())
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
     let dir = tempfile::tempdir().unwrap();
     let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
     let cache = NodeCache::open(&env.root.join("small-cache"), 3_000_000).unwrap();
     for (i, name) in ["a", "b", "c"].iter().enumerate() {
-        let src = env.root.join(name);
-        std::fs::create_dir_all(&src).unwrap();
-        std::fs::write(
-            src.join("data"),
-            support::random_bytes(1_200_000, 100 + i as u64),
-        )
-        .unwrap();
-        push(&env.repo, &src, &opts(name, &env.cache), np())
-            .await
-            .unwrap();
+        push_random(&env, name, 1_200_000, 100 + i as u64).await;
     }
     let a = labsync_store::warm(&env.repo, &cache, &"a".parse().unwrap(), np())
         .await
@@ -761,16 +763,7 @@ async fn warms_keep_the_cache_under_its_cap() {
     let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
     let cache = NodeCache::open(&env.root.join("small-cache"), 3_000_000).unwrap();
     for (i, name) in ["a", "b", "c"].iter().enumerate() {
-        let src = env.root.join(name);
-        std::fs::create_dir_all(&src).unwrap();
-        std::fs::write(
-            src.join("data"),
-            support::random_bytes(1_200_000, 200 + i as u64),
-        )
-        .unwrap();
-        push(&env.repo, &src, &opts(name, &env.cache), np())
-            .await
-            .unwrap();
+        push_random(&env, name, 1_200_000, 200 + i as u64).await;
         labsync_store::warm(&env.repo, &cache, &name.parse().unwrap(), np())
             .await
             .unwrap();

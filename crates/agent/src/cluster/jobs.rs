@@ -504,25 +504,22 @@ impl Coordinator {
         ended
     }
 
+    /// Whether `node` is up; `None` when it has not been heard from since
+    /// the coordinator started.
+    fn health(&self, node: &str) -> Option<bool> {
+        let v = self.view.lock().expect("coordinator poisoned");
+        let n = node.parse::<NodeName>().ok()?;
+        v.cluster.node(&n).map(|x| x.is_up())
+    }
+
     /// Whether `node` is another node than `d`'s, which the coordinator
     /// has marked down (not merely not heard from since it started).
     fn is_down(&self, d: &Daemon, node: &str) -> bool {
-        if node == d.node_name() {
-            return false;
-        }
-        let v = self.view.lock().expect("coordinator poisoned");
-        node.parse::<NodeName>()
-            .ok()
-            .and_then(|n| v.cluster.node(&n).map(|x| !x.is_up()))
-            .unwrap_or(false)
+        node != d.node_name() && self.health(node) == Some(false)
     }
 
     fn is_up(&self, node: &str) -> bool {
-        let v = self.view.lock().expect("coordinator poisoned");
-        node.parse::<NodeName>()
-            .ok()
-            .and_then(|n| v.cluster.node(&n).map(|x| x.is_up()))
-            .unwrap_or(false)
+        self.health(node) == Some(true)
     }
 
     /// A client of `node`'s agent, from its last heartbeat.
