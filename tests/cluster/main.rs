@@ -1228,7 +1228,16 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
     others.push(n);
     // alice (PhD) needs a GPU: bob's preemptible job makes way.
     let a = id(lab.labrun(&["-d", "--gpus", "1", "--", "echo", "alice-ran"]));
-    wait_until("the preempted job to end", 60, || lab.job(&p).ended());
+    // Ended, and collected once its outputs are saved: until then its
+    // node's heartbeat shows it ended and saving, not yet requeued.
+    wait_until(
+        "the preempted job to end and its outputs to be saved",
+        60,
+        || {
+            let j = lab.job(&p);
+            j.ended() && !j.meta.outputs_pending
+        },
+    );
     let why = lab.job(&p).why.unwrap_or_default();
     assert!(
         why.contains(&format!("preempted for {a}; requeued as j")),
