@@ -14,6 +14,7 @@
 //! the tree is the index (~66 bytes per chunk in the store) and the tree's
 //! chunk ids (32 bytes each, for its stored size).
 
+mod beneath;
 mod commit;
 mod files_cache;
 mod prefetch;

@@ -20,8 +20,9 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use rustix::fs::{Advice, Mode, OFlags};
+use rustix::fs::{Advice, OFlags};
 
+use super::beneath::Beneath;
 use super::read::Jobs;
 
 /// Reads (or `statx` calls) in flight on a cold tree: prefetcher threads
@@ -50,14 +51,14 @@ pub(super) struct Warm {
 
 /// One prefetcher: takes the next file in `jobs` once it is within reach
 /// of the readers, and starts reading it into the page cache.
-pub(super) fn run(jobs: &Jobs, warm: &Warm) {
+pub(super) fn run(jobs: &Jobs, warm: &Warm, beneath: &Beneath) {
     while !warm.stop.load(Ordering::Relaxed) {
         let files = jobs.ahead(AHEAD_FILES, AHEAD_BYTES);
         if files.is_empty() {
             return;
         }
         for (path, room) in files {
-            match start_reading(&path, room) {
+            match start_reading(beneath, &path, room) {
                 Some(true) => {
                     if warm.streak.fetch_add(1, Ordering::Relaxed) + 1 >= WARM_STREAK {
                         warm.stop.store(true, Ordering::Relaxed);
@@ -75,9 +76,10 @@ pub(super) fn run(jobs: &Jobs, warm: &Warm) {
 /// asked), `None` when it cannot be opened or is no longer a regular file
 /// (the reader will say why). `O_NONBLOCK`: a FIFO swapped in since the scan
 /// must not hang the push.
-fn start_reading(path: &Path, room: u64) -> Option<bool> {
-    let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK;
-    let fd = rustix::fs::open(path, flags, Mode::empty()).ok()?;
+fn start_reading(beneath: &Beneath, path: &Path, room: u64) -> Option<bool> {
+    let fd = beneath
+        .open_at(path, OFlags::RDONLY | OFlags::NONBLOCK)
+        .ok()?;
     let st = rustix::fs::fstat(&fd).ok()?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return None;

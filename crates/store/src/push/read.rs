@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use tokio::sync::mpsc;
 
+use super::beneath::Beneath;
 use super::prefetch;
 use super::upload::upload_stopped;
 use crate::chunker::{ChunkerParams, StreamChunker};
@@ -253,7 +254,7 @@ pub(super) fn start_readers<'scope>(
     for _ in 0..prefetch::IO_DEPTH {
         scope.spawn(move || {
             let _as = crate::fsutil::ReadAs::enter(settings.read_as);
-            prefetch::run(jobs, warm);
+            prefetch::run(jobs, warm, pipe.beneath);
         });
     }
     let mut readers = Vec::new();
@@ -360,6 +361,8 @@ const SEEN_SHARDS: usize = 64;
 /// packs go to the uploader.
 pub(super) struct Pipeline<'a> {
     index: &'a Index,
+    /// The source folder, open: every file is opened through it.
+    pub beneath: &'a Beneath,
     pool: Arc<BufferPool>,
     /// Chunks packed by this push, by the first 16 bytes of their ids:
     /// half the memory of whole ids at a million chunks, and two different
@@ -383,6 +386,7 @@ impl<'a> Pipeline<'a> {
     /// A pipeline packing chunks `index` lacks, with buffers from `pool`.
     pub fn new(
         index: &'a Index,
+        beneath: &'a Beneath,
         pool: Arc<BufferPool>,
         tx: mpsc::Sender<SealedPack>,
         settings: &ReadSettings,
@@ -390,6 +394,7 @@ impl<'a> Pipeline<'a> {
     ) -> Result<Pipeline<'a>> {
         let pipe = Pipeline {
             index,
+            beneath,
             pool,
             seen: (0..SEEN_SHARDS).map(|_| Mutex::default()).collect(),
             packer: Mutex::new(PackBuilder::default()),
@@ -450,26 +455,26 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Opens the file the scan found, if it is still a regular file: not
-    /// through a symlink swapped in since (`O_NOFOLLOW`), and never waiting
-    /// on a FIFO (`O_NONBLOCK`, which regular files ignore). `None`, said
-    /// once, when it is gone or no longer a file.
+    /// through a symlink swapped in since, for it or a folder on the way
+    /// (see [`Beneath`]), and never waiting on a FIFO (`O_NONBLOCK`, which
+    /// regular files ignore). `None`, said once, when it is gone or no
+    /// longer a file.
     fn open_regular(&self, path: &Path) -> Result<Option<std::fs::File>> {
-        use std::os::unix::fs::OpenOptionsExt;
+        use rustix::fs::OFlags;
         let skip = |why: &str| {
             let shown = path.display();
             self.progress
                 .warn(&format!("skipping {shown}: {why} during the push"));
             Ok(None)
         };
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path);
+        let opened = self
+            .beneath
+            .open_at(path, OFlags::RDONLY | OFlags::NONBLOCK);
         let f = match opened {
-            Ok(f) => f,
+            Ok(f) => std::fs::File::from(f),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return skip("removed"),
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                return skip("replaced by a symlink")
+                return skip("replaced by a symlink, or moved under one,")
             }
             Err(e) => return Err(Error::io("open", path)(e)),
         };

@@ -13,10 +13,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex};
 
+use rustix::fs::{AtFlags, FileType, OFlags, Stat};
+use rustix::io::Errno;
+
+use super::beneath::Beneath;
 use crate::error::{Error, Result};
 use crate::progress::Progress;
 use crate::snapshot::Kind;
@@ -65,6 +68,8 @@ struct WalkState {
 /// The folders the walk will reach, listed ahead of it by a few threads.
 pub(super) struct Listers<'a> {
     root: &'a Path,
+    /// The root, open: every folder is listed through it.
+    beneath: &'a Beneath,
     state: Mutex<WalkState>,
     changed: Condvar,
     skipped: Skipped,
@@ -81,10 +86,11 @@ impl Drop for StopListers<'_, '_> {
 }
 
 impl<'a> Listers<'a> {
-    /// Listers of the folder `root`.
-    pub fn new(root: &'a Path) -> Listers<'a> {
+    /// Listers of the folder `root`, open as `beneath`.
+    pub fn new(root: &'a Path, beneath: &'a Beneath) -> Listers<'a> {
         Listers {
             root,
+            beneath,
             state: Mutex::new(WalkState {
                 to_list: BTreeMap::new(),
                 listed: HashMap::new(),
@@ -142,7 +148,7 @@ impl<'a> Listers<'a> {
 
     /// Lists `rel` and queues its subfolders for listing.
     fn list(&self, rel: &[u8]) -> Listing {
-        let items = list_dir(self.root, rel, &self.skipped)?;
+        let items = list_dir(self.root, self.beneath, rel, &self.skipped)?;
         let mut st = self.lock();
         for item in &items {
             if let Item::Descend(sub) = item {
@@ -212,7 +218,7 @@ impl<'a, 'b> Walk<'a, 'b> {
     /// Starts the walk of `listers`' root (a folder or one file).
     pub fn start(listers: &'b Listers<'a>, progress: &'b dyn Progress) -> Result<Self> {
         let root = listers.root;
-        let meta = std::fs::symlink_metadata(root).map_err(Error::io("read", root))?;
+        let meta = rustix::fs::lstat(root).map_err(|e| Error::io("read", root)(e.into()))?;
         let mut walk = Walk {
             listers,
             stack: Vec::new(),
@@ -220,14 +226,20 @@ impl<'a, 'b> Walk<'a, 'b> {
             progress,
             warned: false,
         };
-        if meta.is_dir() {
+        if FileType::from_raw_mode(meta.st_mode) == FileType::Directory {
             walk.stack.push(listers.list(b"")?.into_iter());
         } else {
             let name = root.file_name().ok_or_else(|| {
                 Error::invalid(format!("source {}", root.display()), "has no file name")
             })?;
             let parent = root.parent().unwrap_or(Path::new("."));
-            walk.single = scanned(parent, name.as_bytes().to_vec(), &meta, &listers.skipped)?;
+            walk.single = scanned(
+                None,
+                parent,
+                name.as_bytes().to_vec(),
+                &meta,
+                &listers.skipped,
+            )?;
         }
         Ok(walk)
     }
@@ -296,78 +308,112 @@ impl Skipped {
     }
 }
 
-/// Lists one folder (`rel` under `root`): its entries and where the walk
-/// descends into each subfolder, in walk order.
-fn list_dir(root: &Path, rel: &[u8], skipped: &Skipped) -> Result<Vec<Item>> {
+/// Lists one folder (`rel` under `root`, opened through `beneath`): its
+/// entries and where the walk descends into each subfolder, in walk order.
+fn list_dir(root: &Path, beneath: &Beneath, rel: &[u8], skipped: &Skipped) -> Result<Vec<Item>> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
         root.join(std::ffi::OsStr::from_bytes(rel))
     };
+    let listing = |e: std::io::Error| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Error::invalid(
+                format!("source folder {}", dir.display()),
+                "was replaced by a symlink during the push (a push never follows one)",
+            )
+        } else {
+            Error::io("list", &dir)(e)
+        }
+    };
+    let fd = beneath
+        .open_at(&dir, OFlags::RDONLY | OFlags::DIRECTORY)
+        .map_err(listing)?;
+    let mut rd = rustix::fs::Dir::read_from(&fd).map_err(|e| listing(e.into()))?;
     // (sort key, item): a subfolder's contents sort after its name and a '/'.
     let mut items: Vec<(Vec<u8>, Item)> = Vec::new();
-    let rd = std::fs::read_dir(&dir).map_err(Error::io("list", &dir))?;
-    for ent in rd {
-        let ent = ent.map_err(Error::io("list", &dir))?;
-        let name = ent.file_name();
+    while let Some(ent) = rd.read() {
+        let ent = ent.map_err(|e| listing(e.into()))?;
+        let name = ent.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
         let mut path = rel.to_vec();
         if !path.is_empty() {
             path.push(b'/');
         }
-        path.extend_from_slice(name.as_bytes());
+        path.extend_from_slice(name);
+        let full = || dir.join(std::ffi::OsStr::from_bytes(name));
         if path.iter().filter(|&&b| b == b'/').count() >= crate::snapshot::MAX_DEPTH {
             return Err(Error::invalid(
-                format!("source path {}", ent.path().display()),
+                format!("source path {}", full().display()),
                 "more than 256 folders deep (labsync keeps trees up to 256 deep)",
             ));
         }
-        let m = match ent.metadata() {
+        let m = match rustix::fs::statat(&fd, ent.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(Error::io("stat", ent.path())(e)),
+            Err(Errno::NOENT) => continue,
+            Err(e) => return Err(Error::io("stat", full())(e.into())),
         };
-        if let Some(s) = scanned(&dir, path, &m, skipped)? {
+        if let Some(s) = scanned(Some(&fd), &dir, path, &m, skipped)? {
             if s.kind == Kind::Dir {
-                let mut key = name.as_bytes().to_vec();
+                let mut key = name.to_vec();
                 key.push(b'/');
                 items.push((key, Item::Descend(s.path.clone())));
             }
-            items.push((name.as_bytes().to_vec(), Item::Entry(s)));
+            items.push((name.to_vec(), Item::Entry(s)));
         }
     }
     items.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     Ok(items.into_iter().map(|(_, item)| item).collect())
 }
 
+/// The entry `path` (its last name in `dir`, open as `fd` when listed)
+/// with what `m` says of it; `None` for what a store keeps not.
+// `stat` field types differ between architectures: the casts are no-ops
+// on some only.
+#[allow(clippy::unnecessary_cast)]
 fn scanned(
+    fd: Option<&std::os::fd::OwnedFd>,
     dir: &Path,
     path: Vec<u8>,
-    m: &std::fs::Metadata,
+    m: &Stat,
     skipped: &Skipped,
 ) -> Result<Option<Scanned>> {
-    let ft = m.file_type();
-    let (kind, target) = if ft.is_file() {
-        (Kind::File, Vec::new())
-    } else if ft.is_dir() {
-        (Kind::Dir, Vec::new())
-    } else if ft.is_symlink() {
-        let name = std::ffi::OsStr::from_bytes(path.rsplit(|&b| b == b'/').next().unwrap_or(&path));
-        let full = dir.join(name);
-        let t = std::fs::read_link(&full).map_err(Error::io("read link", &full))?;
-        (Kind::Symlink, t.as_os_str().as_bytes().to_vec())
-    } else {
-        skipped.add(path);
-        return Ok(None);
+    let ft = FileType::from_raw_mode(m.st_mode);
+    let (kind, target) = match ft {
+        FileType::RegularFile => (Kind::File, Vec::new()),
+        FileType::Directory => (Kind::Dir, Vec::new()),
+        FileType::Symlink => {
+            let name = path.rsplit(|&b| b == b'/').next().unwrap_or(&path);
+            let name = std::ffi::OsStr::from_bytes(name);
+            let full: PathBuf = dir.join(name);
+            let t = match fd {
+                Some(fd) => rustix::fs::readlinkat(fd, name, Vec::new()),
+                None => rustix::fs::readlinkat(rustix::fs::CWD, &full, Vec::new()),
+            };
+            let t = t.map_err(|e| Error::io("read link", &full)(e.into()))?;
+            (Kind::Symlink, t.into_bytes())
+        }
+        _ => {
+            skipped.add(path);
+            return Ok(None);
+        }
     };
+    let ns = |s: i64, n: i64| s * 1_000_000_000 + n;
     Ok(Some(Scanned {
         kind,
-        mode: crate::snapshot::allowed_mode(kind, m.mode()),
-        mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
-        ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
-        ino: m.ino(),
-        dev: m.dev(),
-        nlink: m.nlink(),
-        size: if kind == Kind::File { m.size() } else { 0 },
+        mode: crate::snapshot::allowed_mode(kind, m.st_mode),
+        mtime_ns: ns(m.st_mtime as i64, m.st_mtime_nsec as i64),
+        ctime_ns: ns(m.st_ctime as i64, m.st_ctime_nsec as i64),
+        ino: m.st_ino as u64,
+        dev: m.st_dev as u64,
+        nlink: m.st_nlink as u64,
+        size: if kind == Kind::File {
+            m.st_size as u64
+        } else {
+            0
+        },
         path,
         target,
     }))
@@ -468,7 +514,8 @@ mod tests {
         walk_all(&mut vec![root.to_path_buf()]);
         expected.sort();
 
-        let listers = Listers::new(root);
+        let beneath = Beneath::open(root).unwrap();
+        let listers = Listers::new(root, &beneath);
         let got = std::thread::scope(|s| {
             let _stop = StopListers(&listers);
             for _ in 0..4 {

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+use super::beneath::Beneath;
 use super::files_cache::{self, CacheReader, CacheWriter, CachedFile, FilesCacheFile, Planned};
 use super::read::BufferPool;
 use super::read::{self, FileRead, Front, Jobs, Pipeline, ReadResult, ReadSettings};
@@ -106,9 +107,17 @@ fn stream(
     sink: Sink,
     progress: &dyn Progress,
 ) -> Result<Streamed> {
-    let listers = Listers::new(root);
+    let beneath = Beneath::open(root).map_err(Error::io("open source", root))?;
+    let listers = Listers::new(root, &beneath);
     let jobs = Jobs::new();
-    let pipe = Pipeline::new(index, sink.pool, sink.tx.clone(), settings, progress)?;
+    let pipe = Pipeline::new(
+        index,
+        &beneath,
+        sink.pool,
+        sink.tx.clone(),
+        settings,
+        progress,
+    )?;
     let (done_tx, done_rx) = std::sync::mpsc::channel::<ReadResult>();
     let front = Front {
         seq: Default::default(),
