@@ -140,9 +140,17 @@ impl Listing {
         let first = u32::try_from(self.chunks.len()).map_err(|_| too_big())?;
         // Only a file's chunks are ever read: the rest are not kept.
         let chunks: &[ChunkId] = if e.kind == Kind::File { &e.chunks } else { &[] };
+        // What the chunks hold, by the index (an unknown one a byte at
+        // least: no chunk is empty): a file's chunks give its size (a
+        // hostile tree listing one chunk a million times for a small file
+        // would have root write terabytes).
+        let (mut held, mut all_known) = (0u64, true);
         for c in chunks {
             let n = match index.position(c) {
-                Some(p) if p < UNKNOWN as usize => p as u32,
+                Some(p) if p < UNKNOWN as usize => {
+                    held = held.saturating_add(u64::from(index.at(p).1.raw_len.max(1)));
+                    p as u32
+                }
                 Some(_) => return Err(too_big()),
                 None => {
                     let n = u32::try_from(self.unknown.len())
@@ -150,10 +158,22 @@ impl Listing {
                         .filter(|&n| n < UNKNOWN)
                         .ok_or_else(too_big)?;
                     self.unknown.push(*c);
+                    held = held.saturating_add(1);
+                    all_known = false;
                     UNKNOWN + n
                 }
             };
             self.chunks.push(n);
+        }
+        if held > e.size || (all_known && held != e.size) {
+            return Err(Error::corrupt(
+                format!("file {}", e.path_lossy()),
+                format!(
+                    "its chunks hold {held} bytes{}, the snapshot says {}",
+                    if all_known { "" } else { " or more" },
+                    e.size
+                ),
+            ));
         }
         self.recs.push(Rec {
             at,
@@ -259,7 +279,7 @@ mod tests {
             kind,
             mode,
             mtime_ns: -5,
-            size: 7,
+            size: 0,
             chunks,
             target: target.as_bytes().to_vec(),
         }
@@ -276,10 +296,12 @@ mod tests {
             chunks: vec![(a, 0, 5, 5, 0), (b, 5, 5, 5, 0)],
         });
         let mut loader = Loader::new(&index, false);
+        let mut f = entry("d/f", Kind::File, 0o644, vec![b, lost, a], "ignored");
+        f.size = 17;
         loader
             .add(vec![
                 entry("d", Kind::Dir, 0o4755, vec![a], "ignored"),
-                entry("d/f", Kind::File, 0o644, vec![b, lost, a], "ignored"),
+                f,
                 entry("d/h", Kind::HardLink, 0o644, vec![a], "d/f"),
                 entry("s", Kind::Symlink, 0o777, Vec::new(), "d/../x"),
             ])
@@ -294,7 +316,7 @@ mod tests {
             (d.kind(), d.mode(), d.target(), d.chunks()),
             (Kind::Dir, 0o755, &b""[..], &[][..])
         );
-        assert_eq!((f.mode(), f.size(), f.mtime_ns()), (0o644, 7, -5));
+        assert_eq!((f.mode(), f.size(), f.mtime_ns()), (0o644, 17, -5));
         let got: Vec<_> = f.chunks().iter().map(|&c| list.chunk(&index, c)).collect();
         assert_eq!(got[0].as_ref().unwrap().1.id, b);
         assert_eq!(got[1].as_ref().unwrap_err(), &lost);
@@ -317,6 +339,42 @@ mod tests {
             .unwrap();
         let (list, _, _) = loader.finish("snap").unwrap();
         assert_eq!((list.get(0).mode(), list.get(1).mode()), (0o1555, 0o444));
+    }
+
+    #[test]
+    fn a_file_is_as_large_as_its_chunks() {
+        let (a, lost) = (ChunkId::of(b"a"), ChunkId::of(b"lost"));
+        let mut index = Index::default();
+        index.add(&IndexPack {
+            pack: PackId::of(b"p"),
+            size: 16 << 20,
+            chunks: vec![(a, 0, 100, 16 << 20, 0)],
+        });
+        let file = |size: u64, chunks: Vec<ChunkId>| Entry {
+            size,
+            ..entry("f", Kind::File, 0o644, chunks, "")
+        };
+        let listed = |e: Entry| Loader::new(&index, false).add(vec![e]);
+        listed(file(16 << 20, vec![a])).unwrap();
+        listed(file(32 << 20, vec![a, a])).unwrap();
+        // A chunk not in the index: only more than the size is known wrong.
+        listed(file(16 << 20 | 1, vec![a, lost])).unwrap();
+        // One 100-byte upload naming its 16 MiB chunk 65,536 times for an
+        // empty file: a terabyte written as root, if it were taken.
+        let e = listed(file(0, vec![a; 65_536])).unwrap_err().to_string();
+        assert!(
+            e.contains("1099511627776 bytes, the snapshot says 0"),
+            "{e}"
+        );
+        let e = listed(file(5, Vec::new())).unwrap_err().to_string();
+        assert!(e.contains("hold 0 bytes, the snapshot says 5"), "{e}");
+        let e = listed(file(16 << 20, vec![a, lost]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("16777217 bytes or more, the snapshot says"),
+            "{e}"
+        );
     }
 
     #[test]

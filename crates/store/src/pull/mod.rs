@@ -892,12 +892,31 @@ fn write_one(
         // Chunks are whole files or up to 4 MiB: written directly, no buffer
         // copy, at their offset (blocks of zeros are left as holes).
         let mut n = 0u64;
+        // Never more than the size the free space was checked for: a
+        // hostile tree may list one chunk a million times for a file of
+        // a few bytes (the listing refused what the index's lengths show;
+        // this holds whatever the index says).
+        let past_size = || {
+            Error::corrupt(
+                format!("file {}", e.path_lossy()),
+                format!(
+                    "its chunks hold more than the {} bytes the snapshot says",
+                    e.size()
+                ),
+            )
+        };
         for &c in e.chunks() {
             let (pack, entry) = list
                 .chunk(index, c)
                 .map_err(|c| Error::not_found(format!("chunk {c}")))?;
+            if n + u64::from(entry.raw_len) > e.size() {
+                return Err(past_size());
+            }
             // Verified before a single byte reaches the file.
             n += reader.with_plain(&pack, &entry, buf, |plain| {
+                if n + plain.len() as u64 > e.size() {
+                    return Err(past_size());
+                }
                 write_data(&w, plain, n).map_err(Error::io("write", shown()))?;
                 Ok(plain.len() as u64)
             })?;
