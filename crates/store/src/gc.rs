@@ -18,8 +18,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::id::{PackId, SnapshotId};
+use crate::index::Index;
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, snapshot_key, Repo};
+
+/// A condemnation as listed: its key and the time the store gives it.
+struct Record {
+    key: String,
+    listed: i64,
+    rec: Condemned,
+}
 
 #[derive(Serialize, Deserialize)]
 struct Condemned {
@@ -118,7 +126,9 @@ pub async fn gc(
     let records = run.condemn(&packs, &marked, &mut out).await?;
 
     progress.phase("gc: sweep", None, None);
-    let (deleted, swept) = run.sweep_packs(&records, &packs, &marked, &mut out).await?;
+    let (deleted, swept) = run
+        .sweep_packs(&records, &packs, &index, &marked, &mut out)
+        .await?;
     run.sweep_snapshots(&marked, &mut out).await?;
     run.sweep_staging(&mut out).await?;
     run.rewrite_index(&index, &index_keys, &deleted).await?;
@@ -158,6 +168,17 @@ async fn list_packs(repo: &Repo) -> Result<HashMap<PackId, (u64, i64)>> {
 struct Marked {
     packs: HashSet<PackId>,
     snapshots: HashSet<SnapshotId>,
+    /// The index positions of every chunk a version needs, as bits.
+    live: Vec<u64>,
+}
+
+impl Marked {
+    /// Whether the chunk at index position `pos` is one a version needs.
+    fn is_live(&self, pos: usize) -> bool {
+        self.live
+            .get(pos / 64)
+            .is_some_and(|w| w & (1 << (pos % 64)) != 0)
+    }
 }
 
 /// Mark: every version is a root; its tree and file chunks mark their packs.
@@ -172,6 +193,7 @@ async fn mark(
     progress.phase("gc: mark", None, Some(versions.len() as u64));
     let mut referenced: HashSet<PackId> = HashSet::new();
     let mut live_snapshots: HashSet<SnapshotId> = HashSet::new();
+    let mut live = vec![0u64; index.len().div_ceil(64)];
     for v in versions {
         if !live_snapshots.insert(v.snapshot) {
             continue;
@@ -184,17 +206,19 @@ async fn mark(
             .map(|s| s.id)
             .chain(entries.iter().flat_map(|e| e.chunks.iter().copied()));
         for c in ids {
-            let (p, _) = index.get(&c).ok_or_else(|| Error::NotFound {
+            let pos = index.position(&c).ok_or_else(|| Error::NotFound {
                 what: format!("chunk {c} of {}", v.label()),
                 hint: "; gc deletes nothing while a version is incomplete: run `labsync rebuild-index`, then `labsync verify`".into(),
             })?;
-            referenced.insert(p);
+            live[pos / 64] |= 1 << (pos % 64);
+            referenced.insert(index.at(pos).0);
         }
         progress.advance(0, 1);
     }
     Ok(Marked {
         packs: referenced,
         snapshots: live_snapshots,
+        live,
     })
 }
 
@@ -215,24 +239,28 @@ impl Run<'_> {
         packs: &HashMap<PackId, (u64, i64)>,
         marked: &Marked,
         out: &mut GcOutcome,
-    ) -> Result<Vec<(String, Condemned)>> {
+    ) -> Result<Vec<Record>> {
         let (repo, now) = (self.repo, self.now);
         let mut records = Vec::new();
         for o in repo.remote().list("gc/").await? {
             if let Some(c) = read_condemned(repo, &o.key).await? {
-                records.push((o.key, c));
+                records.push(Record {
+                    key: o.key,
+                    listed: o.modified,
+                    rec: c,
+                });
             }
         }
         let already: HashSet<PackId> = records
             .iter()
-            .flat_map(|(_, c)| c.packs.iter().copied())
+            .flat_map(|r| r.rec.packs.iter().copied())
             .collect();
         let mut fresh = Vec::new();
         for (p, (_, modified)) in packs {
             if marked.packs.contains(p) || already.contains(p) {
                 continue;
             }
-            if now - modified >= self.grace {
+            if now.saturating_sub(*modified) >= self.grace {
                 fresh.push(*p);
             } else {
                 out.young_packs += 1;
@@ -254,7 +282,11 @@ impl Run<'_> {
                     .await?;
                 repo.remote().sync().await?;
             }
-            records.push((key, rec));
+            records.push(Record {
+                key,
+                listed: now,
+                rec,
+            });
         }
         out.condemned = fresh;
         Ok(records)
@@ -263,24 +295,43 @@ impl Run<'_> {
     /// Sweep: packs of condemnations older than the grace period that are
     /// still unreferenced are deleted. Returns them, and the records swept
     /// (for the caller to remove once the index no longer names the packs).
+    ///
+    /// Anyone can write to the store, so neither a record nor the index is
+    /// taken at its word: a record is as old as the store's listing says
+    /// (not its own `time`), a pack younger than the grace period is never
+    /// deleted, and neither is one holding a chunk a version needs that is
+    /// not, checked, where the index places it (an index object naming a
+    /// live pack's chunks in another pack would otherwise condemn it).
     async fn sweep_packs(
         &self,
-        records: &[(String, Condemned)],
+        records: &[Record],
         packs: &HashMap<PackId, (u64, i64)>,
+        index: &Index,
         marked: &Marked,
         out: &mut GcOutcome,
     ) -> Result<(HashSet<PackId>, Vec<String>)> {
         let mut deleted: HashSet<PackId> = HashSet::new();
         let mut swept = Vec::new();
-        for (key, rec) in records {
-            if self.now - rec.time < self.grace {
+        for r in records {
+            let age = (self.now.saturating_sub(r.rec.time)).min(self.now.saturating_sub(r.listed));
+            if age < self.grace {
                 continue;
             }
-            for p in &rec.packs {
-                if marked.packs.contains(p) {
+            for p in &r.rec.packs {
+                if marked.packs.contains(p) || deleted.contains(p) {
                     continue; // a version took it back meanwhile
                 }
-                if let Some((size, _)) = packs.get(p) {
+                if let Some(&(size, modified)) = packs.get(p) {
+                    if self.now.saturating_sub(modified) < self.grace {
+                        tracing::warn!(
+                            "gc: {} names pack {p}, younger than the grace period: kept",
+                            r.key
+                        );
+                        continue;
+                    }
+                    if !self.only_copies(p, size, packs, index, marked).await? {
+                        continue;
+                    }
                     out.deleted_bytes += size;
                 }
                 if !self.dry_run {
@@ -288,11 +339,57 @@ impl Run<'_> {
                 }
                 deleted.insert(*p);
             }
-            swept.push(key.clone());
+            swept.push(r.key.clone());
         }
         out.deleted = deleted.iter().copied().collect();
         out.deleted.sort();
         Ok((deleted, swept))
+    }
+
+    /// Whether pack `p` (`size` bytes) holds no chunk a version needs but
+    /// copies of chunks that are, checked against their ids, where the
+    /// index places them. A footer that cannot be read holds nothing a
+    /// pull could use.
+    async fn only_copies(
+        &self,
+        p: &PackId,
+        size: u64,
+        packs: &HashMap<PackId, (u64, i64)>,
+        index: &Index,
+        marked: &Marked,
+    ) -> Result<bool> {
+        let entries = match self.repo.read_pack_footer(p, size).await {
+            Ok(entries) => entries,
+            Err(Error::Corrupt { .. }) => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        for e in entries {
+            let Some(pos) = index.position(&e.id).filter(|&pos| marked.is_live(pos)) else {
+                continue;
+            };
+            let (q, at) = index.at(pos);
+            let end = at.offset.saturating_add(u64::from(at.stored_len));
+            let there = match packs.get(&q) {
+                Some(&(q_size, _)) if q != *p && end <= q_size => {
+                    let stored = self
+                        .repo
+                        .remote()
+                        .get_range(&pack_key(&q), at.offset..end)
+                        .await?;
+                    at.decode(&stored, &q).is_ok()
+                }
+                _ => false,
+            };
+            if !there {
+                tracing::warn!(
+                    "gc: pack {p} holds chunk {} of a version, which the index places in pack \
+                     {q} where it is not: pack {p} kept; run `labsync rebuild-index`",
+                    e.id
+                );
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Snapshot objects no version names, older than the grace period.
@@ -515,6 +612,142 @@ mod tests {
         assert!(repo.load_snapshot(&again.snapshot).await.is_err());
     }
 
+    /// The packs (data and tree) a push of `content` as `name` wrote.
+    async fn push_one(repo: &Repo, name: &str, content: &[u8]) -> Vec<PackId> {
+        let before: HashSet<PackId> = list_packs(repo).await.unwrap().into_keys().collect();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("f"), content).unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        crate::push(repo, dir.path(), &PushOptions::for_test(name), np)
+            .await
+            .unwrap();
+        let mut new: Vec<PackId> = (list_packs(repo).await.unwrap().into_keys())
+            .filter(|p| !before.contains(p))
+            .collect();
+        new.sort();
+        assert!(!new.is_empty());
+        new
+    }
+
+    /// Anyone may write an index object. One naming every chunk of a live
+    /// pack P as held in the writer's own pack Q, read first, left P
+    /// unreferenced: condemned, then deleted, and the data gone for good.
+    #[tokio::test]
+    async fn an_index_naming_live_chunks_elsewhere_deletes_nothing() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let all = push_one(&repo, "ds", &[7u8; 100_000]).await;
+        let q = push_one(&repo, "mine", b"the attacker's own").await[0];
+        let packs = list_packs(&repo).await.unwrap();
+        // The pack of the file's data (the other holds the tree).
+        let version = repo.all_versions().await.unwrap()[0].clone();
+        let segments: HashSet<_> = (repo.load_snapshot(&version.snapshot).await.unwrap())
+            .segments
+            .iter()
+            .map(|s| s.id)
+            .collect();
+        let mut ps = Vec::new();
+        let mut named = Vec::new();
+        for p in &all {
+            let footer = repo.read_pack_footer(p, packs[p].0).await.unwrap();
+            if footer.iter().all(|e| !segments.contains(&e.id)) {
+                ps.push(*p);
+                named.extend(
+                    footer
+                        .iter()
+                        .map(|e| (e.id, 0, e.stored_len, e.raw_len, e.flags)),
+                );
+            }
+        }
+        assert_eq!(ps.len(), 1);
+        let (real, _) = repo.load_index().await.unwrap();
+        let mut poisoned = Index::default();
+        poisoned.add(&crate::index::IndexPack {
+            pack: q,
+            size: packs[&q].0,
+            chunks: named,
+        });
+        for r in real.to_records(|_| true) {
+            poisoned.add(&r);
+        }
+        let versions = repo.all_versions().await.unwrap();
+        let marked = mark(&repo, &poisoned, &versions, &NoProgress)
+            .await
+            .unwrap();
+        assert!(
+            ps.iter().all(|p| !marked.packs.contains(p)),
+            "the premise: ds's packs look unused"
+        );
+        let run = sweep_now(&repo);
+        let mut out = GcOutcome::default();
+        let records = run.condemn(&packs, &marked, &mut out).await.unwrap();
+        assert_eq!(out.condemned, ps);
+        let (deleted, _) = run
+            .sweep_packs(&records, &packs, &poisoned, &marked, &mut out)
+            .await
+            .unwrap();
+        assert!(deleted.is_empty(), "{deleted:?}");
+        for p in &ps {
+            repo.read_pack_footer(p, packs[p].0).await.unwrap();
+        }
+
+        // Once no version needs their chunks, they go.
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let versions = repo.all_versions().await.unwrap();
+        let marked = mark(&repo, &poisoned, &versions, &NoProgress)
+            .await
+            .unwrap();
+        let mut out = GcOutcome::default();
+        let (deleted, _) = run
+            .sweep_packs(&records, &packs, &poisoned, &marked, &mut out)
+            .await
+            .unwrap();
+        assert_eq!(deleted, ps.iter().copied().collect());
+    }
+
+    /// Anyone may write a condemnation too: one dated 1970 (or i64::MIN)
+    /// naming the pack a push just wrote had it deleted at once, before
+    /// the push could commit. A record is as old as the store says.
+    #[tokio::test]
+    async fn a_condemnation_is_as_old_as_the_store_says() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let ps = push_one(&repo, "ds", b"young").await;
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        for (i, time) in [0, i64::MIN].into_iter().enumerate() {
+            let forged = serde_json::json!({ "time": time, "packs": ps });
+            let key = format!("gc/condemned-{i:012}-forged");
+            repo.remote()
+                .put(&key, serde_json::to_vec(&forged).unwrap().into())
+                .await
+                .unwrap();
+        }
+        let (index, _) = repo.load_index().await.unwrap();
+        let packs = list_packs(&repo).await.unwrap();
+        let marked = mark(&repo, &index, &[], &NoProgress).await.unwrap();
+        let hour = 3600;
+        for (later, gone) in [(0, false), (hour + 1, true)] {
+            let run = Run {
+                repo: &repo,
+                now: now_secs() + later,
+                grace: hour,
+                dry_run: true,
+            };
+            let mut out = GcOutcome::default();
+            let records = run.condemn(&packs, &marked, &mut out).await.unwrap();
+            let (deleted, _) = run
+                .sweep_packs(&records, &packs, &index, &marked, &mut out)
+                .await
+                .unwrap();
+            assert!(
+                ps.iter().all(|p| deleted.contains(p) == gone),
+                "{later} s later"
+            );
+        }
+    }
+
     /// A sweep that cannot read the versions again after deleting puts back
     /// everything it deleted before it fails: it cannot tell which a push
     /// committed meanwhile.
@@ -534,6 +767,7 @@ mod tests {
         let marked = Marked {
             packs: HashSet::new(),
             snapshots: HashSet::new(),
+            live: Vec::new(),
         };
         // A record that does not decode: reading the versions fails.
         let junk = crate::repo::version_key("other", 1);
