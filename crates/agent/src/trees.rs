@@ -404,8 +404,18 @@ pub fn remove_job_folder(dir: &Path) -> std::io::Result<()> {
     remove_tree(dir)
 }
 
+/// The longest `--outputs` path (`PATH_MAX`): the path is kept with the
+/// job, heartbeated and logged.
+pub const MAX_OUTPUTS_BYTES: usize = 4096;
+
 /// Checks an `--outputs` path: relative, inside the working folder.
 pub fn check_outputs(path: &str) -> Result<(), String> {
+    if path.len() > MAX_OUTPUTS_BYTES {
+        return Err(format!(
+            "--outputs of {} bytes: at most {MAX_OUTPUTS_BYTES} (a path's limit)",
+            path.len()
+        ));
+    }
     let p = Path::new(path);
     if path.is_empty() || p.is_absolute() {
         return Err(format!(
@@ -699,6 +709,10 @@ mod tests {
             "a FIFO linked in"
         );
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
+        // `x////…` is `x` to Path, and megabytes of it were taken.
+        let long = format!("x{}", "/".repeat(MAX_OUTPUTS_BYTES));
+        assert!(check_outputs(&long).unwrap_err().contains("at most 4096"));
+        assert!(check_outputs(&long[..MAX_OUTPUTS_BYTES]).is_ok());
         remove_tree(&code).unwrap();
         assert!(!code.exists());
     }

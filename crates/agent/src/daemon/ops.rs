@@ -123,9 +123,6 @@ pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
             ));
         }
     }
-    if let Some(o) = &req.outputs {
-        check_outputs(o).map_err(ApiError::BadRequest)?;
-    }
     check_data_vars(&req.data)
 }
 
@@ -140,10 +137,49 @@ pub fn variable_bytes((k, v): &(String, String)) -> usize {
     k.len() + v.len() + 2
 }
 
+/// The longest label of a tree (`NAME@vN`) a job may name.
+pub const MAX_LABEL_BYTES: usize = 1024;
+
+/// A tree a request names: a snapshot id, a label of a sane length.
+pub(crate) fn check_tree_ref(t: &crate::proto::TreeRef) -> Result<(), ApiError> {
+    if t.label.len() > MAX_LABEL_BYTES {
+        return Err(ApiError::BadRequest(format!(
+            "a tree label of {} bytes: at most {MAX_LABEL_BYTES}",
+            t.label.len()
+        )));
+    }
+    if t.snapshot.parse::<labsync_store::SnapshotId>().is_err() {
+        return Err(ApiError::BadRequest(format!(
+            "{:?}: {:?} is not a snapshot id",
+            t.label, t.snapshot
+        )));
+    }
+    Ok(())
+}
+
 /// A request's command, environment and datasets within
-/// [`MAX_COMMAND_BYTES`] and [`MAX_DATASETS`].
+/// [`MAX_COMMAND_BYTES`] and [`MAX_DATASETS`], and every other string it
+/// carries bounded: all of them are kept with the job, listed and sent in
+/// heartbeats (one job with megabytes of outputs path made a node's
+/// heartbeat too large for the coordinator, which marked it down).
 pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
-    let bytes = command_bytes(&req.argv, &req.env);
+    if let Some(o) = &req.outputs {
+        check_outputs(o).map_err(ApiError::BadRequest)?;
+    }
+    for t in req.code.iter().chain(req.data.iter().map(|d| &d.tree)) {
+        check_tree_ref(t)?;
+    }
+    let short = |what: &str, s: &Option<String>| match s {
+        Some(s) if s.len() > MAX_LABEL_BYTES => Err(ApiError::BadRequest(format!(
+            "{what} of {} bytes: at most {MAX_LABEL_BYTES}",
+            s.len()
+        ))),
+        _ => Ok(()),
+    };
+    short("a priority", &req.priority)?;
+    short("resume_from", &req.resume_from)?;
+    let others = req.data.iter().map(|d| d.env.len()).sum::<usize>();
+    let bytes = command_bytes(&req.argv, &req.env).saturating_add(others);
     if bytes > MAX_COMMAND_BYTES {
         return Err(ApiError::BadRequest(format!(
             "the command and its environment take {bytes} bytes: at most {} KiB; put long \
@@ -685,5 +721,60 @@ impl Daemon {
             };
             let _ = tokio::time::timeout(nap, changed.changed()).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{DataRef, TreeRef};
+
+    fn tree(label: &str) -> TreeRef {
+        TreeRef {
+            label: label.into(),
+            snapshot: "ab".repeat(32),
+        }
+    }
+
+    /// Every string of a request is bounded: they are all kept with the
+    /// job, listed and heartbeated.
+    #[test]
+    fn every_string_of_a_request_is_bounded() {
+        let ok = SubmitRequest {
+            argv: vec!["train.py".into()],
+            code: Some(tree("code@v1")),
+            data: vec![DataRef {
+                env: "LABRUN_DATA_DIV2K".into(),
+                tree: tree("div2k@v3"),
+            }],
+            outputs: Some("ckpt".into()),
+            ..Default::default()
+        };
+        check_request(&ok).unwrap();
+        let refused = |f: &dyn Fn(&mut SubmitRequest), why: &str| {
+            let mut r = ok.clone();
+            f(&mut r);
+            let e = check_request(&r).unwrap_err().to_string();
+            assert!(e.contains(why), "{why}: {e}");
+        };
+        let mega = "x".repeat(2 << 20);
+        refused(
+            &|r| r.outputs = Some(format!("x{}", "/".repeat(2 << 20))),
+            "at most 4096",
+        );
+        refused(
+            &|r| r.code.as_mut().unwrap().label = mega.clone(),
+            "at most 1024",
+        );
+        refused(&|r| r.data[0].tree.label = mega.clone(), "at most 1024");
+        refused(
+            &|r| r.data[0].tree.snapshot = mega.clone(),
+            "is not a snapshot id",
+        );
+        refused(&|r| r.priority = Some(mega.clone()), "at most 1024");
+        refused(
+            &|r| r.data[0].env = format!("LABRUN_DATA_{}", "X".repeat(MAX_COMMAND_BYTES)),
+            "KiB",
+        );
     }
 }

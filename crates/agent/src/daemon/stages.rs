@@ -556,9 +556,7 @@ impl Daemon {
             .chain(ask.data.iter().map(|d| &d.tree))
             .collect();
         for t in &trees {
-            t.snapshot
-                .parse::<labsync_store::SnapshotId>()
-                .map_err(|e| ApiError::BadRequest(format!("{}: {e}", t.label)))?;
+            super::ops::check_tree_ref(t)?;
         }
         let caller = Caller {
             user: o.user.clone(),
