@@ -181,10 +181,37 @@ pub struct Leases {
     pub(crate) fail_writes: std::sync::atomic::AtomicBool,
 }
 
+/// Opens (creating) the redb database at `path`, readable by its owner
+/// only from the first byte: it holds queued jobs' environments (users'
+/// API keys). Created by redb it was 0644 until labd narrowed it, and a
+/// user who opened it in that window kept reading it.
+pub(crate) fn create_private(path: &Path) -> Result<Database, String> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let mode = f
+        .metadata()
+        .map_err(|e| e.to_string())?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| e.to_string())?;
+    }
+    drop(f);
+    Database::create(path).map_err(|e| e.to_string())
+}
+
 impl Leases {
     /// Opens (creating) the database at `path`.
     pub fn open(path: &Path) -> Result<Leases, LeaseError> {
-        let db = Database::create(path).map_err(|e| LeaseError::Db {
+        let db = create_private(path).map_err(|e| LeaseError::Db {
             path: path.display().to_string(),
             detail: e.to_string(),
         })?;
@@ -526,6 +553,25 @@ impl Leases {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// Created 0600 from its first byte (redb made it 0644 under the
+    /// usual umask), and narrowed when found wider.
+    #[test]
+    fn the_database_is_never_readable_by_others() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        drop(Leases::open(&path).unwrap());
+        assert_eq!(mode(&path), 0o600);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        drop(Leases::open(&path).unwrap());
+        assert_eq!(mode(&path), 0o600);
+        // The coordinator's holds queued jobs' environments too.
+        let q = dir.path().join("cluster.redb");
+        drop(crate::cluster::ClusterJobs::open(&q).unwrap());
+        assert_eq!(mode(&q), 0o600);
+    }
 
     #[test]
     fn acquire_release_and_persist() {

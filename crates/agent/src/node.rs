@@ -190,7 +190,11 @@ pub struct Node {
 impl Node {
     /// Opens the node's state, adopting jobs that survived a restart.
     pub fn open(cfg: NodeConfig, inventory: Arc<dyn GpuInventory>) -> Result<Node, NodeError> {
-        std::fs::create_dir_all(cfg.state_dir.join("logs")).map_err(|e| {
+        // Jobs' output: never readable by others, not even before labd
+        // narrows the folder's mode at the end of its start.
+        let mut logs = std::fs::DirBuilder::new();
+        std::os::unix::fs::DirBuilderExt::mode(logs.recursive(true), 0o700);
+        logs.create(cfg.state_dir.join("logs")).map_err(|e| {
             NodeError::Refused(format!("cannot create {}: {e}", cfg.state_dir.display()))
         })?;
         let state = Leases::open(&cfg.state_dir.join("state-v1.redb"))?;

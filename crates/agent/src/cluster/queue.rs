@@ -130,7 +130,7 @@ impl ClusterJobs {
             path: path.display().to_string(),
             detail: e.to_string(),
         };
-        let db = Database::create(path).map_err(|e| err(&e))?;
+        let db = crate::leases::create_private(path).map_err(|e| err(&e))?;
         let txn = db.begin_write().map_err(|e| err(&e))?;
         let mut live = BTreeMap::new();
         let mut recent = BTreeMap::new();
@@ -150,7 +150,6 @@ impl ClusterJobs {
             }
         }
         txn.commit().map_err(|e| err(&e))?;
-        set_private(path);
         Ok(ClusterJobs {
             db,
             path: path.to_path_buf(),
@@ -388,12 +387,6 @@ impl ClusterJobs {
         }
         Ok(out)
     }
-}
-
-/// The database holds submitters' environments: the coordinator's alone.
-fn set_private(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
 }
 
 #[cfg(test)]
