@@ -254,10 +254,34 @@ fn member_head(
         .map_err(|e| refused(method, uri, e))
 }
 
+/// A request without a good cluster signature: said in the log escaped,
+/// cut, and at most every [`REFUSED_EVERY`] (anyone who reaches the port
+/// can send them by the thousand, with 400 KB paths).
 fn refused(method: &Method, uri: &Uri, e: crate::cluster::AuthError) -> ApiError {
-    tracing::warn!("refused {method} {}: {e}", uri.path());
+    static SAID: std::sync::Mutex<(Option<std::time::Instant>, u64)> =
+        std::sync::Mutex::new((None, 0));
+    let mut said = SAID
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if said.0.is_none_or(|t| t.elapsed() >= REFUSED_EVERY) {
+        let since = match said.1 {
+            0 => String::new(),
+            n => format!(" ({n} more refused since the last said)"),
+        };
+        tracing::warn!(
+            "refused {method} {}: {}{since}",
+            crate::error::logged(uri.path()),
+            crate::error::logged(&e.to_string())
+        );
+        *said = (Some(std::time::Instant::now()), 0);
+    } else {
+        said.1 += 1;
+    }
     ApiError::NotMember(e.to_string())
 }
+
+/// See [`refused`].
+const REFUSED_EVERY: Duration = Duration::from_secs(10);
 
 /// A request from another node of the cluster without a body, its
 /// signature checked: the signing node.

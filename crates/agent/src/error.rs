@@ -159,3 +159,38 @@ pub enum ClientError {
         detail: String,
     },
 }
+
+/// `s` as labd's log may show it: what users control (paths in their
+/// outputs, a node name in a refused request) with every control and
+/// invisible character escaped (a newline would forge a line of the log),
+/// cut at [`LOGGED_CHARS`] characters (a request path may be 400 KB).
+pub(crate) fn logged(s: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == LOGGED_CHARS {
+            out.push_str("...");
+            break;
+        }
+        out.extend(c.escape_debug());
+    }
+    out
+}
+
+/// See [`logged`].
+pub(crate) const LOGGED_CHARS: usize = 512;
+
+#[cfg(test)]
+mod logged_tests {
+    use super::*;
+
+    #[test]
+    fn what_users_control_is_logged_escaped_and_cut() {
+        let forged = "x\n2026-12-06T05:00:00Z  INFO labsync_agent: job j9 killed by root";
+        let l = logged(forged);
+        assert!(!l.contains('\n') && l.contains("x\\n2026"), "{l}");
+        assert_eq!(logged("a\u{202e}b\rc"), "a\\u{202e}b\\rc");
+        let long = logged(&"/".repeat(400_000));
+        assert_eq!(long.len(), LOGGED_CHARS + 3);
+        assert_eq!(logged("plain/path.pt"), "plain/path.pt");
+    }
+}

@@ -162,12 +162,18 @@ impl OutputsSaver {
         };
         match &result {
             Ok(label) => tracing::info!("job {}: outputs saved as {label}", job.id),
+            // The error names the job's files: the user's own names.
             Err(e) if last => tracing::warn!(
-                "job {}: outputs not saved yet ({attempts} tries): {e}; next try in {} s",
+                "job {}: outputs not saved yet ({attempts} tries): {}; next try in {} s",
                 job.id,
+                crate::error::logged(e),
                 self.retry_delay(attempts).as_secs()
             ),
-            Err(e) => tracing::warn!("job {}: outputs not saved: {e}", job.id),
+            Err(e) => tracing::warn!(
+                "job {}: outputs not saved: {}",
+                job.id,
+                crate::error::logged(e)
+            ),
         }
         // Until the final push succeeds the job stays active, so its working
         // folder (the only copy of its checkpoints) is never swept. A job
