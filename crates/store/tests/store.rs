@@ -627,6 +627,9 @@ async fn gc_during_push_never_deletes_what_the_push_references() {
         .put("gc/condemned-old", serde_json::to_vec(&rec).unwrap().into())
         .await
         .unwrap();
+    // Its age is the store's, not its own word (anyone may write one).
+    let rec_path = env.repo.remote().local_path("gc/condemned-old").unwrap();
+    filetime::set_file_mtime(rec_path, two_hours_ago).unwrap();
     let o = opts("big", &env.cache);
     let (pushed, swept) = tokio::join!(push(&env.repo, &src, &o, np()), async {
         let mut runs = Vec::new();
@@ -1246,7 +1249,18 @@ async fn snapshots_with_repeated_or_miscounted_segments_are_refused() {
                 id: seg.id,
                 entries: u32::MAX,
             }],
-            "the snapshot says 4294967295",
+            "4294967295 entries, more than a segment holds (512)",
+        ),
+        (
+            // 8-byte entries by the billion: refused before any is fetched.
+            "too many",
+            (0u32..(16 << 20) / 512 + 1)
+                .map(|i| labsync_store::SegmentRef {
+                    id: ChunkId::of(&i.to_le_bytes()),
+                    entries: 512,
+                })
+                .collect(),
+            "claims 16777728 entries, more than 16777216",
         ),
     ] {
         let (sid, bytes) = SnapshotObject {
