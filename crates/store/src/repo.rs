@@ -586,6 +586,26 @@ impl Repo {
         // as the entries are decoded): a vector doubling from 2^19 to 2^20
         // entries held both copies. An entry takes at least 8 encoded bytes.
         let counted: u64 = snap.segments.iter().map(|s| u64::from(s.entries)).sum();
+        let most = crate::snapshot::MAX_SEGMENT_ENTRIES;
+        if let Some(s) = snap.segments.iter().find(|s| s.entries as usize > most) {
+            return Err(Error::corrupt(
+                format!("snapshot {id}"),
+                format!(
+                    "tree segment {} claims {} entries, more than a segment holds ({most})",
+                    s.id.short(),
+                    s.entries
+                ),
+            ));
+        }
+        if counted > crate::snapshot::MAX_TREE_ENTRIES {
+            return Err(Error::corrupt(
+                format!("snapshot {id}"),
+                format!(
+                    "its tree claims {counted} entries, more than {}",
+                    crate::snapshot::MAX_TREE_ENTRIES
+                ),
+            ));
+        }
         sink.room(usize::try_from(counted.min(claimed / 8)).unwrap_or(0));
         for batch in snap.segments.chunks(4096) {
             let ids: Vec<ChunkId> = batch.iter().map(|s| s.id).collect();
@@ -758,7 +778,17 @@ impl Repo {
                     return Ok((l.clone(), false));
                 }
             }
-            rec.version = newest.map_or(1, |l| l.version + 1);
+            // A version record anyone wrote may say u64::MAX.
+            rec.version = match newest {
+                None => 1,
+                Some(l) => l.version.checked_add(1).ok_or_else(|| Error::Conflict {
+                    what: format!("name {}", rec.name),
+                    detail: format!(
+                        "its newest version is v{}, the last there can be: push under another name",
+                        l.version
+                    ),
+                })?,
+            };
             let json = serde_json::to_vec_pretty(&rec).expect("record serialises");
             if self
                 .remote
@@ -904,6 +934,30 @@ fn prune_index_copies(dir: &std::path::Path, keys: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A version record anyone wrote as v18446744073709551615 makes the
+    /// next push of that name an error, not v0 (or a panic).
+    #[tokio::test]
+    async fn the_last_version_number_there_can_be_is_an_error_to_follow() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let np = std::sync::Arc::new(crate::progress::NoProgress);
+        let opts = crate::PushOptions::for_test("ds");
+        std::fs::write(dir.path().join("f"), "one").unwrap();
+        let v1 = crate::push(&repo, dir.path(), &opts, np.clone())
+            .await
+            .unwrap();
+        let forged = VersionRecord {
+            version: u64::MAX,
+            ..v1.record
+        };
+        let key = version_key("ds", u64::MAX);
+        let json = serde_json::to_vec(&forged).unwrap();
+        repo.remote().put(&key, json.into()).await.unwrap();
+        std::fs::write(dir.path().join("f"), "two").unwrap();
+        let e = crate::push(&repo, dir.path(), &opts, np).await.unwrap_err();
+        assert!(e.to_string().contains("the last there can be"), "{e}");
+    }
 
     /// The index objects gc consolidated away leave the local copies too.
     #[tokio::test]

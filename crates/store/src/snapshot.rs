@@ -21,7 +21,12 @@ const VERSION: u8 = 1;
 const SEGMENT_VERSION: u8 = 2;
 /// On average one boundary per 16 entries; at most 512 entries per segment.
 const BOUNDARY_MASK: u8 = 0x0f;
-const MAX_SEGMENT_ENTRIES: usize = 512;
+pub(crate) const MAX_SEGMENT_ENTRIES: usize = 512;
+
+/// The most entries a tree read from a store may hold: far past the ten
+/// million files labsync is built for, and bounded before any segment is
+/// fetched (a hostile tree of 8-byte entries would decode to billions).
+pub const MAX_TREE_ENTRIES: u64 = 16 << 20;
 
 /// What an entry is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +141,15 @@ pub fn decode_segment(bytes: &[u8], id: &ChunkId) -> Result<Vec<Entry>> {
     let what = || format!("tree segment {id}");
     match bytes.first() {
         Some(1..=SEGMENT_VERSION) => {
+            // Its count first: never more entries decoded than a segment holds.
+            let (n, _) = postcard::take_from_bytes::<usize>(&bytes[1..])
+                .map_err(|e| Error::corrupt(what(), e.to_string()))?;
+            if n > MAX_SEGMENT_ENTRIES {
+                return Err(Error::corrupt(
+                    what(),
+                    format!("{n} entries, more than a segment holds ({MAX_SEGMENT_ENTRIES})"),
+                ));
+            }
             postcard::from_bytes(&bytes[1..]).map_err(|e| Error::corrupt(what(), e.to_string()))
         }
         Some(v) => Err(Error::corrupt(
@@ -591,5 +605,14 @@ mod tests {
         assert_eq!(encode_segment(&ok[..1])[0], 1);
         let id = ChunkId::of(b"x");
         assert_eq!(decode_segment(&encode_segment(&ok), &id).unwrap(), ok);
+        // Never more decoded than a segment holds, whatever its count says.
+        let many: Vec<Entry> = (0..513).map(|i| file(&format!("f{i:04}"), b"1")).collect();
+        let e = decode_segment(&encode_segment(&many), &id).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("513 entries, more than a segment holds"),
+            "{e}"
+        );
+        decode_segment(&encode_segment(&many[..512]), &id).unwrap();
     }
 }
