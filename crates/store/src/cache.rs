@@ -27,6 +27,7 @@ use crate::fsutil::{blocking, tmp_name, write_atomic, write_atomic_direct};
 use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::IndexPack;
 use crate::pack::PackEntry;
+use crate::pack::MAX_PACK_BYTES;
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, Repo};
 
@@ -474,7 +475,7 @@ impl NodeCache {
             // with O_DIRECT, which first wrote it all to the disk: a pull
             // from a store on a tmpfs took 2.8 s against rsync's 1.2 s.
         }
-        let bytes = repo.remote().get(&key).await?;
+        let bytes = repo.remote().get_at_most(&key, MAX_PACK_BYTES).await?;
         let size = bytes.len() as u64;
         if let Some(a) = arrivals {
             // Unchecked as yet: each chunk is, as it is read.

@@ -39,6 +39,11 @@ pub const MAX_FILE_CHUNK: u32 = 16 << 20;
 /// segment of files with millions of chunks each comes near it.
 pub const MAX_TREE_CHUNK: u32 = 256 << 20;
 
+/// The most bytes a pack read whole may have: the largest pack size a
+/// store may set (64 MiB), its largest chunk past it (a tree chunk) and
+/// room for its footer. A larger object named as a pack is not one.
+pub const MAX_PACK_BYTES: u64 = 512 << 20;
+
 /// How `push` compresses the file chunks that look compressible. Either way a
 /// chunk's id is the BLAKE3 of its plain bytes, so the codec never affects
 /// dedup, and every labsync reads both.

@@ -268,6 +268,24 @@ impl Remote {
         r.bytes().await.map_err(Self::unavailable("get", key))
     }
 
+    /// Reads a whole object of at most `max` bytes: one larger is refused
+    /// from the size the server gives, before its body is read (anyone may
+    /// write a 50 GB "pack", which a whole read would hold in memory).
+    pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Bytes> {
+        let r = self
+            .inner
+            .get(&Path::from(key))
+            .await
+            .map_err(Self::unavailable("get", key))?;
+        if r.meta.size > max {
+            return Err(Error::corrupt(
+                format!("object {key}"),
+                format!("{} bytes, more than the {max} it may have", r.meta.size),
+            ));
+        }
+        r.bytes().await.map_err(Self::unavailable("get", key))
+    }
+
     /// Reads a byte range of an object.
     pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         self.inner
@@ -751,6 +769,25 @@ mod tests {
             assert_eq!(names, ["abcdef"], "{len} bytes");
         }
         remote.sync().await.unwrap();
+    }
+
+    /// An object larger than the caller allows is refused from its size,
+    /// on a local folder and in memory alike.
+    #[tokio::test]
+    async fn a_whole_read_is_bounded_by_the_size_the_store_gives() {
+        let dir = tempfile::tempdir().unwrap();
+        for remote in [Remote::local(dir.path()).unwrap(), Remote::memory()] {
+            remote
+                .put("packs/ab/big", vec![7u8; 100].into())
+                .await
+                .unwrap();
+            let e = remote.get_at_most("packs/ab/big", 99).await.unwrap_err();
+            assert!(e.to_string().contains("100 bytes, more than the 99"), "{e}");
+            assert_eq!(
+                remote.get_at_most("packs/ab/big", 100).await.unwrap().len(),
+                100
+            );
+        }
     }
 
     /// Backend options from pairs.

@@ -319,7 +319,10 @@ async fn check_store_packs(
         .map(|p| {
             let repo = repo.clone();
             async move {
-                let r = match repo.remote().get(&pack_key(&p)).await {
+                let r = match (repo.remote())
+                    .get_at_most(&pack_key(&p), crate::pack::MAX_PACK_BYTES)
+                    .await
+                {
                     Ok(bytes) => {
                         let n = bytes.len() as u64;
                         // The footer against the pack id, then every chunk against its own.
