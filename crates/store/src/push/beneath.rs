@@ -88,12 +88,7 @@ fn resolve(
 ) -> std::io::Result<OwnedFd> {
     let flags = flags | OFlags::CLOEXEC;
     if !has_openat2() {
-        return Ok(rustix::fs::openat(
-            dir,
-            path,
-            flags | OFlags::NOFOLLOW,
-            Mode::empty(),
-        )?);
+        return walk(dir, path, flags);
     }
     // EAGAIN: a rename elsewhere raced the lookup; the kernel asks for a retry.
     let mut tries = 0;
@@ -105,30 +100,75 @@ fn resolve(
     }
 }
 
-/// Whether this kernel (and its seccomp filter) lets `openat2` work,
-/// asked once: refused as `ENOSYS`, or `EPERM` by older container
-/// profiles, every push would fail on it.
+/// [`resolve`] without `openat2`: `path` walked a name at a time from
+/// `dir` (from `/` when absolute), every name opened with `O_NOFOLLOW`,
+/// the folders on the way as folders; `..` is refused (`EXDEV`).
+fn walk(dir: BorrowedFd<'_>, path: &Path, flags: OFlags) -> std::io::Result<OwnedFd> {
+    use std::path::Component;
+    let on_way = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let names: Vec<_> = path.components().collect();
+    let mut at: Option<OwnedFd> = None;
+    for (i, c) in names.iter().enumerate() {
+        let last = i + 1 == names.len();
+        let name: &std::ffi::OsStr = match c {
+            Component::RootDir if last => {
+                return Ok(rustix::fs::open(
+                    "/",
+                    flags | OFlags::NOFOLLOW,
+                    Mode::empty(),
+                )?);
+            }
+            Component::RootDir => {
+                at = Some(rustix::fs::open("/", on_way, Mode::empty())?);
+                continue;
+            }
+            Component::CurDir => ".".as_ref(),
+            Component::Normal(n) => n,
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(std::io::Error::from_raw_os_error(libc::EXDEV));
+            }
+        };
+        let from = at.as_ref().map_or(dir, |f| f.as_fd());
+        let opened = if last {
+            rustix::fs::openat(from, name, flags | OFlags::NOFOLLOW, Mode::empty())?
+        } else {
+            rustix::fs::openat(from, name, on_way, Mode::empty())?
+        };
+        if last {
+            return Ok(opened);
+        }
+        at = Some(opened);
+    }
+    Ok(rustix::fs::openat(dir, ".", flags, Mode::empty())?)
+}
+
+/// Whether this kernel (and its seccomp filter) lets `openat2` work:
+/// `ENOSYS`, or `EPERM` from older container profiles, says it does not
+/// (for good); any other failure of the probe (out of descriptors, say)
+/// says nothing, and it is asked again next time.
 fn has_openat2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        match rustix::fs::openat2(
-            CWD,
-            "/",
-            OFlags::PATH | OFlags::CLOEXEC,
-            Mode::empty(),
-            ResolveFlags::NO_SYMLINKS,
-        ) {
-            Ok(_) => true,
-            Err(e) => {
-                tracing::warn!(
-                    "openat2 is not available ({e}): pushes open files through \
-                     O_NOFOLLOW only, which refuses a symlink as the last name of a \
-                     path but follows one swapped in for a folder on the way"
-                );
-                false
-            }
-        }
-    })
+    if let Some(&has) = HAS.get() {
+        return has;
+    }
+    let probe = rustix::fs::openat2(
+        CWD,
+        "/",
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS,
+    );
+    match probe {
+        Ok(_) => *HAS.get_or_init(|| true),
+        Err(e @ (Errno::NOSYS | Errno::PERM)) => *HAS.get_or_init(|| {
+            tracing::warn!(
+                "openat2 is not available ({e}): pushes walk paths a folder at a time \
+                 instead (O_NOFOLLOW at each)"
+            );
+            false
+        }),
+        Err(_) => true,
+    }
 }
 
 #[cfg(test)]
@@ -138,12 +178,14 @@ mod tests {
     #[test]
     fn paths_through_symlinks_or_magic_links_are_refused() {
         let t = tempfile::tempdir().unwrap();
-        let src = t.path().join("src");
+        // Canonical, as a push's source is (TMPDIR may hold a symlink).
+        let base = t.path().canonicalize().unwrap();
+        let src = base.join("src");
         std::fs::create_dir_all(src.join("a")).unwrap();
         std::fs::write(src.join("a/f"), b"mine").unwrap();
         // Someone else's folder, held open by this process (as labd holds
         // a job folder it fills), with a file in it.
-        let other = t.path().join("other");
+        let other = base.join("other");
         std::fs::create_dir(&other).unwrap();
         std::fs::write(other.join("secret"), b"theirs").unwrap();
         let held = std::fs::File::open(&other).unwrap();
@@ -182,6 +224,27 @@ mod tests {
         // A symlink as the file itself is refused too.
         std::os::unix::fs::symlink(src.join("a/f"), src.join("link")).unwrap();
         assert_eq!(read("link").unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        // The walk without openat2 refuses the same.
+        let src_fd =
+            rustix::fs::open(&src, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+        let walked = |rel: &str| walk(src_fd.as_fd(), Path::new(rel), OFlags::RDONLY);
+        assert!(walked("a/f").is_ok());
+        for rel in [
+            "magic/secret",
+            "plain/secret",
+            "up/secret",
+            "a/../../other/secret",
+            "link",
+        ] {
+            let code = walked(rel).expect_err(rel).raw_os_error();
+            assert!(
+                code == Some(libc::ELOOP)
+                    || code == Some(libc::EXDEV)
+                    || code == Some(libc::ENOTDIR),
+                "{rel}: {code:?}"
+            );
+        }
+        assert!(walk(CWD, &src.join("a/f"), OFlags::RDONLY).is_ok());
         // A path outside the source is not taken at all.
         assert!(b.open_at(&other.join("secret"), OFlags::RDONLY).is_err());
         // The source as one file: opened in its folder.

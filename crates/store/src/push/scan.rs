@@ -73,6 +73,8 @@ pub(super) struct Listers<'a> {
     state: Mutex<WalkState>,
     changed: Condvar,
     skipped: Skipped,
+    /// Folders gone, or replaced by something else, when listed.
+    moved: Skipped,
 }
 
 /// Sets `stop` when dropped: the listers end however the walk does.
@@ -99,6 +101,7 @@ impl<'a> Listers<'a> {
             }),
             changed: Condvar::new(),
             skipped: Skipped::default(),
+            moved: Skipped::default(),
         }
     }
 
@@ -148,7 +151,7 @@ impl<'a> Listers<'a> {
 
     /// Lists `rel` and queues its subfolders for listing.
     fn list(&self, rel: &[u8]) -> Listing {
-        let items = list_dir(self.root, self.beneath, rel, &self.skipped)?;
+        let items = list_dir(self.root, self.beneath, rel, &self.skipped, &self.moved)?;
         let mut st = self.lock();
         for item in &items {
             if let Item::Descend(sub) = item {
@@ -253,7 +256,16 @@ impl<'a, 'b> Walk<'a, 'b> {
             let Some(top) = self.stack.last_mut() else {
                 if !self.warned {
                     self.warned = true;
-                    self.listers.skipped.warn(self.progress);
+                    self.listers.skipped.warn(
+                        self.progress,
+                        "entries that are not files, folders or symlinks (FIFOs, sockets, \
+                         devices: a store keeps none of them)",
+                    );
+                    self.listers.moved.warn(
+                        self.progress,
+                        "folders removed, or replaced by a symlink or a file, during the push \
+                         (kept empty: a push never follows a symlink)",
+                    );
                 }
                 return Ok(None);
             };
@@ -289,46 +301,54 @@ impl Skipped {
         s.1.truncate(Self::SHOWN);
     }
 
-    fn warn(&self, progress: &dyn Progress) {
+    fn warn(&self, progress: &dyn Progress, what: &str) {
         let (n, first) = std::mem::take(&mut *self.0.lock().expect("scan poisoned"));
         if n == 0 {
             return;
         }
         let names: Vec<_> = first.iter().map(|p| String::from_utf8_lossy(p)).collect();
-        progress.warn(&format!(
-            "skipped {n} entries that are not files, folders or symlinks (FIFOs, sockets, \
-             devices: a store keeps none of them): {}{}",
-            names.join(", "),
-            if n as usize > names.len() {
-                ", ..."
-            } else {
-                ""
-            }
-        ));
+        let more = if n as usize > names.len() {
+            ", ..."
+        } else {
+            ""
+        };
+        progress.warn(&format!("skipped {n} {what}: {}{more}", names.join(", ")));
     }
 }
 
 /// Lists one folder (`rel` under `root`, opened through `beneath`): its
 /// entries and where the walk descends into each subfolder, in walk order.
-fn list_dir(root: &Path, beneath: &Beneath, rel: &[u8], skipped: &Skipped) -> Result<Vec<Item>> {
+/// A folder gone or replaced since its parent was listed (by a symlink:
+/// never followed) is said in `moved` and listed empty.
+fn list_dir(
+    root: &Path,
+    beneath: &Beneath,
+    rel: &[u8],
+    skipped: &Skipped,
+    moved: &Skipped,
+) -> Result<Vec<Item>> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
         root.join(std::ffi::OsStr::from_bytes(rel))
     };
-    let listing = |e: std::io::Error| {
-        if e.raw_os_error() == Some(libc::ELOOP) {
-            Error::invalid(
-                format!("source folder {}", dir.display()),
-                "was replaced by a symlink during the push (a push never follows one)",
-            )
-        } else {
-            Error::io("list", &dir)(e)
+    let listing = |e: std::io::Error| Error::io("list", &dir)(e);
+    let fd = match beneath.open_at(&dir, OFlags::RDONLY | OFlags::DIRECTORY) {
+        Ok(fd) => fd,
+        Err(e)
+            if !rel.is_empty()
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::ELOOP | libc::ENOENT | libc::ENOTDIR)
+                ) =>
+        {
+            moved.add(rel.to_vec());
+            return Ok(Vec::new());
         }
+        Err(e) => return Err(listing(e)),
     };
-    let fd = beneath
-        .open_at(&dir, OFlags::RDONLY | OFlags::DIRECTORY)
-        .map_err(listing)?;
+    // Read through a second descriptor (`fd` stays free for `statat`):
+    // two calls per folder, nothing beside a `statx` per entry.
     let mut rd = rustix::fs::Dir::read_from(&fd).map_err(|e| listing(e.into()))?;
     // (sort key, item): a subfolder's contents sort after its name and a '/'.
     let mut items: Vec<(Vec<u8>, Item)> = Vec::new();
@@ -457,7 +477,8 @@ mod tests {
     #[test]
     fn the_walk_is_in_path_order() {
         let dir = tempfile::tempdir().unwrap();
-        let root = dir.path();
+        let canonical = dir.path().canonicalize().unwrap();
+        let root = canonical.as_path();
         let names = ["a", "a.txt", "a0", "a-b", "b", "a.d", "a0.d", "z"];
         let mut expected = Vec::new();
         for d in [
@@ -531,5 +552,39 @@ mod tests {
         });
         assert_eq!(got.len(), expected.len());
         assert!(got == expected, "the walk's order differs from path order");
+    }
+
+    /// A folder swapped for a symlink after its parent was listed (here:
+    /// one to a folder this process holds open, through /proc/self/fd, as
+    /// root's labd holds other users' job folders) is listed empty and
+    /// said, never followed; a path lookup listed what it pointed to.
+    #[test]
+    fn a_folder_swapped_for_a_symlink_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().canonicalize().unwrap();
+        let (root, other) = (base.join("src"), base.join("other"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("secret"), b"theirs").unwrap();
+        let held = std::fs::File::open(&other).unwrap();
+        let magic = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held));
+        std::os::unix::fs::symlink(&magic, root.join("sub")).unwrap();
+        assert!(
+            std::fs::read_dir(root.join("sub"))
+                .unwrap()
+                .next()
+                .is_some(),
+            "the premise"
+        );
+        let beneath = Beneath::open(&root).unwrap();
+        let (skipped, moved) = (Skipped::default(), Skipped::default());
+        // As if "sub" had been a folder when its parent was listed.
+        let items = list_dir(&root, &beneath, b"sub", &skipped, &moved).unwrap();
+        assert!(items.is_empty());
+        assert_eq!(moved.0.lock().unwrap().0, 1);
+        // Gone altogether: the same.
+        let items = list_dir(&root, &beneath, b"gone", &skipped, &moved).unwrap();
+        assert!(items.is_empty());
+        assert_eq!(moved.0.lock().unwrap().0, 2);
     }
 }
