@@ -25,22 +25,7 @@ pub(super) fn build(
     pack_size: usize,
     tx: mpsc::Sender<SealedPack>,
 ) -> Result<SnapshotObject> {
-    let mut b = Builder {
-        index,
-        pack_size: pack_size.min(TREE_PACK_SIZE),
-        tx,
-        current: Vec::new(),
-        pack: PackBuilder::default(),
-        seen: HashSet::new(),
-        zstd: None,
-        object: SnapshotObject {
-            files: 0,
-            dirs: 0,
-            symlinks: 0,
-            bytes: 0,
-            segments: Vec::new(),
-        },
-    };
+    let mut b = Builder::new(index, pack_size, tx, snapshot::MAX_TREE_ENTRIES);
     for batch in entries {
         for e in batch {
             b.add(e)?;
@@ -66,9 +51,36 @@ struct Builder<'a> {
     /// Made on first use: an unchanged re-push (every labrun) compresses nothing.
     zstd: Option<zstd::bulk::Compressor<'static>>,
     object: SnapshotObject,
+    /// [`snapshot::MAX_TREE_ENTRIES`] (smaller in tests).
+    max_entries: u64,
 }
 
-impl Builder<'_> {
+impl<'a> Builder<'a> {
+    fn new(
+        index: &'a Index,
+        pack_size: usize,
+        tx: mpsc::Sender<SealedPack>,
+        max_entries: u64,
+    ) -> Builder<'a> {
+        Builder {
+            index,
+            pack_size: pack_size.min(TREE_PACK_SIZE),
+            tx,
+            current: Vec::new(),
+            pack: PackBuilder::default(),
+            seen: HashSet::new(),
+            zstd: None,
+            object: SnapshotObject {
+                files: 0,
+                dirs: 0,
+                symlinks: 0,
+                bytes: 0,
+                segments: Vec::new(),
+            },
+            max_entries,
+        }
+    }
+
     fn add(&mut self, e: Entry) -> Result<()> {
         let o = &mut self.object;
         match e.kind {
@@ -78,6 +90,17 @@ impl Builder<'_> {
             Kind::Symlink => o.symlinks += 1,
         }
         o.bytes += e.size;
+        if o.files + o.dirs + o.symlinks > self.max_entries {
+            return Err(Error::invalid(
+                "source",
+                format!(
+                    "more than {} entries (files, folders and symlinks): labsync keeps trees \
+                     up to that many (a pull refuses more); push its parts under names of \
+                     their own",
+                    self.max_entries
+                ),
+            ));
+        }
         let ends = snapshot::ends_segment(&e, self.current.len() + 1);
         self.current.push(e);
         if ends {
@@ -134,5 +157,33 @@ impl Builder<'_> {
         }
         tracing::debug!(segments = self.object.segments.len(), "push: tree built");
         Ok(self.object)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A push stops at the entries a pull takes: a version past them
+    /// would be refused by every pull, and by gc's mark, store-wide.
+    #[test]
+    fn a_tree_past_the_entries_a_pull_takes_is_refused() {
+        let index = Index::default();
+        let (tx, _rx) = mpsc::channel(64);
+        let mut b = Builder::new(&index, TREE_PACK_SIZE, tx, 3);
+        let entry = |i: u32| Entry {
+            path: format!("f{i}").into_bytes(),
+            kind: Kind::File,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            chunks: Vec::new(),
+            target: Vec::new(),
+        };
+        for i in 0..3 {
+            b.add(entry(i)).unwrap();
+        }
+        let e = b.add(entry(3)).unwrap_err().to_string();
+        assert!(e.contains("more than 3 entries"), "{e}");
     }
 }
