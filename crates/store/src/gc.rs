@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::id::{PackId, SnapshotId};
+use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::Index;
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, snapshot_key, Repo};
@@ -298,7 +298,7 @@ impl Run<'_> {
     ///
     /// Anyone can write to the store, so neither a record nor the index is
     /// taken at its word: a record is as old as the store's listing says
-    /// (not its own `time`), a pack younger than the grace period is never
+    /// (its own `time` is not read), a pack younger than the grace period is never
     /// deleted, and neither is one holding a chunk a version needs that is
     /// not, checked, where the index places it (an index object naming a
     /// live pack's chunks in another pack would otherwise condemn it).
@@ -313,8 +313,9 @@ impl Run<'_> {
         let mut deleted: HashSet<PackId> = HashSet::new();
         let mut swept = Vec::new();
         for r in records {
-            let age = (self.now.saturating_sub(r.rec.time)).min(self.now.saturating_sub(r.listed));
-            if age < self.grace {
+            // Its own `time` says nothing: anyone may write one, dated
+            // 1970 (deleted at once) or 2262 (never swept).
+            if self.now.saturating_sub(r.listed) < self.grace {
                 continue;
             }
             for p in &r.rec.packs {
@@ -348,8 +349,9 @@ impl Run<'_> {
 
     /// Whether pack `p` (`size` bytes) holds no chunk a version needs but
     /// copies of chunks that are, checked against their ids, where the
-    /// index places them. A footer that cannot be read holds nothing a
-    /// pull could use.
+    /// index places them (each other pack read once, its ranges coalesced,
+    /// a few at once). A footer that cannot be read holds nothing a pull
+    /// could use.
     async fn only_copies(
         &self,
         p: &PackId,
@@ -358,38 +360,48 @@ impl Run<'_> {
         index: &Index,
         marked: &Marked,
     ) -> Result<bool> {
+        use futures::{StreamExt, TryStreamExt};
         let entries = match self.repo.read_pack_footer(p, size).await {
             Ok(entries) => entries,
             Err(Error::Corrupt { .. }) => return Ok(true),
             Err(e) => return Err(e),
         };
+        let kept = |chunk: &ChunkId, q: &PackId| {
+            tracing::warn!(
+                "gc: pack {p} holds chunk {chunk} of a version, which the index places in \
+                 pack {q} where it is not: pack {p} kept; run `labsync rebuild-index`"
+            );
+            Ok(false)
+        };
+        let mut elsewhere: HashMap<PackId, Vec<crate::pack::PackEntry>> = HashMap::new();
         for e in entries {
             let Some(pos) = index.position(&e.id).filter(|&pos| marked.is_live(pos)) else {
                 continue;
             };
             let (q, at) = index.at(pos);
             let end = at.offset.saturating_add(u64::from(at.stored_len));
-            let there = match packs.get(&q) {
-                Some(&(q_size, _)) if q != *p && end <= q_size => {
-                    let stored = self
-                        .repo
-                        .remote()
-                        .get_range(&pack_key(&q), at.offset..end)
-                        .await?;
-                    at.decode(&stored, &q).is_ok()
-                }
-                _ => false,
-            };
-            if !there {
-                tracing::warn!(
-                    "gc: pack {p} holds chunk {} of a version, which the index places in pack \
-                     {q} where it is not: pack {p} kept; run `labsync rebuild-index`",
-                    e.id
-                );
-                return Ok(false);
+            if q == *p || packs.get(&q).is_none_or(|&(q_size, _)| end > q_size) {
+                return kept(&e.id, &q);
             }
+            elsewhere.entry(q).or_default().push(at);
         }
-        Ok(true)
+        let remote = self.repo.remote();
+        let checks = elsewhere.into_iter().map(|(q, ats)| async move {
+            let ranges: Vec<_> = (ats.iter())
+                .map(|a| a.offset..a.offset + u64::from(a.stored_len))
+                .collect();
+            let got = remote.get_ranges(&pack_key(&q), &ranges).await?;
+            let bad = (ats.iter().zip(&got)).find(|(a, b)| a.decode(b, &q).is_err());
+            Ok::<_, Error>(bad.map(|(a, _)| (a.id, q)))
+        });
+        let bad: Vec<_> = futures::stream::iter(checks)
+            .buffer_unordered(8)
+            .try_collect()
+            .await?;
+        match bad.into_iter().flatten().next() {
+            Some((chunk, q)) => kept(&chunk, &q),
+            None => Ok(true),
+        }
     }
 
     /// Snapshot objects no version names, older than the grace period.
@@ -707,45 +719,84 @@ mod tests {
     }
 
     /// Anyone may write a condemnation too: one dated 1970 (or i64::MIN)
-    /// naming the pack a push just wrote had it deleted at once, before
-    /// the push could commit. A record is as old as the store says.
+    /// had its packs deleted at once, one dated 2262 kept them for good.
+    /// A record is as old as the store says, and a young pack stays
+    /// whatever names it.
     #[tokio::test]
     async fn a_condemnation_is_as_old_as_the_store_says() {
-        let repo = Repo::open(Remote::memory(), None).await.unwrap();
-        let ps = push_one(&repo, "ds", b"young").await;
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::local(dir.path()).unwrap(), None)
+            .await
+            .unwrap();
+        let hour = 3600;
+        let back = |key: &str, secs: i64| {
+            let t = filetime::FileTime::from_unix_time(now_secs() - secs, 0);
+            let path = repo.remote().local_path(key).unwrap();
+            filetime::set_file_mtime(path, t).unwrap();
+        };
+        let old = push_one(&repo, "ds", b"old").await;
         repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
             .await
             .unwrap();
-        for (i, time) in [0, i64::MIN].into_iter().enumerate() {
-            let forged = serde_json::json!({ "time": time, "packs": ps });
-            let key = format!("gc/condemned-{i:012}-forged");
-            repo.remote()
-                .put(&key, serde_json::to_vec(&forged).unwrap().into())
-                .await
-                .unwrap();
+        for p in &old {
+            back(&pack_key(p), 2 * hour);
         }
+        let young = push_one(&repo, "ds2", b"young").await;
+        repo.forget(&"ds2@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let forge = |name: &str, time: i64, packs: &[PackId]| {
+            let rec = serde_json::json!({ "time": time, "packs": packs });
+            let key = format!("gc/condemned-{name}");
+            let repo = &repo;
+            async move {
+                (repo.remote())
+                    .put(&key, serde_json::to_vec(&rec).unwrap().into())
+                    .await
+                    .unwrap();
+                key
+            }
+        };
         let (index, _) = repo.load_index().await.unwrap();
-        let packs = list_packs(&repo).await.unwrap();
         let marked = mark(&repo, &index, &[], &NoProgress).await.unwrap();
-        let hour = 3600;
-        for (later, gone) in [(0, false), (hour + 1, true)] {
-            let run = Run {
-                repo: &repo,
-                now: now_secs() + later,
-                grace: hour,
-                dry_run: true,
-            };
-            let mut out = GcOutcome::default();
-            let records = run.condemn(&packs, &marked, &mut out).await.unwrap();
-            let (deleted, _) = run
-                .sweep_packs(&records, &packs, &index, &marked, &mut out)
+        let run = Run {
+            repo: &repo,
+            now: now_secs(),
+            grace: hour,
+            dry_run: true,
+        };
+        let swept = |records| {
+            let (run, index, marked) = (&run, &index, &marked);
+            async move {
+                let packs = list_packs(run.repo).await.unwrap();
+                let mut out = GcOutcome::default();
+                let records: Vec<Record> = records;
+                run.sweep_packs(&records, &packs, index, marked, &mut out)
+                    .await
+                    .unwrap()
+                    .0
+            }
+        };
+        let listed = || async {
+            let packs = list_packs(&repo).await.unwrap();
+            run.condemn(&packs, &marked, &mut GcOutcome::default())
                 .await
-                .unwrap();
-            assert!(
-                ps.iter().all(|p| deleted.contains(p) == gone),
-                "{later} s later"
-            );
-        }
+                .unwrap()
+        };
+        // Old packs, a record written now dated 1970 or i64::MIN: kept.
+        forge("a", 0, &old).await;
+        forge("b", i64::MIN, &old).await;
+        assert!(swept(listed().await).await.is_empty());
+        // A record written two hours ago, dated 2262: swept.
+        let key = forge("c", i64::MAX, &old).await;
+        back(&key, 2 * hour);
+        let deleted = swept(listed().await).await;
+        assert_eq!(deleted, old.iter().copied().collect());
+        // A young pack, named by a record two hours old: kept.
+        let key = forge("d", 0, &young).await;
+        back(&key, 2 * hour);
+        let deleted = swept(listed().await).await;
+        assert!(young.iter().all(|p| !deleted.contains(p)), "{deleted:?}");
     }
 
     /// A sweep that cannot read the versions again after deleting puts back
