@@ -21,6 +21,10 @@ const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs-v1");
 /// ended with outputs still to save), so the periodic work of a daemon that
 /// has run for months reads a handful of records, not its whole history.
 const ACTIVE: TableDefinition<&str, ()> = TableDefinition::new("active-v1");
+/// Counters that outlive the records they count ([`PRUNED_MAX`]).
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta-v1");
+/// The highest job number of the records pruned: ids stay above it.
+const PRUNED_MAX: &str = "pruned-max";
 
 /// Where a job is in its life.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -227,6 +231,7 @@ impl Leases {
         let txn = leases.db.begin_write().map_err(|e| leases.err(e))?;
         txn.open_table(LEASES).map_err(|e| leases.err(e))?;
         txn.open_table(JOBS).map_err(|e| leases.err(e))?;
+        txn.open_table(META).map_err(|e| leases.err(e))?;
         {
             // Rebuilt at every start: cheap once, and right after any change of format.
             let jobs = txn.open_table(JOBS).map_err(|e| leases.err(e))?;
@@ -459,6 +464,62 @@ impl Leases {
         Ok(out)
     }
 
+    /// Removes the records of settled jobs (see [`JobRecord::active`])
+    /// that ended before `before` (unix seconds): without it every job
+    /// ever run stays, and is read by each `labrun ps` and each start.
+    /// Their highest number is kept ([`Leases::pruned_max`]). Returns how
+    /// many went.
+    pub fn prune_ended(&self, before: u64) -> Result<usize, LeaseError> {
+        let old =
+            |rec: &JobRecord| !rec.active() && rec.ended_at.unwrap_or(rec.submitted_at) < before;
+        // Found under a read transaction, which holds up no writer.
+        let ids: Vec<String> = {
+            let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+            let t = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let mut ids = Vec::new();
+            for r in t.iter().map_err(|e| self.err(e))? {
+                let (id, v) = r.map_err(|e| self.err(e))?;
+                let rec: JobRecord = serde_json::from_slice(v.value()).map_err(|e| self.err(e))?;
+                if old(&rec) {
+                    ids.push(id.value().to_string());
+                }
+            }
+            ids
+        };
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.write(|txn, _| {
+            let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+            let mut highest =
+                (meta.get(PRUNED_MAX).map_err(|e| self.err(e))?).map_or(0, |v| v.value());
+            let mut pruned = 0;
+            for id in &ids {
+                // Settled records do not change; read again all the same.
+                let rec: Option<JobRecord> = (jobs.get(id.as_str()).map_err(|e| self.err(e))?)
+                    .map(|v| serde_json::from_slice(v.value()).map_err(|e| self.err(e)))
+                    .transpose()?;
+                if !rec.is_some_and(|r| old(&r)) {
+                    continue;
+                }
+                jobs.remove(id.as_str()).map_err(|e| self.err(e))?;
+                highest = highest.max(crate::node::job_number(id).unwrap_or(0));
+                pruned += 1;
+            }
+            meta.insert(PRUNED_MAX, highest).map_err(|e| self.err(e))?;
+            Ok(pruned)
+        })
+    }
+
+    /// The highest job number of the records [`Leases::prune_ended`] removed.
+    pub fn pruned_max(&self) -> Result<u64, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = txn.open_table(META).map_err(|e| self.err(e))?;
+        let v = t.get(PRUNED_MAX).map_err(|e| self.err(e))?;
+        Ok(v.map_or(0, |v| v.value()))
+    }
+
     /// Ends a job and frees its GPUs in one transaction, however it ended.
     pub fn finish(&self, id: &str, state: JobState) -> Result<Vec<u32>, LeaseError> {
         self.write(|txn, w| self.finish_in(txn, id, state, w))
@@ -553,6 +614,44 @@ impl Leases {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// Settled jobs that ended before the cut are forgotten, active ones
+    /// and recent ones stay, and the highest number forgotten is kept.
+    #[test]
+    fn old_settled_jobs_are_forgotten_and_their_numbers_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let l = Leases::open(&path).unwrap();
+        let put = |id: &str, state: JobState, ended_at: Option<u64>, pending: bool| {
+            let mut j = job(id, state, Vec::new());
+            j.ended_at = ended_at;
+            j.meta.outputs_pending = pending;
+            l.put_job(&j).unwrap();
+        };
+        let exited = || JobState::Exited {
+            code: Some(0),
+            signal: None,
+        };
+        put("j7", exited(), Some(100), false);
+        put(
+            "j3",
+            JobState::Failed { reason: "x".into() },
+            Some(200),
+            false,
+        );
+        put("j8", exited(), Some(100), true); // its outputs still to save
+        put("j9", exited(), Some(5_000), false); // ended after the cut
+        put("j10", JobState::Queued, None, false);
+        assert_eq!(l.pruned_max().unwrap(), 0);
+        assert_eq!(l.prune_ended(1_000).unwrap(), 2);
+        let mut left: Vec<String> = l.jobs().unwrap().into_iter().map(|j| j.id).collect();
+        left.sort();
+        assert_eq!(left, ["j10", "j8", "j9"]);
+        assert_eq!(l.pruned_max().unwrap(), 7);
+        assert_eq!(l.prune_ended(1_000).unwrap(), 0);
+        drop(l);
+        assert_eq!(Leases::open(&path).unwrap().pruned_max().unwrap(), 7);
+    }
 
     /// Created 0600 from its first byte (redb made it 0644 under the
     /// usual umask), and narrowed when found wider.

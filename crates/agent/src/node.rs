@@ -225,6 +225,7 @@ impl Node {
         let next = in_db
             .chain(on_disk)
             .filter_map(|id| job_number(&id))
+            .chain([state.pruned_max()?])
             .max()
             .unwrap_or(0)
             + 1;
@@ -836,6 +837,12 @@ impl Node {
         Ok(self.state.jobs()?)
     }
 
+    /// Forgets the jobs that ended before `before` (unix seconds) and have
+    /// nothing left to do; their ids are never given again.
+    pub fn prune_ended(&self, before: u64) -> Result<usize, NodeError> {
+        Ok(self.state.prune_ended(before)?)
+    }
+
     /// Why a queued job waits, in words (`labrun ps`), given a reading of
     /// the GPUs (one reading serves a whole listing).
     pub fn why_waiting(&self, id: &str, gpus: &[GpuStatus]) -> Option<String> {
@@ -986,5 +993,50 @@ mod tests {
         ));
         n.kill(&id, Duration::from_millis(100)).unwrap();
         assert!(processes_with(&marker).is_empty());
+    }
+
+    /// Ids stay above the jobs forgotten: with every record pruned (and
+    /// the folders and logs gone), the next job is not `j1` again.
+    #[test]
+    fn forgotten_jobs_keep_their_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = NodeConfig {
+            state_dir: dir.path().join("state"),
+            foreign_limit: 256 << 20,
+            inventory_deadline: Duration::from_secs(2),
+            max_queued_per_user: 1000,
+        };
+        let inv = || Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+        let submit = || Submit {
+            user: "alice".into(),
+            argv: vec!["true".into()],
+            cwd: dir.path().to_path_buf(),
+            env: vec![],
+            gpus: 0,
+            min_free_bytes: 0,
+            run_as: None,
+            meta: Default::default(),
+        };
+        let n = Node::open(cfg.clone(), inv()).unwrap();
+        let first = n.reserve(&submit()).unwrap();
+        n.state
+            .finish(
+                &first,
+                JobState::Failed {
+                    reason: "test".into(),
+                },
+            )
+            .unwrap();
+        assert_eq!(n.prune_ended(crate::leases::unix_now() + 1).unwrap(), 1);
+        assert!(n.jobs().unwrap().is_empty());
+        drop(n);
+        let _ = std::fs::remove_dir_all(cfg.state_dir.join("jobs"));
+        let _ = std::fs::remove_dir_all(cfg.state_dir.join("logs"));
+        let n = Node::open(cfg, inv()).unwrap();
+        let next = n.reserve(&submit()).unwrap();
+        assert!(
+            job_number(&next) > job_number(&first),
+            "{first} then {next}"
+        );
     }
 }

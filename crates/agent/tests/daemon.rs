@@ -45,6 +45,7 @@ fn config(dir: &Path) -> DaemonConfig {
         outputs_every: Duration::from_secs(300),
         outputs_retry: Duration::from_secs(10),
         work_keep: Duration::from_secs(86_400),
+        history_keep: Duration::from_secs(90 * 86_400),
         log_max: 100 << 20,
         run_as_submitter: false,
         tokens: vec![("alice".into(), Secret::new("tok-alice-0123456789"))],

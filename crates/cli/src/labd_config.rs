@@ -84,6 +84,8 @@ pub(crate) struct LabdFile {
     outputs_retry_s: Option<u64>,
     /// Seconds a job's working folder stays after it ended (default: one day).
     work_keep_s: Option<u64>,
+    /// Days an ended job stays in `labrun ps --all` (default 90).
+    history_keep_days: Option<u64>,
     /// Cap on one job's log on disk, e.g. `100M` (default); head and tail are kept.
     log_max: Option<String>,
     /// `submitter` (default; only when root) or `labd`.
@@ -388,6 +390,9 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
         outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).clamp(1, 600)),
         work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
+        history_keep: Duration::from_secs(
+            file.history_keep_days.unwrap_or(90).saturating_mul(86_400),
+        ),
         log_max: match file.log_max {
             Some(s) => parse_size(&s)?.max(64 << 10),
             None => 100 << 20,

@@ -146,9 +146,8 @@ impl Reporter {
         // the node marked down.
         // Ended ones still saving their outputs too: they hold no GPU, and
         // the coordinator must not count them against their user's cap.
-        let jobs = (self.daemon.jobs().await.map_err(|e| e.to_string())?)
+        let jobs = (self.daemon.active_jobs().await.map_err(|e| e.to_string())?)
             .into_iter()
-            .filter(|j| !j.ended() || j.meta.outputs_pending)
             .map(|mut j| {
                 j.argv = Vec::new();
                 j

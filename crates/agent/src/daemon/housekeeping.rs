@@ -18,6 +18,9 @@ use super::stages;
 /// How often housekeeping runs at most.
 const EVERY: Duration = Duration::from_secs(5);
 
+/// How often the records of long-ended jobs are looked for.
+const PRUNE_EVERY: Duration = Duration::from_secs(3600);
+
 /// The longest a folder that could not be removed waits for its next try.
 const RETRY_MAX: Duration = Duration::from_secs(3600);
 
@@ -43,6 +46,10 @@ pub(crate) struct Housekeeping {
     stages_dir: PathBuf,
     /// How long an ended job's folder stays.
     work_keep: Duration,
+    /// How long an ended job's record stays.
+    history_keep: Duration,
+    /// When old records were last pruned ([`PRUNE_EVERY`]).
+    pruned_at: Mutex<Option<Instant>>,
     /// When it last ran.
     ran_at: Mutex<Instant>,
     /// A pass is running.
@@ -59,6 +66,7 @@ impl Housekeeping {
         jobs_dir: PathBuf,
         stages_dir: PathBuf,
         work_keep: Duration,
+        history_keep: Duration,
     ) -> Housekeeping {
         Housekeeping {
             node,
@@ -67,6 +75,8 @@ impl Housekeeping {
             jobs_dir,
             stages_dir,
             work_keep,
+            history_keep: history_keep.max(work_keep),
+            pruned_at: Mutex::new(None),
             ran_at: Mutex::new(Instant::now()),
             running: AtomicBool::new(false),
             failed: Mutex::new(HashMap::new()),
@@ -115,7 +125,29 @@ impl Housekeeping {
             (me.failed.lock().expect("labd poisoned")).retain(|dir, _| dir.exists());
             me.sweep_work_folders();
             me.sweep_stages();
+            me.prune_records();
         }));
+    }
+
+    /// Forgets the records of jobs that ended more than `history_keep`
+    /// ago, once per [`PRUNE_EVERY`] (a pass reads every record).
+    fn prune_records(&self) {
+        {
+            let mut at = self.pruned_at.lock().expect("labd poisoned");
+            if at.is_some_and(|t| t.elapsed() < PRUNE_EVERY) {
+                return;
+            }
+            *at = Some(Instant::now());
+        }
+        let before = crate::leases::unix_now().saturating_sub(self.history_keep.as_secs());
+        match self.node.prune_ended(before) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                "forgot {n} jobs that ended more than {} days ago (history_keep_days)",
+                self.history_keep.as_secs() / 86_400
+            ),
+            Err(e) => tracing::warn!("cannot forget old jobs: {e}"),
+        }
     }
 
     /// Whether a removal of `dir` is due (see [`retry_due`]).

@@ -74,6 +74,9 @@ pub struct DaemonConfig {
     pub outputs_retry: Duration,
     /// How long a job's working folder (and its log) stays after it ended.
     pub work_keep: Duration,
+    /// How long an ended job's record stays (`labrun ps --all`), at least
+    /// `work_keep`: then it is forgotten, its id never given again.
+    pub history_keep: Duration,
     /// Cap on one job's log on disk: its first and last halves are kept.
     pub log_max: u64,
     /// Run each job as the Unix user who submitted it (only when labd is root).
@@ -265,6 +268,7 @@ impl Daemon {
             jobs_dir,
             cfg.state_dir.join("slurm"),
             cfg.work_keep,
+            cfg.history_keep,
         );
         Ok(Arc::new(Daemon {
             node,

@@ -306,6 +306,14 @@ impl Daemon {
             .collect())
     }
 
+    /// The jobs labd still has work with (see [`JobRecord::active`]), from
+    /// memory: what a heartbeat carries, every second, with no read of the
+    /// database's every record.
+    pub async fn active_jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
+        let me = self.clone();
+        off_runtime(move || Ok(me.views(me.node.active_jobs()?)?)).await
+    }
+
     /// Active jobs and those that ended in the last day, oldest first: what
     /// `labrun ps` shows. Older ones come from [`Daemon::history`].
     pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
