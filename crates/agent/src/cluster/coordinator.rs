@@ -407,6 +407,22 @@ mod tests {
         Coordinator::new("gpu1", Duration::from_secs(10), dir, &LabConfig::default()).unwrap()
     }
 
+    /// An explain's or a ranking's snapshots are planned with, not kept:
+    /// any user may ask about any snapshot anyone pushed, and the view is
+    /// copied by every scheduling pass.
+    #[test]
+    fn a_view_planned_with_new_snapshots_does_not_keep_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = coordinator(dir.path());
+        let snap = SnapshotId::from_bytes([7; 32]);
+        let fresh = vec![(snap, vec![(pack(1), 100)])];
+        let key = SnapshotKey(*snap.as_bytes());
+        assert!(c.planning_with(&fresh).knows_snapshot(&key));
+        assert!(!c.knows(&snap));
+        c.learn(&snap, &fresh[0].1);
+        assert!(c.knows(&snap));
+    }
+
     #[test]
     fn deltas_apply_in_order_and_a_gap_asks_for_everything() {
         let dir = tempfile::tempdir().unwrap();

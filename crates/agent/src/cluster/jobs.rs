@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use labsync_placer::{
-    plan, prefetch, rank, Decision, Job, NodeName, Pass, Queued, Ranking, Running, Slot,
+    plan, prefetch, rank, Decision, Job, NodeName, PackKey, Pass, Queued, Ranking, Running, Slot,
     SnapshotKey, Tier, Warm,
 };
 use labsync_store::SnapshotId;
@@ -39,6 +39,9 @@ const PREEMPT_AGAIN: Duration = Duration::from_secs(60);
 fn db(e: impl std::fmt::Display) -> ApiError {
     ApiError::Internal(e.to_string())
 }
+
+/// A snapshot and its packs with their sizes, read from the store's index.
+pub(super) type Priced = (SnapshotId, Vec<(labsync_store::PackId, u64)>);
 
 /// The snapshots a request reads (code first).
 fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
@@ -73,30 +76,57 @@ impl Coordinator {
         d: &Arc<Daemon>,
         req: &SubmitRequest,
     ) -> Result<Vec<SnapshotId>, ApiError> {
-        // Bounded for a ranking or an --explain as for a submission: each
-        // snapshot's pack list is read and kept.
+        let (ids, fresh) = self.priced(d, req).await?;
+        for (id, packs) in &fresh {
+            self.learn(id, packs);
+        }
+        Ok(ids)
+    }
+
+    /// `req`'s snapshots, and the pack lists of those the view does not
+    /// know, read from the store's index but not kept: an `--explain` or a
+    /// Slurm ranking (any user's, of any snapshot anyone pushed) must not
+    /// grow the view every scheduling pass copies.
+    pub(super) async fn priced(
+        &self,
+        d: &Arc<Daemon>,
+        req: &SubmitRequest,
+    ) -> Result<(Vec<SnapshotId>, Vec<Priced>), ApiError> {
+        // Bounded for a ranking or an --explain as for a submission.
         crate::daemon::check_size(req)?;
         let ids = snapshots_of(req)?;
+        let mut fresh: Vec<Priced> = Vec::new();
         for id in &ids {
-            if self.knows(id) {
+            if self.knows(id) || fresh.iter().any(|(f, _)| f == id) {
                 continue;
             }
             let packs = labsync_store::snapshot_packs(d.repo(), d.cache(), id)
                 .await
                 .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
-            self.learn(id, &packs);
+            fresh.push((*id, packs));
         }
-        Ok(ids)
+        Ok((ids, fresh))
+    }
+
+    /// A copy of the view to plan on, knowing `fresh` as well.
+    pub(super) fn planning_with(&self, fresh: &[Priced]) -> labsync_placer::Cluster {
+        let mut planning = self.view.lock().expect("coordinator poisoned").planning();
+        for (id, packs) in fresh {
+            planning.add_snapshot(
+                SnapshotKey(*id.as_bytes()),
+                packs.iter().map(|(p, n)| (PackKey(*p.as_bytes()), *n)),
+            );
+        }
+        planning
     }
 
     /// Where `req` would go now, and why not elsewhere (`labrun --explain`).
     pub async fn explain(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<Ranking, ApiError> {
-        let needs = self.price(d, req).await?;
+        let (needs, fresh) = self.priced(d, req).await?;
         let now = now_ms() as u64;
         self.tick(now);
-        let v = self.view.lock().expect("coordinator poisoned");
         Ok(rank(
-            &v.planning(),
+            &self.planning_with(&fresh),
             &placer_job(req, &needs),
             now,
             &self.policy,

@@ -21,11 +21,10 @@ impl Coordinator {
         ask: &RankAsk,
     ) -> Result<Ranking, ApiError> {
         check_nodes(&ask.nodes)?;
-        let needs = self.price(d, &ask.req).await?;
+        let (needs, fresh) = self.priced(d, &ask.req).await?;
         let now = now_ms() as u64;
         self.tick(now);
-        let planning = self.view.lock().expect("coordinator poisoned").planning();
-        let view = with_scheduler_gpus(&planning, &ask.nodes);
+        let view = with_scheduler_gpus(&self.planning_with(&fresh), &ask.nodes);
         Ok(rank(
             &view,
             &super::jobs::placer_job(&ask.req, &needs),
