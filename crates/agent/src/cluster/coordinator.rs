@@ -65,6 +65,9 @@ pub struct Coordinator {
     pub(super) floor: AtomicU64,
     /// Jobs whose dispatch is on its way.
     pub(super) inflight: Mutex<HashSet<String>>,
+    /// Pack lists of snapshots priced lately and not kept in the view (an
+    /// explain's, a Slurm ranking's), at most [`super::jobs::PRICED_LATELY`].
+    pub(super) priced_lately: Mutex<std::collections::VecDeque<super::jobs::Priced>>,
     /// Wakes the scheduler early (a submission).
     pub(super) wake: tokio::sync::Notify,
     /// When ended jobs were last looked for.
@@ -127,6 +130,7 @@ impl Coordinator {
             jobs,
             floor: AtomicU64::new(0),
             inflight: Mutex::new(HashSet::new()),
+            priced_lately: Mutex::new(std::collections::VecDeque::new()),
             wake: tokio::sync::Notify::new(),
             collected: Mutex::new(None),
             policy: Policy {
@@ -415,7 +419,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let c = coordinator(dir.path());
         let snap = SnapshotId::from_bytes([7; 32]);
-        let fresh = vec![(snap, vec![(pack(1), 100)])];
+        let fresh = vec![(snap, std::sync::Arc::new(vec![(pack(1), 100)]))];
         let key = SnapshotKey(*snap.as_bytes());
         assert!(c.planning_with(&fresh).knows_snapshot(&key));
         assert!(!c.knows(&snap));

@@ -41,7 +41,11 @@ fn db(e: impl std::fmt::Display) -> ApiError {
 }
 
 /// A snapshot and its packs with their sizes, read from the store's index.
-pub(super) type Priced = (SnapshotId, Vec<(labsync_store::PackId, u64)>);
+pub(super) type Priced = (SnapshotId, Arc<Vec<(labsync_store::PackId, u64)>>);
+
+/// Snapshots priced and not kept in the view whose pack lists are kept
+/// aside all the same (see [`Coordinator::priced`]).
+pub(super) const PRICED_LATELY: usize = 64;
 
 /// The snapshots a request reads (code first).
 fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
@@ -100,9 +104,27 @@ impl Coordinator {
             if self.knows(id) || fresh.iter().any(|(f, _)| f == id) {
                 continue;
             }
-            let packs = labsync_store::snapshot_packs(d.repo(), d.cache(), id)
-                .await
-                .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
+            // Asked about again (a Slurm job array's tasks, a user's
+            // explains): read once, for the last few snapshots.
+            let seen = (self.priced_lately.lock().expect("coordinator poisoned"))
+                .iter()
+                .find(|(s, _)| s == id)
+                .map(|(_, p)| p.clone());
+            let packs = match seen {
+                Some(p) => p,
+                None => {
+                    let packs = labsync_store::snapshot_packs(d.repo(), d.cache(), id)
+                        .await
+                        .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
+                    let packs = Arc::new(packs);
+                    let mut lately = self.priced_lately.lock().expect("coordinator poisoned");
+                    if lately.len() >= PRICED_LATELY {
+                        lately.pop_front();
+                    }
+                    lately.push_back((*id, packs.clone()));
+                    packs
+                }
+            };
             fresh.push((*id, packs));
         }
         Ok((ids, fresh))
@@ -122,7 +144,23 @@ impl Coordinator {
 
     /// Where `req` would go now, and why not elsewhere (`labrun --explain`).
     pub async fn explain(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<Ranking, ApiError> {
-        let (needs, fresh) = self.priced(d, req).await?;
+        self.ranked(d, req, false).await
+    }
+
+    /// [`Coordinator::explain`]; with `keep` (a submission, whose passes
+    /// place it by them) the snapshots' pack lists stay in the view.
+    async fn ranked(
+        &self,
+        d: &Arc<Daemon>,
+        req: &SubmitRequest,
+        keep: bool,
+    ) -> Result<Ranking, ApiError> {
+        let (needs, mut fresh) = self.priced(d, req).await?;
+        if keep {
+            for (id, packs) in fresh.drain(..) {
+                self.learn(&id, &packs);
+            }
+        }
         let now = now_ms() as u64;
         self.tick(now);
         Ok(rank(
@@ -162,7 +200,7 @@ impl Coordinator {
             )));
         }
         self.check_labels(d, &req).await?;
-        let ranking = self.explain(d, &req).await?;
+        let ranking = self.ranked(d, &req, true).await?;
         if !ranking.rows.is_empty()
             && ranking
                 .rows
