@@ -486,16 +486,28 @@ impl Leases {
             }
             ids
         };
-        if ids.is_empty() {
-            return Ok(0);
+        // A thousand per transaction: the first pass after an upgrade may
+        // find years of them, and writes hold up the job tick meanwhile.
+        let mut pruned = 0;
+        for ids in ids.chunks(1000) {
+            pruned += self.prune_these(ids, &old)?;
         }
+        Ok(pruned)
+    }
+
+    /// Removes the records of `ids` that are still `old`.
+    fn prune_these(
+        &self,
+        ids: &[String],
+        old: &dyn Fn(&JobRecord) -> bool,
+    ) -> Result<usize, LeaseError> {
         self.write(|txn, _| {
             let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
             let mut highest =
                 (meta.get(PRUNED_MAX).map_err(|e| self.err(e))?).map_or(0, |v| v.value());
             let mut pruned = 0;
-            for id in &ids {
+            for id in ids {
                 // Settled records do not change; read again all the same.
                 let rec: Option<JobRecord> = (jobs.get(id.as_str()).map_err(|e| self.err(e))?)
                     .map(|v| serde_json::from_slice(v.value()).map_err(|e| self.err(e)))

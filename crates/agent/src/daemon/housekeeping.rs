@@ -18,6 +18,10 @@ use super::stages;
 /// How often housekeeping runs at most.
 const EVERY: Duration = Duration::from_secs(5);
 
+/// The shortest an ended job's record stays: a coordinator that lost a
+/// dispatch's answer sends it again, and a node must still know the job.
+const HISTORY_KEEP_MIN: Duration = Duration::from_secs(7 * 86_400);
+
 /// How often the records of long-ended jobs are looked for.
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
@@ -75,7 +79,7 @@ impl Housekeeping {
             jobs_dir,
             stages_dir,
             work_keep,
-            history_keep: history_keep.max(work_keep),
+            history_keep: history_keep.max(work_keep).max(HISTORY_KEEP_MIN),
             pruned_at: Mutex::new(None),
             ran_at: Mutex::new(Instant::now()),
             running: AtomicBool::new(false),
@@ -188,7 +192,7 @@ impl Housekeeping {
                 Ok(Some(j)) => {
                     !j.active()
                         && j.ended_at
-                            .is_some_and(|t| now >= t + self.work_keep.as_secs())
+                            .is_some_and(|t| now >= t.saturating_add(self.work_keep.as_secs()))
                 }
                 Ok(None) => true,
                 Err(_) => false,
