@@ -349,8 +349,7 @@ impl Run<'_> {
 
     /// Whether pack `p` (`size` bytes) holds no chunk a version needs but
     /// copies of chunks that are, checked against their ids, where the
-    /// index places them (each other pack read once, its ranges coalesced,
-    /// a few at once). A footer that cannot be read holds nothing a pull
+    /// index places them (each other pack read once, a few at once). A footer that cannot be read holds nothing a pull
     /// could use.
     async fn only_copies(
         &self,
@@ -386,13 +385,21 @@ impl Run<'_> {
             elsewhere.entry(q).or_default().push(at);
         }
         let remote = self.repo.remote();
+        // One read per pack, of the span its chunks take (a pack overwritten
+        // shorter meanwhile gives short bytes: those chunks are not there).
         let checks = elsewhere.into_iter().map(|(q, ats)| async move {
-            let ranges: Vec<_> = (ats.iter())
-                .map(|a| a.offset..a.offset + u64::from(a.stored_len))
-                .collect();
-            let got = remote.get_ranges(&pack_key(&q), &ranges).await?;
-            let bad = (ats.iter().zip(&got)).find(|(a, b)| a.decode(b, &q).is_err());
-            Ok::<_, Error>(bad.map(|(a, _)| (a.id, q)))
+            let start = ats.iter().map(|a| a.offset).min().unwrap_or(0);
+            let end = (ats.iter())
+                .map(|a| a.offset + u64::from(a.stored_len))
+                .max()
+                .unwrap_or(0);
+            let span = remote.get_range(&pack_key(&q), start..end).await?;
+            let bad = ats.iter().find(|a| {
+                let at = (a.offset - start) as usize;
+                let stored = span.get(at..at + a.stored_len as usize);
+                stored.is_none_or(|b| a.decode(b, &q).is_err())
+            });
+            Ok::<_, Error>(bad.map(|a| (a.id, q)))
         });
         let bad: Vec<_> = futures::stream::iter(checks)
             .buffer_unordered(8)
