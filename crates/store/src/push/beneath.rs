@@ -36,6 +36,11 @@ impl Beneath {
     pub fn open(root: &Path) -> std::io::Result<Beneath> {
         let fd = resolve(CWD, root, OFlags::PATH, ResolveFlags::NO_SYMLINKS)?;
         let st = rustix::fs::fstat(&fd)?;
+        // Without openat2 a last name that is a symlink opens as one
+        // (O_PATH|O_NOFOLLOW): refused as openat2 refuses it.
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+            return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
+        }
         if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory {
             return Ok(Beneath {
                 dir: fd,
@@ -245,6 +250,9 @@ mod tests {
             );
         }
         assert!(walk(CWD, &src.join("a/f"), OFlags::RDONLY).is_ok());
+        // A source that is a symlink (swapped in after it was resolved).
+        let e = Beneath::open(&src.join("link")).err().expect("refused");
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
         // A path outside the source is not taken at all.
         assert!(b.open_at(&other.join("secret"), OFlags::RDONLY).is_err());
         // The source as one file: opened in its folder.
