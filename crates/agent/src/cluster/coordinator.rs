@@ -68,6 +68,8 @@ pub struct Coordinator {
     /// Pack lists of snapshots priced lately and not kept in the view (an
     /// explain's, a Slurm ranking's), at most [`super::jobs::PRICED_LATELY`].
     pub(super) priced_lately: Mutex<std::collections::VecDeque<super::jobs::Priced>>,
+    /// When old job records were last looked for.
+    pruned_at: Mutex<Option<std::time::Instant>>,
     /// Wakes the scheduler early (a submission).
     pub(super) wake: tokio::sync::Notify,
     /// When ended jobs were last looked for.
@@ -131,6 +133,7 @@ impl Coordinator {
             floor: AtomicU64::new(0),
             inflight: Mutex::new(HashSet::new()),
             priced_lately: Mutex::new(std::collections::VecDeque::new()),
+            pruned_at: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
             collected: Mutex::new(None),
             policy: Policy {
@@ -143,6 +146,28 @@ impl Coordinator {
             prefetched: Mutex::new(HashMap::new()),
             checked_labels: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Forgets the cluster's jobs that ended more than `keep` ago, once
+    /// per `every` (each look reads every ended record).
+    pub async fn prune_if_due(self: &std::sync::Arc<Self>, keep: Duration, every: Duration) {
+        {
+            let mut at = self.pruned_at.lock().expect("coordinator poisoned");
+            if at.is_some_and(|t| t.elapsed() < every) {
+                return;
+            }
+            *at = Some(std::time::Instant::now());
+        }
+        let me = self.clone();
+        let before = crate::leases::unix_now().saturating_sub(keep.as_secs());
+        match crate::off_runtime(move || me.jobs.prune_ended(before)).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                "forgot {n} cluster jobs that ended more than {} days ago",
+                keep.as_secs() / 86_400
+            ),
+            Err(e) => tracing::warn!("cannot forget old cluster jobs: {e}"),
+        }
     }
 
     /// New job numbers start above `n`.

@@ -373,6 +373,41 @@ impl ClusterJobs {
             .collect()
     }
 
+    /// Removes the records of jobs that ended before `before` (unix
+    /// seconds) with nothing left to save, a thousand per transaction;
+    /// returns how many. Their ids are never given again (`next`).
+    pub fn prune_ended(&self, before: u64) -> Result<usize, LeaseError> {
+        let old = |job: &ClusterJob| match &job.placement {
+            Placement::Ended { view } => {
+                !view.meta.outputs_pending && view.ended_at.unwrap_or(job.submitted_at) < before
+            }
+            _ => false,
+        };
+        let ids: Vec<String> = (self.ended()?.into_iter())
+            .filter(|j| old(j))
+            .map(|j| j.id)
+            .collect();
+        let mut pruned = 0;
+        for ids in ids.chunks(1000) {
+            let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+            {
+                let mut jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;
+                for id in ids {
+                    let job: Option<ClusterJob> =
+                        (jobs.get(id.as_str()).map_err(|e| self.err(e))?)
+                            .map(|v| serde_json::from_slice(v.value()).map_err(|e| self.err(e)))
+                            .transpose()?;
+                    if job.is_some_and(|j| old(&j)) {
+                        jobs.remove(id.as_str()).map_err(|e| self.err(e))?;
+                        pruned += 1;
+                    }
+                }
+            }
+            txn.commit().map_err(|e| self.err(e))?;
+        }
+        Ok(pruned)
+    }
+
     /// Every ended job, from the database (history pages).
     pub fn ended(&self) -> Result<Vec<ClusterJob>, LeaseError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
@@ -425,6 +460,38 @@ mod tests {
         };
         db.put(&j).unwrap();
         j
+    }
+
+    /// Jobs ended before the cut go, with nothing left to save; queued
+    /// and recent ones stay, and ids are never given twice.
+    #[test]
+    fn old_ended_jobs_are_forgotten_and_ids_stay_unique() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = ClusterJobs::open(&dir.path().join("c.redb")).unwrap();
+        let gone = ended(&db, Some(100));
+        let mut saving = ended(&db, Some(100));
+        if let Placement::Ended { view } = &mut saving.placement {
+            view.meta.outputs_pending = true;
+        }
+        db.put(&saving).unwrap();
+        let recent = ended(&db, Some(5_000));
+        let queued = db.create("alice", req(), 1, 0).unwrap();
+        assert_eq!(db.prune_ended(1_000).unwrap(), 1);
+        let mut left: Vec<String> = db.ended().unwrap().into_iter().map(|j| j.id).collect();
+        left.sort();
+        let mut want = vec![saving.id.clone(), recent.id.clone()];
+        want.sort();
+        assert_eq!(left, want);
+        assert!(db.get(&gone.id).unwrap().is_none());
+        assert!(db.get(&queued.id).unwrap().is_some());
+        assert_eq!(db.prune_ended(1_000).unwrap(), 0);
+        let next = db.create("alice", req(), 1, 0).unwrap();
+        assert!(
+            next.number() > queued.number(),
+            "{} then {}",
+            queued.id,
+            next.id
+        );
     }
 
     #[test]

@@ -22,8 +22,14 @@ const EVERY: Duration = Duration::from_secs(5);
 /// dispatch's answer sends it again, and a node must still know the job.
 const HISTORY_KEEP_MIN: Duration = Duration::from_secs(7 * 86_400);
 
+/// How long an ended job's record stays: `history_keep`, but never less
+/// than its folder (`work_keep`) or [`HISTORY_KEEP_MIN`].
+pub(crate) fn kept_for(history_keep: Duration, work_keep: Duration) -> Duration {
+    history_keep.max(work_keep).max(HISTORY_KEEP_MIN)
+}
+
 /// How often the records of long-ended jobs are looked for.
-const PRUNE_EVERY: Duration = Duration::from_secs(3600);
+pub(crate) const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
 /// The longest a folder that could not be removed waits for its next try.
 const RETRY_MAX: Duration = Duration::from_secs(3600);
@@ -79,7 +85,7 @@ impl Housekeeping {
             jobs_dir,
             stages_dir,
             work_keep,
-            history_keep: history_keep.max(work_keep).max(HISTORY_KEEP_MIN),
+            history_keep: kept_for(history_keep, work_keep),
             pruned_at: Mutex::new(None),
             ran_at: Mutex::new(Instant::now()),
             running: AtomicBool::new(false),

@@ -351,6 +351,8 @@ impl Daemon {
                 _ = shutdown.changed() => return,
             }
             c.schedule(&self).await;
+            let keep = housekeeping::kept_for(self.cfg.history_keep, self.cfg.work_keep);
+            c.prune_if_due(keep, housekeeping::PRUNE_EVERY).await;
         }
     }
 
