@@ -870,7 +870,32 @@ impl Node {
 mod tests {
     use super::*;
     use crate::fake::FakeGpus;
+    use std::path::Path;
     use std::sync::atomic::Ordering;
+
+    /// A node's settings with its state in `dir/state`.
+    fn test_config(dir: &Path) -> NodeConfig {
+        NodeConfig {
+            state_dir: dir.join("state"),
+            foreign_limit: 256 << 20,
+            inventory_deadline: Duration::from_secs(2),
+            max_queued_per_user: 1000,
+        }
+    }
+
+    /// alice's job running `argv` in `cwd` on `gpus` GPUs.
+    fn alices(cwd: &Path, argv: Vec<String>, gpus: u32) -> Submit {
+        Submit {
+            user: "alice".into(),
+            argv,
+            cwd: cwd.to_path_buf(),
+            env: vec![],
+            gpus,
+            min_free_bytes: 0,
+            run_as: None,
+            meta: Default::default(),
+        }
+    }
 
     /// Processes whose command line holds `marker`.
     fn processes_with(marker: &str) -> Vec<u32> {
@@ -894,25 +919,11 @@ mod tests {
     #[test]
     fn a_session_whose_pid_changed_hands_is_not_killed() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = || NodeConfig {
-            state_dir: dir.path().join("state"),
-            foreign_limit: 256 << 20,
-            inventory_deadline: Duration::from_secs(2),
-            max_queued_per_user: 1000,
-        };
+        let cfg = || test_config(dir.path());
         let id = {
             let n = Node::open(cfg(), Arc::new(crate::NoGpus)).unwrap();
-            n.submit(Submit {
-                user: "alice".into(),
-                argv: vec!["sleep".into(), "300".into()],
-                cwd: dir.path().to_path_buf(),
-                env: vec![],
-                gpus: 0,
-                min_free_bytes: 0,
-                run_as: None,
-                meta: Default::default(),
-            })
-            .unwrap()
+            n.submit(alices(dir.path(), vec!["sleep".into(), "300".into()], 0))
+                .unwrap()
         }; // gone without cleaning up, as after kill -9
         let n = Node::open(cfg(), Arc::new(crate::NoGpus)).unwrap();
         let Some(JobState::Running {
@@ -950,25 +961,15 @@ mod tests {
         let ctl = dir.path().join("ctl.toml");
         std::fs::write(&ctl, "foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]\n").unwrap();
         let inv = Arc::new(FakeGpus::new("1x11GiB", Some(ctl.clone())).unwrap());
-        let cfg = NodeConfig {
-            state_dir: dir.path().join("state"),
-            foreign_limit: 256 << 20,
-            inventory_deadline: Duration::from_secs(2),
-            max_queued_per_user: 1000,
-        };
+        let cfg = test_config(dir.path());
         let n = Node::open(cfg, inv).unwrap();
         let marker = format!("301.{}", std::process::id());
         let id = n
-            .submit(Submit {
-                user: "alice".into(),
-                argv: vec!["bash".into(), "-c".into(), format!("exec sleep {marker}")],
-                cwd: dir.path().to_path_buf(),
-                env: vec![],
-                gpus: 1,
-                min_free_bytes: 0,
-                run_as: None,
-                meta: Default::default(),
-            })
+            .submit(alices(
+                dir.path(),
+                vec!["bash".into(), "-c".into(), format!("exec sleep {marker}")],
+                1,
+            ))
             .unwrap();
         assert_eq!(n.job(&id).unwrap().unwrap().state, JobState::Queued);
         // The GPU frees up, and the database stops taking writes.
@@ -1000,23 +1001,9 @@ mod tests {
     #[test]
     fn forgotten_jobs_keep_their_ids() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = NodeConfig {
-            state_dir: dir.path().join("state"),
-            foreign_limit: 256 << 20,
-            inventory_deadline: Duration::from_secs(2),
-            max_queued_per_user: 1000,
-        };
+        let cfg = test_config(dir.path());
         let inv = || Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
-        let submit = || Submit {
-            user: "alice".into(),
-            argv: vec!["true".into()],
-            cwd: dir.path().to_path_buf(),
-            env: vec![],
-            gpus: 0,
-            min_free_bytes: 0,
-            run_as: None,
-            meta: Default::default(),
-        };
+        let submit = || alices(dir.path(), vec!["true".into()], 0);
         let n = Node::open(cfg.clone(), inv()).unwrap();
         let first = n.reserve(&submit()).unwrap();
         n.state

@@ -155,12 +155,11 @@ impl Coordinator {
         req: &SubmitRequest,
         keep: bool,
     ) -> Result<Ranking, ApiError> {
-        let (needs, mut fresh) = self.priced(d, req).await?;
-        if keep {
-            for (id, packs) in fresh.drain(..) {
-                self.learn(&id, &packs);
-            }
-        }
+        let (needs, fresh) = if keep {
+            (self.price(d, req).await?, Vec::new())
+        } else {
+            self.priced(d, req).await?
+        };
         let now = now_ms() as u64;
         self.tick(now);
         Ok(rank(
