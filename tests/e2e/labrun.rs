@@ -669,9 +669,85 @@ fn a_killed_job_leaves_no_process_that_left_its_session() {
     assert!(log.contains("cgroup of its own"), "{log}");
 }
 
+/// A job's limits from labd's config (`job_pids_max`, `job_memory_max`):
+/// a fork bomb stops at its task limit while labd and the other users'
+/// jobs go on, and a job that outgrows its memory is killed (SIGKILL), not
+/// a process of someone else's the kernel's OOM killer would pick.
+#[test]
+fn a_fork_bomb_and_a_memory_hog_are_held_to_their_jobs() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: labd makes no cgroups and says so in its log");
+        return;
+    }
+    let n = Node::start(
+        Some("2x11GiB"),
+        "run_as = \"labd\"\njob_pids_max = 64\njob_memory_max = \"128M\"",
+    );
+    // Bash retries a refused fork, so the bomb keeps asking.
+    let bomb = n.bash(ALICE, 1, "for i in $(seq 500); do sleep 300 & done; wait");
+    wait_until("the bomb to start", 20, || {
+        matches!(n.job(&bomb).state, JobState::Running { .. })
+    });
+    let leader = sid(&n.job(&bomb));
+    let count = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&p| labsync_agent::process_session(p) == Some(leader))
+            .count()
+    };
+    wait_until("the bomb to reach its limit", 30, || count() >= 60);
+    std::thread::sleep(Duration::from_millis(500));
+    let at_most = count();
+    assert!(at_most <= 64, "{at_most} processes in a job limited to 64");
+    // labd answers, and another job starts and ends meanwhile.
+    let other = n.bash(BOB, 1, "echo bob-was-here");
+    wait_until("bob's job to end", 20, || n.ended(&other));
+    assert_eq!(
+        n.job(&other).state,
+        JobState::Exited {
+            code: Some(0),
+            signal: None
+        }
+    );
+    n.ok(ALICE, &["kill", &bomb]);
+    wait_until("the bomb to be gone", 20, || count() == 0);
+
+    let hog = n.bash(
+        ALICE,
+        0,
+        "exec dd if=/dev/zero of=/dev/null bs=512M count=1",
+    );
+    wait_until("the hog to end", 30, || n.ended(&hog));
+    assert_eq!(
+        n.job(&hog).state,
+        JobState::Exited {
+            code: None,
+            signal: Some(9)
+        }
+    );
+    let fits = n.bash(ALICE, 0, "exec dd if=/dev/zero of=/dev/null bs=32M count=4");
+    wait_until("the job within its memory to end", 30, || n.ended(&fits));
+    assert_eq!(
+        n.job(&fits).state,
+        JobState::Exited {
+            code: Some(0),
+            signal: None
+        }
+    );
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(
+        log.contains("at most 64 tasks and 134217728 bytes of memory")
+            && !log.contains("without this limit"),
+        "{log}"
+    );
+}
+
 /// Issue 9, point 13: labd refuses, with a message naming the problem, a
 /// config that holds tokens and is readable by others, one writable by
-/// others, two users with one token, and `tick_ms = 0`.
+/// others, two users with one token, `tick_ms = 0`, and job limits no
+/// job could start under.
 #[test]
 fn labd_refuses_unsafe_configs() {
     let dir = tempfile::tempdir().unwrap();
@@ -691,6 +767,16 @@ fn labd_refuses_unsafe_configs() {
             "alice and bob have the same token",
         ),
         (0o600, format!("tick_ms = 0\n{base}"), "tick_ms = 0"),
+        (
+            0o600,
+            format!("job_pids_max = 5\n{base}"),
+            "job_pids_max = 5",
+        ),
+        (
+            0o600,
+            format!("job_memory_max = \"1M\"\n{base}"),
+            "job_memory_max = \"1M\"",
+        ),
     ];
     for (mode, text, why) in cases {
         let config = d.join("labd.toml");

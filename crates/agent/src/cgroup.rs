@@ -13,6 +13,15 @@
 //! v1 freezer: the group is frozen (no process forks while it is killed),
 //! every member SIGKILLed, then thawed. Where no cgroup can be made (labd not
 //! root, no hierarchy mounted), labd says so once and kills sessions only.
+//!
+//! A job's limits ([`JobLimits`]: tasks, memory) keep one job from taking
+//! the whole server: a fork bomb from using up the machine's pids, a
+//! runaway data loader from the OOM killer picking other users' jobs or
+//! labd. They go in the same cgroup where the v2 hierarchy has the
+//! controller; otherwise (a hybrid mount, whose controllers are all v1) in
+//! a cgroup of the same name in the controller's v1 hierarchy, which the
+//! job's first process joins too. A limit no hierarchy can hold is said in
+//! labd's log at start, and the job runs without it.
 
 use std::fs::File;
 use std::io::Write;
@@ -28,6 +37,43 @@ pub enum Flavor {
     V1Freezer,
 }
 
+/// What every job of a node may use at most.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JobLimits {
+    /// Processes and threads at once (`pids.max`).
+    pub tasks: Option<u64>,
+    /// Bytes of memory, the job's page cache included (`memory.max`; v1
+    /// `memory.limit_in_bytes`). Past it the kernel reclaims the job's
+    /// cache, then kills one of its processes.
+    pub memory: Option<u64>,
+}
+
+impl JobLimits {
+    /// The default task limit: a quarter of the machine's pids
+    /// (`kernel.pid_max`), at least 1024 and at most 32768, so a fork bomb
+    /// in one job leaves the others, and root's shell, room to start.
+    pub fn default_tasks() -> u64 {
+        let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(32_768);
+        (pid_max / 4).clamp(1024, 32_768)
+    }
+}
+
+/// One limit as the job's cgroups hold it.
+#[derive(Clone, Debug)]
+struct Limit {
+    /// `pids` or `memory`, as logs and `/proc/PID/cgroup` name it.
+    controller: &'static str,
+    /// `<v1 hierarchy>/labsync/<labd>` where the limit lives in a v1
+    /// hierarchy; `None`: in the job's own (v2) cgroup.
+    v1_base: Option<PathBuf>,
+    /// The file written in the job's cgroup, and what.
+    file: &'static str,
+    value: u64,
+}
+
 /// The cgroups of one labd's jobs.
 #[derive(Clone, Debug)]
 pub struct Cgroups {
@@ -36,34 +82,36 @@ pub struct Cgroups {
     /// `/labsync/<labd>/`, as paths read in `/proc/PID/cgroup`.
     prefix: String,
     flavor: Flavor,
+    /// The limits every job gets, where they can be held.
+    limits: Vec<Limit>,
+    /// Limits asked for that no hierarchy can hold, said why.
+    unheld: Vec<String>,
 }
 
 impl Cgroups {
     /// Finds a hierarchy and makes this labd's folder in it; `labd` names
     /// this labd (a hash of its state folder). The error says why not, for
     /// labd's log.
-    pub fn open(labd: &str) -> Result<Cgroups, String> {
+    /// Every job gets `limits`, where a hierarchy can hold them
+    /// ([`Cgroups::unheld`] says which cannot).
+    pub fn open(labd: &str, limits: JobLimits) -> Result<Cgroups, String> {
         let mounts = std::fs::read_to_string("/proc/self/mounts")
             .map_err(|e| format!("cannot read /proc/self/mounts: {e}"))?;
         let mut tried = Vec::new();
         for (flavor, root) in hierarchies(&mounts) {
             let base = root.join("labsync").join(labd);
-            // Folders of labds that are gone and left no job behind (a
-            // non-empty one refuses to go): tests start hundreds of labds.
-            if let Ok(rd) = std::fs::read_dir(root.join("labsync")) {
-                for e in rd.flatten() {
-                    if e.file_type().is_ok_and(|t| t.is_dir()) {
-                        let _ = std::fs::remove_dir(e.path());
-                    }
-                }
-            }
+            prune_gone(&root);
             match std::fs::create_dir_all(&base) {
                 Ok(()) => {
-                    return Ok(Cgroups {
+                    let mut cg = Cgroups {
                         base,
                         prefix: format!("/labsync/{labd}/"),
                         flavor,
-                    })
+                        limits: Vec::new(),
+                        unheld: Vec::new(),
+                    };
+                    cg.hold(&mounts, labd, limits);
+                    return Ok(cg);
                 }
                 Err(e) => tried.push(format!("{}: {e}", base.display())),
             }
@@ -73,6 +121,89 @@ impl Cgroups {
         } else {
             Err(format!("cannot create a cgroup ({})", tried.join("; ")))
         }
+    }
+
+    /// Finds where each of `limits` can be held: in the job's own cgroup
+    /// when it is v2 and the controller can be enabled down to it, else in
+    /// the controller's v1 hierarchy.
+    fn hold(&mut self, mounts: &str, labd: &str, limits: JobLimits) {
+        let wanted = [
+            ("pids", limits.tasks, "pids.max", "pids.max"),
+            (
+                "memory",
+                limits.memory,
+                "memory.max",
+                "memory.limit_in_bytes",
+            ),
+        ];
+        for (controller, value, v2_file, v1_file) in wanted {
+            let Some(value) = value else { continue };
+            let mut why = Vec::new();
+            if self.flavor == Flavor::V2 {
+                match self.enable_v2(controller) {
+                    Ok(()) => {
+                        self.limits.push(Limit {
+                            controller,
+                            v1_base: None,
+                            file: v2_file,
+                            value,
+                        });
+                        continue;
+                    }
+                    Err(e) => why.push(e),
+                }
+            }
+            let v1 = controller_hierarchy(mounts, controller).and_then(|root| {
+                let base = root.join("labsync").join(labd);
+                prune_gone(&root);
+                match std::fs::create_dir_all(&base) {
+                    Ok(()) => Some(base),
+                    Err(e) => {
+                        why.push(format!("{}: {e}", base.display()));
+                        None
+                    }
+                }
+            });
+            match v1 {
+                Some(base) => self.limits.push(Limit {
+                    controller,
+                    v1_base: Some(base),
+                    file: v1_file,
+                    value,
+                }),
+                None => {
+                    if why.is_empty() {
+                        why.push(format!("no hierarchy has the {controller} controller"));
+                    }
+                    self.unheld.push(format!("{v2_file} ({})", why.join("; ")));
+                }
+            }
+        }
+    }
+
+    /// Enables `controller` for the jobs' cgroups of the v2 hierarchy: in
+    /// `subtree_control` from its root down to this labd's folder.
+    fn enable_v2(&self, controller: &str) -> Result<(), String> {
+        let root = self
+            .base
+            .ancestors()
+            .nth(2)
+            .expect("<hierarchy>/labsync/<labd>");
+        let offered = std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+        if !offered.split_whitespace().any(|c| c == controller) {
+            return Err(format!("the v2 hierarchy has no {controller} controller"));
+        }
+        let on = format!("+{controller}");
+        for dir in [root.to_path_buf(), root.join("labsync"), self.base.clone()] {
+            let file = dir.join("cgroup.subtree_control");
+            write_to(&file, &on).map_err(|e| format!("{}: {e}", file.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Limits asked for that no hierarchy here can hold, each with why.
+    pub fn unheld(&self) -> &[String] {
+        &self.unheld
     }
 
     /// Which hierarchy.
@@ -95,17 +226,49 @@ impl Cgroups {
             .join("cgroup.procs")
     }
 
-    /// Makes the job's cgroup and opens its `cgroup.procs` for the job's
-    /// first process to write itself into before it runs anything.
-    pub fn create(&self, job: &str) -> std::io::Result<File> {
+    /// Makes the job's cgroups, with its limits, and opens their
+    /// `cgroup.procs` for the job's first process to write itself into
+    /// before it runs anything: the job's own cgroup first, then those of
+    /// v1 hierarchies holding a limit. A limit that cannot be set is said
+    /// in the log; the job runs without it.
+    pub fn create(&self, job: &str) -> std::io::Result<Vec<File>> {
         let p = self.path(job);
-        // _all: another labd may have pruned this labd's empty folder.
-        match std::fs::create_dir_all(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
+        let mut procs = vec![make_cgroup(&p)?];
+        for l in &self.limits {
+            let dir = l
+                .v1_base
+                .as_ref()
+                .map_or_else(|| p.clone(), |b| b.join(job));
+            let set = (|| {
+                let joined = match l.v1_base {
+                    Some(_) => Some(make_cgroup(&dir)?),
+                    None => None,
+                };
+                let (file, value) = (dir.join(l.file), l.value.to_string());
+                match write_to(&file, &value) {
+                    // Another labd starting removed this labd's folder
+                    // while it had no job, and with it the controllers
+                    // enabled there: enabled again, now that a job holds
+                    // the folder.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && l.v1_base.is_none() => {
+                        self.enable_v2(l.controller)
+                            .map_err(std::io::Error::other)?;
+                        write_to(&file, &value)?;
+                    }
+                    done => done?,
+                }
+                Ok::<_, std::io::Error>(joined)
+            })();
+            match set {
+                Ok(joined) => procs.extend(joined),
+                Err(e) => tracing::warn!(
+                    "job {job} runs without its {} limit ({}): {e}",
+                    l.controller,
+                    dir.join(l.file).display()
+                ),
+            }
         }
-        File::options().write(true).open(p.join("cgroup.procs"))
+        Ok(procs)
     }
 
     /// The live processes in the job's cgroup (none if it has no cgroup).
@@ -170,12 +333,14 @@ impl Cgroups {
         }
     }
 
-    /// Removes the job's cgroup once it is empty (a non-empty one stays).
+    /// Removes the job's cgroups once they are empty (a non-empty one stays).
     pub fn remove(&self, job: &str) {
-        let p = self.path(job);
-        if p.exists() {
-            if let Err(e) = std::fs::remove_dir(&p) {
-                tracing::warn!("cannot remove cgroup {}: {e}", p.display());
+        let v1 = self.limits.iter().filter_map(|l| l.v1_base.as_ref());
+        for p in std::iter::once(self.path(job)).chain(v1.map(|b| b.join(job))) {
+            if p.exists() {
+                if let Err(e) = std::fs::remove_dir(&p) {
+                    tracing::warn!("cannot remove cgroup {}: {e}", p.display());
+                }
             }
         }
     }
@@ -203,6 +368,39 @@ fn job_in(text: &str, flavor: Flavor, prefix: &str) -> Option<String> {
         // down (in a cgroup a user was delegated) are not this labd's.
         let job = path.strip_prefix(prefix)?;
         (!job.is_empty() && !job.contains('/')).then(|| job.to_string())
+    })
+}
+
+/// Makes a cgroup (and its parents: another labd may have pruned this
+/// labd's empty folder) and opens its `cgroup.procs`.
+fn make_cgroup(p: &Path) -> std::io::Result<File> {
+    match std::fs::create_dir_all(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    File::options().write(true).open(p.join("cgroup.procs"))
+}
+
+/// Removes the folders of labds that are gone and left no job behind
+/// under `root/labsync` (a non-empty one refuses to go): tests start
+/// hundreds of labds.
+fn prune_gone(root: &Path) {
+    if let Ok(rd) = std::fs::read_dir(root.join("labsync")) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+}
+
+/// The v1 hierarchy holding `controller`, if one is mounted.
+fn controller_hierarchy(mounts: &str, controller: &str) -> Option<PathBuf> {
+    mounts.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        (f.len() >= 4 && f[2] == "cgroup" && f[3].split(',').any(|o| o == controller))
+            .then(|| PathBuf::from(f[1]))
     })
 }
 
@@ -278,7 +476,7 @@ mod tests {
             return;
         }
         let ns = format!("test-{}", std::process::id());
-        let best = Cgroups::open(&ns).expect("root can make a cgroup here");
+        let best = Cgroups::open(&ns, JobLimits::default()).expect("root can make a cgroup here");
         escaped_child_dies_with(&best);
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
         if let Some((_, root)) = hierarchies(&mounts)
@@ -291,6 +489,8 @@ mod tests {
                 base,
                 prefix: format!("/labsync/{ns}-v1/"),
                 flavor: Flavor::V1Freezer,
+                limits: Vec::new(),
+                unheld: Vec::new(),
             });
         }
     }
@@ -307,7 +507,7 @@ mod tests {
             env: vec![],
             log: dir.path().join("log"),
             user: None,
-            cgroup: Some(cg.create("j1").unwrap()),
+            cgroups: cg.create("j1").unwrap(),
         };
         let mut job = crate::runner::spawn(&spec).unwrap();
         let pid_file = dir.path().join("pid");
@@ -334,5 +534,133 @@ mod tests {
         assert!(cg.members("j1").is_empty());
         cg.remove("j1");
         let _ = std::fs::remove_dir(&cg.base);
+    }
+
+    /// A job runs `script` under `limits` in a fresh cgroup folder; what
+    /// the test then looks at, and the cgroups to clean up.
+    fn limited_job(
+        name: &str,
+        limits: JobLimits,
+        script: &str,
+    ) -> (Cgroups, crate::runner::Started, tempfile::TempDir) {
+        let ns = format!("test-{}-{name}", std::process::id());
+        let cg = Cgroups::open(&ns, limits).expect("root can make a cgroup here");
+        assert!(cg.unheld().is_empty(), "{:?}", cg.unheld());
+        let dir = tempfile::tempdir().unwrap();
+        let spec = crate::runner::JobSpec {
+            argv: vec!["sh".into(), "-c".into(), script.into()],
+            cwd: dir.path().to_path_buf(),
+            env: vec![],
+            log: dir.path().join("log"),
+            user: None,
+            cgroups: cg.create("j1").unwrap(),
+        };
+        let job = crate::runner::spawn(&spec).unwrap();
+        (cg, job, dir)
+    }
+
+    /// The cgroup folder of `job` holding `controller` (v2: its own).
+    fn held_in(cg: &Cgroups, controller: &str, job: &str) -> PathBuf {
+        let l = cg
+            .limits
+            .iter()
+            .find(|l| l.controller == controller)
+            .unwrap();
+        l.v1_base.as_ref().unwrap_or(&cg.base).join(job)
+    }
+
+    fn clean_up(cg: &Cgroups) {
+        cg.remove("j1");
+        for b in cg.limits.iter().filter_map(|l| l.v1_base.as_ref()) {
+            std::fs::remove_dir(b).unwrap();
+        }
+        std::fs::remove_dir(&cg.base).unwrap();
+    }
+
+    /// A job forking past its task limit is refused the forks: however
+    /// many it asks for, it never has more than the limit at once, and
+    /// labd's own forks are not its to spend.
+    #[test]
+    fn a_job_cannot_fork_past_its_task_limit() {
+        if crate::users::euid() != 0 {
+            eprintln!("not root: no cgroups to make");
+            return;
+        }
+        let limits = JobLimits {
+            tasks: Some(8),
+            memory: None,
+        };
+        // Forty sleepers asked for; a shell that retries a refused fork
+        // (bash as sh) keeps asking, one that gives up (dash) ends.
+        let script = "i=0; while [ $i -lt 40 ]; do sleep 60 & i=$((i+1)); done; wait";
+        let (cg, mut job, _dir) = limited_job("tasks", limits, script);
+        let held = held_in(&cg, "pids", "j1");
+        assert_eq!(
+            std::fs::read_to_string(held.join("pids.max"))
+                .unwrap()
+                .trim(),
+            "8"
+        );
+        let refused = |held: &Path| {
+            let events = std::fs::read_to_string(held.join("pids.events")).unwrap();
+            events
+                .lines()
+                .find_map(|l| l.strip_prefix("max "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let t = Instant::now();
+        while refused(&held) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "no fork was refused");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let members = cg.members("j1").len();
+        assert!((1..=8).contains(&members), "{members} processes in the job");
+        let current: u64 = std::fs::read_to_string(held.join("pids.current"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(current <= 8, "{current} tasks in the job");
+        assert!(cg.kill("j1", Duration::from_secs(5)));
+        let _ = job.child.wait();
+        clean_up(&cg);
+    }
+
+    /// A job using more memory than its limit is killed; one within it
+    /// runs to its end.
+    #[test]
+    fn a_job_past_its_memory_limit_is_killed_and_one_within_it_is_not() {
+        use std::os::unix::process::ExitStatusExt;
+        if crate::users::euid() != 0 {
+            eprintln!("not root: no cgroups to make");
+            return;
+        }
+        let limits = JobLimits {
+            tasks: None,
+            memory: Some(64 << 20),
+        };
+        // dd's buffer is its block size, every byte of it written.
+        for (name, block, killed) in [("small", "16M", false), ("large", "256M", true)] {
+            let script = format!("exec dd if=/dev/zero of=/dev/null bs={block} count=2");
+            let (cg, mut job, _dir) = limited_job(name, limits, &script);
+            let file = if cg.limits[0].v1_base.is_some() {
+                "memory.limit_in_bytes"
+            } else {
+                "memory.max"
+            };
+            let held = held_in(&cg, "memory", "j1");
+            assert_eq!(
+                std::fs::read_to_string(held.join(file)).unwrap().trim(),
+                (64u64 << 20).to_string()
+            );
+            let status = job.child.wait().unwrap();
+            if killed {
+                assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+            } else {
+                assert!(status.success(), "{status}");
+            }
+            clean_up(&cg);
+        }
     }
 }

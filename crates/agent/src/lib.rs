@@ -52,7 +52,7 @@ mod watchdog;
 
 pub use api::{router, serve, ConnLimits, Listener};
 pub use blocking::off_runtime;
-pub use cgroup::{Cgroups, Flavor};
+pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
 pub use daemon::{
     command_bytes, variable_bytes, Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck,

@@ -8,7 +8,7 @@ use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::cgroup::Cgroups;
+use crate::cgroup::{Cgroups, JobLimits};
 use crate::error::LeaseError;
 use crate::gpu::GpuInventory;
 use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
@@ -60,14 +60,26 @@ pub const STORE_NUMBERS: u64 = 1_000_000_000;
 
 /// The cgroups of this labd's jobs, named after its state folder; said once
 /// in the log when there are none.
-fn open_cgroups(state_dir: &std::path::Path) -> Option<Cgroups> {
+fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroups> {
     let dir = state_dir
         .canonicalize()
         .unwrap_or_else(|_| state_dir.to_path_buf());
     let name = blake3::hash(dir.as_os_str().as_encoded_bytes()).to_hex();
-    match Cgroups::open(&name[..16]) {
+    match Cgroups::open(&name[..16], limits) {
         Ok(c) => {
-            tracing::info!("each job runs in a cgroup of its own ({:?})", c.flavor());
+            tracing::info!(
+                "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory",
+                c.flavor(),
+                limits
+                    .tasks
+                    .map_or("any number of".into(), |n| n.to_string()),
+                limits
+                    .memory
+                    .map_or("any amount".into(), |n| format!("{n} bytes")),
+            );
+            for why in c.unheld() {
+                tracing::warn!("jobs run without this limit: {why}");
+            }
             Some(c)
         }
         Err(why) => {
@@ -111,6 +123,8 @@ pub struct NodeConfig {
     pub inventory_deadline: Duration,
     /// Jobs one user may have queued at once (checked as each is reserved).
     pub max_queued_per_user: usize,
+    /// What each job may use at most (held by its cgroups).
+    pub limits: JobLimits,
 }
 
 /// A job as submitted.
@@ -198,7 +212,7 @@ impl Node {
             NodeError::Refused(format!("cannot create {}: {e}", cfg.state_dir.display()))
         })?;
         let state = Leases::open(&cfg.state_dir.join("state-v1.redb"))?;
-        let cgroups = open_cgroups(&cfg.state_dir);
+        let cgroups = open_cgroups(&cfg.state_dir, cfg.limits);
         let failed = state.reconcile(runner::alive)?;
         for id in failed {
             tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
@@ -564,10 +578,11 @@ impl Node {
             env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
             env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
             env.push(("LABRUN_JOB_ID".into(), id.clone()));
-            let cgroup = self.cgroups.as_ref().and_then(|c| {
-                c.create(&id)
-                    .map_err(|e| tracing::warn!("job {id} runs without a cgroup: {e}"))
-                    .ok()
+            let cgroups = self.cgroups.as_ref().map_or_else(Vec::new, |c| {
+                c.create(&id).unwrap_or_else(|e| {
+                    tracing::warn!("job {id} runs without a cgroup: {e}");
+                    Vec::new()
+                })
             });
             let spec = JobSpec {
                 argv: s.argv.clone(),
@@ -575,7 +590,7 @@ impl Node {
                 env,
                 log: self.log_path(&id),
                 user: s.run_as,
-                cgroup,
+                cgroups,
             };
             match runner::spawn(&spec) {
                 Ok(mut st) => {
@@ -880,6 +895,7 @@ mod tests {
             foreign_limit: 256 << 20,
             inventory_deadline: Duration::from_secs(2),
             max_queued_per_user: 1000,
+            limits: JobLimits::default(),
         }
     }
 

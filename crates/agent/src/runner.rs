@@ -29,10 +29,10 @@ pub struct JobSpec {
     pub log: PathBuf,
     /// Run as this uid/gid (labd running as root runs a job as its submitter).
     pub user: Option<(u32, u32)>,
-    /// The `cgroup.procs` of the job's cgroup ([`crate::Cgroups::create`]):
-    /// the job's first process moves itself there before it runs anything,
-    /// so everything it starts is inside.
-    pub cgroup: Option<File>,
+    /// The `cgroup.procs` of the job's cgroups ([`crate::Cgroups::create`]):
+    /// the job's first process moves itself into each before it runs
+    /// anything, so everything it starts is inside.
+    pub cgroups: Vec<File>,
 }
 
 /// A started job. Its pid is also its session id.
@@ -67,9 +67,10 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin");
     }
     new_session(&mut cmd);
-    if let Some(procs) = &spec.cgroup {
+    if !spec.cgroups.is_empty() {
         // Before the switch to the user: moving a process needs root.
-        join_cgroup(&mut cmd, procs.try_clone()?);
+        let procs = spec.cgroups.iter().map(File::try_clone);
+        join_cgroups(&mut cmd, procs.collect::<std::io::Result<_>>()?);
     }
     match spec.user {
         // The working folder is entered as the user, after the switch:
@@ -101,16 +102,18 @@ fn new_session(cmd: &mut Command) {
 }
 
 #[allow(unsafe_code)]
-fn join_cgroup(cmd: &mut Command, procs: File) {
+fn join_cgroups(cmd: &mut Command, procs: Vec<File>) {
     use std::os::fd::AsRawFd;
     // SAFETY: the closure runs in the forked child before exec and makes
-    // one write(2) to a descriptor opened before the fork ("0" means the
+    // one write(2) to each descriptor opened before the fork ("0" means the
     // writing process); write is async-signal-safe. `procs` lives in the
-    // closure, so the descriptor stays open until then.
+    // closure, so the descriptors stay open until then.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::write(procs.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
-                return Err(std::io::Error::last_os_error());
+            for p in &procs {
+                if libc::write(p.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
@@ -301,7 +304,7 @@ mod tests {
             env: vec![("LABRUN_JOB_ID".into(), "j1".into())],
             log: dir.join("log"),
             user: None,
-            cgroup: None,
+            cgroups: vec![],
         }
     }
 

@@ -11,8 +11,8 @@ use anyhow::{bail, Context, Result};
 use labsync_agent::cluster::{ClusterConfig, ClusterKey, LabConfig};
 use labsync_agent::tls::{ClientConfig, ServerConfig};
 use labsync_agent::{
-    current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory, Secret,
-    SlurmCheck,
+    current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory,
+    JobLimits, Secret, SlurmCheck,
 };
 use labsync_placer::{Ladder, Member, Members};
 use serde::Deserialize;
@@ -103,6 +103,10 @@ pub(crate) struct LabdFile {
     header_timeout_ms: Option<u64>,
     /// Jobs one user may have queued at once (default 1000).
     max_queued_per_user: Option<usize>,
+    /// Processes and threads one job may have at once (0: no limit).
+    job_pids_max: Option<u64>,
+    /// Memory one job may use, e.g. `64G` (default: no limit).
+    job_memory_max: Option<String>,
     /// Membership of a cluster.
     cluster: Option<ClusterFile>,
     /// The lab's rules for the cluster's queue (the coordinator's).
@@ -409,9 +413,36 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
                 .map_or(d.header_timeout, |ms| Duration::from_millis(ms.max(100))),
         },
         max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
+        job_limits: job_limits(file.job_pids_max, file.job_memory_max.as_deref())?,
         cluster: None,
         slurm_check: None,
     })
+}
+
+/// `job_pids_max` and `job_memory_max`, checked: 0 is no limit; a limit
+/// no job could start under is refused.
+fn job_limits(pids: Option<u64>, memory: Option<&str>) -> Result<JobLimits> {
+    const MIN_TASKS: u64 = 32;
+    const MIN_MEMORY: u64 = 64 << 20;
+    let tasks = match pids {
+        Some(0) => None,
+        Some(n) if n < MIN_TASKS => {
+            bail!("job_pids_max = {n}: a job needs more; write at least {MIN_TASKS}, or 0 for no limit")
+        }
+        Some(n) => Some(n),
+        None => Some(JobLimits::default_tasks()),
+    };
+    let memory = match memory.map(|s| (s, parse_size(s))) {
+        None => None,
+        Some((s, size)) => match size? {
+            0 => None,
+            n if n < MIN_MEMORY => bail!(
+                "job_memory_max = {s:?}: a job needs more; write at least \"64M\", or \"0\" for no limit"
+            ),
+            n => Some(n),
+        },
+    };
+    Ok(JobLimits { tasks, memory })
 }
 
 /// The `[cluster]` section, checked: a TCP listener others can reach, a
