@@ -258,13 +258,14 @@ fn member_head(
 /// cut, and at most every [`REFUSED_EVERY`] (anyone who reaches the port
 /// can send them by the thousand, with 400 KB paths).
 fn refused(method: &Method, uri: &Uri, e: crate::cluster::AuthError) -> ApiError {
-    static SAID: std::sync::Mutex<(Option<std::time::Instant>, u64)> =
-        std::sync::Mutex::new((None, 0));
-    let mut said = SAID
+    static SAID: std::sync::Mutex<crate::error::Throttle> =
+        std::sync::Mutex::new(crate::error::Throttle::new(REFUSED_EVERY));
+    let said = SAID
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if said.0.is_none_or(|t| t.elapsed() >= REFUSED_EVERY) {
-        let since = match said.1 {
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .say(std::time::Instant::now());
+    if let Some(held) = said {
+        let since = match held {
             0 => String::new(),
             n => format!(" ({n} more refused since the last said)"),
         };
@@ -273,9 +274,6 @@ fn refused(method: &Method, uri: &Uri, e: crate::cluster::AuthError) -> ApiError
             crate::error::logged(uri.path()),
             crate::error::logged(&e.to_string())
         );
-        *said = (Some(std::time::Instant::now()), 0);
-    } else {
-        said.1 += 1;
     }
     ApiError::NotMember(e.to_string())
 }

@@ -179,6 +179,39 @@ pub(crate) fn logged(s: &str) -> String {
 /// See [`logged`].
 pub(crate) const LOGGED_CHARS: usize = 512;
 
+/// Says something at most once per period: what anyone can make labd
+/// say by the thousand (a refused request) fills no disk.
+#[derive(Debug)]
+pub(crate) struct Throttle {
+    every: std::time::Duration,
+    last: Option<std::time::Instant>,
+    held: u64,
+}
+
+impl Throttle {
+    pub(crate) const fn new(every: std::time::Duration) -> Throttle {
+        Throttle {
+            every,
+            last: None,
+            held: 0,
+        }
+    }
+
+    /// Whether to say it `now`: `Some(n)` with the `n` times it was not
+    /// said since it last was; `None` (counted) within the period.
+    pub(crate) fn say(&mut self, now: std::time::Instant) -> Option<u64> {
+        if self
+            .last
+            .is_some_and(|t| now.saturating_duration_since(t) < self.every)
+        {
+            self.held += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.held))
+    }
+}
+
 #[cfg(test)]
 mod logged_tests {
     use super::*;
@@ -192,5 +225,19 @@ mod logged_tests {
         let long = logged(&"/".repeat(400_000));
         assert_eq!(long.len(), LOGGED_CHARS + 3);
         assert_eq!(logged("plain/path.pt"), "plain/path.pt");
+    }
+
+    #[test]
+    fn a_throttle_says_once_per_period_and_counts_the_rest() {
+        let every = std::time::Duration::from_secs(10);
+        let mut t = Throttle::new(every);
+        let t0 = std::time::Instant::now();
+        let s = std::time::Duration::from_secs;
+        assert_eq!(t.say(t0), Some(0));
+        let within: Vec<_> = (1..=9).map(|k| t.say(t0 + s(k))).collect();
+        assert!(within.iter().all(Option::is_none), "{within:?}");
+        assert_eq!(t.say(t0 + s(10)), Some(9));
+        assert_eq!(t.say(t0 + s(15)), None);
+        assert_eq!(t.say(t0 + s(30)), Some(1));
     }
 }
