@@ -405,12 +405,20 @@ impl Leases {
             .collect()
     }
 
-    /// How many jobs `user` has queued (from memory).
+    /// How many jobs `user` has queued, or running without GPUs (from
+    /// memory): what `max_queued_per_user` bounds.
     pub fn queued_of(&self, user: &str) -> usize {
         let active = self.active.lock().expect("leases poisoned");
         active
             .values()
-            .filter(|j| j.user == user && j.state == JobState::Queued)
+            .filter(|j| j.user == user)
+            .filter(|j| match j.state {
+                JobState::Queued => true,
+                // Those start at once, so leave the queue at once: without
+                // them in the count one user could start any number.
+                JobState::Running { .. } => j.gpus_wanted == 0,
+                _ => false,
+            })
             .count()
     }
 

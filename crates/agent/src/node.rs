@@ -390,8 +390,8 @@ impl Node {
         let queued = self.state.queued_of(&s.user);
         if queued >= self.cfg.max_queued_per_user {
             return Err(NodeError::TooMany(format!(
-                "{} has {queued} jobs queued, the most one user may (max_queued_per_user); \
-                 wait for some to start or kill some",
+                "{} has {queued} jobs queued or running without GPUs, the most one user may \
+                 (max_queued_per_user); wait for some to start or end, or kill some",
                 s.user
             )));
         }
@@ -774,7 +774,7 @@ impl Node {
         self.state.active_where(keep)
     }
 
-    /// How many jobs `user` has queued.
+    /// How many jobs `user` has queued, or running without GPUs.
     pub fn queued_of(&self, user: &str) -> usize {
         self.state.queued_of(user)
     }
@@ -1014,6 +1014,49 @@ mod tests {
 
     /// Ids stay above the jobs forgotten: with every record pruned (and
     /// the folders and logs gone), the next job is not `j1` again.
+    /// Jobs without GPUs start at once, so leave the queue at once: they
+    /// count against `max_queued_per_user` while they run, or one user
+    /// could start any number of them.
+    #[test]
+    fn jobs_running_without_gpus_count_against_the_queue_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = test_config(dir.path());
+        cfg.max_queued_per_user = 3;
+        let n = Node::open(cfg, Arc::new(FakeGpus::new("1x11GiB", None).unwrap())).unwrap();
+        let sleeper = |user: &str| Submit {
+            user: user.into(),
+            ..alices(dir.path(), vec!["sleep".into(), "300".into()], 0)
+        };
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let id = n.reserve(&sleeper("alice")).unwrap();
+            assert!(n.enqueue(&id, sleeper("alice")).unwrap());
+            ids.push(id);
+        }
+        let running = n.jobs().unwrap();
+        assert!(
+            running
+                .iter()
+                .all(|j| matches!(j.state, JobState::Running { .. })),
+            "{running:?}"
+        );
+        let over = n.reserve(&sleeper("alice")).unwrap_err();
+        assert!(
+            matches!(&over, NodeError::TooMany(m) if m.contains("3 jobs queued or running without GPUs")),
+            "{over}"
+        );
+        let bobs = n.reserve(&sleeper("bob")).unwrap();
+        assert!(n.enqueue(&bobs, sleeper("bob")).unwrap());
+        ids.push(bobs);
+        n.kill(&ids[0], Duration::ZERO).unwrap();
+        let again = n.reserve(&sleeper("alice")).unwrap();
+        assert!(n.enqueue(&again, sleeper("alice")).unwrap());
+        ids.push(again);
+        for id in &ids[1..] {
+            n.kill(id, Duration::ZERO).unwrap();
+        }
+    }
+
     #[test]
     fn forgotten_jobs_keep_their_ids() {
         let dir = tempfile::tempdir().unwrap();
