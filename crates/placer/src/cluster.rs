@@ -291,6 +291,51 @@ impl Cluster {
         self.snapshots.contains_key(key)
     }
 
+    /// The snapshots the view knows.
+    pub fn snapshot_keys(&self) -> impl Iterator<Item = &SnapshotKey> {
+        self.snapshots.keys()
+    }
+
+    /// Forgets the snapshots `keep` says no to, then the packs no snapshot
+    /// left needs and no node holds: a coordinator that runs for months
+    /// keeps what its queue and the caches need, not every snapshot it
+    /// ever priced. Everything kept reads as before. Returns how many
+    /// snapshots were forgotten.
+    pub fn retain_snapshots(&mut self, keep: impl Fn(&SnapshotKey) -> bool) -> usize {
+        let before = self.snapshots.len();
+        self.snapshots.retain(|k, _| keep(k));
+        let mut live = vec![false; self.packs.size.len()];
+        let held = self.nodes.iter().flat_map(|n| n.present.iter());
+        for p in self.snapshots.values().flatten().copied().chain(held) {
+            live[p as usize] = true;
+        }
+        // Numbered again in the same order, so every list stays sorted.
+        let mut renumber = vec![u32::MAX; live.len()];
+        let mut size = Vec::new();
+        for (old, _) in live.iter().enumerate().filter(|(_, l)| **l) {
+            renumber[old] = size.len() as u32;
+            size.push(self.packs.size[old]);
+        }
+        self.packs.number.retain(|_, n| {
+            *n = renumber[*n as usize];
+            *n != u32::MAX
+        });
+        self.packs.size = size;
+        for numbers in self.snapshots.values_mut() {
+            for n in numbers.iter_mut() {
+                *n = renumber[*n as usize];
+            }
+        }
+        for node in &mut self.nodes {
+            let mut present = Bitset::default();
+            for p in node.present.iter() {
+                present.insert(renumber[p as usize]);
+            }
+            node.present = present;
+        }
+        before - self.snapshots.len()
+    }
+
     /// Records that a node now has (or no longer has) a pack: the deltas a
     /// heartbeat carries. False when the node is unknown.
     pub fn set_cached(&mut self, node: &NodeName, pack: PackKey, size: u64, cached: bool) -> bool {
@@ -429,5 +474,49 @@ mod tests {
         assert_eq!(c.cached_bytes(&a), Some(0));
         assert!(c.remove_node(&a));
         assert!(c.node(&a).is_none());
+    }
+
+    #[test]
+    fn forgotten_snapshots_take_only_the_packs_nothing_else_needs() {
+        let mut c = Cluster::new();
+        let (a, b) = (name("a"), name("b"));
+        let p = |i: u8| PackKey([i; 32]);
+        let (old, kept, other) = (
+            SnapshotKey([1; 32]),
+            SnapshotKey([2; 32]),
+            SnapshotKey([3; 32]),
+        );
+        // old: 1, 2, 3; kept: 3, 4; other: 5, 6 (6 cached on b).
+        c.add_snapshot(old, [(p(1), 10), (p(2), 20), (p(3), 30)]);
+        c.add_snapshot(kept, [(p(3), 30), (p(4), 40)]);
+        c.add_snapshot(other, [(p(5), 50), (p(6), 60)]);
+        c.node_entry(&a);
+        c.node_entry(&b);
+        c.set_cached(&a, p(4), 40, true);
+        c.set_cached(&b, p(6), 60, true);
+        c.set_cached(&b, p(2), 20, true);
+        assert_eq!(c.packs.size.len(), 6);
+
+        assert_eq!(c.retain_snapshots(|s| *s == kept), 2);
+        assert!(c.knows_snapshot(&kept) && !c.knows_snapshot(&old) && !c.knows_snapshot(&other));
+        // 1 and 5 went: no snapshot needs them and no node holds them; 2
+        // and 6 stay, held by b.
+        assert_eq!(c.packs.size.len(), 4);
+        assert!(!c.packs.number.contains_key(&p(1)) && !c.packs.number.contains_key(&p(5)));
+        assert_eq!(c.presence(&a, &kept), Some((40, 70)));
+        assert_eq!(c.presence(&b, &kept), Some((0, 70)));
+        assert_eq!(c.holders(&p(6)), vec![&b]);
+        assert_eq!(c.holders(&p(2)), vec![&b]);
+        assert_eq!(c.holders(&p(4)), vec![&a]);
+        assert_eq!(c.cached_bytes(&b), Some(80));
+        // What comes after numbers on from there, and reads right.
+        c.add_snapshot(old, [(p(1), 10), (p(2), 20)]);
+        c.set_cached(&a, p(1), 10, true);
+        assert_eq!(c.presence(&a, &old), Some((10, 30)));
+        assert_eq!(c.presence(&b, &old), Some((20, 30)));
+        let mut numbers: Vec<u32> = c.packs.number.values().copied().collect();
+        numbers.sort_unstable();
+        assert_eq!(numbers, (0..5).collect::<Vec<u32>>(), "dense");
+        assert_eq!(c.retain_snapshots(|_| true), 0);
     }
 }

@@ -45,6 +45,9 @@ pub(super) struct View {
     /// to that job (or the dispatch is refused): counted busy meanwhile,
     /// so no pass offers them twice.
     pub(super) promised: BTreeMap<NodeName, BTreeMap<u32, String>>,
+    /// Snapshots no live job and no cache needed at the last look:
+    /// forgotten if still so at the next ([`Coordinator::forget_unused`]).
+    unused: HashSet<SnapshotKey>,
 }
 
 impl View {
@@ -128,6 +131,7 @@ impl Coordinator {
                 members: BTreeMap::new(),
                 labels: HashMap::new(),
                 promised: BTreeMap::new(),
+                unused: HashSet::new(),
             }),
             jobs,
             floor: AtomicU64::new(0),
@@ -167,6 +171,40 @@ impl Coordinator {
                 keep.as_secs() / 86_400
             ),
             Err(e) => tracing::warn!("cannot forget old cluster jobs: {e}"),
+        }
+        self.forget_unused();
+    }
+
+    /// Forgets the pack lists of snapshots that neither a live job (queued
+    /// or running) nor any node's cache has needed since the last look, and
+    /// the labels of trees no node caches any more. Every submission, every
+    /// new version of code, left its pack list in the view for good, and
+    /// every scheduling pass copies the view. The grace of one look covers
+    /// a submission priced but not yet recorded; a snapshot forgotten and
+    /// needed again is read from the store again.
+    fn forget_unused(&self) {
+        let mut needed: HashSet<SnapshotKey> = (self.jobs.live().iter())
+            .filter(|j| !matches!(j.placement, Placement::Ended { .. }))
+            .flat_map(|j| super::jobs::snapshots_of(&j.req).unwrap_or_default())
+            .map(|s| SnapshotKey(*s.as_bytes()))
+            .collect();
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        let cached: HashSet<SnapshotId> = (v.members.values())
+            .flat_map(|m| m.cache.trees.iter().map(|t| t.snapshot))
+            .collect();
+        v.labels.retain(|s, _| cached.contains(s));
+        needed.extend(cached.iter().map(|s| SnapshotKey(*s.as_bytes())));
+        let unused: HashSet<SnapshotKey> = (v.cluster.snapshot_keys())
+            .filter(|s| !needed.contains(s))
+            .copied()
+            .collect();
+        let before = std::mem::take(&mut v.unused);
+        let forgotten = v
+            .cluster
+            .retain_snapshots(|s| !(unused.contains(s) && before.contains(s)));
+        v.unused = unused.into_iter().filter(|s| !before.contains(s)).collect();
+        if forgotten > 0 {
+            tracing::info!("forgot the pack lists of {forgotten} snapshots no job or cache needs");
         }
     }
 
@@ -224,6 +262,7 @@ impl Coordinator {
             members,
             labels,
             promised,
+            ..
         } = &mut *v;
         let node = cluster.node_entry(&name);
         node.health = Health::Up;
@@ -450,6 +489,61 @@ mod tests {
         assert!(!c.knows(&snap));
         c.learn(&snap, &fresh[0].1);
         assert!(c.knows(&snap));
+    }
+
+    /// Pack lists no live job and no cache needs are forgotten, after a
+    /// look's grace; those a queued job or a node's cache needs stay.
+    #[test]
+    fn snapshots_nothing_needs_are_forgotten_after_a_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = coordinator(dir.path());
+        let snap = |i: u8| SnapshotId::from_bytes([i; 32]);
+        let (queued, cached, spent) = (snap(1), snap(2), snap(3));
+        for (s, p) in [(queued, 1), (cached, 2), (spent, 3)] {
+            c.learn(&s, &[(pack(p), 100)]);
+        }
+        let req = crate::proto::SubmitRequest {
+            argv: vec!["true".into()],
+            code: Some(crate::proto::TreeRef {
+                label: "code/alice@v1".into(),
+                snapshot: queued.to_string(),
+            }),
+            ..Default::default()
+        };
+        c.jobs.create("alice", req, 1, 0).unwrap();
+        let mut beat = hb(
+            "gpu2",
+            "i1",
+            1,
+            InventoryDelta {
+                full: true,
+                added: vec![(pack(2), 100)],
+                snapshots: vec![(cached, vec![(pack(2), 100)])],
+                ..Default::default()
+            },
+        );
+        beat.cache.trees.push(CachedTree {
+            snapshot: cached,
+            label: "div2k@v1".into(),
+            bytes: 100,
+            pinned: false,
+        });
+        c.heartbeat("gpu2", beat, 1_000).unwrap();
+
+        c.forget_unused();
+        assert!(
+            c.knows(&spent),
+            "kept one look: it may be a submission not yet recorded"
+        );
+        c.forget_unused();
+        assert!(!c.knows(&spent));
+        assert!(c.knows(&queued) && c.knows(&cached));
+        let st = c.status(1_000);
+        assert_eq!(st.nodes[0].data[0].total_bytes, 100, "{st:?}");
+        // Learned again, it needs a look without a need again to go.
+        c.learn(&spent, &[(pack(3), 100)]);
+        c.forget_unused();
+        assert!(c.knows(&spent));
     }
 
     #[test]

@@ -48,7 +48,7 @@ pub(super) type Priced = (SnapshotId, Arc<Vec<(labsync_store::PackId, u64)>>);
 pub(super) const PRICED_LATELY: usize = 64;
 
 /// The snapshots a request reads (code first).
-fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
+pub(super) fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
     req.code
         .iter()
         .chain(req.data.iter().map(|d| &d.tree))
