@@ -713,6 +713,11 @@ fn a_fork_bomb_and_a_memory_hog_are_held_to_their_jobs() {
     );
     n.ok(ALICE, &["kill", &bomb]);
     wait_until("the bomb to be gone", 20, || count() == 0);
+    let told = n.ok(ALICE, &["logs", &bomb]);
+    assert!(
+        told.contains("labd: ") && told.contains("refused: the job was at its limit of 64"),
+        "{told}"
+    );
 
     let hog = n.bash(
         ALICE,
@@ -726,6 +731,11 @@ fn a_fork_bomb_and_a_memory_hog_are_held_to_their_jobs() {
             code: None,
             signal: Some(9)
         }
+    );
+    let told = n.ok(ALICE, &["logs", &hog]);
+    assert!(
+        told.contains("killed for memory: the job was at its limit of 128 MiB"),
+        "{told}"
     );
     let fits = n.bash(ALICE, 0, "exec dd if=/dev/zero of=/dev/null bs=32M count=4");
     wait_until("the job within its memory to end", 30, || n.ended(&fits));
@@ -771,6 +781,11 @@ fn labd_refuses_unsafe_configs() {
             0o600,
             format!("job_pids_max = 5\n{base}"),
             "job_pids_max = 5",
+        ),
+        (
+            0o600,
+            format!("job_pids_max = 5000000\n{base}"),
+            "job_pids_max = 5000000",
         ),
         (
             0o600,

@@ -67,14 +67,12 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
     let name = blake3::hash(dir.as_os_str().as_encoded_bytes()).to_hex();
     match Cgroups::open(&name[..16], limits) {
         Ok(c) => {
+            let held = c.held();
             tracing::info!(
                 "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory",
                 c.flavor(),
-                limits
-                    .tasks
-                    .map_or("any number of".into(), |n| n.to_string()),
-                limits
-                    .memory
+                held.tasks.map_or("any number of".into(), |n| n.to_string()),
+                held.memory
                     .map_or("any amount".into(), |n| format!("{n} bytes")),
             );
             for why in c.unheld() {
@@ -84,7 +82,8 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
         }
         Err(why) => {
             tracing::warn!(
-                "jobs run without cgroups: {why}. A killed job's processes that left its \
+                "jobs run without cgroups, so without job_pids_max or job_memory_max: {why}. \
+                 A killed job's processes that left its \
                  session (setsid, tmux, daemons) survive it; run labd as root to fix this"
             );
             None
@@ -751,7 +750,27 @@ impl Node {
             if !cg.kill(id, Duration::from_secs(5)) {
                 tracing::warn!("job {id}: processes of its cgroup would not die");
             }
+            self.say_limits_hit(cg, id);
             cg.remove(id);
+        }
+    }
+
+    /// Tells the job's log (its user reads it) and labd's what the job ran
+    /// into: a job that died of "Resource temporarily unavailable" or of
+    /// SIGKILL learns why.
+    fn say_limits_hit(&self, cg: &Cgroups, id: &str) {
+        use std::io::Write;
+        let hit = cg.limits_hit(id);
+        if hit.is_empty() {
+            return;
+        }
+        tracing::info!("job {id}: {}", hit.join("; "));
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.log_path(id));
+        if let Ok(mut f) = log {
+            let lines: String = hit.iter().map(|h| format!("labd: {h}\n")).collect();
+            let _ = f.write_all(lines.as_bytes());
         }
     }
 
@@ -1012,8 +1031,6 @@ mod tests {
         assert!(processes_with(&marker).is_empty());
     }
 
-    /// Ids stay above the jobs forgotten: with every record pruned (and
-    /// the folders and logs gone), the next job is not `j1` again.
     /// Jobs without GPUs start at once, so leave the queue at once: they
     /// count against `max_queued_per_user` while they run, or one user
     /// could start any number of them.
@@ -1057,6 +1074,8 @@ mod tests {
         }
     }
 
+    /// Ids stay above the jobs forgotten: with every record pruned (and
+    /// the folders and logs gone), the next job is not `j1` again.
     #[test]
     fn forgotten_jobs_keep_their_ids() {
         let dir = tempfile::tempdir().unwrap();

@@ -423,11 +423,16 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
 /// no job could start under is refused.
 fn job_limits(pids: Option<u64>, memory: Option<&str>) -> Result<JobLimits> {
     const MIN_TASKS: u64 = 32;
+    /// The most `pids.max` takes (the kernel's `PID_MAX_LIMIT`).
+    const MAX_TASKS: u64 = 4 << 20;
     const MIN_MEMORY: u64 = 64 << 20;
     let tasks = match pids {
         Some(0) => None,
         Some(n) if n < MIN_TASKS => {
             bail!("job_pids_max = {n}: a job needs more; write at least {MIN_TASKS}, or 0 for no limit")
+        }
+        Some(n) if n > MAX_TASKS => {
+            bail!("job_pids_max = {n}: the kernel takes at most {MAX_TASKS}; write 0 for no limit")
         }
         Some(n) => Some(n),
         None => Some(JobLimits::default_tasks()),
