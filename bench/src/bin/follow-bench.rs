@@ -187,8 +187,11 @@ impl Lab {
 
     /// Seconds from spawning `labrun` to the first line of the job.
     /// Also the CPU seconds it cost: labrun's, then each labd's own
-    /// (gpu0, gpu1, gpu2; a job's processes are not counted).
-    fn first_line(&self) -> (f64, [f64; 4]) {
+    /// (gpu0, gpu1, gpu2; a job's processes are not counted); and the
+    /// seconds from the same start until gpu2's cache holds every pack of
+    /// gpu1's (labd writes its copies once the job's files are written),
+    /// waited for so that nothing of this run overlaps the next.
+    fn first_line(&self) -> (f64, [f64; 4], f64) {
         use std::io::BufRead;
         drop_caches();
         let pids: Vec<Option<u32>> = self
@@ -235,16 +238,45 @@ impl Lab {
         for i in 0..3 {
             cpu[i + 1] = after[i] - nodes[i];
         }
-        (secs, cpu)
+        (secs, cpu, self.wait_cached(t))
+    }
+
+    /// Seconds from `t` until gpu2's cache holds each pack gpu1's holds,
+    /// whole.
+    fn wait_cached(&self, t: Instant) -> f64 {
+        let (from, to) = (
+            self.node_dir(1).join("cache/packs-v1"),
+            self.node_dir(2).join("cache/packs-v1"),
+        );
+        let want: Vec<(PathBuf, u64)> = walk_files(&from)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|p| Some((to.join(&p), std::fs::metadata(from.join(&p)).ok()?.len())))
+            .collect();
+        loop {
+            let cached = want
+                .iter()
+                .all(|(p, n)| std::fs::metadata(p).is_ok_and(|m| m.len() == *n));
+            if cached {
+                return t.elapsed().as_secs_f64();
+            }
+            if t.elapsed() > Duration::from_secs(120) {
+                die("gpu2's cache did not get every pack; see the labd logs in the work folder");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// [`Lab::first_line`] with gpu2's cache emptied and gpu2 back up;
     /// said as run `r` of `what`.
-    fn first_line_on_empty_gpu2(&mut self, what: &str, r: usize) -> f64 {
+    fn first_line_on_empty_gpu2(&mut self, what: &str, r: usize) -> (f64, f64) {
         self.ready_gpu2();
-        let (s, _) = self.first_line();
-        eprintln!("follow-bench: {what}, run {}: {s:.2} s", r + 1);
-        s
+        let (s, _, cached) = self.first_line();
+        eprintln!(
+            "follow-bench: {what}, run {}: {s:.2} s (cache complete at {cached:.2} s)",
+            r + 1
+        );
+        (s, cached)
     }
 
     /// gpu2's cache emptied and gpu2 back up, seen so by the coordinator.
@@ -548,6 +580,8 @@ fn main() {
     let (mut peer_cpu, mut rc): (Vec<[f64; 4]>, Vec<[f64; 2]>) = (Vec::new(), Vec::new());
     // The read-and-write floor measured right before each peer run.
     let mut peer_rw_floor = Vec::new();
+    // When gpu2's cache held every pack, from the same start as `peer`.
+    let mut peer_cached = Vec::new();
     for r in 0..a.reps {
         for k in 0..2 {
             let is_peer = (k == 0) == (r % 2 == 0);
@@ -560,9 +594,13 @@ fn main() {
             read_floor.push(read);
             rw_floor.push(both);
             if is_peer {
-                let (s, cpu) = lab.first_line();
-                eprintln!("follow-bench: from a peer, run {}: {s:.2} s", r + 1);
+                let (s, cpu, cached) = lab.first_line();
+                eprintln!(
+                    "follow-bench: from a peer, run {}: {s:.2} s (cache complete at {cached:.2} s)",
+                    r + 1
+                );
                 peer.push(s);
+                peer_cached.push(cached);
                 peer_cpu.push(cpu);
                 peer_rw_floor.push(both);
             } else {
@@ -578,9 +616,11 @@ fn main() {
     lab.wait_status("gpu1 down", |st| {
         node(st, "gpu1").is_some_and(|x| x["health"] == "down")
     });
-    let mut store = Vec::new();
+    let (mut store, mut store_cached) = (Vec::new(), Vec::new());
     for r in 0..a.reps {
-        store.push(lab.first_line_on_empty_gpu2("from the store", r));
+        let (s, cached) = lab.first_line_on_empty_gpu2("from the store", r);
+        store.push(s);
+        store_cached.push(cached);
     }
 
     drop(lab);
@@ -612,7 +652,7 @@ fn main() {
     let cpu_note = format!(
         "CPU seconds per run (medians; from /proc, a job's own processes not counted): the peer \
          case {peer_total:.2} (labrun {:.2}, labd gpu0 {:.2}, gpu1 serving {:.2}, gpu2 \
-         fetching and writing {:.2}); rsync {rsync_total:.2} (client {:.2}, daemon {:.2}). \
+         fetching and writing, counted to the first line {:.2}); rsync {rsync_total:.2} (client {:.2}, daemon {:.2}). \
          Both CPUs for the peer run's median wall time are {:.2} CPU seconds.\n",
         col(&peer_cpu, 0),
         col(&peer_cpu, 1),
@@ -653,16 +693,17 @@ fn main() {
          From the peer against rsync: {:.2}× its time (target ≤ 1); per repetition, against \
          the rsync run beside it: {} (median {paired:.2}×); against the store: \
          {:.2}× faster (target ≥ 1.5). The labrun rows include pushing the (unchanged) code, \
-         placing, fetching, verifying and materialising the data, and starting the job.\n\n\
+         placing, fetching, verifying and materialising the data, and starting the job. \
+         labd writes gpu2's cache copies of the packs from the peer once the job's files are \
+         written (it holds them in memory meanwhile), so the job does not wait for them; \
+         gpu2's cache held every pack {:.2} s after `labrun` started (median; runs {:?}), and \
+         each next step waited for that. From the store, packs are written as they come: \
+         {:.2} s {:?}.\n\n\
          The disk's floors, measured right before every timed run of either tool (so both \
          follow the same untimed work): the peer's {} packs ({:.2} GB) \
          read cold by 16 `cat`s, {fr:.2} s {:?}; the same reads while four `dd oflag=direct` \
-         write as many bytes into gpu2's folder, all at once, {fw:.2} s {:?}. The peer run \
-         writes every byte it fetches to gpu2's cache with `O_DIRECT` (so that the next job \
-         and other nodes find it there) and the files it materialises through the page \
-         cache; rsync writes only the files, through the page cache, and nothing of its \
-         writes need reach the disk while it is timed. Here both nodes share one disk, so the \
-         peer run cannot end before the second floor: it took {:.2}× it (median of the \
+         write as many bytes into gpu2's folder, all at once, {fw:.2} s {:?}. Both nodes \
+         share one disk here: the peer run took {:.2}× the second floor (median of the \
          pairs: {:.2}×), rsync {:.2}× the first.\n\n{order_note}\n{cpu_note}",
         a.files,
         data.bytes as f64 / 1e9,
@@ -683,6 +724,10 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", "),
         s / p,
+        median(peer_cached.clone()),
+        peer_cached,
+        median(store_cached.clone()),
+        store_cached,
         walk_files(&packs).map_or(0, |f| f.len()),
         pack_bytes as f64 / 1e9,
         read_floor,
@@ -695,6 +740,7 @@ fn main() {
     let json = serde_json::json!({
         "files": a.files, "bytes": data.bytes, "reps": a.reps, "page_cache_emptied": cold,
         "peer_s": peer, "store_s": store, "rsync_s": rsync,
+        "peer_cache_complete_s": peer_cached, "store_cache_complete_s": store_cached,
         "median": {"peer": p, "store": s, "rsync": r},
         "peer_over_rsync_paired": pairs, "peer_over_rsync_paired_median": paired,
         "pack_bytes": pack_bytes, "read_floor_s": read_floor, "read_write_floor_s": rw_floor,

@@ -20,7 +20,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use labsync_store::{pull_with, NoProgress, NodeCache, PullOptions, RefSpec, Repo, SnapshotId};
+use labsync_store::{
+    pull_writing_behind, CacheWrites, NoProgress, NodeCache, PullOptions, RefSpec, Repo, SnapshotId,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -130,7 +132,40 @@ impl Trees {
             shared: true,
             expect: Some(snapshot),
         };
-        let got = pull_with(repo, cache, &spec, &tmp, opts, Arc::new(NoProgress)).await?;
+        // The job waits for its files, not for the cache's copies of the
+        // packs they came from: those are written after.
+        let writes = CacheWrites::new();
+        let pulled = pull_writing_behind(
+            repo,
+            cache,
+            &spec,
+            &tmp,
+            opts,
+            Arc::new(NoProgress),
+            &writes,
+        )
+        .await;
+        let (c, label, started) = (cache.clone(), tree.label.clone(), std::time::Instant::now());
+        tokio::spawn(async move {
+            let done = writes.finish().await;
+            if done.packs > 0 {
+                tracing::info!(
+                    "cached the packs of {label} {:.2} s after its files: {} packs, {} bytes{}",
+                    started.elapsed().as_secs_f64(),
+                    done.packs,
+                    done.bytes,
+                    match done.failed {
+                        0 => String::new(),
+                        n => format!(" ({n} could not be written)"),
+                    }
+                );
+            }
+            let evicted = off_runtime(move || c.enforce_cap(Some(snapshot))).await;
+            for gone in evicted.unwrap_or_default() {
+                tracing::info!("evicted {gone} from the node cache (over its size cap)");
+            }
+        });
+        let got = pulled?;
         tracing::info!(
             "materialised {} in {:.2} s: {} files, {} bytes; {} packs ({} bytes) fetched",
             tree.label,

@@ -53,6 +53,9 @@ struct State {
     /// In memory, for the files that still need it.
     fresh: HashMap<PackId, Arc<Fresh>>,
     fresh_bytes: u64,
+    /// In memory until its cache copy is written behind the pull
+    /// ([`crate::CacheWrites`], which bounds their memory), for any file.
+    pending: HashMap<PackId, Arc<Fresh>>,
     /// Files still to write, per pack.
     users: HashMap<PackId, usize>,
     /// The fetch gave up: waiting is over.
@@ -109,12 +112,41 @@ impl Arrivals {
         self.arrived.notify_all();
     }
 
-    /// `pack` is in the cache.
+    /// `pack` is fetched: in the cache, or in memory until its copy is
+    /// written behind ([`Arrivals::offer_pending`]).
     pub(crate) fn arrived(&self, pack: PackId) {
         let mut s = self.lock();
         s.waiting.remove(&pack);
+        if !s.pending.contains_key(&pack) {
+            s.unwritten.remove(&pack);
+        }
+        drop(s);
+        self.arrived.notify_all();
+    }
+
+    /// All of `pack`, fetched, its cache copy to be written later: files
+    /// read it from memory until [`Arrivals::written`].
+    pub(crate) fn offer_pending(&self, pack: PackId, fresh: Fresh) {
+        let mut s = self.lock();
+        s.pending.insert(pack, Arc::new(fresh));
+        s.waiting.remove(&pack);
+        drop(s);
+        self.arrived.notify_all();
+    }
+
+    /// `pack`'s copy is in the cache: files read it there.
+    pub(crate) fn written(&self, pack: PackId) {
+        let mut s = self.lock();
+        s.pending.remove(&pack);
         s.unwritten.remove(&pack);
         drop(s);
+        self.arrived.notify_all();
+    }
+
+    /// `pack`'s copy could not be written: it stays in memory for this
+    /// pull's files, and no one waits for the copy.
+    pub(crate) fn not_written(&self, pack: PackId) {
+        self.lock().unwritten.remove(&pack);
         self.arrived.notify_all();
     }
 
@@ -131,7 +163,10 @@ impl Arrivals {
     pub(crate) fn finished(&self) {
         let mut s = self.lock();
         s.waiting.clear();
-        s.unwritten.clear();
+        let State {
+            unwritten, pending, ..
+        } = &mut *s;
+        unwritten.retain(|p| pending.contains_key(p));
         drop(s);
         self.arrived.notify_all();
     }
@@ -158,7 +193,8 @@ impl Arrivals {
 
     /// The pack, when it is in memory.
     pub(crate) fn fresh(&self, pack: &PackId) -> Option<Arc<Fresh>> {
-        self.lock().fresh.get(pack).cloned()
+        let s = self.lock();
+        s.fresh.get(pack).or_else(|| s.pending.get(pack)).cloned()
     }
 
     /// A file that needed `packs` is written: a pack no file needs any
@@ -185,6 +221,7 @@ impl Arrivals {
     /// A pack found corrupt is fetched again: its copy in memory goes.
     pub(crate) fn forget(&self, pack: &PackId) {
         let mut s = self.lock();
+        s.pending.remove(pack);
         if let Some(f) = s.fresh.remove(pack) {
             s.fresh_bytes -= f.bytes.len() as u64;
             give_back(f.bytes.len() as u64);

@@ -22,6 +22,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::arrive::Arrivals;
+use crate::behind::CacheWrites;
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_name, write_atomic, write_atomic_direct};
 use crate::id::{ChunkId, PackId, SnapshotId};
@@ -263,19 +264,22 @@ impl NodeCache {
         packs: &[(PackId, u64)],
         progress: &Arc<dyn Progress>,
     ) -> Result<(u64, u64)> {
-        self.fetch_packs_then(repo, packs, progress, None).await
+        self.fetch_packs_then(repo, packs, progress, None, None)
+            .await
     }
 
     /// [`NodeCache::fetch_packs`], in about the order given, telling
     /// `arrivals` of each pack: offered from memory as soon as it is
     /// fetched (and checked, from a peer), then once it is in the cache, so
-    /// files can be written while the rest arrive.
+    /// files can be written while the rest arrive. With `behind`, packs
+    /// from peers are written to the cache later ([`crate::behind`]).
     pub(crate) async fn fetch_packs_then(
         &self,
         repo: &Repo,
         packs: &[(PackId, u64)],
         progress: &Arc<dyn Progress>,
-        arrivals: Option<&Arrivals>,
+        arrivals: Option<&Arc<Arrivals>>,
+        behind: Option<&CacheWrites>,
     ) -> Result<(u64, u64)> {
         let (missing, present): (Vec<_>, Vec<_>) = packs
             .iter()
@@ -318,10 +322,12 @@ impl NodeCache {
             .iter()
             .map(|(p, n)| async move {
                 let _slot = FETCHING.acquire().await.expect("never closed");
-                let (size, from_peer) = match self.fetch_from_peers(p, arrivals).await? {
+                let (size, from_peer) = match self.fetch_from_peers(p, arrivals, behind).await? {
                     Some(size) => (size, true),
                     None => {
-                        let size = self.fetch_pack_bytes(repo, p, arrivals).await?;
+                        let size = self
+                            .fetch_pack_bytes(repo, p, arrivals.map(|a| &**a))
+                            .await?;
                         if let Some(peers) = &self.peers {
                             peers.report(PeerEvent::FromStore { bytes: size });
                         }
@@ -373,11 +379,13 @@ impl NodeCache {
     /// Fetches a pack from the peers that hold it, each pack starting at a
     /// different one (so a fetch spreads over them), each copy verified
     /// whole before it is cached (and offered to `arrivals` before it is
-    /// written there); its size, `None` when no peer gave a good copy.
+    /// written there, or kept there until it is written `behind`); its
+    /// size, `None` when no peer gave a good copy.
     async fn fetch_from_peers(
         &self,
         id: &PackId,
-        arrivals: Option<&Arrivals>,
+        arrivals: Option<&Arc<Arrivals>>,
+        behind: Option<&CacheWrites>,
     ) -> Result<Option<u64>> {
         let Some(peers) = &self.peers else {
             return Ok(None);
@@ -405,16 +413,23 @@ impl NodeCache {
             match checked {
                 Ok(entries) => {
                     let size = bytes.len() as u64;
-                    if let Some(a) = arrivals {
-                        let verified = entries.into_iter().map(|e| (e.id, e)).collect();
-                        let fresh = Fresh {
-                            bytes: bytes.clone(),
-                            verified: Some(verified),
-                        };
-                        a.offer(*id, fresh);
-                    }
                     let dest = self.pack_path(id);
-                    blocking(move || write_atomic_direct(&dest, &bytes)).await?;
+                    let fresh = || Fresh {
+                        bytes: bytes.clone(),
+                        verified: Some(entries.iter().map(|e| (e.id, *e)).collect()),
+                    };
+                    match (arrivals, behind) {
+                        (Some(a), Some(w)) => {
+                            a.offer_pending(*id, fresh());
+                            w.defer(*id, dest, bytes, a.clone()).await;
+                        }
+                        (a, _) => {
+                            if let Some(a) = a {
+                                a.offer(*id, fresh());
+                            }
+                            blocking(move || write_atomic_direct(&dest, &bytes)).await?;
+                        }
+                    }
                     peers.report(PeerEvent::FromPeer {
                         peer: peer.clone(),
                         bytes: size,

@@ -36,6 +36,7 @@
 
 mod arrive;
 mod at;
+mod behind;
 mod cache;
 mod chunker;
 mod claims;
@@ -57,6 +58,7 @@ mod snapshot;
 mod verify;
 
 pub use at::{empty_tree_as, remove_tree};
+pub use behind::{CacheWrites, CacheWritten, BEHIND_MAX_MIB};
 pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::ConditionalWrites;
@@ -70,7 +72,9 @@ pub use pack::{
     MAX_TREE_CHUNK,
 };
 pub use progress::{NoProgress, Progress};
-pub use pull::{pull, pull_with, snapshot_packs, warm, PullOptions, PullOutcome};
+pub use pull::{
+    pull, pull_with, pull_writing_behind, snapshot_packs, warm, PullOptions, PullOutcome,
+};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_TREE_BYTES};

@@ -2095,6 +2095,58 @@ async fn packs_come_from_peers_verified_and_from_the_store_when_no_peer_has_a_go
     }
 }
 
+/// A pull writing behind (labd's) returns with the tree whole and leaves
+/// the cache copies of what came from peers to be written after; once
+/// they are, the cache holds every pack, checked, and a second pull needs
+/// nothing fetched.
+#[tokio::test]
+async fn a_pull_writing_behind_leaves_the_cache_whole_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote = Remote::open(&format!("file://{}", dir.path().display()), &[]).unwrap();
+    let env = Env::new(remote).await;
+    let src = env.root.join("src");
+    write_tree(&src, 13);
+    push(&env.repo, &src, &opts("data", &env.cache), np())
+        .await
+        .unwrap();
+    let peers = Arc::new(ScriptedPeers {
+        store: dir.path().to_path_buf(),
+        offer_good: true,
+        events: Default::default(),
+    });
+    let cache = NodeCache::open(&env.root.join("behind-cache"), 1 << 30)
+        .unwrap()
+        .with_peers(peers);
+    let writes = labsync_store::CacheWrites::new();
+    let dest = env.root.join("out");
+    let opts = labsync_store::PullOptions {
+        threads: 2,
+        delete: false,
+        shared: false,
+        expect: None,
+    };
+    let spec = "data".parse().unwrap();
+    let got =
+        labsync_store::pull_writing_behind(&env.repo, &cache, &spec, &dest, opts, np(), &writes)
+            .await
+            .unwrap();
+    assert_same_tree(&src, &dest);
+    assert!(got.packs_fetched > 0);
+    let done = writes.finish().await;
+    assert_eq!(
+        (done.packs, done.bytes, done.failed),
+        (got.packs_fetched, got.bytes_fetched, 0)
+    );
+    let (packs, _, corrupt) = cache.verify(None, np().as_ref()).unwrap();
+    assert_eq!(packs, got.packs_fetched);
+    assert!(corrupt.is_empty(), "{corrupt:?}");
+    let again = pull(&env.repo, &cache, &spec, &env.root.join("out2"), 2, np())
+        .await
+        .unwrap();
+    assert_eq!(again.packs_fetched, 0);
+    assert_same_tree(&src, &env.root.join("out2"));
+}
+
 /// Files are written while packs arrive; a pack the store lost fails the
 /// pull with its name, and no writer waits for it forever. With the pack
 /// back, the same pull completes the tree.

@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use crate::arrive::Arrivals;
 use crate::at::{self, Tree};
+use crate::behind::{CacheWrites, StartOnDrop};
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_leaf};
@@ -126,6 +127,36 @@ pub async fn pull_with(
     opts: PullOptions,
     progress: Arc<dyn Progress>,
 ) -> Result<PullOutcome> {
+    pull_inner(repo, cache, spec, dest, opts, progress, None).await
+}
+
+/// [`pull_with`], returning once the files are written: the node cache's
+/// copies of packs fetched from peers are written after, by `writes`
+/// ([`CacheWrites::finish`] waits for them), so a job does not wait for
+/// copies it does not read (see [`crate::behind`]).
+pub async fn pull_writing_behind(
+    repo: &Repo,
+    cache: &NodeCache,
+    spec: &RefSpec,
+    dest: &Path,
+    opts: PullOptions,
+    progress: Arc<dyn Progress>,
+    writes: &CacheWrites,
+) -> Result<PullOutcome> {
+    pull_inner(repo, cache, spec, dest, opts, progress, Some(writes)).await
+}
+
+async fn pull_inner(
+    repo: &Repo,
+    cache: &NodeCache,
+    spec: &RefSpec,
+    dest: &Path,
+    opts: PullOptions,
+    progress: Arc<dyn Progress>,
+    behind: Option<&CacheWrites>,
+) -> Result<PullOutcome> {
+    // However the pull ends, the copies it leaves are written.
+    let _start = StartOnDrop(behind);
     let (threads, started) = (opts.threads, Instant::now());
     let repo = repo
         .clone()
@@ -191,7 +222,7 @@ pub async fn pull_with(
     let fetch = async {
         let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
         let fetched = cache
-            .fetch_packs_then(&repo, &fetch_order, &quiet, Some(&arrivals))
+            .fetch_packs_then(&repo, &fetch_order, &quiet, Some(&arrivals), behind)
             .await;
         // Done or failed, no writer waits any longer: a pack that turned
         // up in the cache meanwhile is read there.
