@@ -11,8 +11,18 @@
 //! written at all. Now a pull that is given [`CacheWrites`] keeps each
 //! pack it fetched in memory, for its files and for the copy, and the
 //! copies are written when the pull is done, or sooner when the memory
-//! they hold ([`BEHIND_MAX_MIB`], the whole process together) is wanted.
-//! Until a copy is written the node does not list the pack as cached.
+//! they hold ([`BEHIND_MAX_MIB`], the whole process together) is wanted:
+//! then at the disk's usual priority, else at the idle one, one at a time.
+//!
+//! The node's record of the snapshot names its packs from the pull's start
+//! (so they are never evicted as unowned mid-pull), and its heartbeats say
+//! so: a peer sent here for a pack whose copy is not written yet gets no
+//! copy and fetches it from another holder or the store.
+//!
+//! Memory: a pack takes its share of the budget once fetched, so a labd
+//! holds at most the budget, plus the packs being received (16 of at most
+//! 64 MiB, every pull together), plus those kept for files
+//! ([`crate::arrive`]'s 256 MiB).
 //!
 //! A copy that cannot be written (a full disk) is said in the log and
 //! left out; the next pull that needs the pack fetches it again. The copy
@@ -32,10 +42,24 @@ use crate::id::PackId;
 /// (and has every pull's written now).
 pub const BEHIND_MAX_MIB: usize = 1024;
 
-static BEHIND: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(BEHIND_MAX_MIB);
+/// The memory waiting copies may hold, and what wakes them when it is
+/// wanted.
+pub(crate) struct Budget {
+    mib: tokio::sync::Semaphore,
+    pressed: tokio::sync::Notify,
+}
 
-/// Wakes the copies of every pull when memory is wanted.
-static PRESSED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+impl Budget {
+    pub(crate) const fn new(mib: usize) -> Budget {
+        Budget {
+            mib: tokio::sync::Semaphore::const_new(mib),
+            pressed: tokio::sync::Notify::const_new(),
+        }
+    }
+}
+
+/// Every pull of the process together.
+static BEHIND: Budget = Budget::new(BEHIND_MAX_MIB);
 
 /// Copies are written one at a time: thirty 32 MiB writes at once queued
 /// a gigabyte before the disk, and the job just started (its interpreter
@@ -49,7 +73,10 @@ pub struct CacheWrites {
     go: tokio::sync::watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<Option<u64>>>>,
     /// [`BEHIND`], or a smaller one in tests.
-    budget: &'static tokio::sync::Semaphore,
+    budget: &'static Budget,
+    /// Memory was wanted: the copies are holding up a fetch, and are
+    /// written at the disk's usual priority.
+    pressed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What [`CacheWrites::finish`] found.
@@ -66,10 +93,15 @@ pub struct CacheWritten {
 impl CacheWrites {
     /// Copies to write later.
     pub fn new() -> Arc<CacheWrites> {
+        CacheWrites::with_budget(&BEHIND)
+    }
+
+    fn with_budget(budget: &'static Budget) -> Arc<CacheWrites> {
         Arc::new(CacheWrites {
             go: tokio::sync::watch::channel(false).0,
             tasks: Mutex::new(Vec::new()),
-            budget: &BEHIND,
+            budget,
+            pressed: Arc::default(),
         })
     }
 
@@ -106,26 +138,33 @@ impl CacheWrites {
         bytes: Bytes,
         arrivals: Arc<Arrivals>,
     ) {
+        use std::sync::atomic::Ordering;
+        let budget = self.budget;
         let mib = (bytes.len().div_ceil(1 << 20)).clamp(1, BEHIND_MAX_MIB) as u32;
-        let permit = match self.budget.try_acquire_many(mib) {
+        let permit = match budget.mib.try_acquire_many(mib) {
             Ok(p) => p,
             Err(_) => {
+                self.pressed.store(true, Ordering::Relaxed);
                 self.start();
-                PRESSED.notify_waiters();
-                self.budget.acquire_many(mib).await.expect("never closed")
+                budget.pressed.notify_waiters();
+                budget.mib.acquire_many(mib).await.expect("never closed")
             }
         };
         let mut go = self.go.subscribe();
+        // Made here, not in the task: it hears a press from now on, even
+        // before the task first runs.
+        let pressed = budget.pressed.notified();
+        let mine = self.pressed.clone();
         let task = tokio::spawn(async move {
-            tokio::select! {
+            let urgent = tokio::select! {
                 // Started, or its pull and caller are gone: written now.
-                _ = go.wait_for(|g| *g) => {}
-                _ = PRESSED.notified() => {}
-            }
+                _ = go.wait_for(|g| *g) => mine.load(Ordering::Relaxed),
+                _ = pressed => true,
+            };
             let size = bytes.len() as u64;
             let one = WRITING.acquire().await.expect("never closed");
             let written = blocking(move || {
-                let _idle = IdleIo::enter();
+                let _idle = (!urgent).then(IdleIo::enter);
                 write_atomic_direct(&dest, &bytes)
             })
             .await;
@@ -150,7 +189,8 @@ impl CacheWrites {
 /// The calling thread's I/O at the idle priority while this lives: a
 /// copy's writes yield to every other read and write of the disk (the
 /// job's own start reading its interpreter and libraries, for one),
-/// where the disk's scheduler knows priorities (mq-deadline, bfq).
+/// where the disk's scheduler knows priorities (mq-deadline, bfq; not
+/// `none`, usual on NVMe, where it changes nothing).
 struct IdleIo {
     before: Option<libc::c_long>,
 }
@@ -166,10 +206,14 @@ impl IdleIo {
         // SAFETY: ioprio_get and ioprio_set take integers only and act on
         // the calling thread (who 0); an error leaves its priority as it was.
         let before = unsafe { libc::syscall(libc::SYS_ioprio_get, IOPRIO_WHO_PROCESS, 0) };
+        if before < 0 {
+            // Not to be put back: left as it is.
+            return IdleIo { before: None };
+        }
         let idle = IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT;
         let set = unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0, idle) };
         IdleIo {
-            before: (before >= 0 && set == 0).then_some(before),
+            before: (set == 0).then_some(before),
         }
     }
 }
@@ -252,13 +296,9 @@ mod tests {
     /// after it.
     #[tokio::test]
     async fn a_full_budget_starts_the_copies_instead_of_waiting_for_the_end() {
-        static SMALL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+        static SMALL: Budget = Budget::new(2);
         let dir = tempfile::tempdir().unwrap();
-        let w = Arc::new(CacheWrites {
-            go: tokio::sync::watch::channel(false).0,
-            tasks: Mutex::new(Vec::new()),
-            budget: &SMALL,
-        });
+        let w = CacheWrites::with_budget(&SMALL);
         let packs: Vec<(PackId, Bytes)> = (1..=3).map(pack).collect();
         let ids: Vec<PackId> = packs.iter().map(|(id, _)| *id).collect();
         let arrivals = Arc::new(Arrivals::new(ids.clone(), vec![ids.clone()]));
@@ -276,6 +316,39 @@ mod tests {
         }
         let done = w.finish().await;
         assert_eq!((done.packs, done.failed), (3, 0));
+    }
+
+    /// A pull whose fetch finds the memory used up by another pull's
+    /// copies has those written (that pull may be stuck behind this one),
+    /// at the usual priority.
+    #[tokio::test]
+    async fn a_full_budget_has_another_pulls_copies_written() {
+        static SMALL: Budget = Budget::new(2);
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (
+            CacheWrites::with_budget(&SMALL),
+            CacheWrites::with_budget(&SMALL),
+        );
+        let packs: Vec<(PackId, Bytes)> = (5..=7).map(pack).collect();
+        let ids: Vec<PackId> = packs.iter().map(|(id, _)| *id).collect();
+        let arrivals = Arc::new(Arrivals::new(ids.clone(), vec![ids.clone()]));
+        let dest = |i: usize| dir.path().join(format!("q{i}"));
+        for (i, (id, bytes)) in packs.iter().enumerate() {
+            arrivals.offer_pending(*id, fresh(bytes));
+            let w = if i < 2 { &first } else { &second };
+            let deferred = w.defer(*id, dest(i), bytes.clone(), arrivals.clone());
+            tokio::time::timeout(Duration::from_secs(10), deferred)
+                .await
+                .expect("the second pull is not held up by the first's copies");
+        }
+        // The first pull never ended, yet its copies are in.
+        let t = std::time::Instant::now();
+        while !(dest(0).exists() && dest(1).exists()) {
+            assert!(t.elapsed() < Duration::from_secs(10), "not written");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(second.finish().await.packs, 1);
+        assert_eq!(first.finish().await.packs, 2);
     }
 
     /// A copy that cannot be written is left out and said; the pull's

@@ -1406,6 +1406,39 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
         said.contains("disagrees with pack") && said.contains("rebuild-index"),
         "{said}"
     );
+    // The same from a peer, the cache copies written behind (labd's
+    // pull): the footer is read once the copy it needs is written, which
+    // the pull has written then rather than after its own end.
+    let peers = Arc::new(ScriptedPeers {
+        store: dir.path().join("store"),
+        offer_good: true,
+        events: Default::default(),
+    });
+    let cache = NodeCache::open(&env.root.join("behind-cache"), 1 << 30)
+        .unwrap()
+        .with_peers(peers);
+    let writes = labsync_store::CacheWrites::new();
+    let (out, spec) = (env.root.join("out-behind"), "ds".parse().unwrap());
+    let behind = labsync_store::pull_writing_behind(
+        &env.repo,
+        &cache,
+        &spec,
+        &out,
+        labsync_store::PullOptions {
+            threads: 2,
+            delete: false,
+            shared: false,
+            expect: None,
+        },
+        np(),
+        &writes,
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(60), behind)
+        .await
+        .expect("the pull does not wait for its own end")
+        .unwrap();
+    assert_same_tree(&src, &out);
+    assert_eq!(writes.finish().await.failed, 0);
 
     env.repo.rebuild_index().await.unwrap();
     let report = verify(&env.repo, &env.cache, None, true, np())

@@ -133,7 +133,7 @@ pub async fn pull_with(
 /// [`pull_with`], returning once the files are written: the node cache's
 /// copies of packs fetched from peers are written after, by `writes`
 /// ([`CacheWrites::finish`] waits for them), so a job does not wait for
-/// copies it does not read (see [`crate::behind`]).
+/// copies it does not read.
 pub async fn pull_writing_behind(
     repo: &Repo,
     cache: &NodeCache,
@@ -238,7 +238,7 @@ async fn pull_inner(
         fetched
     };
     let write = write_verified(
-        &repo, cache, &entries, index, order, &tree, threads, &progress, &arrivals,
+        &repo, cache, &entries, index, order, &tree, threads, &progress, &arrivals, behind,
     );
     let (fetched, written) = tokio::join!(fetch, write);
     // A writer's own error says more than the fetch's, unless the writer
@@ -469,6 +469,7 @@ async fn write_verified(
     threads: usize,
     progress: &Arc<dyn Progress>,
     arrivals: &Arc<Arrivals>,
+    behind: Option<&CacheWrites>,
 ) -> Result<u64> {
     let mut index = Arc::new(index);
     let mut corrected = HashSet::new();
@@ -512,7 +513,11 @@ async fn write_verified(
         };
         // The pack may have been read from memory while the fetch still
         // writes it to the cache: its footer is read, and the pack
-        // replaced, only once that is done.
+        // replaced, only once that is done. A copy written behind waits
+        // for the pull's end, which waits for this: it is written now.
+        if let Some(w) = behind {
+            w.start();
+        }
         let a = arrivals.clone();
         blocking(move || {
             a.wait_in_cache(&p);
