@@ -1409,14 +1409,7 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
     // The same from a peer, the cache copies written behind (labd's
     // pull): the footer is read once the copy it needs is written, which
     // the pull has written then rather than after its own end.
-    let peers = Arc::new(ScriptedPeers {
-        store: dir.path().join("store"),
-        offer_good: true,
-        events: Default::default(),
-    });
-    let cache = NodeCache::open(&env.root.join("behind-cache"), 1 << 30)
-        .unwrap()
-        .with_peers(peers);
+    let cache = cache_with_good_peers(&env, &dir.path().join("store"));
     let writes = labsync_store::CacheWrites::new();
     let (out, spec) = (env.root.join("out-behind"), "ds".parse().unwrap());
     let behind = labsync_store::pull_writing_behind(
@@ -1424,12 +1417,7 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
         &cache,
         &spec,
         &out,
-        labsync_store::PullOptions {
-            threads: 2,
-            delete: false,
-            shared: false,
-            expect: None,
-        },
+        PLAIN_PULL,
         np(),
         &writes,
     );
@@ -2045,6 +2033,27 @@ impl labsync_store::PackPeers for ScriptedPeers {
     }
 }
 
+/// A fresh node cache whose peers ([`ScriptedPeers`]) serve the packs of
+/// the local store at `store`, after a corrupt copy and a failure.
+fn cache_with_good_peers(env: &Env, store: &Path) -> NodeCache {
+    let peers = Arc::new(ScriptedPeers {
+        store: store.to_path_buf(),
+        offer_good: true,
+        events: Default::default(),
+    });
+    NodeCache::open(&env.root.join("behind-cache"), 1 << 30)
+        .unwrap()
+        .with_peers(peers)
+}
+
+/// A pull with two writers that deletes nothing and keeps the recorded modes.
+const PLAIN_PULL: labsync_store::PullOptions = labsync_store::PullOptions {
+    threads: 2,
+    delete: false,
+    shared: false,
+    expect: None,
+};
+
 /// A cache with peers takes a pack from the first peer with a good copy,
 /// refuses a corrupt one and goes on past one that fails; with no good
 /// copy at any peer the pack comes from the store. The pull is right
@@ -2142,22 +2151,10 @@ async fn a_pull_writing_behind_leaves_the_cache_whole_after_it() {
     push(&env.repo, &src, &opts("data", &env.cache), np())
         .await
         .unwrap();
-    let peers = Arc::new(ScriptedPeers {
-        store: dir.path().to_path_buf(),
-        offer_good: true,
-        events: Default::default(),
-    });
-    let cache = NodeCache::open(&env.root.join("behind-cache"), 1 << 30)
-        .unwrap()
-        .with_peers(peers);
+    let cache = cache_with_good_peers(&env, dir.path());
     let writes = labsync_store::CacheWrites::new();
     let dest = env.root.join("out");
-    let opts = labsync_store::PullOptions {
-        threads: 2,
-        delete: false,
-        shared: false,
-        expect: None,
-    };
+    let opts = PLAIN_PULL;
     let spec = "data".parse().unwrap();
     let got =
         labsync_store::pull_writing_behind(&env.repo, &cache, &spec, &dest, opts, np(), &writes)
