@@ -549,7 +549,7 @@ impl Client {
 /// at most 64 MiB and a chunk.
 ///
 /// The buffer is allocated once at the announced length, and a large one
-/// is backed by huge pages where the kernel offers them: collecting 30 MiB
+/// is backed by huge pages where they pay (see [`big_buffer`]): collecting 30 MiB
 /// packs frame by frame and then into a fresh buffer of 4 KiB pages spent
 /// a third of a peer fetch's CPU in page faults (perf, 1 GB from a peer).
 async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Result<Bytes, String> {
@@ -572,9 +572,10 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
 
 /// An empty buffer with room for `n` bytes, and where its contents are to
 /// start. From 4 MiB on (packs), the kernel is asked to back it with huge
-/// pages (one fault per 2 MiB, not per 4 KiB), and the contents start at a
-/// 4 KiB boundary, so the node cache writes them to the disk with
-/// `O_DIRECT` from where they are, without a copy.
+/// pages (one fault per 2 MiB, not per 4 KiB) unless [`huge_pages_pay`]
+/// says they cost more here, and the contents start at a 4 KiB boundary,
+/// so the node cache writes them to the disk with `O_DIRECT` from where
+/// they are, without a copy.
 ///
 /// A large buffer is at least 32 MiB and a page: glibc maps any allocation
 /// above 32 MiB on its own and unmaps it when freed, so the huge-page
@@ -589,10 +590,48 @@ pub(crate) fn big_buffer(n: usize) -> (Vec<u8>, usize) {
     }
     let mut buf = Vec::with_capacity((n + ALIGN).max(OWN_MAPPING));
     #[cfg(target_os = "linux")]
-    advise_huge(&buf);
+    if huge_pages_pay() {
+        advise_huge(&buf);
+    }
     let start = buf.as_ptr().align_offset(ALIGN).min(ALIGN);
     buf.resize(start, 0);
     (buf, start)
+}
+
+/// False on a virtual machine whose memory balloon has free page
+/// reporting (virtio feature 5): there the guest hands freed memory back
+/// to the hypervisor, and a huge page faulted into such memory cost 20×
+/// more than into memory still held (2.2 s per GiB against 0.1, measured
+/// on a Firecracker guest with `page_reporting_order=9`), where 4 KiB pages
+/// cost 0.5 s per GiB either way. Packs land in such memory whenever the
+/// node has been idle a few seconds: in the follow benchmark on that guest
+/// the huge-page faults were a quarter of both CPUs' time, and gpu2's
+/// fetch took 3.5 CPU seconds (median of 12) against 2.0 without them.
+/// Read once from sysfs.
+#[cfg(target_os = "linux")]
+fn huge_pages_pay() -> bool {
+    static PAY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAY.get_or_init(|| {
+        !balloon_reports_free_pages(std::path::Path::new("/sys/bus/virtio/devices"))
+    })
+}
+
+/// Whether a virtio memory balloon (device id 5) under `devices` (a sysfs
+/// `virtio/devices` folder) was given the free page reporting feature
+/// (bit 5 of its `features`, one character per bit, lowest first).
+#[cfg(target_os = "linux")]
+fn balloon_reports_free_pages(devices: &std::path::Path) -> bool {
+    const BALLOON: u32 = 5;
+    const FREE_PAGE_REPORTING: usize = 5;
+    let Ok(entries) = std::fs::read_dir(devices) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let read = |f: &str| std::fs::read_to_string(e.path().join(f)).unwrap_or_default();
+        let id = read("device");
+        let balloon = u32::from_str_radix(id.trim().trim_start_matches("0x"), 16) == Ok(BALLOON);
+        balloon && read("features").as_bytes().get(FREE_PAGE_REPORTING) == Some(&b'1')
+    })
 }
 
 #[cfg(target_os = "linux")]
@@ -637,6 +676,27 @@ mod tests {
         assert_eq!(tls.to_string(), "https://gpu3:7420");
         assert!("gpu3".parse::<Endpoint>().is_err());
         assert!("https://gpu3".parse::<Endpoint>().is_err());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn huge_pages_are_left_out_only_under_a_balloon_that_reports_free_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        let devices = dir.path();
+        let device = |name: &str, id: &str, features: &str| {
+            let d = devices.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("device"), format!("{id}\n")).unwrap();
+            std::fs::write(d.join("features"), format!("{features}\n")).unwrap();
+        };
+        assert!(!balloon_reports_free_pages(&devices.join("none")));
+        // A block device with bit 5 set, and a balloon without it.
+        device("virtio1", "0x0002", "011001");
+        device("virtio0", "0x0005", "0110000000");
+        assert!(!balloon_reports_free_pages(devices));
+        // This machine's balloon: statistics, deflate on OOM, reporting.
+        device("virtio0", "0x0005", "0110010000000000000000000000000010");
+        assert!(balloon_reports_free_pages(devices));
     }
 
     /// Answers `head` then `body_len` bytes to one request on a fresh port.
