@@ -1292,6 +1292,35 @@ fn a_working_folder_made_deeper_than_a_stack_is_swept_and_labd_lives_on() {
     assert!(n.status().contains("node"), "labd still answers");
 }
 
+/// A log removed under labd (here swept right away, `work_keep_s = 0`)
+/// is said to be gone: it read as empty, so `labrun` and `labrun logs`
+/// printed nothing and succeeded, as if the job had said nothing (seen
+/// once in the follow benchmark, where a stray labd swept the job's log).
+#[test]
+fn a_log_removed_before_it_is_read_is_said_to_be_gone_not_empty() {
+    let n = Node::start(None, "run_as = \"labd\"\nwork_keep_s = 0");
+    let id = n.bash(ALICE, 0, "echo first");
+    let job_dir = n.path(&format!("state/jobs/{id}"));
+    wait_until("the job to end and be swept", 60, || {
+        n.ended(&id) && !job_dir.exists()
+    });
+    assert!(!n.path(&format!("state/logs/{id}.log")).exists());
+    for args in [vec!["logs", id.as_str()], vec!["logs", "-f", id.as_str()]] {
+        let o = n.labrun(Some(ALICE), &args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "labrun {args:?} succeeded: {err}");
+        assert!(
+            o.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        assert!(
+            err.contains(&format!("the output of job {id} is gone")),
+            "labrun {args:?}: {err}"
+        );
+    }
+}
+
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {

@@ -193,12 +193,10 @@ impl JobLogs {
 /// Logs are cut at multiples of this.
 const LOG_BLOCK: u64 = 4096;
 
+/// A missing log is an error (`NotFound`): whether that is an empty log
+/// (a job that never started) or lost output is the caller's to say.
 fn read_from(path: &Path, offset: u64, max: usize) -> std::io::Result<Vec<u8>> {
-    let mut f = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
+    let mut f = File::open(path)?;
     f.seek(SeekFrom::Start(offset))?;
     let mut buf = Vec::new();
     f.take(max as u64).read_to_end(&mut buf)?;

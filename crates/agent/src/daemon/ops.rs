@@ -709,9 +709,24 @@ impl Daemon {
                 && (!rec.meta.outputs_pending || rec.meta.outputs_failures > 0);
             let p = path.clone();
             let cut = rec.meta.log_cut;
-            let (bytes, next) = off_runtime(move || read_log(&p, offset, 1 << 20, cut))
-                .await
-                .map_err(internal)?;
+            let (bytes, next) = match off_runtime(move || read_log(&p, offset, 1 << 20, cut)).await
+            {
+                Ok(read) => read,
+                // A job that never started wrote nothing.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && rec.started_at.is_none() => {
+                    (Vec::new(), offset)
+                }
+                // Never an empty read: the follower would take it for the
+                // whole output, and say nothing was lost.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(ApiError::NotFound(format!(
+                        "the output of job {id} is gone: its log was removed from {} \
+                         (a finished job's folder and log are kept work_keep_s after it ends)",
+                        self.node_name()
+                    )))
+                }
+                Err(e) => return Err(internal(e)),
+            };
             // Cut meanwhile: what was read may hold the new hole; read again.
             if self.record(id)?.meta.log_cut != cut {
                 continue;
