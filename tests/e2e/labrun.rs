@@ -1321,6 +1321,33 @@ fn a_log_removed_before_it_is_read_is_said_to_be_gone_not_empty() {
     }
 }
 
+/// A labd whose state folder is replaced under it stops, saying why,
+/// instead of acting on the new folder: one left running so (by a
+/// benchmark harness that died) swept the job folders and logs of the labd
+/// started on the new folder, which its own database did not know.
+#[test]
+fn a_labd_whose_state_folder_is_replaced_stops_and_a_new_one_runs_there() {
+    let mut n = Node::start(None, "run_as = \"labd\"");
+    let state = n.path("state");
+    std::fs::rename(&state, n.path("state.old")).unwrap();
+    std::fs::create_dir(&state).unwrap();
+    let mut labd = n.labd.take().unwrap();
+    wait_until("labd to stop", 30, || labd.try_wait().unwrap().is_some());
+    assert_eq!(labd.wait().unwrap().code(), Some(1));
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(
+        log.contains(&format!(
+            "the state folder {} was removed or replaced while labd ran",
+            state.display()
+        )),
+        "{log}"
+    );
+    n.restart();
+    let id = n.bash(ALICE, 0, "echo first");
+    wait_until("the job to end", 30, || n.ended(&id));
+    assert_eq!(n.ok(ALICE, &["logs", &id]), "first\n");
+}
+
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {

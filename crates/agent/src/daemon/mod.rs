@@ -173,7 +173,7 @@ pub struct Daemon {
     /// check is running.
     stages_checked: std::sync::Mutex<Option<std::time::Instant>>,
     stages_checking: std::sync::atomic::AtomicBool,
-    _lock: File,
+    lock: File,
 }
 
 impl Daemon {
@@ -291,7 +291,7 @@ impl Daemon {
             hold_checked: Default::default(),
             stages_checked: Default::default(),
             stages_checking: Default::default(),
-            _lock: lock,
+            lock,
             cfg,
         }))
     }
@@ -370,6 +370,26 @@ impl Daemon {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+
+    /// Why this labd must stop, when its state folder was removed or
+    /// replaced while it ran (its `labd.lock` is no longer the file it
+    /// locked): its database is gone with it, and a labd started on the new
+    /// folder would see this one sweep job folders and logs it does not know.
+    pub fn state_dir_lost(&self) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        let path = self.cfg.state_dir.join("labd.lock");
+        let held = self.lock.metadata().ok()?;
+        let same =
+            std::fs::metadata(&path).is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()));
+        (!same).then(|| {
+            format!(
+                "the state folder {} was removed or replaced while labd ran ({} is not the lock \
+                 this labd holds): stopping, so as not to act on files that are not its own",
+                self.cfg.state_dir.display(),
+                path.display()
+            )
+        })
     }
 
     /// This node's name.

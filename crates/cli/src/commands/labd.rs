@@ -2,6 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -83,23 +84,43 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
         tokio::spawn(crate::slurm::rerank::run(daemon.clone(), r));
     }
     tracing::info!("listening on {listen}");
-    let shutdown = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return std::future::pending().await;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+    let lost = Arc::new(AtomicBool::new(false));
+    let shutdown = {
+        let (daemon, lost) = (daemon.clone(), lost.clone());
+        async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                return std::future::pending().await;
+            };
+            let mut every = tokio::time::interval(STATE_CHECK);
+            loop {
+                tokio::select! {
+                    _ = term.recv() => break,
+                    _ = int.recv() => break,
+                    _ = every.tick() => {
+                        if let Some(why) = daemon.state_dir_lost() {
+                            tracing::error!("{why}");
+                            lost.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                }
+            }
+            tracing::info!("stopping; running jobs keep running and are adopted at the next start");
         }
-        tracing::info!("stopping; running jobs keep running and are adopted at the next start");
     };
     serve(daemon, listener, shutdown).await?;
     if let Endpoint::Unix(p) = &listen {
         let _ = std::fs::remove_file(p);
     }
+    if lost.load(Ordering::Relaxed) {
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(ExitCode::SUCCESS)
 }
+
+/// How often labd checks that its state folder is still the one it locked.
+const STATE_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
