@@ -51,8 +51,31 @@ struct Args {
     out: PathBuf,
 }
 
+/// The daemons running now (labd, s3s-fs, the rsync daemon), for [`die`]:
+/// it exits without dropping the `Lab`, and daemons left running went on
+/// heartbeating, and sweeping job folders of the next run in the same
+/// work folder (a job's log vanished so).
+static DAEMONS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+fn daemon(c: Child) -> Child {
+    DAEMONS.lock().unwrap().push(c.id());
+    c
+}
+
+/// Kills daemon `c` and waits for it.
+fn end(mut c: Child) {
+    DAEMONS.lock().unwrap().retain(|p| *p != c.id());
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
 fn die(msg: &str) -> ! {
     eprintln!("follow-bench: {msg}");
+    for pid in DAEMONS.lock().unwrap().drain(..) {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
     std::process::exit(2)
 }
 
@@ -117,7 +140,7 @@ struct Lab {
     s3_port: u16,
     ports: Vec<u16>,
     daemons: Vec<Option<Child>>,
-    s3: Child,
+    s3: Option<Child>,
 }
 
 impl Lab {
@@ -147,14 +170,13 @@ impl Lab {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         self.env(&mut c);
-        self.daemons[i] = Some(c.spawn().unwrap());
+        self.daemons[i] = Some(daemon(c.spawn().unwrap()));
         wait_port(self.ports[i], "labd");
     }
 
     fn stop(&mut self, i: usize) {
-        if let Some(mut c) = self.daemons[i].take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.daemons[i].take() {
+            end(c);
         }
     }
 
@@ -316,8 +338,9 @@ impl Drop for Lab {
         for i in 0..self.daemons.len() {
             self.stop(i);
         }
-        let _ = self.s3.kill();
-        let _ = self.s3.wait();
+        if let Some(s3) = self.s3.take() {
+            end(s3);
+        }
     }
 }
 
@@ -395,6 +418,7 @@ fn main() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let s3 = daemon(s3);
     wait_port(s3_port, "s3s-fs");
     let secret = w.join("cluster.secret");
     std::fs::write(&secret, "follow-bench-cluster-secret-0123456789abcdef").unwrap();
@@ -430,7 +454,7 @@ fn main() {
         s3_port,
         ports,
         daemons: vec![None, None, None],
-        s3,
+        s3: Some(s3),
     };
     eprintln!("follow-bench: pushing the data to the store");
     lab.labsync(
@@ -487,7 +511,7 @@ fn main() {
         ),
     )
     .unwrap();
-    let mut rsyncd = Command::new("rsync")
+    let rsyncd = Command::new("rsync")
         .args([
             "--daemon",
             "--no-detach",
@@ -499,6 +523,7 @@ fn main() {
         .arg(format!("--config={}", conf.display()))
         .spawn()
         .unwrap_or_else(|e| die(&format!("rsync: {e}")));
+    let rsyncd = daemon(rsyncd);
     wait_port(rport, "the rsync daemon");
     // Each repetition times the peer run and rsync back to back, which
     // one goes first alternating: the machine's drift hits both alike.
@@ -610,8 +635,7 @@ fn main() {
             }
         }
     }
-    let _ = rsyncd.kill();
-    let _ = rsyncd.wait();
+    end(rsyncd);
     lab.stop(1);
     lab.wait_status("gpu1 down", |st| {
         node(st, "gpu1").is_some_and(|x| x["health"] == "down")
