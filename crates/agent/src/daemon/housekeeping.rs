@@ -45,7 +45,15 @@ fn retry_due(failures: u32, since: Duration) -> bool {
     since >= wait
 }
 
+/// An ended job's folder and log stay at least this long, whatever
+/// `work_keep`: a follower's last read of the log comes after the end (it
+/// was swept under a follower with `work_keep_s = 0`).
+const SWEEP_AFTER_AT_LEAST: Duration = Duration::from_secs(5);
+
 pub(crate) struct Housekeeping {
+    /// Checked before each pass: a labd whose state folder was replaced
+    /// must not sweep the new one.
+    lock: Arc<super::StateLock>,
     node: Arc<Node>,
     trees: Arc<Trees>,
     /// Cap on the shared trees, bytes.
@@ -69,7 +77,9 @@ pub(crate) struct Housekeeping {
 }
 
 impl Housekeeping {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        lock: Arc<super::StateLock>,
         node: Arc<Node>,
         trees: Arc<Trees>,
         trees_max: u64,
@@ -79,6 +89,7 @@ impl Housekeeping {
         history_keep: Duration,
     ) -> Housekeeping {
         Housekeeping {
+            lock,
             node,
             trees,
             trees_max,
@@ -117,6 +128,10 @@ impl Housekeeping {
                 }
             }
             let _idle = Idle(&me.running);
+            // labd stops on its own within seconds (`labd` checks too).
+            if me.lock.lost().is_some() {
+                return;
+            }
             let node = me.node.clone();
             let stages = me.stages_dir.clone();
             // Asked under the tree's lock, so read afresh each time: a
@@ -196,9 +211,8 @@ impl Housekeeping {
             let id = e.file_name().to_string_lossy().into_owned();
             let old = match self.node.job(&id) {
                 Ok(Some(j)) => {
-                    !j.active()
-                        && j.ended_at
-                            .is_some_and(|t| now >= t.saturating_add(self.work_keep.as_secs()))
+                    let keep = self.work_keep.max(SWEEP_AFTER_AT_LEAST).as_secs();
+                    !j.active() && j.ended_at.is_some_and(|t| now >= t.saturating_add(keep))
                 }
                 Ok(None) => true,
                 Err(_) => false,

@@ -173,7 +173,7 @@ pub struct Daemon {
     /// check is running.
     stages_checked: std::sync::Mutex<Option<std::time::Instant>>,
     stages_checking: std::sync::atomic::AtomicBool,
-    lock: File,
+    lock: Arc<StateLock>,
 }
 
 impl Daemon {
@@ -182,7 +182,10 @@ impl Daemon {
         cfg: DaemonConfig,
         inventory: Arc<dyn GpuInventory>,
     ) -> Result<Arc<Daemon>, DaemonError> {
-        let lock = lock_state_dir(&cfg.state_dir)?;
+        let lock = Arc::new(StateLock {
+            path: cfg.state_dir.join("labd.lock"),
+            file: lock_state_dir(&cfg.state_dir)?,
+        });
         let inventory_name = inventory.describe();
         let node_cfg = NodeConfig {
             state_dir: cfg.state_dir.clone(),
@@ -265,6 +268,7 @@ impl Daemon {
             },
         );
         let housekeeping = Housekeeping::new(
+            lock.clone(),
             node.clone(),
             trees.clone(),
             cfg.trees_max,
@@ -373,21 +377,21 @@ impl Daemon {
     }
 
     /// Why this labd must stop, when its state folder was removed or
-    /// replaced while it ran (its `labd.lock` is no longer the file it
-    /// locked): its database is gone with it, and a labd started on the new
-    /// folder would see this one sweep job folders and logs it does not know.
+    /// replaced while it ran (see [`StateLock::lost`]), with the jobs it
+    /// leaves running unmanaged.
     pub fn state_dir_lost(&self) -> Option<String> {
-        use std::os::unix::fs::MetadataExt;
-        let path = self.cfg.state_dir.join("labd.lock");
-        let held = self.lock.metadata().ok()?;
-        let same =
-            std::fs::metadata(&path).is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()));
-        (!same).then(|| {
+        let why = self.lock.lost()?;
+        let running: Vec<String> = (self.node)
+            .active_where(|j| matches!(j.state, JobState::Running { .. }))
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        Some(if running.is_empty() {
+            format!("{why}; no job was running")
+        } else {
             format!(
-                "the state folder {} was removed or replaced while labd ran ({} is not the lock \
-                 this labd holds): stopping, so as not to act on files that are not its own",
-                self.cfg.state_dir.display(),
-                path.display()
+                "{why}; jobs {} keep running, managed by no labd until the old folder is put back",
+                running.join(", ")
             )
         })
     }
@@ -447,6 +451,43 @@ impl Daemon {
     /// Where shared trees live (tests look at them).
     pub fn trees_dir(&self) -> PathBuf {
         self.trees.path("")
+    }
+}
+
+/// The lock labd holds on its state folder (`labd.lock`), one labd per
+/// folder.
+pub(crate) struct StateLock {
+    path: PathBuf,
+    file: File,
+}
+
+impl StateLock {
+    /// Why labd must stop, when its state folder was removed or replaced
+    /// while it ran (`labd.lock` is gone, or another file): its database
+    /// went with it, and a labd started on the new folder would see this one
+    /// sweep job folders and logs it does not know. Other errors (a network
+    /// file system that does not answer now) are logged and not taken for
+    /// a loss.
+    pub(crate) fn lost(&self) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        let held = self.file.metadata().ok()?;
+        let lost = match std::fs::metadata(&self.path) {
+            Ok(m) => (m.dev(), m.ino()) != (held.dev(), held.ino()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+            Err(e) => {
+                tracing::warn!("cannot check {}: {e}", self.path.display());
+                false
+            }
+        };
+        let folder = self.path.parent().unwrap_or(&self.path);
+        lost.then(|| {
+            format!(
+                "the state folder {} was removed or replaced while labd ran ({} is not the lock \
+                 this labd holds): stopping, so as not to act on files that are not its own",
+                folder.display(),
+                self.path.display()
+            )
+        })
     }
 }
 

@@ -721,7 +721,7 @@ impl Daemon {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     return Err(ApiError::NotFound(format!(
                         "the output of job {id} is gone: its log was removed from {} \
-                         (a finished job's folder and log are kept work_keep_s after it ends)",
+                         (a job's folder and log are kept work_keep_s after it ended and its outputs were saved)",
                         self.node_name()
                     )))
                 }

@@ -101,10 +101,11 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
                     _ = term.recv() => break,
                     _ = int.recv() => break,
                     _ = every.tick() => {
-                        if let Some(why) = daemon.state_dir_lost() {
+                        let d = daemon.clone();
+                        if let Ok(Some(why)) = tokio::task::spawn_blocking(move || d.state_dir_lost()).await {
                             tracing::error!("{why}");
                             lost.store(true, Ordering::Relaxed);
-                            break;
+                            return;
                         }
                     }
                 }
@@ -113,11 +114,12 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
         }
     };
     serve(daemon, listener, shutdown).await?;
+    if lost.load(Ordering::Relaxed) {
+        // The socket at that path may be a new labd's by now.
+        return Ok(ExitCode::FAILURE);
+    }
     if let Endpoint::Unix(p) = &listen {
         let _ = std::fs::remove_file(p);
-    }
-    if lost.load(Ordering::Relaxed) {
-        return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }
