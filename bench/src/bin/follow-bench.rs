@@ -69,13 +69,24 @@ fn end(mut c: Child) {
     let _ = c.wait();
 }
 
-fn die(msg: &str) -> ! {
-    eprintln!("follow-bench: {msg}");
-    for pid in DAEMONS.lock().unwrap().drain(..) {
+/// Kills every daemon still running (a poisoned list is still read; one
+/// held by this thread, panicking inside `daemon` or `end`, is left).
+fn kill_daemons() {
+    let mut pids = match DAEMONS.try_lock() {
+        Ok(p) => p,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    for pid in pids.drain(..) {
         let _ = Command::new("kill")
             .args(["-KILL", &pid.to_string()])
             .status();
     }
+}
+
+fn die(msg: &str) -> ! {
+    eprintln!("follow-bench: {msg}");
+    kill_daemons();
     std::process::exit(2)
 }
 
@@ -403,6 +414,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    // A panic (an unwrap) ends the run as `die` does, daemons included.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        kill_daemons();
+    }));
     let a = parse_args();
     let bin = a
         .bin
