@@ -377,8 +377,8 @@ impl Daemon {
     }
 
     /// Why this labd must stop, when its state folder was removed or
-    /// replaced while it ran (see [`StateLock::lost`]), with the jobs it
-    /// leaves running unmanaged.
+    /// replaced while it ran (its `labd.lock` is gone, or another file),
+    /// with the jobs it leaves running unmanaged.
     pub fn state_dir_lost(&self) -> Option<String> {
         let why = self.lock.lost()?;
         let running: Vec<String> = (self.node)
