@@ -552,12 +552,15 @@ impl Client {
 /// is backed by huge pages where they pay (see [`big_buffer`]): collecting 30 MiB
 /// packs frame by frame and then into a fresh buffer of 4 KiB pages spent
 /// a third of a peer fetch's CPU in page faults (perf, 1 GB from a peer).
+/// While the store's fetches run, a buffer whose pack has left memory is
+/// taken again instead ([`labsync_store::reuse`]): its pages are faulted
+/// already.
 async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Result<Bytes, String> {
     let too_long = || format!("an answer of more than {MAX_ANSWER} bytes");
     if length.is_some_and(|n| n > MAX_ANSWER) {
         return Err(too_long());
     }
-    let (mut buf, start) = big_buffer(length.unwrap_or(0));
+    let (mut buf, start) = answer_buffer(length.unwrap_or(0));
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| e.to_string())?;
         if let Ok(data) = frame.into_data() {
@@ -567,7 +570,25 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
             buf.extend_from_slice(&data);
         }
     }
-    Ok(Bytes::from(buf).slice(start..))
+    Ok(labsync_store::reuse::recycled(buf, start))
+}
+
+/// Answers from this size on (packs) get a buffer of their own, reused
+/// by the next fetch once the pack has left memory
+/// ([`labsync_store::reuse`]).
+const BIG: usize = 4 << 20;
+
+/// A buffer for an answer of `n` bytes: from [`BIG`] on, one whose pack
+/// has left memory when there is one (its pages are faulted already),
+/// else a new [`big_buffer`]. Handed out again as
+/// [`labsync_store::reuse::recycled`] bytes.
+pub(crate) fn answer_buffer(n: usize) -> (Vec<u8>, usize) {
+    if n >= BIG {
+        if let Some(kept) = labsync_store::reuse::reused(n) {
+            return kept;
+        }
+    }
+    big_buffer(n)
 }
 
 /// An empty buffer with room for `n` bytes, and where its contents are to
@@ -585,18 +606,20 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
 /// each: the fetching node's CPU to the first line 2.33 → 1.95 s, the
 /// peer run 1.15 → 1.10× rsync's time (paired medians).
 ///
-/// A large buffer is at least 32 MiB and a page: glibc maps any allocation
-/// above 32 MiB on its own and unmaps it when freed, so the huge-page
-/// advice ends with the buffer, never reaching memory the allocator hands
-/// out later (smaller buffers may come from its reused heap). The pages
-/// beyond the answer are never touched, so they cost address space only.
+/// A large buffer is at least 32 MiB and a page, rounded up to a power of
+/// two (64 MiB for the usual pack, so a buffer kept for reuse fits the
+/// next pack, [`answer_buffer`]): glibc maps any allocation above 32 MiB
+/// on its own and unmaps it when freed, so the advice ends with the
+/// buffer, never reaching memory the allocator hands out later (smaller
+/// buffers may come from its reused heap). The pages beyond the answer
+/// are never touched, so they cost address space only.
 pub(crate) fn big_buffer(n: usize) -> (Vec<u8>, usize) {
     const ALIGN: usize = 4096;
     const OWN_MAPPING: usize = (32 << 20) + ALIGN;
-    if n < 4 << 20 {
+    if n < BIG {
         return (Vec::with_capacity(n), 0);
     }
-    let mut buf = Vec::with_capacity((n + ALIGN).max(OWN_MAPPING));
+    let mut buf = Vec::with_capacity((n + ALIGN).max(OWN_MAPPING).next_power_of_two());
     #[cfg(target_os = "linux")]
     {
         if huge_pages_pay() {

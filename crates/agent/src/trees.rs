@@ -150,9 +150,11 @@ impl Trees {
             let done = writes.finish().await;
             if done.packs > 0 {
                 tracing::info!(
-                    "cached the packs of {label} {:.2} s after its files: {} packs, {} bytes{}",
+                    "cached the packs of {label} {:.2} s after its files: {} packs ({} rebuilt \
+                     from the files), {} bytes{}",
                     started.elapsed().as_secs_f64(),
                     done.packs,
+                    done.rebuilt,
                     done.bytes,
                     match done.failed {
                         0 => String::new(),

@@ -56,6 +56,9 @@ struct State {
     /// In memory until its cache copy is written behind the pull
     /// ([`crate::CacheWrites`], which bounds their memory), for any file.
     pending: HashMap<PackId, Arc<Fresh>>,
+    /// Copies to be rebuilt behind the pull from the files written
+    /// ([`Arrivals::offer_rebuilt`]): not in the cache until then.
+    rebuilt: HashSet<PackId>,
     /// Files still to write, per pack.
     users: HashMap<PackId, usize>,
     /// The fetch gave up: waiting is over.
@@ -117,7 +120,7 @@ impl Arrivals {
     pub(crate) fn arrived(&self, pack: PackId) {
         let mut s = self.lock();
         s.waiting.remove(&pack);
-        if !s.pending.contains_key(&pack) {
+        if !s.pending.contains_key(&pack) && !s.rebuilt.contains(&pack) {
             s.unwritten.remove(&pack);
         }
         drop(s);
@@ -134,10 +137,33 @@ impl Arrivals {
         self.arrived.notify_all();
     }
 
+    /// All of `pack`, fetched, its cache copy to be rebuilt behind the
+    /// pull from the files it is written to: kept in memory like
+    /// [`Arrivals::offer`] (until its files are written, within
+    /// [`FRESH_MAX`]), and awaited in the cache until
+    /// [`Arrivals::written`]. False, and nothing kept, when there is no
+    /// room: the caller holds the pack for its copy instead
+    /// ([`Arrivals::offer_pending`]).
+    pub(crate) fn offer_rebuilt(&self, pack: PackId, fresh: Fresh) -> bool {
+        let mut s = self.lock();
+        let size = fresh.bytes.len() as u64;
+        if s.fresh.contains_key(&pack) || !take(size) {
+            return false;
+        }
+        s.fresh_bytes += size;
+        s.fresh.insert(pack, Arc::new(fresh));
+        s.waiting.remove(&pack);
+        s.rebuilt.insert(pack);
+        drop(s);
+        self.arrived.notify_all();
+        true
+    }
+
     /// `pack`'s copy is in the cache: files read it there.
     pub(crate) fn written(&self, pack: PackId) {
         let mut s = self.lock();
         s.pending.remove(&pack);
+        s.rebuilt.remove(&pack);
         s.unwritten.remove(&pack);
         drop(s);
         self.arrived.notify_all();
@@ -146,14 +172,19 @@ impl Arrivals {
     /// `pack`'s copy could not be written: it stays in memory for this
     /// pull's files, and no one waits for the copy.
     pub(crate) fn not_written(&self, pack: PackId) {
-        self.lock().unwritten.remove(&pack);
+        let mut s = self.lock();
+        s.rebuilt.remove(&pack);
+        s.unwritten.remove(&pack);
+        drop(s);
         self.arrived.notify_all();
     }
 
-    /// Blocks until `pack` is in the cache, or the fetch is over.
+    /// Blocks until `pack` is in the cache, or the fetch is over; at once
+    /// when its copy is to be rebuilt from the files, which comes only
+    /// after the pull.
     pub(crate) fn wait_in_cache(&self, pack: &PackId) {
         let mut s = self.lock();
-        while s.unwritten.contains(pack) && !s.failed {
+        while s.unwritten.contains(pack) && !s.failed && !s.rebuilt.contains(pack) {
             s = self.arrived.wait(s).expect("arrivals poisoned");
         }
     }
@@ -164,9 +195,12 @@ impl Arrivals {
         let mut s = self.lock();
         s.waiting.clear();
         let State {
-            unwritten, pending, ..
+            unwritten,
+            pending,
+            rebuilt,
+            ..
         } = &mut *s;
-        unwritten.retain(|p| pending.contains_key(p));
+        unwritten.retain(|p| pending.contains_key(p) || rebuilt.contains(p));
         drop(s);
         self.arrived.notify_all();
     }
@@ -253,8 +287,17 @@ mod tests {
         PackId::of(&[n])
     }
 
+    /// The allowance is the process's: tests that take of it run one at
+    /// a time, so none finds it used up by another.
+    static ALLOWANCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn alone() -> std::sync::MutexGuard<'static, ()> {
+        ALLOWANCE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn a_writer_waits_for_its_own_packs_only() {
+        let _alone = alone();
         let (a, b) = (id(1), id(2));
         let uses = [vec![a], vec![b]];
         let arr = std::sync::Arc::new(Arrivals::new([a, b], uses));
@@ -287,8 +330,38 @@ mod tests {
         assert!(waiter.join().unwrap().is_err());
     }
 
+    /// A pack whose copy is rebuilt from its files leaves memory with
+    /// them, yet is not in the cache until the copy is written.
+    #[test]
+    fn a_pack_to_rebuild_leaves_memory_with_its_files_and_is_awaited_in_the_cache() {
+        let _alone = alone();
+        let (a, b) = (id(1), id(2));
+        let arr = std::sync::Arc::new(Arrivals::new([a, b], [vec![a], vec![a]]));
+        assert!(arr.offer_rebuilt(a, bytes(Bytes::from_static(b"pack a"))));
+        arr.arrived(a);
+        assert!(arr.wait_for(&[a]).is_ok());
+        assert!(arr.fresh(&a).is_some());
+        arr.done_with(&[a]);
+        assert!(arr.fresh(&a).is_some(), "one file still needs it");
+        arr.done_with(&[a]);
+        assert!(arr.fresh(&a).is_none(), "out of memory with its files");
+        assert_eq!(arr.lock().fresh_bytes, 0);
+        arr.finished();
+        assert!(arr.lock().unwritten.contains(&a), "not in the cache yet");
+        // Its copy comes after the pull: a writer of this pull does not
+        // wait for it.
+        arr.wait_in_cache(&a);
+        arr.written(a);
+        assert!(!arr.lock().unwritten.contains(&a));
+        // Over the allowance, nothing is taken: the caller holds it.
+        let big = Bytes::from(vec![0u8; FRESH_MAX as usize + 1]);
+        assert!(!arr.offer_rebuilt(b, bytes(big)));
+        assert!(arr.fresh(&b).is_none());
+    }
+
     #[test]
     fn memory_is_bounded_and_a_corrupt_copy_forgotten() {
+        let _alone = alone();
         let (a, b) = (id(1), id(2));
         let uses = [vec![a], vec![b]];
         let arr = Arrivals::new([a, b], uses);

@@ -14,12 +14,19 @@
 //! they hold ([`BEHIND_MAX_MIB`], the whole process together) is wanted:
 //! then at the disk's usual priority, else at the idle one, one at a time.
 //!
+//! A pack that is mostly its files' plain chunks is not held, though: it
+//! leaves memory once its files are written, and its copy is rebuilt
+//! from them ([`crate::pull::rebuild`]), so its buffer serves the next
+//! fetch ([`crate::reuse`]). Held, every pack of a gigabyte pulled from a
+//! peer faulted a fresh buffer, and the faults cost more than the rest of
+//! the fetch on a virtual machine.
+//!
 //! The node's record of the snapshot names its packs from the pull's start
 //! (so they are never evicted as unowned mid-pull), and its heartbeats say
 //! so: a peer sent here for a pack whose copy is not written yet gets no
 //! copy and fetches it from another holder or the store.
 //!
-//! Memory: a pack takes its share of the budget once fetched, so a labd
+//! Memory: a held pack takes its share of the budget once fetched, so a labd
 //! holds at most the budget, plus the packs being received (16 of at most
 //! 64 MiB, every pull together), plus those kept for files
 //! ([`crate::arrive`]'s 256 MiB).
@@ -34,8 +41,11 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use crate::arrive::Arrivals;
+use crate::error::Result;
 use crate::fsutil::{blocking, write_atomic_direct};
 use crate::id::PackId;
+use crate::pack::PackEntry;
+use crate::pull::rebuild::{Recipe, Written};
 
 /// Mebibytes of fetched packs waiting for their cache copy, every pull of
 /// the process together. Past it a fetch waits for copies to be written
@@ -70,14 +80,27 @@ static WRITING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 /// The cache copies of one pull, written once [`CacheWrites::start`] is
 /// called (the pull calls it when it is done, failed or dropped).
 pub struct CacheWrites {
-    go: tokio::sync::watch::Sender<bool>,
-    tasks: Mutex<Vec<tokio::task::JoinHandle<Option<u64>>>>,
+    /// Which copies may be written: none yet, [`HELD`] ones, or [`ALL`].
+    go: tokio::sync::watch::Sender<u8>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<Option<Copied>>>>,
     /// [`BEHIND`], or a smaller one in tests.
     budget: &'static Budget,
     /// Memory was wanted: the copies are holding up a fetch, and are
     /// written at the disk's usual priority.
     pressed: Arc<std::sync::atomic::AtomicBool>,
+    /// The pull's files, once it knows them: packs are rebuilt from them
+    /// rather than held ([`crate::pull::rebuild`]).
+    written: std::sync::OnceLock<Arc<Written>>,
 }
+
+/// [`CacheWrites::start_held`] was called: held copies may be written.
+const HELD: u8 = 1;
+/// [`CacheWrites::start`] was called: every copy may be written.
+const ALL: u8 = 2;
+
+/// A copy written: its bytes, and whether it was rebuilt from the pull's
+/// files.
+type Copied = (u64, bool);
 
 /// What [`CacheWrites::finish`] found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -86,6 +109,9 @@ pub struct CacheWritten {
     pub packs: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// Of those packs, how many were rebuilt from the pull's files rather
+    /// than held in memory until written.
+    pub rebuilt: u64,
     /// Packs that could not be written (said in the log).
     pub failed: u64,
 }
@@ -98,16 +124,45 @@ impl CacheWrites {
 
     fn with_budget(budget: &'static Budget) -> Arc<CacheWrites> {
         Arc::new(CacheWrites {
-            go: tokio::sync::watch::channel(false).0,
+            go: tokio::sync::watch::channel(0).0,
             tasks: Mutex::new(Vec::new()),
             budget,
             pressed: Arc::default(),
+            written: std::sync::OnceLock::new(),
         })
     }
 
-    /// The copies are written from now on.
+    /// The pull writes these files: copies of packs whose chunks they hold
+    /// are rebuilt from them.
+    pub(crate) fn rebuild_from(&self, written: Written) {
+        let _ = self.written.set(Arc::new(written));
+    }
+
+    /// How to rebuild `bytes` (pack with the checked `entries`) from the
+    /// pull's files; `None` when it is held whole for its copy.
+    pub(crate) fn recipe(&self, bytes: &[u8], entries: &[PackEntry]) -> Option<Recipe> {
+        self.written.get()?.recipe(bytes, entries)
+    }
+
+    /// The copies are written from now on: the pull is over (its files
+    /// are written, so copies rebuilt from them can be).
     pub fn start(&self) {
-        self.go.send_replace(true);
+        self.allow(ALL);
+    }
+
+    /// The copies held in memory are written from now on, ahead of the
+    /// pull's end: a fetch waits for their memory, or the pull for one of
+    /// them. Copies rebuilt from files still wait for the end.
+    pub(crate) fn start_held(&self) {
+        self.allow(HELD);
+    }
+
+    fn allow(&self, which: u8) {
+        self.go.send_if_modified(|g| {
+            let more = *g < which;
+            *g = (*g).max(which);
+            more
+        });
     }
 
     /// Starts the copies and waits until every one is written or failed.
@@ -117,9 +172,10 @@ impl CacheWrites {
         let mut done = CacheWritten::default();
         for t in tasks {
             match t.await {
-                Ok(Some(bytes)) => {
+                Ok(Some((bytes, rebuilt))) => {
                     done.packs += 1;
                     done.bytes += bytes;
+                    done.rebuilt += u64::from(rebuilt);
                 }
                 _ => done.failed += 1,
             }
@@ -145,27 +201,89 @@ impl CacheWrites {
             Ok(p) => p,
             Err(_) => {
                 self.pressed.store(true, Ordering::Relaxed);
-                self.start();
+                self.start_held();
                 budget.pressed.notify_waiters();
                 budget.mib.acquire_many(mib).await.expect("never closed")
             }
         };
-        let mut go = self.go.subscribe();
         // Made here, not in the task: it hears a press from now on, even
         // before the task first runs.
         let pressed = budget.pressed.notified();
+        let size = bytes.len() as u64;
+        let write = move || write_atomic_direct(&dest, &bytes);
+        self.spawn(
+            pack,
+            size,
+            arrivals,
+            Some(Box::pin(pressed)),
+            write,
+            Some(permit),
+        );
+    }
+
+    /// Writes `pack`'s copy to the cache as `dest` once started, rebuilt
+    /// from the pull's files as `recipe` says; the pull's files read it
+    /// from `arrivals` meanwhile (it was offered there with
+    /// [`Arrivals::offer_rebuilt`]), and it holds no memory but the
+    /// recipe's few kept bytes.
+    pub(crate) fn defer_rebuilt(
+        &self,
+        pack: PackId,
+        dest: PathBuf,
+        recipe: Recipe,
+        arrivals: Arc<Arrivals>,
+    ) {
+        let Some(from) = self.written.get().cloned() else {
+            arrivals.not_written(pack);
+            return;
+        };
+        let size = recipe.size();
+        // Fetched again meanwhile (a chunk of it failed a writer, and the
+        // pull fetched it whole from the store): in the cache already.
+        let write = move || {
+            if dest.exists() {
+                return Ok(());
+            }
+            from.rebuild(&pack, &recipe, &dest)
+        };
+        self.spawn(pack, size, arrivals, None, write, None);
+    }
+
+    /// The task that runs `write` (a copy of `size` bytes) once the copies
+    /// are started, or as soon as `pressed` says memory is wanted, one
+    /// copy of the process at a time; `permit` (memory) held until then.
+    fn spawn(
+        &self,
+        pack: PackId,
+        size: u64,
+        arrivals: Arc<Arrivals>,
+        pressed: Option<std::pin::Pin<Box<tokio::sync::futures::Notified<'static>>>>,
+        write: impl FnOnce() -> Result<()> + Send + 'static,
+        permit: Option<tokio::sync::SemaphorePermit<'static>>,
+    ) {
+        use std::sync::atomic::Ordering;
+        let mut go = self.go.subscribe();
         let mine = self.pressed.clone();
+        // Only a rebuilt copy holds no memory (no permit), and it is
+        // written once the pull's files are.
+        let rebuilt = permit.is_none();
+        let wanted = if rebuilt { ALL } else { HELD };
         let task = tokio::spawn(async move {
+            let pressed = async {
+                match pressed {
+                    Some(p) => p.await,
+                    None => std::future::pending().await,
+                }
+            };
             let urgent = tokio::select! {
                 // Started, or its pull and caller are gone: written now.
-                _ = go.wait_for(|g| *g) => mine.load(Ordering::Relaxed),
+                _ = go.wait_for(|g| *g >= wanted) => mine.load(Ordering::Relaxed),
                 _ = pressed => true,
             };
-            let size = bytes.len() as u64;
             let one = WRITING.acquire().await.expect("never closed");
             let written = blocking(move || {
                 let _idle = (!urgent).then(IdleIo::enter);
-                write_atomic_direct(&dest, &bytes)
+                write()
             })
             .await;
             drop(one);
@@ -173,7 +291,7 @@ impl CacheWrites {
             match written {
                 Ok(()) => {
                     arrivals.written(pack);
-                    Some(size)
+                    Some((size, rebuilt))
                 }
                 Err(e) => {
                     arrivals.not_written(pack);
@@ -284,6 +402,7 @@ mod tests {
             CacheWritten {
                 packs: 1,
                 bytes: 1 << 20,
+                rebuilt: 0,
                 failed: 0
             }
         );

@@ -303,6 +303,8 @@ impl NodeCache {
             }
         }
         progress.phase("fetch", Some(total), Some(missing.len() as u64));
+        // Buffers of packs that left memory serve the next fetches.
+        let _reuse = crate::reuse::Fetching::start();
         if let Some(peers) = &self.peers {
             let ids: Vec<PackId> = missing.iter().map(|(p, _)| *p).collect();
             if !ids.is_empty() {
@@ -419,10 +421,17 @@ impl NodeCache {
                         verified: Some(entries.iter().map(|e| (e.id, *e)).collect()),
                     };
                     match (arrivals, behind) {
-                        (Some(a), Some(w)) => {
-                            a.offer_pending(*id, fresh());
-                            w.defer(*id, dest, bytes, a.clone()).await;
-                        }
+                        (Some(a), Some(w)) => match w.recipe(&bytes, &entries) {
+                            // Its files' bytes: it leaves memory with them,
+                            // and its copy is rebuilt from them.
+                            Some(recipe) if a.offer_rebuilt(*id, fresh()) => {
+                                w.defer_rebuilt(*id, dest, recipe, a.clone());
+                            }
+                            _ => {
+                                a.offer_pending(*id, fresh());
+                                w.defer(*id, dest, bytes, a.clone()).await;
+                            }
+                        },
                         (a, _) => {
                             if let Some(a) = a {
                                 a.offer(*id, fresh());

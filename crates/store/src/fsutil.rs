@@ -82,6 +82,82 @@ pub(crate) fn write_all_direct(file: &std::fs::File, data: &[u8]) -> std::io::Re
     })
 }
 
+/// Writes `size` bytes to `path` (through a temporary name, renamed into
+/// place) that `fill` gives in order, piece by piece: `fill(offset,
+/// piece)` fills `piece` with the bytes from `offset` on. The pieces pass
+/// through one aligned buffer of the calling thread and go to the disk,
+/// with `direct`, by `O_DIRECT` where the file system allows it, so what
+/// is written is never whole in memory, nor in the page cache. An error
+/// (of `fill` or of the disk) ends the write, and nothing is left at
+/// `path` or the temporary name.
+pub(crate) fn write_atomic_pieces(
+    path: &Path,
+    size: u64,
+    direct: bool,
+    fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    /// Bytes per piece, as [`write_all_direct`] writes.
+    const PIECE: usize = 4 << 20;
+    thread_local! {
+        static WINDOW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
+    }
+    let tmp = tmp_name(path);
+    let create = |direct: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create_new(true);
+        #[cfg(target_os = "linux")]
+        if direct {
+            use std::os::unix::fs::OpenOptionsExt;
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(&tmp)
+    };
+    let direct = direct && cfg!(target_os = "linux");
+    let (file, direct) = match create(direct) {
+        Ok(f) => (f, direct),
+        Err(_) => (create(false).map_err(Error::io("create", &tmp))?, false),
+    };
+    let written = WINDOW.with(|w| {
+        let mut w = w.borrow_mut();
+        let start = aligned_window(&mut w, PIECE).ok_or_else(|| {
+            Error::io("align a buffer for", &tmp)(std::io::Error::from_raw_os_error(libc::EINVAL))
+        })?;
+        let mut at = 0u64;
+        while at < size {
+            let len = (size - at).min(PIECE as u64) as usize;
+            // With O_DIRECT the last piece is padded to whole blocks, and
+            // the file cut back to `size` after.
+            let padded = if direct {
+                len.next_multiple_of(DIRECT_ALIGN)
+            } else {
+                len
+            };
+            let piece = &mut w[start..start + padded];
+            fill(at, &mut piece[..len])?;
+            piece[len..].fill(0);
+            file.write_all_at(piece, at)
+                .map_err(Error::io("write", &tmp))?;
+            at += len as u64;
+        }
+        file.set_len(size).map_err(Error::io("write", &tmp))
+    });
+    drop(file);
+    match written {
+        Ok(()) => std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io("rename into place", path)(e)
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
 /// `None` where `O_DIRECT` cannot be used (the caller writes buffered).
 #[cfg(target_os = "linux")]
 fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {

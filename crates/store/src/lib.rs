@@ -54,6 +54,7 @@ mod pull;
 mod push;
 mod remote;
 mod repo;
+pub mod reuse;
 mod snapshot;
 mod verify;
 

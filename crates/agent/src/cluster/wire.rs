@@ -111,7 +111,7 @@ fn send_file(socket: &std::net::TcpStream, file: &std::fs::File, len: u64) -> io
 }
 
 /// Reads the `len` bytes of a pack after a `101` answer into a buffer
-/// from [`crate::client::big_buffer`]: what hyper read past the answer's
+/// from [`crate::client::answer_buffer`]: what hyper read past the answer's
 /// head first, then straight from the socket. More than `len` bytes, or
 /// fewer before the peer closes, is an error.
 pub async fn receive(upgraded: hyper::upgrade::Upgraded, len: usize) -> Result<Bytes, String> {
@@ -124,7 +124,7 @@ pub async fn receive(upgraded: hyper::upgrade::Upgraded, len: usize) -> Result<B
             "the peer sent more than the {len} bytes it announced"
         ));
     }
-    let (mut buf, start) = crate::client::big_buffer(len);
+    let (mut buf, start) = crate::client::answer_buffer(len);
     buf.extend_from_slice(&parts.read_buf);
     let mut socket = parts.io.into_inner();
     while buf.len() - start < len {
@@ -141,7 +141,7 @@ pub async fn receive(upgraded: hyper::upgrade::Upgraded, len: usize) -> Result<B
             ));
         }
     }
-    Ok(Bytes::from(buf).slice(start..))
+    Ok(labsync_store::reuse::recycled(buf, start))
 }
 
 #[cfg(test)]

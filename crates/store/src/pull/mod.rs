@@ -33,6 +33,7 @@ use crate::repo::{RefSpec, Repo, VersionRecord};
 use crate::snapshot::Kind;
 
 mod listing;
+pub(crate) mod rebuild;
 
 use listing::{Item, Listing, Loader};
 
@@ -219,6 +220,14 @@ async fn pull_inner(
     let _release = FailOnDrop(arrivals.clone());
     progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
     let entries = Arc::new(entries);
+    if let Some(w) = behind {
+        w.rebuild_from(rebuild::Written::new(
+            tree.clone(),
+            entries.clone(),
+            &index,
+            &plan.files,
+        ));
+    }
     let fetch = async {
         let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
         let fetched = cache
@@ -513,10 +522,12 @@ async fn write_verified(
         };
         // The pack may have been read from memory while the fetch still
         // writes it to the cache: its footer is read, and the pack
-        // replaced, only once that is done. A copy written behind waits
-        // for the pull's end, which waits for this: it is written now.
+        // replaced, only once that is done. A copy held for writing behind
+        // waits for the pull's end, which waits for this: it is written
+        // now. (One rebuilt from the files cannot be before they are all
+        // written: nothing waits for it, and the pack is fetched again.)
         if let Some(w) = behind {
-            w.start();
+            w.start_held();
         }
         let a = arrivals.clone();
         blocking(move || {
