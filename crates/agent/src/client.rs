@@ -611,8 +611,9 @@ pub(crate) fn answer_buffer(n: usize) -> (Vec<u8>, usize) {
 /// next pack, [`answer_buffer`]): glibc maps any allocation above 32 MiB
 /// on its own and unmaps it when freed, so the advice ends with the
 /// buffer, never reaching memory the allocator hands out later (smaller
-/// buffers may come from its reused heap). The pages beyond the answer
-/// are never touched, so they cost address space only.
+/// buffers may come from its reused heap). The pages beyond the largest
+/// answer a buffer held are never touched, so they cost address space
+/// only.
 pub(crate) fn big_buffer(n: usize) -> (Vec<u8>, usize) {
     const ALIGN: usize = 4096;
     const OWN_MAPPING: usize = (32 << 20) + ALIGN;

@@ -116,7 +116,10 @@ impl Arrivals {
     }
 
     /// `pack` is fetched: in the cache, or in memory until its copy is
-    /// written behind ([`Arrivals::offer_pending`]).
+    /// written behind ([`Arrivals::offer_pending`]), or in memory while
+    /// its files need it and its copy rebuilt behind
+    /// ([`Arrivals::offer_rebuilt`]): not in the cache until
+    /// [`Arrivals::written`] says so.
     pub(crate) fn arrived(&self, pack: PackId) {
         let mut s = self.lock();
         s.waiting.remove(&pack);
@@ -140,8 +143,9 @@ impl Arrivals {
     /// All of `pack`, fetched, its cache copy to be rebuilt behind the
     /// pull from the files it is written to: kept in memory like
     /// [`Arrivals::offer`] (until its files are written, within
-    /// [`FRESH_MAX`]), and awaited in the cache until
-    /// [`Arrivals::written`]. False, and nothing kept, when there is no
+    /// [`FRESH_MAX`]), and not in the cache until [`Arrivals::written`]
+    /// (though no writer waits for it there: it comes only after the
+    /// pull, [`Arrivals::wait_in_cache`]). False, and nothing kept, when there is no
     /// room: the caller holds the pack for its copy instead
     /// ([`Arrivals::offer_pending`]).
     pub(crate) fn offer_rebuilt(&self, pack: PackId, fresh: Fresh) -> bool {
@@ -169,8 +173,8 @@ impl Arrivals {
         self.arrived.notify_all();
     }
 
-    /// `pack`'s copy could not be written: it stays in memory for this
-    /// pull's files, and no one waits for the copy.
+    /// `pack`'s copy could not be written: a held pack stays in memory for
+    /// this pull's files, and no one waits for the copy.
     pub(crate) fn not_written(&self, pack: PackId) {
         let mut s = self.lock();
         s.rebuilt.remove(&pack);

@@ -8,28 +8,33 @@
 //! memory), and while they ran the disk they went to was not reading: on
 //! one machine (follow-bench, both nodes on one disk), a gigabyte from a
 //! peer took 1.38 s against rsync's 1.23 s, and 0.78 s with no cache copy
-//! written at all. Now a pull that is given [`CacheWrites`] keeps each
-//! pack it fetched in memory, for its files and for the copy, and the
-//! copies are written when the pull is done, or sooner when the memory
-//! they hold ([`BEHIND_MAX_MIB`], the whole process together) is wanted:
-//! then at the disk's usual priority, else at the idle one, one at a time.
+//! written at all. Now the copies of a pull that is given [`CacheWrites`]
+//! are written when the pull is done, at the disk's idle priority, one at
+//! a time.
 //!
-//! A pack that is mostly its files' plain chunks is not held, though: it
-//! leaves memory once its files are written, and its copy is rebuilt
-//! from them ([`crate::pull::rebuild`]), so its buffer serves the next
-//! fetch ([`crate::reuse`]). Held, every pack of a gigabyte pulled from a
-//! peer faulted a fresh buffer, and the faults cost more than the rest of
-//! the fetch on a virtual machine.
+//! A pack that is mostly its files' plain chunks leaves memory once its
+//! files are written, and its copy is rebuilt from them after the pull
+//! ([`crate::pull::rebuild`]), so its buffer serves the next fetch
+//! ([`crate::reuse`]). Any other pack (mostly compressed chunks, or
+//! chunks of no file of the pull) is held in memory for its files and
+//! for the copy, which is written when the pull is done, or sooner, at
+//! the disk's usual priority, when the memory held copies take
+//! ([`BEHIND_MAX_MIB`], the whole process together) is wanted. When every
+//! pack was held, every pack of a gigabyte pulled from a peer faulted a
+//! fresh buffer, and on a virtual machine the faults cost more than the
+//! rest of the fetch.
 //!
 //! The node's record of the snapshot names its packs from the pull's start
 //! (so they are never evicted as unowned mid-pull), and its heartbeats say
 //! so: a peer sent here for a pack whose copy is not written yet gets no
 //! copy and fetches it from another holder or the store.
 //!
-//! Memory: a held pack takes its share of the budget once fetched, so a labd
-//! holds at most the budget, plus the packs being received (16 of at most
-//! 64 MiB, every pull together), plus those kept for files
-//! ([`crate::arrive`]'s 256 MiB).
+//! Memory: a held pack takes its share of the budget once fetched, so a
+//! labd holds at most the budget, plus the packs being received (16 of at
+//! most 64 MiB, every pull together), plus those kept for files
+//! ([`crate::arrive`]'s 256 MiB), plus the bytes recipes keep (64 MiB at
+//! most, a few KiB per pack), plus, while fetches run, the buffers kept
+//! for reuse (16, each touched up to the largest pack it held).
 //!
 //! A copy that cannot be written (a full disk) is said in the log and
 //! left out; the next pull that needs the pack fetches it again. The copy
@@ -41,15 +46,15 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use crate::arrive::Arrivals;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fsutil::{blocking, write_atomic_direct};
 use crate::id::PackId;
 use crate::pack::PackEntry;
 use crate::pull::rebuild::{Recipe, Written};
 
-/// Mebibytes of fetched packs waiting for their cache copy, every pull of
-/// the process together. Past it a fetch waits for copies to be written
-/// (and has every pull's written now).
+/// Mebibytes of fetched packs held for their cache copy, every pull of
+/// the process together. Past it a fetch waits for held copies to be
+/// written (and has every pull's held copies written now).
 pub const BEHIND_MAX_MIB: usize = 1024;
 
 /// The memory waiting copies may hold, and what wakes them when it is
@@ -91,6 +96,8 @@ pub struct CacheWrites {
     /// The pull's files, once it knows them: packs are rebuilt from them
     /// rather than held ([`crate::pull::rebuild`]).
     written: std::sync::OnceLock<Arc<Written>>,
+    /// The pull failed: its files are not all there to rebuild from.
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// [`CacheWrites::start_held`] was called: held copies may be written.
@@ -129,13 +136,24 @@ impl CacheWrites {
             budget,
             pressed: Arc::default(),
             written: std::sync::OnceLock::new(),
+            abandoned: Arc::default(),
         })
     }
 
     /// The pull writes these files: copies of packs whose chunks they hold
-    /// are rebuilt from them.
+    /// are rebuilt from them. One pull per `CacheWrites`: a second pull's
+    /// files are not taken.
     pub(crate) fn rebuild_from(&self, written: Written) {
-        let _ = self.written.set(Arc::new(written));
+        let first = self.written.set(Arc::new(written)).is_ok();
+        debug_assert!(first, "one pull per CacheWrites");
+    }
+
+    /// The pull failed: no copy is rebuilt from its files (each counts as
+    /// not written, without a word in the log: the pull's own error says
+    /// what happened).
+    pub(crate) fn abandon_rebuilt(&self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// How to rebuild `bytes` (pack with the checked `entries`) from the
@@ -210,7 +228,7 @@ impl CacheWrites {
         // before the task first runs.
         let pressed = budget.pressed.notified();
         let size = bytes.len() as u64;
-        let write = move || write_atomic_direct(&dest, &bytes);
+        let write = move || write_atomic_direct(&dest, &bytes).map(|()| true);
         self.spawn(
             pack,
             size,
@@ -221,11 +239,13 @@ impl CacheWrites {
         );
     }
 
-    /// Writes `pack`'s copy to the cache as `dest` once started, rebuilt
-    /// from the pull's files as `recipe` says; the pull's files read it
-    /// from `arrivals` meanwhile (it was offered there with
-    /// [`Arrivals::offer_rebuilt`]), and it holds no memory but the
-    /// recipe's few kept bytes.
+    /// Writes `pack`'s copy to the cache as `dest` once the pull is over
+    /// ([`CacheWrites::start`]), rebuilt from the pull's files as `recipe`
+    /// says; the pull's files read it from `arrivals` meanwhile (it was
+    /// offered there with [`Arrivals::offer_rebuilt`]). It holds no memory
+    /// but the recipe's kept bytes (bounded, see the module's doc). Not
+    /// written when the pull failed ([`CacheWrites::abandon_rebuilt`]), or
+    /// when the pack is in the cache by then.
     pub(crate) fn defer_rebuilt(
         &self,
         pack: PackId,
@@ -238,27 +258,35 @@ impl CacheWrites {
             return;
         };
         let size = recipe.size();
-        // Fetched again meanwhile (a chunk of it failed a writer, and the
-        // pull fetched it whole from the store): in the cache already.
+        let abandoned = self.abandoned.clone();
         let write = move || {
-            if dest.exists() {
-                return Ok(());
+            use std::sync::atomic::Ordering;
+            if abandoned.load(Ordering::Acquire) {
+                return Err(Error::not_found(
+                    "the pull's files (the pull failed before they were all written)",
+                ));
             }
-            from.rebuild(&pack, &recipe, &dest)
+            // Fetched again meanwhile (a chunk of it failed a writer, and
+            // the pull fetched it whole from the store).
+            if dest.exists() {
+                return Ok(false);
+            }
+            from.rebuild(&pack, &recipe, &dest).map(|()| true)
         };
         self.spawn(pack, size, arrivals, None, write, None);
     }
 
-    /// The task that runs `write` (a copy of `size` bytes) once the copies
-    /// are started, or as soon as `pressed` says memory is wanted, one
-    /// copy of the process at a time; `permit` (memory) held until then.
+    /// The task that runs `write` (a copy of `size` bytes; true when it
+    /// wrote it, false when the cache had it already) once the copies are
+    /// started, or as soon as `pressed` says memory is wanted, one copy of
+    /// the process at a time; `permit` (memory) held until then.
     fn spawn(
         &self,
         pack: PackId,
         size: u64,
         arrivals: Arc<Arrivals>,
         pressed: Option<std::pin::Pin<Box<tokio::sync::futures::Notified<'static>>>>,
-        write: impl FnOnce() -> Result<()> + Send + 'static,
+        write: impl FnOnce() -> Result<bool> + Send + 'static,
         permit: Option<tokio::sync::SemaphorePermit<'static>>,
     ) {
         use std::sync::atomic::Ordering;
@@ -268,6 +296,7 @@ impl CacheWrites {
         // written once the pull's files are.
         let rebuilt = permit.is_none();
         let wanted = if rebuilt { ALL } else { HELD };
+        let abandoned = self.abandoned.clone();
         let task = tokio::spawn(async move {
             let pressed = async {
                 match pressed {
@@ -289,13 +318,15 @@ impl CacheWrites {
             drop(one);
             drop(permit);
             match written {
-                Ok(()) => {
+                Ok(wrote) => {
                     arrivals.written(pack);
-                    Some((size, rebuilt))
+                    Some((size, rebuilt && wrote))
                 }
                 Err(e) => {
                     arrivals.not_written(pack);
-                    tracing::warn!("pack {pack}: no copy in the node cache: {e}");
+                    if !(rebuilt && abandoned.load(Ordering::Acquire)) {
+                        tracing::warn!("pack {pack}: no copy in the node cache: {e}");
+                    }
                     None
                 }
             }
@@ -343,6 +374,25 @@ impl Drop for IdleIo {
         if let Some(before) = self.before {
             // SAFETY: as in `enter`.
             unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0, before) };
+        }
+    }
+}
+
+/// Abandons a pull's rebuilt copies ([`CacheWrites::abandon_rebuilt`])
+/// when dropped armed: the pull returned early, failed.
+pub(crate) struct AbandonOnFailure<'a>(pub(crate) Option<&'a CacheWrites>);
+
+impl AbandonOnFailure<'_> {
+    /// The pull wrote all its files.
+    pub(crate) fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AbandonOnFailure<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.0 {
+            w.abandon_rebuilt();
         }
     }
 }

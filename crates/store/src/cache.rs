@@ -183,6 +183,11 @@ impl NodeCache {
         self
     }
 
+    /// Whether packs may come from peers here.
+    pub(crate) fn has_peers(&self) -> bool {
+        self.peers.is_some()
+    }
+
     /// The cache folder.
     pub fn root(&self) -> &Path {
         &self.root
@@ -381,8 +386,10 @@ impl NodeCache {
     /// Fetches a pack from the peers that hold it, each pack starting at a
     /// different one (so a fetch spreads over them), each copy verified
     /// whole before it is cached (and offered to `arrivals` before it is
-    /// written there, or kept there until it is written `behind`); its
-    /// size, `None` when no peer gave a good copy.
+    /// written there, or kept there until it is written `behind`, or, when
+    /// `behind` can rebuild it from the pull's files, kept there only
+    /// while its files need it); its size, `None` when no peer gave a
+    /// good copy.
     async fn fetch_from_peers(
         &self,
         id: &PackId,
@@ -766,7 +773,8 @@ const FETCHES_AT_ONCE: usize = 8;
 
 /// Packs in flight in the whole process, every pull and warm together:
 /// what labd holds of them in memory stays bounded whatever number of jobs
-/// and data sets are being prepared at once.
+/// and data sets are being prepared at once (with the buffers kept for
+/// the next fetch while fetches run, [`crate::reuse`], as many).
 static FETCHING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
 
 /// Chunks at least this large are read with `O_DIRECT`.

@@ -119,7 +119,14 @@ pub(crate) fn write_atomic_pieces(
     let direct = direct && cfg!(target_os = "linux");
     let (file, direct) = match create(direct) {
         Ok(f) => (f, direct),
-        Err(_) => (create(false).map_err(Error::io("create", &tmp))?, false),
+        Err(_) => {
+            // A file system that refuses O_DIRECT may have created the
+            // file before it said so.
+            if direct {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            (create(false).map_err(Error::io("create", &tmp))?, false)
+        }
     };
     let written = WINDOW.with(|w| {
         let mut w = w.borrow_mut();

@@ -80,9 +80,14 @@ pub fn reused(n: usize) -> Option<(Vec<u8>, usize)> {
 
 /// `buf[start..]` as [`Bytes`]; when the last of its clones is dropped,
 /// the buffer is kept for [`reused`] if a fetch still runs and it is
-/// large enough to be worth it, else freed.
+/// large enough to be worth it (and its contents start at a 4 KiB
+/// boundary), else freed.
 pub fn recycled(buf: Vec<u8>, start: usize) -> Bytes {
-    if buf.capacity() < SMALLEST {
+    // Only contents that start at a 4 KiB boundary (a pack's, which the
+    // cache writes with O_DIRECT from where they are) are worth keeping
+    // for a pack.
+    let aligned = (buf.as_ptr() as usize + start).is_multiple_of(crate::fsutil::DIRECT_ALIGN);
+    if buf.capacity() < SMALLEST || !aligned {
         return Bytes::from(buf).slice(start..);
     }
     Bytes::from_owner(Recycled {
@@ -124,11 +129,13 @@ mod tests {
     /// Tests of this module share the process's list: one at a time.
     static ONE: Mutex<()> = Mutex::new(());
 
+    /// A buffer as a pack's: its contents start at a 4 KiB boundary.
     fn big(tag: u8) -> (Vec<u8>, usize) {
-        let mut b = Vec::with_capacity(SMALLEST + 100);
-        b.extend_from_slice(&[0, 0, 0]);
+        let mut b: Vec<u8> = Vec::with_capacity(SMALLEST + 4096);
+        let start = b.as_ptr().align_offset(4096);
+        b.resize(start, 0);
         b.extend_from_slice(&[tag; 1000]);
-        (b, 3)
+        (b, start)
     }
 
     #[test]
@@ -143,15 +150,20 @@ mod tests {
         drop(bytes);
         assert!(reused(10).is_none(), "a clone still holds it");
         drop(clone);
-        let (again, start) = reused(SMALLEST).expect("kept while the fetch runs");
-        assert_eq!((again.as_ptr(), start, again.len()), (ptr, 3, 3));
+        let (again, again_start) = reused(SMALLEST).expect("kept while the fetch runs");
+        assert_eq!(
+            (again.as_ptr(), again_start, again.len()),
+            (ptr, start, start)
+        );
+        let start = again_start;
         assert!(reused(1).is_none(), "taken once");
         // Given back again, then the fetch ends: nothing is kept.
         drop(recycled(again, start));
         drop(f);
         assert!(reused(1).is_none(), "freed with the last fetch");
         // With no fetch running, nothing is kept at all.
-        drop(recycled(big(1).0, 3));
+        let (b, start) = big(1);
+        drop(recycled(b, start));
         let _f = Fetching::start();
         assert!(reused(1).is_none());
     }
@@ -162,11 +174,17 @@ mod tests {
         let _f = Fetching::start();
         drop(recycled(vec![1u8; 100], 0));
         assert!(reused(1).is_none(), "a small buffer is freed");
+        // Contents not at a 4 KiB boundary: no pack could be written from
+        // it without a copy.
+        let (b, start) = big(9);
+        drop(recycled(b, start + 1));
+        assert!(reused(1).is_none(), "a misaligned buffer is freed");
         for i in 0..KEPT + 3 {
-            drop(recycled(big(i as u8).0, 3));
+            let (b, start) = big(i as u8);
+            drop(recycled(b, start));
         }
         assert_eq!(kept().len(), KEPT);
-        let room = SMALLEST + 100 - 3;
+        let room = kept().iter().map(|(b, s)| b.capacity() - s).max().unwrap();
         assert!(reused(room + 1).is_none(), "none has the room");
         assert!(reused(room).is_some());
         kept().clear();

@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::arrive::Arrivals;
 use crate::at::{self, Tree};
-use crate::behind::{CacheWrites, StartOnDrop};
+use crate::behind::{AbandonOnFailure, CacheWrites, StartOnDrop};
 use crate::cache::{NodeCache, PackReader};
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_leaf};
@@ -158,6 +158,8 @@ async fn pull_inner(
 ) -> Result<PullOutcome> {
     // However the pull ends, the copies it leaves are written.
     let _start = StartOnDrop(behind);
+    // Dropped first: a pull that fails has no copy rebuilt from its files.
+    let mut abandon = AbandonOnFailure(behind);
     let (threads, started) = (opts.threads, Instant::now());
     let repo = repo
         .clone()
@@ -220,7 +222,9 @@ async fn pull_inner(
     let _release = FailOnDrop(arrivals.clone());
     progress.phase("write", Some(plan.bytes), Some(plan.files.len() as u64));
     let entries = Arc::new(entries);
-    if let Some(w) = behind {
+    // Only packs from peers are rebuilt (those from the store are written
+    // to the cache as they come).
+    if let Some(w) = behind.filter(|_| cache.has_peers()) {
         w.rebuild_from(rebuild::Written::new(
             tree.clone(),
             entries.clone(),
@@ -280,6 +284,7 @@ async fn pull_inner(
             "evicted {label} from the node cache (over its size cap)"
         ));
     }
+    abandon.disarm();
     Ok(PullOutcome {
         record,
         files_written: plan.files.len() as u64,

@@ -73,6 +73,41 @@ impl Piece {
 pub(crate) struct Recipe {
     size: u64,
     pieces: Vec<Piece>,
+    /// Its kept bytes' share of [`KEPT_MAX`], given back with it.
+    _kept: Kept,
+}
+
+/// Bytes every recipe of the process may keep in memory together: a
+/// pack's footer is a few KiB, so this holds thousands of packs' recipes;
+/// past it a pack is held whole, within the budget of held copies.
+const KEPT_MAX: u64 = 64 << 20;
+
+/// The most bytes one recipe keeps.
+const KEPT_PER_PACK: u64 = 1 << 20;
+
+/// Bytes kept by recipes now, every pull together.
+static KEPT_NOW: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A share of [`KEPT_MAX`].
+#[derive(Debug)]
+struct Kept(u64);
+
+impl Kept {
+    fn take(n: u64) -> Option<Kept> {
+        use std::sync::atomic::Ordering;
+        KEPT_NOW
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
+                (k + n <= KEPT_MAX).then_some(k + n)
+            })
+            .ok()
+            .map(|_| Kept(n))
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        KEPT_NOW.fetch_sub(self.0, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl Recipe {
@@ -92,8 +127,9 @@ impl Recipe {
     }
 }
 
-/// A pack is rebuilt only when at most this share of it (1 / N) has to be
-/// kept in memory for it; else it is held whole, as before.
+/// A pack is rebuilt only when at most this share of it (1 / N), and at
+/// most [`KEPT_PER_PACK`], has to be kept in memory for it; else it is
+/// held whole.
 const KEPT_SHARE: u64 = 4;
 
 impl Written {
@@ -127,8 +163,9 @@ impl Written {
 
     /// How to rebuild `bytes`, a pack whose `entries` (its footer's) were
     /// checked against it, from the pull's files: `None` when more than a
-    /// quarter of it would have to stay in memory (it is held whole), or
-    /// its entries overlap.
+    /// quarter of it (or [`KEPT_PER_PACK`], or what is left of
+    /// [`KEPT_MAX`]) would have to stay in memory (it is held whole), or
+    /// its entries overlap. Decided before anything is copied.
     pub(crate) fn recipe(&self, bytes: &[u8], entries: &[PackEntry]) -> Option<Recipe> {
         let mut located: Vec<(&PackEntry, (usize, u64))> = entries
             .iter()
@@ -136,35 +173,51 @@ impl Written {
             .filter_map(|e| Some((e, *self.places.get(&e.id)?)))
             .collect();
         located.sort_by_key(|(e, _)| e.offset);
-        let mut pieces = Vec::with_capacity(located.len() * 2 + 1);
-        let (mut at, mut kept) = (0u64, 0u64);
-        let mut keep = |pieces: &mut Vec<Piece>, from: u64, to: u64| -> Option<()> {
-            if to > from {
-                let b = bytes.get(usize::try_from(from).ok()?..usize::try_from(to).ok()?)?;
-                pieces.push(Piece::Kept(Bytes::copy_from_slice(b)));
-                kept += to - from;
-            }
-            Some(())
-        };
-        for (e, (file, offset)) in located {
+        let size = bytes.len() as u64;
+        // The pack's bytes from each piece read back to the next.
+        let mut gaps = Vec::with_capacity(located.len() + 1);
+        let mut at = 0u64;
+        for (e, _) in &located {
             if e.offset < at {
                 return None;
             }
-            keep(&mut pieces, at, e.offset)?;
+            gaps.push(at..e.offset);
+            at = e.offset.checked_add(u64::from(e.stored_len))?;
+        }
+        if at > size {
+            return None;
+        }
+        gaps.push(at..size);
+        let kept: u64 = gaps.iter().map(|g| g.end - g.start).sum();
+        if kept.saturating_mul(KEPT_SHARE) > size || kept > KEPT_PER_PACK {
+            return None;
+        }
+        let share = Kept::take(kept)?;
+        let mut pieces = Vec::with_capacity(located.len() * 2 + 1);
+        let keep = |pieces: &mut Vec<Piece>, g: std::ops::Range<u64>| {
+            if !g.is_empty() {
+                // Within `bytes`: every gap ends at an entry's offset or at
+                // `size`, checked above.
+                let b = &bytes[g.start as usize..g.end as usize];
+                pieces.push(Piece::Kept(Bytes::copy_from_slice(b)));
+            }
+        };
+        let mut gaps = gaps.into_iter();
+        for (e, (file, offset)) in located {
+            keep(&mut pieces, gaps.next()?);
             pieces.push(Piece::File {
                 file,
                 at: offset,
                 len: e.raw_len,
                 id: e.id,
             });
-            at = e.offset.checked_add(u64::from(e.stored_len))?;
         }
-        let size = bytes.len() as u64;
-        if at > size {
-            return None;
-        }
-        keep(&mut pieces, at, size)?;
-        (kept.saturating_mul(KEPT_SHARE) <= size).then_some(Recipe { size, pieces })
+        keep(&mut pieces, gaps.next()?);
+        Some(Recipe {
+            size,
+            pieces,
+            _kept: share,
+        })
     }
 
     /// Writes pack `pack` to `dest` as `recipe` says, every chunk read
@@ -173,6 +226,7 @@ impl Written {
     /// where the disk refused that (some file systems take the flag and
     /// then refuse the writes).
     pub(crate) fn rebuild(&self, pack: &PackId, recipe: &Recipe, dest: &Path) -> Result<()> {
+        let refused = |e: &std::io::Error| e.raw_os_error() == Some(libc::EINVAL);
         let write = |direct: bool| {
             let mut r = Rebuilding {
                 written: self,
@@ -186,7 +240,11 @@ impl Written {
             write_atomic_pieces(dest, recipe.size, direct, &mut |_, out| r.fill(out))
         };
         match write(true) {
-            Err(Error::Io { .. }) => write(false),
+            Err(Error::Io {
+                op: "write",
+                source,
+                ..
+            }) if refused(&source) => write(false),
             done => done,
         }
     }
@@ -195,10 +253,20 @@ impl Written {
         let rel = self.entries.get(file).path();
         let shown = || self.tree.shown(rel);
         let (dir, name) = self.tree.parent(rel).map_err(Error::io("open", shown()))?;
-        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        // Non-blocking: a FIFO put there would otherwise hold the open,
+        // and every copy of the process behind it.
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(&*dir, name, flags, Mode::empty())
             .map_err(|e| Error::io("open", shown())(e.into()))?;
-        Ok(std::fs::File::from(fd))
+        let f = std::fs::File::from(fd);
+        let regular = f.metadata().is_ok_and(|m| m.file_type().is_file());
+        if !regular {
+            return Err(Error::invalid(
+                format!("{}", shown().display()),
+                "is no longer a regular file",
+            ));
+        }
+        Ok(f)
     }
 }
 
@@ -362,13 +430,15 @@ mod tests {
         let chunks = [noise(5000, 1), noise(3000, 2), noise(7000, 3)];
         // Chunk 1 is in two files, chunk 2 in none: it is kept.
         let c = case(&chunks[..], false, &[("d/f", &[0, 1]), ("g", &[1])]);
-        let more = [noise(5000, 1), noise(3000, 2), noise(100, 3)];
-        let small = case(&more[..], false, &[("d/f", &[0, 1])]);
+        // Chunks of 3 MB: one crosses the 4 MiB pieces the copy is
+        // written in.
+        let more = [noise(3_000_000, 1), noise(3_000_000, 2), noise(100, 3)];
+        let small = case(&more[..], false, &[("d/f", &[0, 1]), ("g", &[1])]);
         let recipe = small
             .written
             .recipe(&small.object, &small.entries)
             .expect("rebuilt: only a little is kept");
-        let footer = small.object.len() as u64 - 8100;
+        let footer = small.object.len() as u64 - 6_000_100;
         assert_eq!(recipe.kept_bytes(), 100 + footer);
         let dest = small.dir.path().join("cache/pack");
         small.written.rebuild(&small.pack, &recipe, &dest).unwrap();
@@ -419,5 +489,61 @@ mod tests {
         std::fs::rename(&elsewhere, &f).unwrap();
         c.written.rebuild(&c.pack, &recipe, &dest).unwrap();
         assert_eq!(std::fs::read(&dest).unwrap(), c.object);
+    }
+
+    /// A rebuilt copy waits for the pull's end, not for held copies being
+    /// started early; it is not written over a copy the cache has by then,
+    /// nor after a failed pull.
+    #[tokio::test]
+    async fn a_rebuilt_copy_is_written_after_the_pull_and_only_then() {
+        use crate::arrive::Arrivals;
+        use crate::behind::CacheWrites;
+        use crate::cache::Fresh;
+        let chunks = [noise(5000, 6), noise(3000, 7)];
+        // As a pull does: its files known, then each pack deferred.
+        let copy = |c: Case, w: &CacheWrites, dest: &Path| {
+            let recipe = c.written.recipe(&c.object, &c.entries).unwrap();
+            w.rebuild_from(c.written);
+            let arrivals = Arc::new(Arrivals::new([c.pack], [vec![c.pack]]));
+            let fresh = Fresh {
+                bytes: Bytes::from(c.object.clone()),
+                verified: None,
+            };
+            assert!(arrivals.offer_rebuilt(c.pack, fresh));
+            w.defer_rebuilt(c.pack, dest.to_path_buf(), recipe, arrivals);
+            (c.dir, c.object)
+        };
+
+        let c = case(&chunks[..], false, &[("d/f", &[0, 1])]);
+        let dest = c.dir.path().join("cache/p");
+        let w = CacheWrites::new();
+        let (_dir, object) = copy(c, &w, &dest);
+        w.start_held();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!dest.exists(), "written before the pull's end");
+        let done = w.finish().await;
+        assert_eq!((done.packs, done.rebuilt, done.failed), (1, 1, 0));
+        assert_eq!(std::fs::read(&dest).unwrap(), object);
+
+        // In the cache by then: left as it is.
+        let c = case(&chunks[..], false, &[("d/f", &[0, 1])]);
+        let dest = c.dir.path().join("cache/p");
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        std::fs::write(&dest, b"fetched again").unwrap();
+        let w = CacheWrites::new();
+        let _kept = copy(c, &w, &dest);
+        let done = w.finish().await;
+        assert_eq!((done.packs, done.rebuilt, done.failed), (1, 0, 0));
+        assert_eq!(std::fs::read(&dest).unwrap(), b"fetched again");
+
+        // The pull failed: no copy.
+        let c = case(&chunks[..], false, &[("d/f", &[0, 1])]);
+        let dest = c.dir.path().join("cache/p");
+        let w = CacheWrites::new();
+        let _kept = copy(c, &w, &dest);
+        w.abandon_rebuilt();
+        let done = w.finish().await;
+        assert_eq!((done.packs, done.failed), (0, 1));
+        assert!(!dest.exists());
     }
 }
