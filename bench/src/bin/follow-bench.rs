@@ -765,7 +765,8 @@ fn main() {
          {:.2}× faster (target ≥ 1.5). The labrun rows include pushing the (unchanged) code, \
          placing, fetching, verifying and materialising the data, and starting the job. \
          labd writes gpu2's cache copies of the packs from the peer once the job's files are \
-         written (it holds them in memory meanwhile), so the job does not wait for them; \
+         written (rebuilt from those files, each pack having left memory with its files), \
+         so the job does not wait for them; \
          gpu2's cache held every pack {:.2} s after `labrun` started (median; runs {:?}), and \
          each next step waited for that. From the store, packs are written as they come: \
          {:.2} s {:?}.\n\n\
