@@ -9,12 +9,11 @@
 //! write the same GiB again once faulted. A gigabyte from a peer faulted
 //! a gigabyte of buffers, while `rsync` receives into one small buffer
 //! and faults none. So a buffer whose pack has left memory (its files are
-//! written, [`crate::arrive`]) comes back here, and the next fetch takes
-//! it.
+//! written) comes back here, and the next fetch takes it.
 //!
-//! Buffers are kept only while some fetch runs ([`Fetching`]), at most
-//! [`KEPT`] of them: when the last fetch ends they are freed, so an idle
-//! labd holds none.
+//! Buffers are kept only while some fetch of the store runs, at most 16
+//! of them: when the last fetch ends they are freed, so an idle labd
+//! holds none.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
