@@ -461,7 +461,8 @@ mod tests {
     }
 
     #[test]
-    fn a_file_changed_or_swapped_for_a_symlink_gives_no_copy() {
+    #[allow(unsafe_code)]
+    fn a_file_changed_or_swapped_for_a_symlink_or_a_fifo_gives_no_copy() {
         let chunks = [noise(5000, 4), noise(3000, 5)];
         let c = case(&chunks[..], false, &[("d/f", &[0, 1])]);
         let recipe = c.written.recipe(&c.object, &c.entries).unwrap();
@@ -483,6 +484,15 @@ mod tests {
         std::fs::remove_file(&f).unwrap();
         std::os::unix::fs::symlink(&elsewhere, &f).unwrap();
         assert!(c.written.rebuild(&c.pack, &recipe, &dest).is_err());
+        assert!(!dest.exists());
+        // A FIFO there: refused at once, not waited on (an open of a FIFO
+        // for reading blocks until a writer comes).
+        std::fs::remove_file(&f).unwrap();
+        let fifo = std::ffi::CString::new(f.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        let e = c.written.rebuild(&c.pack, &recipe, &dest).unwrap_err();
+        assert!(e.to_string().contains("no longer a regular file"), "{e}");
         assert!(!dest.exists());
         // Put back, the copy is made.
         std::fs::remove_file(&f).unwrap();
