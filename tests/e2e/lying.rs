@@ -69,9 +69,12 @@ async fn replace_index(repo: &Repo, recs: &[IndexPack]) {
         .into_iter()
         .map(|o| o.key)
         .collect();
-    let new = repo.write_index(recs).await.unwrap().map(|(k, _)| k);
+    let new: Vec<String> = (repo.write_index(recs).await.unwrap())
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
     for k in old {
-        if Some(&k) != new.as_ref() {
+        if !new.contains(&k) {
             repo.remote().delete(&k).await.unwrap();
         }
     }

@@ -17,6 +17,7 @@ mod support;
 #[path = "../common/mod.rs"]
 mod common;
 
+mod hostile;
 mod labrun;
 mod lying;
 mod matrix;

@@ -198,6 +198,13 @@ impl NodeCache {
         self.root.join("files-v1")
     }
 
+    /// This user's memory of the versions of store `store_id` they have
+    /// used (see [`crate::SeenVersions`]): per uid, so users sharing a
+    /// cache never share it.
+    pub fn seen_versions(&self, store_id: &str) -> crate::SeenVersions {
+        crate::SeenVersions::in_cache(&self.root, store_id)
+    }
+
     /// Where index objects of a remote store are copied.
     pub fn index_dir(&self, store_id: &str) -> PathBuf {
         self.root.join("index-v1").join(store_id)

@@ -71,6 +71,25 @@ pub enum Error {
         /// The snapshot the version holds.
         found: String,
     },
+    /// A version record that now names another snapshot than it did when
+    /// this user (or the job, through `LABRUN_RESUME_FROM`) saw it: anyone
+    /// who can write the store overwrote it.
+    #[error(
+        "{label} was rewritten: {key} now names snapshot {found}, where it named {expected} \
+         when {seen}; refusing it (ask an admin to look at who wrote {key})"
+    )]
+    Rewritten {
+        /// `NAME@vN`.
+        label: String,
+        /// The record's key, `refs/NAME/@/000000000N`.
+        key: String,
+        /// The snapshot it named before.
+        expected: String,
+        /// The snapshot it names now.
+        found: String,
+        /// Where the first was seen: "you pulled it", "it was saved".
+        seen: String,
+    },
     /// A snapshot entry that would write outside the destination.
     #[error("refusing unsafe path {path:?} in snapshot {snapshot}: {why}")]
     UnsafePath {

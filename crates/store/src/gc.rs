@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::Index;
 use crate::progress::Progress;
-use crate::repo::{now_secs, pack_key, snapshot_key, Repo};
+use crate::repo::{now_secs, pack_key, snapshot_key, Repo, MAX_SNAPSHOT_OBJECT};
 
 /// A condemnation as listed: its key and the time the store gives it.
 struct Record {
@@ -46,15 +46,34 @@ pub async fn condemned_packs(repo: &Repo) -> Result<HashSet<PackId>> {
     Ok(out)
 }
 
+/// A condemnation record, or `None` when it is gone or cannot be used. One
+/// that is too large or does not parse (any member can write `gc/`) is
+/// said once in the log and condemns nothing: its packs are neither kept
+/// from dedup nor deleted by it, and no push or gc stops for it.
 async fn read_condemned(repo: &Repo, key: &str) -> Result<Option<Condemned>> {
-    match repo.remote().get(key).await {
-        Ok(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| Error::corrupt(format!("gc record {key}"), e.to_string())),
-        Err(e) if e.is_not_found() => Ok(None),
-        Err(e) => Err(e),
+    let bytes = match repo.remote().get_at_most(key, MAX_GC_RECORD).await {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e @ Error::Corrupt { .. }) => {
+            tracing::warn!("gc record {key} is not used: {e}");
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    match serde_json::from_slice(&bytes) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) => {
+            tracing::warn!("gc record {key} is not used: it does not parse ({e})");
+            Ok(None)
+        }
     }
 }
+
+/// The most a `gc/` record may hold: about 900,000 packs (30 TB of 32 MiB
+/// packs). A run condemns at most [`MAX_CONDEMNED_PER_RUN`], which fits.
+const MAX_GC_RECORD: u64 = 64 << 20;
+/// Packs one run condemns at most; the rest wait for the next run.
+const MAX_CONDEMNED_PER_RUN: usize = 500_000;
 
 /// What gc found and did.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -267,6 +286,7 @@ impl Run<'_> {
             }
         }
         fresh.sort();
+        fresh.truncate(MAX_CONDEMNED_PER_RUN);
         if !fresh.is_empty() {
             let rec = Condemned {
                 time: now,
@@ -490,10 +510,17 @@ impl Run<'_> {
             }
             if !self.dry_run {
                 let key = snapshot_key(&id);
-                let bytes = match remote.get(&key).await {
+                let bytes = match remote.get_at_most(&key, MAX_SNAPSHOT_OBJECT).await {
                     Ok(b) => b,
                     // Gone since the listing (another gc): nothing to delete.
                     Err(e) if e.is_not_found() => continue,
+                    // Larger than any snapshot can be: no version can use
+                    // it, so it goes without a copy kept to put back.
+                    Err(Error::Corrupt { .. }) => {
+                        out.deleted_snapshots += 1;
+                        remote.delete(&key).await?;
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 };
                 // Kept (and counted) before the delete: one that failed may
@@ -557,10 +584,13 @@ impl Run<'_> {
         // this listing unless it is gone.
         let now_listed = list_packs(self.repo).await?;
         let recs = index.to_records(|p| now_listed.contains_key(p) && !deleted.contains(p));
-        let new_key = self.repo.write_index(&recs).await?.map(|(k, _)| k);
+        let new_keys: HashSet<String> = (self.repo.write_index(&recs).await?)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
         self.repo.remote().sync().await?;
         for k in index_keys {
-            if Some(k) != new_key.as_ref() {
+            if !new_keys.contains(k) {
                 self.repo.remote().delete(k).await?;
             }
         }

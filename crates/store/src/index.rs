@@ -127,9 +127,15 @@ pub struct Index {
     slots: Vec<Slot>,
     table: hashbrown::HashTable<u32>,
     hasher: std::collections::hash_map::RandomState,
-    /// Index objects left out, and why.
+    /// Index objects left out, and why: the first [`MAX_REFUSED_KEPT`].
     refused: Vec<(String, String)>,
+    /// Index objects left out past those.
+    refused_more: u64,
 }
+
+/// How many refused index objects an [`Index`] names (a store may hold
+/// millions of junk keys; their count is kept, not their names).
+const MAX_REFUSED_KEPT: usize = 100;
 
 impl std::fmt::Debug for Index {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -213,7 +219,16 @@ impl Index {
 
     /// Records an index object that was left out, and why.
     pub(crate) fn refuse(&mut self, key: String, why: String) {
-        self.refused.push((key, why));
+        if self.refused.len() < MAX_REFUSED_KEPT {
+            self.refused.push((key, why));
+        } else {
+            self.refused_more += 1;
+        }
+    }
+
+    /// Index objects left out beyond those [`Index::refused`] names.
+    pub fn refused_more(&self) -> u64 {
+        self.refused_more
     }
 
     /// Index objects that were left out (not matching their name, or not

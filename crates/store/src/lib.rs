@@ -55,6 +55,7 @@ mod push;
 mod remote;
 mod repo;
 pub mod reuse;
+mod seen;
 mod snapshot;
 mod verify;
 
@@ -78,7 +79,11 @@ pub use pull::{
 };
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
-pub use repo::{validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_TREE_BYTES};
+pub use repo::{
+    validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_CONFIG_OBJECT,
+    MAX_INDEX_OBJECT, MAX_RECORD_OBJECT, MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
+};
+pub use seen::SeenVersions;
 pub use snapshot::{
     allowed_mode, decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind,
     SegmentRef, SnapshotObject,

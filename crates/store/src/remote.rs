@@ -7,7 +7,7 @@
 //! push calls before it writes anything that points at them (index before
 //! snapshot before ref). Remote backends are durable when `put` returns.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -22,6 +22,10 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 
 use crate::claims::ConditionalWrites;
 use crate::error::{Error, Result};
+
+/// How many oversized keys a [`Remote`] remembers (it forgets them all
+/// past this, and learns them again from their sizes).
+const MAX_OVERSIZED_KEPT: usize = 4096;
 
 /// An object's key (relative to the store root), size and age.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,6 +50,10 @@ pub struct Remote {
     conditional: ConditionalWrites,
     /// Whether this client wrote `claims/keep` already ([`crate::claims`]).
     claims_kept: Arc<std::sync::atomic::AtomicBool>,
+    /// Keys refused for their size, with the size the store gave: asked
+    /// again with no larger bound, they are refused without a request (a
+    /// 50 GB object planted under `index/` is met by every load of the index).
+    oversized: Arc<Mutex<HashMap<String, u64>>>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -85,6 +93,7 @@ impl Remote {
             unsynced: Default::default(),
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
+            oversized: Default::default(),
         })
     }
 
@@ -106,6 +115,7 @@ impl Remote {
             unsynced: Default::default(),
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
+            oversized: Default::default(),
         })
     }
 
@@ -118,6 +128,7 @@ impl Remote {
             unsynced: Default::default(),
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
+            oversized: Default::default(),
         }
     }
 
@@ -258,32 +269,60 @@ impl Remote {
         }
     }
 
-    /// Reads a whole object.
-    pub async fn get(&self, key: &str) -> Result<Bytes> {
-        let r = self
-            .inner
-            .get(&Path::from(key))
-            .await
-            .map_err(Self::unavailable("get", key))?;
-        r.bytes().await.map_err(Self::unavailable("get", key))
-    }
-
     /// Reads a whole object of at most `max` bytes: one larger is refused
-    /// from the size the server gives, before its body is read (anyone may
-    /// write a 50 GB "pack", which a whole read would hold in memory).
+    /// from the size the store gives, before its body is read, with an
+    /// error naming the key (anyone may write a 50 GB "pack" or index
+    /// object, which a whole read would hold in memory). A key refused is
+    /// remembered: asked again with no larger bound, it is refused without
+    /// a request. Every whole read of the store goes through here, each kind
+    /// of object with its bound ([`crate::repo`]'s `MAX_*_OBJECT`).
     pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Bytes> {
+        let known = self
+            .oversized
+            .lock()
+            .expect("oversized poisoned")
+            .get(key)
+            .copied();
+        if let Some(size) = known.filter(|&s| s > max) {
+            return Err(Self::too_large(key, size, max));
+        }
         let r = self
             .inner
             .get(&Path::from(key))
             .await
             .map_err(Self::unavailable("get", key))?;
         if r.meta.size > max {
-            return Err(Error::corrupt(
-                format!("object {key}"),
-                format!("{} bytes, more than the {max} it may have", r.meta.size),
-            ));
+            self.refuse_oversized(key, r.meta.size);
+            return Err(Self::too_large(key, r.meta.size, max));
         }
-        r.bytes().await.map_err(Self::unavailable("get", key))
+        let bytes = r.bytes().await.map_err(Self::unavailable("get", key))?;
+        // The size said before the body is the server's word; the body is
+        // what counts (a local object appended to while it was read).
+        if bytes.len() as u64 > max {
+            self.refuse_oversized(key, bytes.len() as u64);
+            return Err(Self::too_large(key, bytes.len() as u64, max));
+        }
+        Ok(bytes)
+    }
+
+    fn refuse_oversized(&self, key: &str, size: u64) {
+        tracing::warn!("refused object {key}: {size} bytes, more than it may have");
+        let mut known = self.oversized.lock().expect("oversized poisoned");
+        // Bounded too: a store can hold any number of them.
+        if known.len() >= MAX_OVERSIZED_KEPT {
+            known.clear();
+        }
+        known.insert(key.to_string(), size);
+    }
+
+    fn too_large(key: &str, size: u64, max: u64) -> Error {
+        Error::corrupt(
+            format!("object {key}"),
+            format!(
+                "{size} bytes, more than the {max} it may have: refused unread \
+                 (planted or damaged; remove it from the store)"
+            ),
+        )
     }
 
     /// Reads a byte range of an object.
@@ -317,22 +356,26 @@ impl Remote {
 
     /// Every object under `prefix` (a folder such as `packs/`), in no order.
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.list_stream(prefix).try_collect().await
+    }
+
+    /// [`Remote::list`] as the objects arrive, for folders any member can
+    /// fill with millions of keys: the caller keeps only what it needs.
+    pub fn list_stream<'a>(
+        &self,
+        prefix: &'a str,
+    ) -> impl futures::Stream<Item = Result<ObjectInfo>> + Send + 'a {
         let p = Path::from(prefix.trim_end_matches('/'));
-        let stream = self.inner.list(Some(&p));
-        let metas: Vec<_> = stream
-            .try_collect()
-            .await
-            .map_err(Self::unavailable("list", prefix))?;
-        Ok(metas
-            .into_iter()
+        self.inner
+            .list(Some(&p))
+            .map_err(move |e| Self::unavailable("list", prefix)(e))
             // Local staging files (`key#N`) of writes in progress are not objects yet.
-            .filter(|m| !m.location.as_ref().contains('#'))
-            .map(|m| ObjectInfo {
+            .try_filter(|m| std::future::ready(!m.location.as_ref().contains('#')))
+            .map_ok(|m| ObjectInfo {
                 key: m.location.to_string(),
                 size: m.size,
                 modified: m.last_modified.timestamp(),
             })
-            .collect())
     }
 
     /// Staging files (`key#N`) of local writes that never finished (a push
@@ -761,7 +804,11 @@ mod tests {
             let sent = Bytes::from(buf).slice(start..start + len);
             assert_eq!((sent.as_ptr() as usize).is_multiple_of(4096), skew == 0);
             remote.put(key, sent).await.unwrap();
-            assert_eq!(remote.get(key).await.unwrap(), data, "{len} bytes");
+            assert_eq!(
+                remote.get_at_most(key, 16 << 20).await.unwrap(),
+                data,
+                "{len} bytes"
+            );
             let names: Vec<_> = std::fs::read_dir(dir.path().join("packs/ab"))
                 .unwrap()
                 .map(|e| e.unwrap().file_name())
@@ -783,9 +830,18 @@ mod tests {
                 .unwrap();
             let e = remote.get_at_most("packs/ab/big", 99).await.unwrap_err();
             assert!(e.to_string().contains("100 bytes, more than the 99"), "{e}");
+            assert!(e.to_string().contains("packs/ab/big"), "names the key: {e}");
+            // Refused again without a request (here, without seeing that
+            // it shrank), under a larger bound read as usual.
+            remote
+                .put("packs/ab/big", vec![7u8; 10].into())
+                .await
+                .unwrap();
+            let e = remote.get_at_most("packs/ab/big", 99).await.unwrap_err();
+            assert!(e.to_string().contains("100 bytes, more than the 99"), "{e}");
             assert_eq!(
                 remote.get_at_most("packs/ab/big", 100).await.unwrap().len(),
-                100
+                10
             );
         }
     }

@@ -170,21 +170,38 @@ pub fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// `NAME`, `NAME@vN` or `NAME@latest`.
+/// `NAME`, `NAME@vN` or `NAME@latest`, and `NAME@vN#ID`: a version pinned
+/// to the snapshot it named when it was written (labd hands a job's
+/// checkpoint over so, in `LABRUN_RESUME_FROM`): a record rewritten since is
+/// refused, not followed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RefSpec {
     /// The name.
     pub name: String,
     /// A version, or `None` for the latest.
     pub version: Option<u64>,
+    /// The snapshot the version must still name.
+    pub snapshot: Option<SnapshotId>,
 }
 
 impl std::str::FromStr for RefSpec {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        let (name, version) = match s.split_once('@') {
+        let (spec, snapshot) = match s.split_once('#') {
             None => (s, None),
+            Some((spec, id)) => {
+                let id: SnapshotId = id.parse().map_err(|_| {
+                    Error::invalid(
+                        format!("version {s:?}"),
+                        "after '#' comes the snapshot's whole id (64 hex digits)",
+                    )
+                })?;
+                (spec, Some(id))
+            }
+        };
+        let (name, version) = match spec.split_once('@') {
+            None => (spec, None),
             Some((n, "latest")) => (n, None),
             Some((n, v)) => {
                 let num = v
@@ -194,16 +211,23 @@ impl std::str::FromStr for RefSpec {
                     .map_err(|_| {
                         Error::invalid(
                             format!("version {s:?}"),
-                            "write NAME, NAME@vN or NAME@latest",
+                            "write NAME, NAME@vN, NAME@vN#SNAPSHOT or NAME@latest",
                         )
                     })?;
                 (n, Some(num))
             }
         };
+        if snapshot.is_some() && version.is_none() {
+            return Err(Error::invalid(
+                format!("version {s:?}"),
+                "a snapshot id pins a version: write NAME@vN#SNAPSHOT",
+            ));
+        }
         validate_name(name)?;
         Ok(RefSpec {
             name: name.to_string(),
             version,
+            snapshot,
         })
     }
 }
@@ -211,8 +235,12 @@ impl std::str::FromStr for RefSpec {
 impl std::fmt::Display for RefSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.version {
-            Some(v) => write!(f, "{}@v{v}", self.name),
-            None => f.write_str(&self.name),
+            Some(v) => write!(f, "{}@v{v}", self.name)?,
+            None => f.write_str(&self.name)?,
+        }
+        match &self.snapshot {
+            Some(id) => write!(f, "#{id}"),
+            None => Ok(()),
         }
     }
 }
@@ -247,10 +275,27 @@ pub struct Repo {
     remote: Remote,
     config: StoreConfig,
     index_cache: Option<PathBuf>,
+    /// The versions this user saw, and what each named
+    /// ([`Repo::with_seen`]).
+    seen: Option<std::sync::Arc<crate::seen::SeenVersions>>,
 }
 
 /// The most a snapshot's tree may decode to: about ten million files.
 pub const MAX_TREE_BYTES: u64 = 2 << 30;
+
+/// Each kind of object is read whole only up to its bound, and refused past
+/// it naming the key (see [`Remote::get_at_most`]): any member can write any
+/// key, and one 50 GB object must not make every labd and client run out of
+/// memory. The store's `config`: a few hundred bytes.
+pub const MAX_CONFIG_OBJECT: u64 = 1 << 20;
+/// A version record (`refs/…`): a few hundred bytes.
+pub const MAX_RECORD_OBJECT: u64 = 1 << 20;
+/// A snapshot object: its counts and one reference per tree segment of up
+/// to 512 entries, about 1.5 MB at [`MAX_TREE_ENTRIES`](crate::snapshot).
+pub const MAX_SNAPSHOT_OBJECT: u64 = 16 << 20;
+/// An index object: at least 36 bytes per chunk, so about 1.8 million
+/// chunks (near 2 TB of data at 1 MiB chunks). Writers split larger ones.
+pub const MAX_INDEX_OBJECT: u64 = 64 << 20;
 
 /// Where [`Repo::load_tree_into`] puts a tree's entries, in path order.
 pub(crate) trait TreeSink {
@@ -276,7 +321,7 @@ impl Repo {
     /// an error, not a silent loss of dedup.
     pub async fn open(remote: Remote, params: Option<ChunkerParams>) -> Result<Repo> {
         let mut stored = None;
-        let config = match remote.get(CONFIG_KEY).await {
+        let config = match remote.get_at_most(CONFIG_KEY, MAX_CONFIG_OBJECT).await {
             Ok(bytes) => {
                 let cfg = Self::parse_config(&bytes, remote.url())?;
                 stored = Some(bytes);
@@ -296,7 +341,10 @@ impl Repo {
                     cfg
                 } else {
                     // Another client created the store at the same moment: use theirs.
-                    Self::parse_config(&remote.get(CONFIG_KEY).await?, remote.url())?
+                    Self::parse_config(
+                        &remote.get_at_most(CONFIG_KEY, MAX_CONFIG_OBJECT).await?,
+                        remote.url(),
+                    )?
                 }
             }
             Err(e) => return Err(e),
@@ -343,6 +391,7 @@ impl Repo {
             remote,
             config,
             index_cache: None,
+            seen: None,
         })
     }
 
@@ -357,6 +406,19 @@ impl Repo {
     pub fn with_index_cache(mut self, dir: Option<PathBuf>) -> Self {
         self.index_cache = dir;
         self
+    }
+
+    /// The same store, refusing versions this user saw name another
+    /// snapshot (see [`crate::SeenVersions`]), and remembering those it
+    /// resolves.
+    pub fn with_seen(mut self, seen: Option<std::sync::Arc<crate::seen::SeenVersions>>) -> Self {
+        self.seen = seen;
+        self
+    }
+
+    /// What [`Repo::with_seen`] gave.
+    pub fn seen(&self) -> Option<&crate::seen::SeenVersions> {
+        self.seen.as_deref()
     }
 
     /// The object store.
@@ -378,13 +440,17 @@ impl Repo {
             _ => None,
         };
         if let Some(path) = &cached {
-            if let Ok(b) = std::fs::read(path) {
+            let bounded = std::fs::metadata(path).is_ok_and(|m| m.len() <= MAX_INDEX_OBJECT);
+            if let Ok(b) = std::fs::read(path)
+                .map_err(drop)
+                .and_then(|b| bounded.then_some(b).ok_or(()))
+            {
                 if let Ok(recs) = check_index_object(&b, key) {
                     return Ok(recs);
                 }
             }
         }
-        let bytes = self.remote.get(key).await?;
+        let bytes = self.remote.get_at_most(key, MAX_INDEX_OBJECT).await?;
         let recs = check_index_object(&bytes, key)?;
         if let Some(path) = cached {
             // Best effort: the copy is only an optimisation, the store has the original.
@@ -415,19 +481,36 @@ impl Repo {
     }
 
     async fn load_index_once(&self) -> Result<(Index, Vec<String>)> {
-        let objects = self.remote.list("index/").await?;
+        // Kept as ids while listing: any member can put millions of objects
+        // under `index/`, and those not named as index objects are refused
+        // unread (and only the first few kept, see `Index::refuse`).
+        let mut idx = Index::default();
+        let mut listed: Vec<(blake3::Hash, u64)> = Vec::new();
+        let mut listing = std::pin::pin!(self.remote.list_stream("index/"));
+        while let Some(o) = listing.try_next().await? {
+            match index_object_id(&o.key) {
+                Some(id) => listed.push((id, o.size)),
+                None => idx.refuse(
+                    o.key,
+                    "not named as an index object is (index/ and 64 hex digits)".into(),
+                ),
+            }
+        }
         // At least 36 encoded bytes per chunk (id, three varints, flags):
         // room for all of them at once, a little more than needed, so the
         // table never grows by doubling (which held both copies at once).
-        let room = objects.iter().map(|o| o.size / 36).sum::<u64>();
-        let keys: Vec<String> = objects.into_iter().map(|o| o.key).collect();
-        // Futures are collected before streaming them (see NodeCache::fetch_packs).
-        let reads: Vec<_> = keys
+        let room = listed
             .iter()
-            .map(|k| async move {
-                match self.get_index_object(k).await {
-                    Ok(recs) => Ok(Ok(recs)),
-                    Err(Error::Corrupt { detail, .. }) => Ok(Err((k.clone(), detail))),
+            .map(|o| o.1.min(MAX_INDEX_OBJECT) / 36)
+            .sum::<u64>();
+        // Futures are collected before streaming them (see NodeCache::fetch_packs).
+        let reads: Vec<_> = listed
+            .iter()
+            .map(|(id, _)| async move {
+                let k = format!("index/{}", id.to_hex());
+                match self.get_index_object(&k).await {
+                    Ok(recs) => Ok((k, Ok(recs))),
+                    Err(Error::Corrupt { detail, .. }) => Ok((k, Err(detail))),
                     Err(e) => Err(e),
                 }
             })
@@ -435,15 +518,18 @@ impl Repo {
         // Each object is added as it arrives and then dropped: a million
         // chunks decoded all at once would double what the index holds.
         let mut loaded = futures::stream::iter(reads).buffer_unordered(8);
-        let mut idx = Index::default();
         // Capped: the table's control bytes are written when reserved, and
         // a junk object is only found out when read. Past 4 Mi chunks the
         // index grows as it goes.
         idx.reserve(usize::try_from(room).unwrap_or(0).min(1 << 22));
-        while let Some(r) = loaded.try_next().await? {
+        let mut keys = Vec::new();
+        while let Some((key, r)) = loaded.try_next().await? {
             match r {
-                Ok(recs) => recs.iter().for_each(|r| idx.add(r)),
-                Err((key, why)) => {
+                Ok(recs) => {
+                    recs.iter().for_each(|r| idx.add(r));
+                    keys.push(key);
+                }
+                Err(why) => {
                     tracing::warn!("index object {key} is not used: {why}");
                     idx.refuse(key, why);
                 }
@@ -458,19 +544,38 @@ impl Repo {
         Ok((idx, keys))
     }
 
-    /// Writes an index object for `packs` (which must already be durable);
-    /// returns its key and size.
-    pub async fn write_index(&self, packs: &[IndexPack]) -> Result<Option<(String, u64)>> {
-        if packs.is_empty() {
-            return Ok(None);
+    /// Writes the index objects for `packs` (which must already be
+    /// durable): one, or several where one would pass [`MAX_INDEX_OBJECT`]
+    /// (which readers refuse). Returns their keys and sizes.
+    pub async fn write_index(&self, packs: &[IndexPack]) -> Result<Vec<(String, u64)>> {
+        self.write_index_within(packs, MAX_INDEX_OBJECT).await
+    }
+
+    async fn write_index_within(
+        &self,
+        packs: &[IndexPack],
+        max: u64,
+    ) -> Result<Vec<(String, u64)>> {
+        let mut written = Vec::new();
+        let mut todo = vec![packs];
+        while let Some(part) = todo.pop() {
+            if part.is_empty() {
+                continue;
+            }
+            let bytes = index::encode(part);
+            if bytes.len() as u64 > max && part.len() > 1 {
+                let (a, b) = part.split_at(part.len() / 2);
+                todo.extend([b, a]);
+                continue;
+            }
+            let (key, n) = (
+                format!("index/{}", blake3::hash(&bytes).to_hex()),
+                bytes.len() as u64,
+            );
+            self.remote.put(&key, bytes.into()).await?;
+            written.push((key, n));
         }
-        let bytes = index::encode(packs);
-        let (key, n) = (
-            format!("index/{}", blake3::hash(&bytes).to_hex()),
-            bytes.len() as u64,
-        );
-        self.remote.put(&key, bytes.into()).await?;
-        Ok(Some((key, n)))
+        Ok(written)
     }
 
     /// Reads chunks (any mix of packs), verifying each against its id.
@@ -514,7 +619,7 @@ impl Repo {
     pub async fn load_snapshot(&self, id: &SnapshotId) -> Result<SnapshotObject> {
         let bytes = self
             .remote
-            .get(&snapshot_key(id))
+            .get_at_most(&snapshot_key(id), MAX_SNAPSHOT_OBJECT)
             .await
             .map_err(|e| match e {
                 Error::NotFound { .. } => Error::not_found(format!("snapshot {id}")),
@@ -660,7 +765,7 @@ impl Repo {
     /// Reads a version record; one that names another name or version than
     /// its key does is refused (it would restore another version's tree).
     async fn read_record(&self, key: &str) -> Result<VersionRecord> {
-        let bytes = self.remote.get(key).await?;
+        let bytes = self.remote.get_at_most(key, MAX_RECORD_OBJECT).await?;
         let rec: VersionRecord = serde_json::from_slice(&bytes)
             .map_err(|e| Error::corrupt(format!("ref {key}"), e.to_string()))?;
         if validate_name(&rec.name).is_err() || version_key(&rec.name, rec.version) != key {
@@ -723,7 +828,7 @@ impl Repo {
                 "name the version to forget: NAME@vN",
             ));
         }
-        let mut rec = self.resolve(spec).await?;
+        let mut rec = self.resolve_unchecked(spec).await?;
         rec.forgotten = true;
         let json = serde_json::to_vec_pretty(&rec).expect("record serialises");
         self.remote
@@ -733,8 +838,27 @@ impl Repo {
         Ok(rec)
     }
 
-    /// Resolves `NAME[@vN]` to its version record.
+    /// Resolves `NAME[@vN]` to its version record. A record that names
+    /// another snapshot than the spec's pin (`NAME@vN#ID`), or than this
+    /// user saw it name ([`Repo::with_seen`]), is refused as rewritten.
     pub async fn resolve(&self, spec: &RefSpec) -> Result<VersionRecord> {
+        let rec = self.resolve_unchecked(spec).await?;
+        if let Some(pin) = spec.snapshot.filter(|p| *p != rec.snapshot) {
+            return Err(Error::Rewritten {
+                label: rec.label(),
+                key: version_key(&rec.name, rec.version),
+                expected: pin.to_string(),
+                found: rec.snapshot.to_string(),
+                seen: "it was saved (the id after '#')".into(),
+            });
+        }
+        if let Some(seen) = &self.seen {
+            seen.check_and_note(&rec)?;
+        }
+        Ok(rec)
+    }
+
+    async fn resolve_unchecked(&self, spec: &RefSpec) -> Result<VersionRecord> {
         // A version is one read; only a miss lists them all, to say what
         // there is.
         if let Some(v) = spec.version {
@@ -857,10 +981,15 @@ impl Repo {
             .await?;
         let chunks = recs.iter().map(|r| r.chunks.len()).sum();
         let n = recs.len();
-        let new_key = self.write_index(&recs).await?.map(|(k, _)| k);
+        let new_keys: HashSet<String> = self
+            .write_index(&recs)
+            .await?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
         self.remote.sync().await?;
         for k in old {
-            if Some(&k) != new_key.as_ref() {
+            if !new_keys.contains(&k) {
                 self.remote.delete(&k).await?;
             }
         }
@@ -899,6 +1028,15 @@ fn check_index_object(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
         ));
     }
     index::decode(bytes, key)
+}
+
+/// The id an index object's key names (`index/` and 64 hex digits).
+fn index_object_id(key: &str) -> Option<blake3::Hash> {
+    let hex = key.strip_prefix("index/")?;
+    // Lower case only: the name is read back as `to_hex` writes it.
+    (hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        .then(|| blake3::Hash::from_hex(hex).ok())
+        .flatten()
 }
 
 /// Listings and reads of the index before [`Repo::load_index`] gives up on
@@ -1001,6 +1139,46 @@ mod tests {
         assert_eq!(listed(&copies), want);
     }
 
+    /// Issue 40, point 2: an index larger than one object may be is
+    /// written as several; keys under `index/` not named as index objects
+    /// are refused unread, and past the first hundred only counted.
+    #[tokio::test]
+    async fn index_objects_are_bounded_and_junk_keys_are_not_read() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let packs: Vec<IndexPack> = (0..5u8)
+            .map(|p| {
+                let entries: Vec<PackEntry> = (0..20u8)
+                    .map(|c| PackEntry {
+                        id: ChunkId::of(&[p, c]),
+                        offset: u64::from(c) * 10,
+                        stored_len: 10,
+                        raw_len: 10,
+                        flags: 0,
+                    })
+                    .collect();
+                IndexPack::new(PackId::of(&[p]), 4096, &entries)
+            })
+            .collect();
+        let one = index::encode(&packs[..1]).len() as u64;
+        let written = repo.write_index_within(&packs, one * 2).await.unwrap();
+        assert!(written.len() >= 3, "{written:?}");
+        assert!(written.iter().all(|(_, n)| *n <= one * 2), "{written:?}");
+        for i in 0..150 {
+            repo.remote()
+                .put(&format!("index/junk-{i}"), bytes::Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+        }
+        let (idx, keys) = repo.load_index().await.unwrap();
+        assert_eq!(keys.len(), written.len());
+        for c in packs.iter().flat_map(|p| &p.chunks) {
+            assert!(idx.contains(&c.0), "every chunk of every part is indexed");
+        }
+        assert_eq!(idx.refused().len() as u64 + idx.refused_more(), 150);
+        assert_eq!(idx.refused().len(), 100);
+        assert!(idx.refused()[0].1.contains("not named as an index object"));
+    }
+
     #[test]
     fn names_and_specs() {
         for ok in ["div2k", "runs/42", "a.b-c_d"] {
@@ -1013,9 +1191,17 @@ mod tests {
             "div2k@v3".parse::<RefSpec>().unwrap(),
             RefSpec {
                 name: "div2k".into(),
-                version: Some(3)
+                version: Some(3),
+                snapshot: None,
             }
         );
+        let id = SnapshotId::of(b"x");
+        let pinned: RefSpec = format!("runs/j12@v3#{id}").parse().unwrap();
+        assert_eq!((pinned.version, pinned.snapshot), (Some(3), Some(id)));
+        assert_eq!(pinned.to_string(), format!("runs/j12@v3#{id}"));
+        for bad in [format!("runs/j12#{id}"), "runs/j12@v3#abc".into()] {
+            assert!(bad.parse::<RefSpec>().is_err(), "{bad}");
+        }
         assert_eq!("div2k@latest".parse::<RefSpec>().unwrap().version, None);
         assert!("div2k@vx"
             .parse::<RefSpec>()

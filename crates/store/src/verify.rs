@@ -63,6 +63,15 @@ pub async fn verify(
         Some(_) => None,
     };
     let versions = versions_of(repo, name).await?;
+    // A version that names another snapshot than when this user used it:
+    // overwritten by someone who can write the store.
+    if let Some(seen) = repo.seen() {
+        for rec in &versions {
+            if let Err(e) = seen.check(rec) {
+                report.problems.push(e.to_string());
+            }
+        }
+    }
     if let Some(snapshots) = snapshots {
         check_unnamed_snapshots(repo, snapshots, &mut report).await?;
     }
@@ -71,6 +80,12 @@ pub async fn verify(
         report
             .problems
             .push(format!("index {key}: {why}; it is not used"));
+    }
+    if index.refused_more() > 0 {
+        report.problems.push(format!(
+            "{} more objects under index/ are not used either",
+            index.refused_more()
+        ));
     }
     let chunks = check_trees(repo, &index, &versions, &mut report, progress.as_ref()).await;
     report.chunks = chunks.len() as u64;

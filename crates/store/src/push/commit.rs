@@ -28,9 +28,10 @@ pub(super) async fn write_index(repo: &Repo, uploaded: &Uploaded) -> Result<Writ
         bytes: uploaded.bytes + uploaded.index_bytes,
     };
     repo.remote().sync().await?;
-    if let Some((_, n)) = repo.write_index(&uploaded.unindexed).await? {
-        written.bytes += n;
-        written.objects += 1;
+    let index = repo.write_index(&uploaded.unindexed).await?;
+    if !index.is_empty() {
+        written.bytes += index.iter().map(|(_, n)| n).sum::<u64>();
+        written.objects += index.len() as u64;
         repo.remote().sync().await?;
     }
     tracing::debug!(packs = uploaded.packs, "push: packs and index durable");

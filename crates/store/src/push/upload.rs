@@ -179,8 +179,8 @@ async fn upload_packs(
             unindexed_chunks = 0;
             repo.remote().sync().await?;
             let written = repo.write_index(&up.unindexed).await?;
-            up.index_bytes += written.map_or(0, |(_, n)| n);
-            up.index_objects += 1;
+            up.index_bytes += written.iter().map(|(_, n)| n).sum::<u64>();
+            up.index_objects += written.len() as u64;
             up.unindexed.clear();
         }
     }

@@ -65,7 +65,7 @@ async fn slow_down_is_retried_after_the_servers_retry_after() {
         let key = format!("data/k{i}");
         remote.put(&key, format!("v{i}").into()).await.unwrap();
         assert_eq!(
-            &remote.get(&key).await.unwrap()[..],
+            &remote.get_at_most(&key, 1 << 30).await.unwrap()[..],
             format!("v{i}").as_bytes()
         );
     }
@@ -323,11 +323,13 @@ async fn a_store_made_before_probing_is_probed_at_its_next_open() {
         Some(ConditionalWrites::Ignored)
     );
     let stored: labsync_store::StoreConfig =
-        serde_json::from_slice(&repo.remote().get("config").await.unwrap()).unwrap();
+        serde_json::from_slice(&repo.remote().get_at_most("config", 1 << 20).await.unwrap())
+            .unwrap();
     assert_eq!(stored.conditional_writes, Some(ConditionalWrites::Ignored));
     assert_eq!(stored.id, legacy.id, "the same store");
     let doc: serde_json::Value =
-        serde_json::from_slice(&repo.remote().get("config").await.unwrap()).unwrap();
+        serde_json::from_slice(&repo.remote().get_at_most("config", 1 << 20).await.unwrap())
+            .unwrap();
     assert_eq!(doc["note"], "kept by hand", "fields it does not know stay");
 }
 
