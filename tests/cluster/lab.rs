@@ -118,7 +118,8 @@ impl Lab {
                                 dir = dir.path().display(),
                                 ca = ca.display(),
                             ),
-                            None => String::new(),
+                            // In clear only where the config says so (issue 40).
+                            None => "insecure_cleartext = true\n".into(),
                         },
                     ),
                 )
@@ -362,7 +363,7 @@ impl Lab {
     pub fn client(&self, i: usize, key: ClusterKey, as_node: &str) -> Client {
         let ep: Endpoint = self.url(i).parse().unwrap();
         let tls = (self.ca.as_deref()).map(|ca| labsync_agent::tls::client(Some(ca)).unwrap());
-        Client::for_cluster(ep, key, as_node).with_tls(tls)
+        Client::for_cluster(ep, key, as_node, &format!("gpu{i}")).with_tls(tls)
     }
 }
 

@@ -469,7 +469,8 @@ fn main() {
              store = \"s3://labsync/follow\"\ncache_dir = \"{cache}\"\nfake_gpus = \"1x11GiB\"\n\
              fake_gpus_control = \"{control}\"\nrun_as = \"labd\"\n[tokens]\nbench = \"{TOKEN}\"\n\
              [cluster]\ncoordinator = \"http://127.0.0.1:{coord}\"\ncoordinate = {co}\n\
-             secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1000\n",
+             secret_file = \"{secret}\"\nheartbeat_ms = 200\ndown_after_ms = 1000\n\
+             insecure_cleartext = true\n",
             state = d.join("state").display(),
             cache = d.join("cache").display(),
             control = d.join("control.toml").display(),

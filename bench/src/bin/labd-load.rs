@@ -206,7 +206,7 @@ fn main() {
             if a.nodes > 1 {
                 config += &format!(
                     "[cluster]\ncoordinator = \"http://127.0.0.1:{}\"\ncoordinate = {}\n\
-                     secret_file = \"{}\"\n",
+                     secret_file = \"{}\"\ninsecure_cleartext = true\n",
                     ports[0],
                     i == 0,
                     w.join("cluster.secret").display()

@@ -248,9 +248,15 @@ fn member_head(
         .ok_or_else(|| ApiError::NotMember(format!("{} is in no cluster", d.node_name())))?;
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let get = |k: &str| h.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let me = [d.node_name(), crate::cluster::TO_COORDINATOR];
+    let me = if cluster.coordinate {
+        &me[..]
+    } else {
+        &me[..1]
+    };
     cluster
         .key
-        .verify_head(method.as_str(), path, get, now_ms())
+        .verify_head(method.as_str(), path, me, get, now_ms())
         .map_err(|e| refused(method, uri, e))
 }
 

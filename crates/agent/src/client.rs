@@ -84,8 +84,9 @@ impl std::fmt::Display for Endpoint {
 pub struct Client {
     endpoint: Endpoint,
     token: Option<Secret>,
-    /// Requests between nodes are signed with the cluster key, as `node`.
-    signer: Option<(ClusterKey, String)>,
+    /// Requests between nodes are signed with the cluster key, from the
+    /// first node named, for the second.
+    signer: Option<(ClusterKey, String, String)>,
     /// For an `https://` endpoint: whom to trust (the system's roots without it).
     tls: Option<Arc<ClientConfig>>,
 }
@@ -120,12 +121,13 @@ impl Client {
     }
 
     /// A client of another node of the cluster: every request is signed
-    /// with `key` as `node`, and carries no user's token.
-    pub fn for_cluster(endpoint: Endpoint, key: ClusterKey, node: &str) -> Client {
+    /// with `key` as from `node`, for `to` (that node's name, or
+    /// [`crate::cluster::TO_COORDINATOR`]), and carries no user's token.
+    pub fn for_cluster(endpoint: Endpoint, key: ClusterKey, node: &str, to: &str) -> Client {
         Client {
             endpoint,
             token: None,
-            signer: Some((key, node.to_string())),
+            signer: Some((key, node.to_string(), to.to_string())),
             tls: None,
         }
     }
@@ -174,10 +176,15 @@ impl Client {
                 .header(header::UPGRADE, protocol);
         }
         let body = body.unwrap_or_default();
-        if let Some((key, node)) = &self.signer {
+        if let Some((key, from, to)) = &self.signer {
             let method = req.method_ref().map_or("GET", |m| m.as_str()).to_string();
-            for (name, value) in key.sign(&method, path, node, crate::cluster::signing_ms(), &body)
-            {
+            let route = crate::cluster::Route {
+                method: &method,
+                path,
+                from,
+                to,
+            };
+            for (name, value) in key.sign(&route, crate::cluster::signing_ms(), &body) {
                 req = req.header(name, value);
             }
         }

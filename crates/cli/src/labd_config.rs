@@ -205,6 +205,12 @@ struct ClusterFile {
     heartbeat_ms: Option<u64>,
     /// A node without a heartbeat this long is down (default 10000).
     down_after_ms: Option<u64>,
+    /// Without `[tls]`, nodes talk in clear: requests are signed, but their
+    /// answers (a heartbeat's reply telling a node to kill jobs, a
+    /// dispatch's refusal) are not, and anyone on the LAN can forge them.
+    /// Only with this set to true does such a cluster start.
+    #[serde(default)]
+    insecure_cleartext: bool,
 }
 
 /// Reads the config file (if any) and resolves everything with the flags.
@@ -484,6 +490,14 @@ fn cluster_config(
             c.coordinator
         ),
     }
+    if tls.is_none() && !c.insecure_cleartext {
+        bail!(
+            "[cluster] without [tls]: nodes would take orders (kill a job, a dispatch refused) \
+             from answers anyone on the LAN can forge. Set [tls] (cert, key and the lab's ca on \
+             every node), or, on a network only the cluster's nodes reach, \
+             insecure_cleartext = true in [cluster]"
+        );
+    }
     let (Endpoint::Tcp(addr) | Endpoint::Tls(addr)) = listen else {
         bail!(
             "labd listens on {listen}, which other nodes cannot reach: in a cluster set \
@@ -713,7 +727,8 @@ mod tests {
 
     fn cluster(extra: &str) -> ClusterFile {
         toml::from_str(&format!(
-            "coordinator = \"http://10.0.0.1:7420\"\nsecret = \"{}\"\n{extra}",
+            "coordinator = \"http://10.0.0.1:7420\"\ninsecure_cleartext = true\n\
+             secret = \"{}\"\n{extra}",
             "s".repeat(40)
         ))
         .unwrap()
@@ -812,15 +827,29 @@ mod tests {
         let unix = Endpoint::Unix("/run/labd.sock".into());
         assert!(err(cluster(""), "gpu2", unix).contains("other nodes cannot reach"));
         assert!(err(cluster(""), "gpu 2", tcp("0.0.0.0:1")).contains("is not a node name"));
-        let short: ClusterFile =
-            toml::from_str("coordinator = \"http://h:1\"\nsecret = \"short\"").unwrap();
+        // Issue 40, point 10: in clear only when the config says so.
+        let clear: ClusterFile = toml::from_str(&format!(
+            "coordinator = \"http://h:1\"\nsecret = \"{}\"",
+            "s".repeat(40)
+        ))
+        .unwrap();
+        let e = err(clear, "gpu2", tcp("0.0.0.0:1"));
+        assert!(
+            e.contains("without [tls]") && e.contains("insecure_cleartext = true"),
+            "{e}"
+        );
+        let short: ClusterFile = toml::from_str(
+            "coordinator = \"http://h:1\"\ninsecure_cleartext = true\nsecret = \"short\"",
+        )
+        .unwrap();
         assert!(err(short, "gpu2", tcp("0.0.0.0:1")).contains("at least 32"));
-        let none: ClusterFile = toml::from_str("coordinator = \"http://h:1\"").unwrap();
+        let none: ClusterFile =
+            toml::from_str("coordinator = \"http://h:1\"\ninsecure_cleartext = true").unwrap();
         assert!(err(none, "gpu2", tcp("0.0.0.0:1")).contains("set one of secret_file"));
         let flapping = cluster("heartbeat_ms = 1000\ndown_after_ms = 2000");
         assert!(err(flapping, "gpu2", tcp("0.0.0.0:1")).contains("under three heartbeats"));
         let unix_coord: ClusterFile = toml::from_str(&format!(
-            "coordinator = \"/run/labd.sock\"\nsecret = \"{}\"",
+            "coordinator = \"/run/labd.sock\"\ninsecure_cleartext = true\nsecret = \"{}\"",
             "s".repeat(40)
         ))
         .unwrap();
@@ -936,7 +965,7 @@ mod tests {
         std::fs::write(&f, "x".repeat(40)).unwrap();
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
         let c: ClusterFile = toml::from_str(&format!(
-            "coordinator = \"http://h:1\"\nsecret_file = \"{}\"",
+            "coordinator = \"http://h:1\"\ninsecure_cleartext = true\nsecret_file = \"{}\"",
             f.display()
         ))
         .unwrap();

@@ -3,10 +3,14 @@
 //! request learns nothing it could reuse beyond the replay window, and a
 //! user's token opens none of these routes.
 //!
-//! Signed: the method, the path and query, the sending node, the time and
-//! the BLAKE3 of the body, under a key derived from the secret. Checked:
-//! the signature (constant-time) and the time, within [`SKEW`] of the
-//! receiver's clock. The body's hash travels as a header too, so the
+//! Signed: the method, the path and query, the sending node, the receiving
+//! node, the time and the BLAKE3 of the body, under a key derived from the
+//! secret. Checked: the signature (constant-time), that this node is the
+//! one it was meant for, and the time, within [`SKEW`] of the receiver's
+//! clock. The receiver is a node's name, or [`TO_COORDINATOR`] for the
+//! coordinator's routes (whose name a node need not know): a request seen
+//! on the wire and sent to another node is refused there, so a dispatch
+//! captured on its way to gpu2 cannot run the job again on gpu3. The body's hash travels as a header too, so the
 //! receiver checks the signature before it reads a byte of the body (then
 //! the body against that hash): a sender without the secret cannot make a
 //! node hold a large body in memory.
@@ -32,6 +36,11 @@ pub const TIME: &str = "x-labsync-time";
 pub const SIGNATURE: &str = "x-labsync-signature";
 /// Header: the BLAKE3 of the body, hex.
 pub const BODY: &str = "x-labsync-body";
+/// Header: the node the request is meant for.
+pub const TO: &str = "x-labsync-to";
+/// The receiver of requests meant for the cluster's coordinator, whichever
+/// node it is (no node name can be this: names start with a letter or digit).
+pub const TO_COORDINATOR: &str = "@coordinator";
 
 /// How far apart the sender's and receiver's clocks may be, and so how
 /// long a captured request could be replayed. Nodes of a lab run NTP.
@@ -93,6 +102,15 @@ pub enum AuthError {
     /// A request this node took already, sent again.
     #[error("a request from {0} this node took already, sent again (a replay)")]
     Replay(String),
+    /// Signed for another node: captured on the wire and sent here, or an
+    /// address that reaches another node than the sender thinks.
+    #[error("a request from {from} meant for {to}, not this node: a replay, or an address that reaches the wrong node")]
+    Misdirected {
+        /// The signing node.
+        from: String,
+        /// Whom it was signed for.
+        to: String,
+    },
     /// Signed with another secret, or altered on the way.
     #[error(
         "bad cluster signature from {0}: a different cluster secret, or the request was altered"
@@ -115,22 +133,15 @@ impl ClusterKey {
             ));
         }
         Ok(ClusterKey {
-            key: blake3::derive_key("labsync 2026-12 cluster request signing v1", s.as_bytes()),
+            key: blake3::derive_key("labsync 2026-12 cluster request signing v2", s.as_bytes()),
             seen: Arc::default(),
         })
     }
 
-    fn mac(
-        &self,
-        method: &str,
-        path: &str,
-        node: &str,
-        time: i64,
-        body: &blake3::Hash,
-    ) -> blake3::Hash {
+    fn mac(&self, r: &Route<'_>, time: i64, body: &blake3::Hash) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         // Lengths first: no two different requests hash the same bytes.
-        for part in [method.as_bytes(), path.as_bytes(), node.as_bytes()] {
+        for part in [r.method, r.path, r.from, r.to].map(str::as_bytes) {
             h.update(&(part.len() as u64).to_le_bytes());
             h.update(part);
         }
@@ -139,19 +150,13 @@ impl ClusterKey {
         h.finalize()
     }
 
-    /// The headers of a request from `node` at `now_ms`.
-    pub fn sign(
-        &self,
-        method: &str,
-        path: &str,
-        node: &str,
-        now_ms: i64,
-        body: &[u8],
-    ) -> [(&'static str, String); 4] {
+    /// The headers of the request `r` at `now_ms`.
+    pub fn sign(&self, r: &Route<'_>, now_ms: i64, body: &[u8]) -> [(&'static str, String); 5] {
         let hash = blake3::hash(body);
-        let mac = self.mac(method, path, node, now_ms, &hash);
+        let mac = self.mac(r, now_ms, &hash);
         [
-            (NODE, node.to_string()),
+            (NODE, r.from.to_string()),
+            (TO, r.to.to_string()),
             (TIME, now_ms.to_string()),
             (SIGNATURE, mac.to_hex().to_string()),
             (BODY, hash.to_hex().to_string()),
@@ -160,15 +165,19 @@ impl ClusterKey {
 
     /// Checks a request's headers (`get` reads one) before its body is
     /// read: the sending node's name, and the body's hash it signed (which
-    /// the caller checks the body against with [`Signed::body`]).
+    /// the caller checks the body against with [`Signed::body`]). `me` are
+    /// the receivers this node answers to: its name, and [`TO_COORDINATOR`]
+    /// where it coordinates.
     pub fn verify_head(
         &self,
         method: &str,
         path: &str,
+        me: &[&str],
         get: impl Fn(&str) -> Option<String>,
         now_ms: i64,
     ) -> Result<Signed, AuthError> {
         let node = get(NODE).ok_or(AuthError::Missing(NODE))?;
+        let to = get(TO).ok_or(AuthError::Missing(TO))?;
         let time: i64 = get(TIME)
             .and_then(|t| t.parse().ok())
             .ok_or(AuthError::Missing(TIME))?;
@@ -180,8 +189,18 @@ impl ClusterKey {
             .ok_or(AuthError::Missing(BODY))?;
         // Signature first: an unsigned request learns nothing of the clock.
         // blake3::Hash's equality is constant-time.
-        if self.mac(method, path, &node, time, &body) != sig {
+        let route = Route {
+            method,
+            path,
+            from: &node,
+            to: &to,
+        };
+        if self.mac(&route, time, &body) != sig {
             return Err(AuthError::Bad(node));
+        }
+        // After the signature: only a member learns whom this node answers to.
+        if !me.contains(&to.as_str()) {
+            return Err(AuthError::Misdirected { from: node, to });
         }
         let off = time.saturating_sub(now_ms);
         if off.unsigned_abs() > SKEW.as_millis() as u64 {
@@ -206,12 +225,27 @@ impl ClusterKey {
         &self,
         method: &str,
         path: &str,
+        me: &[&str],
         get: impl Fn(&str) -> Option<String>,
         now_ms: i64,
         body: &[u8],
     ) -> Result<String, AuthError> {
-        self.verify_head(method, path, get, now_ms)?.body(body)
+        self.verify_head(method, path, me, get, now_ms)?.body(body)
     }
+}
+
+/// What a signature covers besides the time and the body: the request
+/// line, who sends it and whom it is for.
+#[derive(Debug, Clone, Copy)]
+pub struct Route<'a> {
+    /// `GET`, `POST`, …
+    pub method: &'a str,
+    /// The path and query.
+    pub path: &'a str,
+    /// The sending node's name.
+    pub from: &'a str,
+    /// The receiving node's name, or [`TO_COORDINATOR`].
+    pub to: &'a str,
 }
 
 /// A request whose headers passed [`ClusterKey::verify_head`].
@@ -252,11 +286,23 @@ mod tests {
 
     use super::*;
 
+    /// The node the tests' requests are meant for.
+    const ME: &[&str] = &["gpu1"];
+
+    fn route<'a>(method: &'a str, path: &'a str, from: &'a str) -> Route<'a> {
+        Route {
+            method,
+            path,
+            from,
+            to: "gpu1",
+        }
+    }
+
     fn key(s: &str) -> ClusterKey {
         ClusterKey::new(&Secret::new(s)).unwrap()
     }
 
-    fn headers(h: &[(&'static str, String); 4]) -> impl Fn(&str) -> Option<String> {
+    fn headers(h: &[(&'static str, String); 5]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> =
             h.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
         move |k| m.get(k).cloned()
@@ -265,11 +311,16 @@ mod tests {
     #[test]
     fn signed_requests_pass_and_anything_else_is_refused() {
         let k = key(&"s".repeat(40));
-        let h = k.sign("POST", "/v1/cluster/heartbeat", "gpu2", 1_000_000, b"{}");
+        let h = k.sign(
+            &route("POST", "/v1/cluster/heartbeat", "gpu2"),
+            1_000_000,
+            b"{}",
+        );
         assert_eq!(
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h),
                 1_000_500,
                 b"{}"
@@ -282,6 +333,7 @@ mod tests {
             other.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h),
                 1_000_000,
                 b"{}"
@@ -293,7 +345,7 @@ mod tests {
             ("GET", "/v1/cluster/heartbeat"),
         ] {
             assert!(matches!(
-                k.verify(m, p, headers(&h), 1_000_000, b"{}"),
+                k.verify(m, p, ME, headers(&h), 1_000_000, b"{}"),
                 Err(AuthError::Bad(_))
             ));
         }
@@ -302,6 +354,7 @@ mod tests {
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h),
                 1_000_900,
                 b"{}"
@@ -309,11 +362,16 @@ mod tests {
             Err(AuthError::Replay("gpu2".into()))
         );
         // Another body under the signed hash; another hash in the header.
-        let h2 = k.sign("POST", "/v1/cluster/heartbeat", "gpu2", 1_000_001, b"{}");
+        let h2 = k.sign(
+            &route("POST", "/v1/cluster/heartbeat", "gpu2"),
+            1_000_001,
+            b"{}",
+        );
         assert_eq!(
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h2),
                 1_000_000,
                 b"{ }"
@@ -326,6 +384,7 @@ mod tests {
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h2),
                 1_000_000,
                 b"{}"
@@ -336,6 +395,7 @@ mod tests {
             k.clone().verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h2),
                 1_000_000,
                 b"{}"
@@ -343,11 +403,12 @@ mod tests {
             Err(AuthError::Replay("gpu2".into()))
         );
         let mut rehashed = h.clone();
-        rehashed[3].1 = blake3::hash(b"{ }").to_hex().to_string();
+        rehashed[4].1 = blake3::hash(b"{ }").to_hex().to_string();
         assert!(matches!(
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&rehashed),
                 1_000_000,
                 b"{ }"
@@ -360,6 +421,7 @@ mod tests {
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&renamed),
                 1_000_000,
                 b"{}"
@@ -371,6 +433,7 @@ mod tests {
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h),
                 1_000_000 + 61_000,
                 b"{}"
@@ -381,6 +444,7 @@ mod tests {
             k.verify(
                 "POST",
                 "/v1/cluster/heartbeat",
+                ME,
                 headers(&h),
                 1_000_000 - 61_000,
                 b"{}"
@@ -389,7 +453,7 @@ mod tests {
         ));
         // No headers at all, or a user's bearer token only.
         assert_eq!(
-            k.verify("GET", "/", |_| None, 0, b""),
+            k.verify("GET", "/", ME, |_| None, 0, b""),
             Err(AuthError::Missing(NODE))
         );
     }
@@ -401,22 +465,109 @@ mod tests {
         let k = key(&"s".repeat(40));
         let skew = SKEW.as_millis() as i64;
         for t in 0..1024 {
-            let h = k.sign("GET", "/v1/cluster/packs/x", "gpu1", t, b"");
+            let h = k.sign(&route("GET", "/v1/cluster/packs/x", "gpu1"), t, b"");
             assert!(k
-                .verify("GET", "/v1/cluster/packs/x", headers(&h), t, b"")
+                .verify("GET", "/v1/cluster/packs/x", ME, headers(&h), t, b"")
                 .is_ok());
         }
         // Past the skew, the next one taken prunes them all.
         let late = 1024 + skew + 1;
-        let h = k.sign("GET", "/v1/cluster/packs/x", "gpu1", late, b"");
+        let h = k.sign(&route("GET", "/v1/cluster/packs/x", "gpu1"), late, b"");
         assert!(k
-            .verify("GET", "/v1/cluster/packs/x", headers(&h), late, b"")
+            .verify("GET", "/v1/cluster/packs/x", ME, headers(&h), late, b"")
             .is_ok());
         assert_eq!(k.seen.lock().unwrap().taken.len(), 1);
         // Times a process signs with never repeat.
         let mut times: Vec<i64> = (0..1000).map(|_| crate::cluster::signing_ms()).collect();
         times.dedup();
         assert_eq!(times.len(), 1000);
+    }
+
+    /// Issue 40, point 10: a request captured on its way to one node and
+    /// sent to another is refused there, and so is a receiver rewritten on
+    /// the way; the coordinator's routes answer only to where it coordinates.
+    #[test]
+    fn a_request_is_taken_only_by_the_node_it_was_signed_for() {
+        let k = key(&"s".repeat(40));
+        let to_gpu2 = Route {
+            method: "POST",
+            path: "/v1/cluster/jobs",
+            from: "gpu1",
+            to: "gpu2",
+        };
+        let h = k.sign(&to_gpu2, 1_000, b"{}");
+        let on = |me: &[&str]| k.verify("POST", "/v1/cluster/jobs", me, headers(&h), 1_000, b"{}");
+        assert_eq!(
+            on(&["gpu3"]),
+            Err(AuthError::Misdirected {
+                from: "gpu1".into(),
+                to: "gpu2".into()
+            })
+        );
+        assert_eq!(
+            on(&["gpu3", TO_COORDINATOR]),
+            Err(AuthError::Misdirected {
+                from: "gpu1".into(),
+                to: "gpu2".into()
+            })
+        );
+        let mut readdressed = h.clone();
+        readdressed[1].1 = "gpu3".into();
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/jobs",
+                &["gpu3"],
+                headers(&readdressed),
+                1_000,
+                b"{}"
+            ),
+            Err(AuthError::Bad(_))
+        ));
+        let mut unaddressed: HashMap<String, String> =
+            h.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        unaddressed.remove(TO);
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/jobs",
+                &["gpu2"],
+                |n| unaddressed.get(n).cloned(),
+                1_000,
+                b"{}"
+            ),
+            Err(AuthError::Missing(TO))
+        );
+        assert_eq!(on(&["gpu2"]), Ok("gpu1".into()));
+        // A heartbeat for the coordinator: taken where it coordinates only.
+        let beat = Route {
+            to: TO_COORDINATOR,
+            path: "/v1/cluster/heartbeat",
+            ..to_gpu2
+        };
+        let h = k.sign(&beat, 2_000, b"{}");
+        assert!(matches!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                &["gpu3"],
+                headers(&h),
+                2_000,
+                b"{}"
+            ),
+            Err(AuthError::Misdirected { .. })
+        ));
+        assert_eq!(
+            k.verify(
+                "POST",
+                "/v1/cluster/heartbeat",
+                &["gpu2", TO_COORDINATOR],
+                headers(&h),
+                2_000,
+                b"{}"
+            ),
+            Ok("gpu1".into())
+        );
     }
 
     #[test]

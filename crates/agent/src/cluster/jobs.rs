@@ -598,7 +598,9 @@ impl Coordinator {
         };
         let ep: Endpoint = addr.parse().ok()?;
         let cfg = d.cluster()?;
-        Some(Client::for_cluster(ep, cfg.key.clone(), d.node_name()).with_tls(cfg.tls.clone()))
+        Some(
+            Client::for_cluster(ep, cfg.key.clone(), d.node_name(), node).with_tls(cfg.tls.clone()),
+        )
     }
 
     /// Sends a dispatched job to its node (in the background; one at a

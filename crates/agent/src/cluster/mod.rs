@@ -17,7 +17,10 @@ pub(crate) mod wire;
 
 use std::time::Duration;
 
-pub use auth::{AuthError, ClusterKey, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME};
+pub use auth::{
+    AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME, TO,
+    TO_COORDINATOR,
+};
 pub use coordinator::Coordinator;
 pub use peers::{ClusterPeers, COUNTS_FILE};
 pub use queue::{ClusterJob, ClusterJobs, Placement, RECENT_SECS};

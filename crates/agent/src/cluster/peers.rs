@@ -105,15 +105,16 @@ impl ClusterPeers {
         self.counts.lock().expect("peers poisoned").clone()
     }
 
-    fn client(&self, ep: Endpoint) -> Client {
-        Client::for_cluster(ep, self.key.clone(), &self.me).with_tls(self.tls.clone())
+    /// A client of `to` (a node's name, or [`super::TO_COORDINATOR`]) at `ep`.
+    fn client(&self, ep: Endpoint, to: &str) -> Client {
+        Client::for_cluster(ep, self.key.clone(), &self.me, to).with_tls(self.tls.clone())
     }
 }
 
 impl PackPeers for ClusterPeers {
     fn locate<'a>(&'a self, packs: &'a [PackId]) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let asked = self.client(self.coordinator.clone());
+            let asked = self.client(self.coordinator.clone(), super::TO_COORDINATOR);
             match tokio::time::timeout(LOCATE_TIMEOUT, asked.locate(packs)).await {
                 Ok(Ok(found)) => {
                     let mut l = self.located.lock().expect("peers poisoned");
@@ -153,7 +154,7 @@ impl PackPeers for ClusterPeers {
             let ep: Endpoint = addr
                 .ok_or_else(|| format!("{peer} was not located"))?
                 .parse()?;
-            match tokio::time::timeout(PACK_TIMEOUT, self.client(ep).pack(pack)).await {
+            match tokio::time::timeout(PACK_TIMEOUT, self.client(ep, peer).pack(pack)).await {
                 Ok(Ok(b)) => Ok(b),
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err(format!("no whole answer within {PACK_TIMEOUT:?}")),

@@ -177,6 +177,7 @@ impl Reporter {
                     self.cfg.coordinator.clone(),
                     self.cfg.key.clone(),
                     self.daemon.node_name(),
+                    super::TO_COORDINATOR,
                 )
                 .with_tls(self.cfg.tls.clone());
                 // A stopped coordinator accepts connections and never
