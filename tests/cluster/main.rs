@@ -16,7 +16,7 @@ mod lab;
 
 use std::process::Output;
 
-use labsync_agent::cluster::ClusterKey;
+use labsync_agent::cluster::{ClusterKey, Route, TO_COORDINATOR};
 use labsync_agent::proto::{ClusterStatus, Heartbeat, NodeHealth};
 use labsync_agent::{Client, ClientError, Endpoint, JobState, Secret};
 use labsync_store::PackId;
@@ -257,7 +257,13 @@ fn requests_without_the_cluster_secret_are_refused() {
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_millis() as i64;
-            for (name, value) in k.sign("POST", "/v1/cluster/heartbeat", "gpu1", now, b"{}") {
+            let beat = Route {
+                method: "POST",
+                path: "/v1/cluster/heartbeat",
+                from: "gpu1",
+                to: TO_COORDINATOR,
+            };
+            for (name, value) in k.sign(&beat, now, b"{}") {
                 head.push_str(&format!("{name}: {value}\r\n"));
             }
         }
@@ -275,14 +281,20 @@ fn requests_without_the_cluster_secret_are_refused() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64;
+    let to_gpu1 = Route {
+        method: "GET",
+        path: &path,
+        from: "gpu0",
+        to: "gpu1",
+    };
     let captured: String = right
-        .sign("GET", &path, "gpu0", now, b"")
+        .sign(&to_gpu1, now, b"")
         .iter()
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
-    let send = || {
+    let send_to = |node: usize| {
         use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", lab.nodes[1].port)).unwrap();
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", lab.nodes[node].port)).unwrap();
         s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
             .unwrap();
         let head =
@@ -292,6 +304,14 @@ fn requests_without_the_cluster_secret_are_refused() {
         let _ = s.read_to_end(&mut answer);
         String::from_utf8_lossy(&answer[..answer.len().min(400)]).to_string()
     };
+    // Issue 40, point 10: sent to another node than the one it was
+    // signed for (here gpu0, which holds the pack too), it is refused.
+    let elsewhere = send_to(0);
+    assert!(
+        elsewhere.starts_with("HTTP/1.1 401") && elsewhere.contains("meant for gpu1"),
+        "{elsewhere}"
+    );
+    let send = || send_to(1);
     let first = send();
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
     let again = send();
@@ -963,7 +983,7 @@ fn with_tls_nodes_speak_only_tls() {
     let plain: Endpoint = format!("http://127.0.0.1:{}", lab.nodes[1].port)
         .parse()
         .unwrap();
-    let clear = Client::for_cluster(plain, key.clone(), "gpu0");
+    let clear = Client::for_cluster(plain, key.clone(), "gpu0", "gpu1");
     let e = rt.block_on(clear.locate(&[])).unwrap_err();
     assert!(
         matches!(e, ClientError::Protocol { .. }),
@@ -973,7 +993,7 @@ fn with_tls_nodes_speak_only_tls() {
     let other = tempfile::tempdir().unwrap();
     let other_ca = certificates(other.path(), 1);
     let ep: Endpoint = lab.url(0).parse().unwrap();
-    let stranger = Client::for_cluster(ep, key, "gpu1")
+    let stranger = Client::for_cluster(ep, key, "gpu1", TO_COORDINATOR)
         .with_tls(Some(labsync_agent::tls::client(Some(&other_ca)).unwrap()));
     let e = rt.block_on(stranger.cluster_status()).unwrap_err();
     assert!(matches!(e, ClientError::Tls { .. }), "{e}");
@@ -1284,6 +1304,26 @@ fn a_preemptible_job_is_stopped_for_a_higher_tier_saved_and_rerun() {
         log.contains(&format!("restarts=1 resume=runs/{p}@")),
         "{log}"
     );
+    // Issue 40, point 1: the version pinned to the snapshot labd saved,
+    // which `labsync pull` takes as it is given.
+    let resume = log
+        .split("resume=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let (label, snapshot) = resume
+        .split_once('#')
+        .expect("LABRUN_RESUME_FROM names the id");
+    assert!(
+        label.starts_with(&format!("runs/{p}@v")) && snapshot.len() == 64,
+        "{resume}"
+    );
+    let pinned = lab.dir.path().join("pinned");
+    lab.labsync(0, &["pull", resume, pinned.to_str().unwrap()]);
+    let ckpt = std::fs::read_to_string(pinned.join("ckpt")).unwrap();
+    assert_eq!(ckpt.trim(), "saved-at-0");
     std::fs::write(&release, "").unwrap();
     wait_until("bob's other jobs to end", 60, || {
         others.iter().all(|o| lab.job(o).ended())

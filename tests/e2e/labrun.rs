@@ -239,13 +239,14 @@ impl Node {
     /// The job's outputs, saved as `runs/<id>@v1`, pulled back: `file`'s content.
     pub(crate) fn saved_outputs(&self, j: &JobView, file: &str) -> String {
         let id = &j.id;
-        assert_eq!(
-            j.meta.outputs_saved.as_deref(),
-            Some(format!("runs/{id}@v1").as_str())
+        let saved = j.meta.outputs_saved.clone().unwrap_or_default();
+        assert!(
+            saved.starts_with(&format!("runs/{id}@v1#")),
+            "saved as the version and its snapshot's id: {saved}"
         );
         let dest = self.path(&format!("recovered-{id}"));
         assert!(self
-            .labsync(&["pull", &format!("runs/{id}"), dest.to_str().unwrap()])
+            .labsync(&["pull", &saved, dest.to_str().unwrap()])
             .status
             .success());
         std::fs::read_to_string(dest.join(file)).unwrap()
@@ -496,14 +497,19 @@ fn a_gpu_used_outside_its_lease_is_not_free() {
 
 /// Test 4 and 6 (killed): `labrun kill` leaves no process of the job alive —
 /// grandchildren that ignore SIGTERM in another process group included — frees
-/// the lease, and the job's outputs are still saved.
+/// the lease, and the job's outputs are still saved: the last whole
+/// checkpoint, not the one it was rewriting when it was killed.
 #[test]
 fn kill_leaves_no_process_and_saves_outputs() {
     let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
     // The checkpoint is dated a minute back: periodic saves leave out files
     // written in the last seconds (they may be half saved).
-    let script = "mkdir -p ckpt; echo epoch-1 > ckpt/model.pt; touch -d '-1 minute' ckpt/model.pt; \
-                  trap '' TERM; (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & echo ready; wait";
+    // Told to (a file `go`), it rewrites the checkpoint and is killed
+    // before it could have finished (issue 40, point 13).
+    let script =
+        "mkdir -p ckpt; echo epoch-1 > ckpt/model.pt; touch -d '-1 minute' ckpt/model.pt; \
+                  trap '' TERM; (sleep 300 & sleep 300 & wait) & set -m; (sleep 300) & echo ready; \
+                  while [ ! -e go ]; do sleep 0.1; done; echo epoch-2-half > ckpt/model.pt; wait";
     let id = n.detach(
         ALICE,
         &[
@@ -528,6 +534,11 @@ fn kill_leaves_no_process_and_saves_outputs() {
         matches!(j.state, JobState::Running { .. }) && j.meta.outputs_saved.is_some()
     });
     let s = sid(&n.job(&id));
+    let work = n.job(&id).meta.work.clone().expect("a working folder");
+    std::fs::write(work.join("go"), "").unwrap();
+    wait_until("the checkpoint to be half rewritten", 20, || {
+        std::fs::read_to_string(work.join("ckpt/model.pt")).is_ok_and(|t| t == "epoch-2-half\n")
+    });
     let o = n.labrun(Some(BOB), &["kill", &id]);
     assert!(!o.status.success(), "bob may not kill alice's job");
     assert!(String::from_utf8_lossy(&o.stderr).contains("alice's"));
@@ -873,7 +884,10 @@ fn job_ids_stay_unique_when_the_state_is_lost() {
         );
         wait_until("the outputs to be saved", 30, || n.ended(&id));
         let saved = n.job(&id).meta.outputs_saved;
-        assert_eq!(saved, Some(format!("runs/{id}@v1")), "a name of its own");
+        assert!(
+            saved.is_some_and(|s| s.starts_with(&format!("runs/{id}@v1#"))),
+            "a name of its own"
+        );
         id
     };
     let first = run(&n);
@@ -1258,7 +1272,8 @@ fn labd_on_a_full_disk_says_so_and_recovers_once_space_is_freed() {
     assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
     std::fs::remove_file(&filler).unwrap();
     wait_until("the outputs to be saved", 60, || n.ended(&id));
-    assert_eq!(n.job(&id).meta.outputs_saved, Some(format!("runs/{id}@v1")));
+    let saved = n.job(&id).meta.outputs_saved.unwrap_or_default();
+    assert!(saved.starts_with(&format!("runs/{id}@v1#")), "{saved}");
 }
 
 /// A job's folder its user made 30,000 folders deep (`mkdir a && cd a` in

@@ -129,7 +129,9 @@ pub struct JobMeta {
     pub outputs: Option<String>,
     /// Seconds between periodic pushes of the outputs.
     pub outputs_every_s: u64,
-    /// The last version the outputs were pushed as, `runs/j3@v2`.
+    /// The last version the outputs were pushed as, with the snapshot it
+    /// names: `runs/j3@v2#ID` (what `labsync pull` takes, refusing the
+    /// version if its record was rewritten since).
     pub outputs_saved: Option<String>,
     /// Why the last push of the outputs failed.
     pub outputs_error: Option<String>,

@@ -108,7 +108,8 @@ pub struct SubmitRequest {
     /// coordinator only.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u32,
-    /// The outputs its last run saved (`runs/j12@v3`, `LABRUN_RESUME_FROM`);
+    /// The outputs its last run saved, pinned to their snapshot
+    /// (`runs/j12@v3#ID`, `LABRUN_RESUME_FROM`);
     /// set by the coordinator only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_from: Option<String>,

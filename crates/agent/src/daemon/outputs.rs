@@ -243,14 +243,24 @@ impl OutputsSaver {
             user: job.user.clone(),
             host: self.node_name.clone(),
             read_as: job.meta.run_as,
-            // While the job runs, a checkpoint may be half saved: keep
-            // its previous copy until it has been still for a while.
-            // The push after the job ended takes everything as it is.
-            settle: (!last).then_some(OUTPUTS_SETTLE),
+            settle: if last {
+                settle_after_end(job, std::time::SystemTime::now())
+            } else {
+                // While the job runs, a checkpoint may be half saved: keep
+                // its previous copy until it has been still for a while.
+                Some(OUTPUTS_SETTLE)
+            },
             compression: self.compression,
         };
         match push(&self.repo, dir, &opts, Arc::new(NoProgress)).await {
-            Ok(o) => (Ok(o.record.label()), false),
+            // Named with its snapshot's id (`runs/j12@v3#ID`): the job's
+            // record, `labrun ps` and a requeued run's LABRUN_RESUME_FROM
+            // pin what this push wrote, and a record anyone overwrites
+            // later is refused, not followed.
+            Ok(o) => (
+                Ok(format!("{}#{}", o.record.label(), o.record.snapshot)),
+                false,
+            ),
             Err(e) => {
                 let (d, who) = (dir.to_path_buf(), job.meta.run_as);
                 let canon = off_runtime(move || {
@@ -279,14 +289,127 @@ impl OutputsSaver {
     }
 }
 
+/// The settle window of an ended job's final push. A job that exited by
+/// itself finished its writes: every file is taken as it is. One that was
+/// killed (a signal: `labrun kill`, preemption, the OOM killer, a node's
+/// restart) may have died halfway through `torch.save`: a file modified in
+/// the [`OUTPUTS_SETTLE`] before its end keeps the copy an earlier push
+/// recorded (or is left out), as in the periodic pushes, so the version
+/// `LABRUN_RESUME_FROM` names holds the last checkpoint that was whole.
+fn settle_after_end(job: &JobRecord, now: std::time::SystemTime) -> Option<Duration> {
+    if matches!(job.state, JobState::Exited { signal: None, .. }) {
+        return None;
+    }
+    // The end is known to the second, and recorded after the last write:
+    // one second more covers the rounding.
+    let ended = std::time::UNIX_EPOCH + Duration::from_secs(job.ended_at.unwrap_or(0));
+    let since = now.duration_since(ended).unwrap_or_default();
+    Some(OUTPUTS_SETTLE + Duration::from_secs(1) + since)
+}
+
 /// Whether `job`'s outputs folder `dir` is a folder, as the job's user
 /// sees it (the job controls that path: a symlink to `/root/…` must not
 /// tell root's answer), looked at off the runtime (a symlink into an
 /// automount or a dead NFS server blocks a look).
-/// `Err` when labd cannot look as that user.
+/// `Err` when labd cannot look as that user, or the look fails otherwise
+/// than "not there" (EIO, ESTALE, EACCES): that is not "no outputs", and
+/// the push is tried again with the folder kept.
 async fn outputs_folder_is_there(job: &JobRecord, dir: &std::path::Path) -> Result<bool, String> {
     let (d, who) = (dir.to_path_buf(), job.meta.run_as);
-    off_runtime(move || labsync_store::as_user(who, || d.is_dir()))
-        .await
-        .map_err(|e| e.to_string())
+    off_runtime(move || look_at_outputs(who, &d)).await
+}
+
+/// [`outputs_folder_is_there`], blocking.
+fn look_at_outputs(who: Option<(u32, u32)>, dir: &std::path::Path) -> Result<bool, String> {
+    let looked = labsync_store::as_user(who, || std::fs::metadata(dir)).map_err(|e| {
+        format!(
+            "cannot look at {} as the job's user: {e}",
+            crate::error::logged(&dir.display().to_string())
+        )
+    })?;
+    match looked {
+        Ok(m) => Ok(m.is_dir()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(format!(
+            "cannot look at the outputs folder {}: {e}; tried again, and the job's folder is kept",
+            crate::error::logged(&dir.display().to_string())
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::{look_at_outputs, settle_after_end, OUTPUTS_SETTLE};
+    use crate::leases::{JobRecord, JobState};
+
+    /// Issue 40, point 13: the final push of a killed job settles files
+    /// as of its end; a job that exited by itself is taken as it is.
+    #[test]
+    fn a_killed_jobs_last_push_settles_as_of_its_end() {
+        let job = |state: JobState| JobRecord {
+            id: "j1".into(),
+            user: "alice".into(),
+            argv: vec![],
+            gpus_wanted: 0,
+            gpus: vec![],
+            state,
+            submitted_at: 0,
+            started_at: Some(1_000),
+            ended_at: Some(2_000),
+            meta: Default::default(),
+            queued: None,
+        };
+        let now = UNIX_EPOCH + Duration::from_secs(2_030);
+        let exited = |code: i32, signal: Option<i32>| JobState::Exited {
+            code: (signal.is_none()).then_some(code),
+            signal,
+        };
+        assert_eq!(settle_after_end(&job(exited(0, None)), now), None);
+        assert_eq!(settle_after_end(&job(exited(1, None)), now), None);
+        let window = OUTPUTS_SETTLE + Duration::from_secs(31);
+        assert_eq!(
+            settle_after_end(&job(exited(137, Some(9))), now),
+            Some(window)
+        );
+        let lost = JobState::Failed {
+            reason: "killed".into(),
+        };
+        assert_eq!(settle_after_end(&job(lost), now), Some(window));
+    }
+
+    /// Issue 40, point 14: only "not there" is "no outputs". A folder the
+    /// job's user cannot look into (EACCES here; EIO and ESTALE alike) is
+    /// an error, so the final push is tried again and the folder kept,
+    /// where it was taken for "the job left no outputs" and swept.
+    #[test]
+    fn an_outputs_folder_that_cannot_be_looked_at_is_not_no_outputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(work.join("ckpt")).unwrap();
+        std::fs::write(work.join("file"), "").unwrap();
+        assert_eq!(look_at_outputs(None, &work.join("ckpt")), Ok(true));
+        assert_eq!(look_at_outputs(None, &work.join("none")), Ok(false));
+        assert_eq!(look_at_outputs(None, &work.join("file/ckpt")), Ok(false));
+        assert_eq!(look_at_outputs(None, &work.join("file")), Ok(false));
+        if !rustix::process::geteuid().is_root() {
+            return; // Looking as another user needs root.
+        }
+        // As nobody, behind a folder only root may enter.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = look_at_outputs(Some((65534, 65534)), &work.join("ckpt")).unwrap_err();
+        assert!(
+            e.contains("ermission denied") && e.contains("tried again"),
+            "{e}"
+        );
+    }
 }

@@ -142,7 +142,8 @@ struct RunArgs {
     /// A higher tier's job may stop this one (SIGTERM, then SIGKILL after
     /// labd's grace; --outputs pushed as always) and requeue it: the new
     /// run sees LABRUN_RESTARTS (1, 2, …) and LABRUN_RESUME_FROM (the
-    /// outputs saved, runs/JOB@vN) to resume from its checkpoint
+    /// outputs saved, runs/JOB@vN#SNAPSHOT: `labsync pull` it, and a
+    /// version rewritten since is refused) to resume from its checkpoint
     #[arg(long)]
     preemptible: bool,
     /// Run at this tier of the lab's ladder (lead, deadline, phd, master,

@@ -107,13 +107,16 @@ pub struct StoreContext {
 
 impl StoreContext {
     /// Opens the store; as root, only a local one that no one else can
-    /// change ([`labsync_agent::check_root_store`]).
+    /// change ([`labsync_agent::check_root_store`]). Versions this user
+    /// used are remembered, and one rewritten since is refused
+    /// ([`labsync_store::SeenVersions`]).
     pub async fn repo(&self) -> Result<Repo> {
         let remote = Remote::open(&self.settings.store, &self.settings.store_options)?;
         refuse_shared_local_store_as_root(&remote).await?;
-        Repo::open(remote, None)
+        let repo = Repo::open(remote, None)
             .await
-            .with_context(|| format!("cannot open store {}", self.settings.store))
+            .with_context(|| format!("cannot open store {}", self.settings.store))?;
+        Ok(with_seen(repo, &self.settings.cache_dir))
     }
 
     /// Opens this node's cache.
@@ -123,6 +126,12 @@ impl StoreContext {
             self.settings.cache_max,
         )?)
     }
+}
+
+/// `repo` remembering the versions this user used, in the cache at `cache_dir`.
+pub fn with_seen(repo: Repo, cache_dir: &std::path::Path) -> Repo {
+    let seen = labsync_store::SeenVersions::in_cache(cache_dir, &repo.config().id);
+    repo.with_seen(Some(std::sync::Arc::new(seen)))
 }
 
 /// As root, a store in a local folder others can write is refused: a

@@ -430,9 +430,10 @@ async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
     let remote = Remote::open(&info.store, &s.store_options)
         .with_context(|| format!("cannot open labd's store {}", info.store))?;
     super::refuse_shared_local_store_as_root(&remote).await?;
-    Repo::open(remote, None)
+    let repo = Repo::open(remote, None)
         .await
-        .with_context(|| format!("cannot open labd's store {}", info.store))
+        .with_context(|| format!("cannot open labd's store {}", info.store))?;
+    Ok(super::with_seen(repo, &s.cache_dir))
 }
 
 /// A name from a folder name: letters, digits, `._-` kept, the rest `_`.

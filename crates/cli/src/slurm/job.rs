@@ -208,7 +208,8 @@ impl Saver {
         };
         match push(&self.repo, &self.dir, &opts, Arc::new(NoProgress)).await {
             Ok(o) if o.created || last => {
-                eprintln!("labrun: outputs saved as {}", o.record.label())
+                let (label, id) = (o.record.label(), o.record.snapshot);
+                eprintln!("labrun: outputs saved as {label}#{id}")
             }
             Ok(_) => {}
             Err(e) => eprintln!("labrun: saving the outputs failed: {e:#}"),
