@@ -7,6 +7,7 @@
 //! hang = true                                        # every call blocks until this is false again
 //! foreign = [{ gpu = 0, pid = 4242, mib = 3000 }]    # a process labd did not start
 //! utilization = [{ gpu = 1, percent = 80 }]          # computing (default 0%)
+//! reserved = [{ gpu = 0, mib = 400 }]                # used with no process, as real idle cards report
 //! ```
 //! The hang is real: the calling thread blocks, exactly like a wedged driver.
 
@@ -39,6 +40,17 @@ struct Control {
     /// GPUs to report busy computing.
     #[serde(default)]
     utilization: Vec<Busy>,
+    /// Memory a GPU reports used with no process on it (the driver's own:
+    /// a real idle card never reports all its memory free).
+    #[serde(default)]
+    reserved: Vec<Reserved>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Reserved {
+    gpu: u32,
+    mib: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -135,6 +147,13 @@ impl GpuInventory for FakeGpus {
                 InventoryError::BadSpec(format!("utilization of GPU {} but only {n} GPUs", b.gpu))
             })?;
             g.utilization = Some(b.percent.min(100));
+        }
+        for r in &ctl.reserved {
+            let n = gpus.len();
+            let g = gpus.get_mut(r.gpu as usize).ok_or_else(|| {
+                InventoryError::BadSpec(format!("reserved on GPU {} but only {n} GPUs", r.gpu))
+            })?;
+            g.memory_used = (r.mib.saturating_mul(1 << 20)).min(g.memory_total);
         }
         for f in ctl.foreign.iter().chain(&ctl.processes) {
             let g = gpus.get_mut(f.gpu as usize).ok_or_else(|| {

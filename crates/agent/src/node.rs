@@ -19,6 +19,12 @@ use crate::watchdog::{Reading, Watchdog};
 /// Why a job of `gpus` GPUs with `min_free` bytes each can never run on a
 /// node whose GPUs are `status`; `None` while it could, or while any GPU is
 /// unknown.
+///
+/// A card never has all its memory free: the driver keeps some even with
+/// no process on it (a few hundred MiB), so the most a card can free is its
+/// total less what the emptiest idle card of the node (no process on it)
+/// reports used. A job asking a card's full memory never starts on real
+/// GPUs, and is failed here rather than left waiting forever.
 fn never_fits(status: &[GpuStatus], gpus: u32, min_free: u64) -> Option<String> {
     if status
         .iter()
@@ -26,18 +32,46 @@ fn never_fits(status: &[GpuStatus], gpus: u32, min_free: u64) -> Option<String> 
     {
         return None;
     }
+    let kept = status
+        .iter()
+        .filter_map(|g| g.info.as_ref())
+        .filter(|i| i.processes.is_empty())
+        .map(|i| i.memory_used)
+        .min()
+        .unwrap_or(0);
     let big = status
         .iter()
-        .filter(|g| g.info.as_ref().is_some_and(|i| i.memory_total >= min_free))
+        .filter(|g| {
+            g.info
+                .as_ref()
+                .is_some_and(|i| i.memory_total.saturating_sub(kept) >= min_free)
+        })
         .count();
     (big < gpus as usize).then(|| {
+        let kept = match kept {
+            0 => String::new(),
+            k => format!(", with {} MiB the driver keeps on an idle card", k >> 20),
+        };
         format!(
             "never fits this node: {gpus} GPU(s) with {} MiB free asked for, \
-             it has {big} GPU(s) that large (of {})",
+             it has {big} GPU(s) that can free that much (of {}{kept})",
             min_free >> 20,
             status.len()
         )
     })
+}
+
+/// The free GPUs of `status` large enough for a job with `min_free` bytes
+/// free on each, once what holds memory there leaves. A job later in the
+/// queue that passes a waiting one never takes these (see
+/// [`Node::schedule`]).
+fn could_serve(status: &[GpuStatus], min_free: u64) -> HashSet<u32> {
+    status
+        .iter()
+        .filter(|g| g.state == GpuState::Free)
+        .filter(|g| g.info.as_ref().is_some_and(|i| i.memory_total >= min_free))
+        .map(|g| g.index)
+        .collect()
 }
 
 /// Job numbers are below this: no node runs that many jobs, but a store
@@ -530,20 +564,29 @@ impl Node {
         Ok(self.state.job(id)?)
     }
 
-    /// Starts queued jobs in order while GPUs allow (strict FIFO: a job never
-    /// overtakes an older one). Returns the ids started.
+    /// Starts queued jobs in order while GPUs allow. A job that cannot
+    /// start now keeps the free GPUs it could use; those behind it start on
+    /// GPUs it could not use (too small for it) or without GPUs, never on
+    /// its own. One that can never start here (more than the cards can
+    /// free) is failed with the reason. Returns the ids started.
     pub fn schedule(&self) -> Result<Vec<String>, NodeError> {
         let mut inner = self.inner.lock().expect("node poisoned");
         let mut started = Vec::new();
-        while let Some((id, s)) = inner.queue.front().cloned() {
+        // Free GPUs a job that waits could use: kept for it, so a job
+        // behind passes it only on GPUs it could not use, or none (a
+        // stream of small jobs never starves a large one).
+        let mut kept: HashSet<u32> = HashSet::new();
+        let mut at = 0;
+        while let Some((id, s)) = inner.queue.get(at).cloned() {
             let gpus = if s.gpus == 0 {
                 Vec::new()
             } else {
                 let status = self.gpus()?;
-                // Accepted while the inventory did not answer, it may turn
-                // out never to fit: failed, so it does not block the queue.
+                // Accepted while the inventory did not answer, or asking
+                // more than a card can free: failed with the reason, so it
+                // does not block the queue.
                 if let Some(why) = never_fits(&status, s.gpus, s.min_free_bytes) {
-                    inner.queue.pop_front();
+                    inner.queue.remove(at);
                     self.state.finish(&id, JobState::Failed { reason: why })?;
                     continue;
                 }
@@ -556,13 +599,21 @@ impl Node {
                     .filter(|(_, holder)| *holder == id)
                     .map(|(g, _)| g)
                     .collect();
-                free.extend(free_gpus(&status, s.min_free_bytes));
+                free.extend(
+                    free_gpus(&status, s.min_free_bytes)
+                        .into_iter()
+                        .filter(|g| !kept.contains(g)),
+                );
                 match self.state.acquire(&id, s.gpus as usize, &free)? {
                     Some(g) => g,
-                    None => break,
+                    None => {
+                        kept.extend(could_serve(&status, s.min_free_bytes));
+                        at += 1;
+                        continue;
+                    }
                 }
             };
-            inner.queue.pop_front();
+            inner.queue.remove(at);
             let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
             // Set after (and instead of) the submitter's own: NVML numbers
             // GPUs in PCI bus order, CUDA by default fastest first, so
@@ -614,7 +665,7 @@ impl Node {
                         // If this fails too, the lease is the job's own and
                         // acquire gives it back to it when it starts again.
                         let _ = self.state.release(&id);
-                        inner.queue.push_front((id, s));
+                        inner.queue.insert(at, (id, s));
                         return Err(e.into());
                     }
                     inner.children.insert(id.clone(), st.child);
@@ -1029,6 +1080,72 @@ mod tests {
         ));
         n.kill(&id, Duration::from_millis(100)).unwrap();
         assert!(processes_with(&marker).is_empty());
+    }
+
+    /// Issue 40, point 7: a job asking the whole memory of a card (which a
+    /// real card never frees: the driver keeps some) is failed with the
+    /// reason instead of stopping the queue; jobs behind a head that cannot
+    /// start now pass it on GPUs it could not use and without GPUs, and
+    /// never take the free GPUs it waits for.
+    #[test]
+    fn a_job_that_cannot_start_does_not_stop_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = dir.path().join("ctl.toml");
+        let driver =
+            "reserved = [{ gpu = 0, mib = 300 }, { gpu = 1, mib = 300 }, { gpu = 2, mib = 300 }]\n";
+        // GPU 0 (11 GiB) held by a process labd did not start.
+        std::fs::write(
+            &ctl,
+            format!("{driver}foreign = [{{ gpu = 0, pid = 4242, mib = 3000 }}]\n"),
+        )
+        .unwrap();
+        let inv = FakeGpus::new("2x11GiB,1x4GiB", Some(ctl.clone())).unwrap();
+        let n = Node::open(test_config(dir.path()), Arc::new(inv)).unwrap();
+        let sleep = |marker: &str| vec!["sleep".to_string(), marker.to_string()];
+        let job = |gpus: u32, gib: u64, marker: &str| Submit {
+            min_free_bytes: gib << 30,
+            ..alices(dir.path(), sleep(marker), gpus)
+        };
+        let tag = std::process::id();
+        // The whole of an 11 GiB card: never, on cards as they are.
+        let whole = n.submit(job(1, 11, &format!("1001.{tag}"))).unwrap();
+        // Two 8 GiB GPUs: only GPU 1 is free now, so it waits, keeping GPU 1.
+        let head = n.submit(job(2, 8, &format!("1002.{tag}"))).unwrap();
+        // Behind it: one 8 GiB GPU (only GPU 1 fits, kept for the head),
+        // one 2 GiB GPU (GPU 2, which the head cannot use), none.
+        let kept_out = n.submit(job(1, 8, &format!("1003.{tag}"))).unwrap();
+        let small = n.submit(job(1, 2, &format!("1004.{tag}"))).unwrap();
+        let cpu = n.submit(job(0, 0, &format!("1005.{tag}"))).unwrap();
+        // Each submission runs a pass: those two passed the head.
+        for id in [&small, &cpu] {
+            let state = n.job(id).unwrap().unwrap().state;
+            assert!(matches!(state, JobState::Running { .. }), "{id}: {state:?}");
+        }
+        assert_eq!(n.schedule().unwrap(), Vec::<String>::new());
+        match n.job(&whole).unwrap().unwrap().state {
+            JobState::Failed { reason } => assert!(
+                reason.contains("never fits") && reason.contains("300 MiB the driver keeps"),
+                "{reason}"
+            ),
+            other => panic!("a job no card can serve: {other:?}"),
+        }
+        assert_eq!(n.job(&small).unwrap().unwrap().gpus, vec![2]);
+        for id in [&head, &kept_out] {
+            assert_eq!(n.job(id).unwrap().unwrap().state, JobState::Queued, "{id}");
+        }
+        let why = n.why_waiting(&kept_out, &n.gpus().unwrap()).unwrap();
+        assert!(why.contains("1 job(s) ahead"), "{why}");
+        // The holder of GPU 0 leaves: the head starts on GPUs 0 and 1, and
+        // the one behind it still waits.
+        std::fs::write(&ctl, driver).unwrap();
+        assert_eq!(n.schedule().unwrap(), vec![head.clone()]);
+        let mut gpus = n.job(&head).unwrap().unwrap().gpus;
+        gpus.sort();
+        assert_eq!(gpus, vec![0, 1]);
+        assert_eq!(n.job(&kept_out).unwrap().unwrap().state, JobState::Queued);
+        for id in [&head, &small, &cpu, &kept_out] {
+            n.kill(id, Duration::from_millis(100)).unwrap();
+        }
     }
 
     /// Jobs without GPUs start at once, so leave the queue at once: they
