@@ -171,23 +171,7 @@ fn a_stopped_node_is_down_and_rejoins() {
 #[test]
 fn requests_without_the_cluster_secret_are_refused() {
     let Some(lab) = Lab::start(2) else { return };
-    lab.dataset("data", 4);
-    lab.cache_on(1, "data");
-    // A pack gpu1 has cached.
-    let packs_dir = lab.cache(1).join("packs-v1");
-    let pack_file = std::fs::read_dir(&packs_dir)
-        .unwrap()
-        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
-        .map(|e| e.unwrap().path())
-        .next()
-        .expect("a cached pack on gpu1");
-    let id: PackId = pack_file
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (id, pack_file) = cached_pack(&lab);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let right = ClusterKey::new(&Secret::new(SECRET)).unwrap();
     let wrong = ClusterKey::new(&Secret::new("another-secret-0123456789abcdef0123456789")).unwrap();
@@ -331,6 +315,68 @@ fn requests_without_the_cluster_secret_are_refused() {
         }
         other => panic!("heartbeat to an agent: {other:?}"),
     }
+}
+
+/// A dataset cached on gpu1, and the id and file of one of its packs there.
+fn cached_pack(lab: &Lab) -> (PackId, std::path::PathBuf) {
+    lab.dataset("data", 4);
+    lab.cache_on(1, "data");
+    let packs_dir = lab.cache(1).join("packs-v1");
+    let pack_file = std::fs::read_dir(&packs_dir)
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|e| e.unwrap().path())
+        .next()
+        .expect("a cached pack on gpu1");
+    let id = (pack_file.file_name().unwrap().to_str().unwrap())
+        .parse()
+        .unwrap();
+    (id, pack_file)
+}
+
+/// Issue 40, point 11: a user on a node holds hundreds of idle
+/// connections to the coordinator and to the agents from that node's
+/// address (here 127.0.0.1, every node's), past the per-address cap. The
+/// nodes' heartbeats still arrive (no node is marked down), a peer's signed
+/// pack fetch is served, and an unsigned request past the caps is told why
+/// it is refused.
+#[test]
+fn idle_connections_from_a_nodes_address_do_not_cut_it_off() {
+    let Some(lab) = Lab::start(2) else { return };
+    let (id, _) = cached_pack(&lab);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let key = ClusterKey::new(&Secret::new(SECRET)).unwrap();
+    let flood: Vec<std::net::TcpStream> = (0..2)
+        .flat_map(|n| std::iter::repeat_n(lab.nodes[n].port, 400))
+        .map(|port| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    // Heartbeats every 200 ms; a node unheard of for 1.5 s is down.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(4);
+    let mut fetched = 0;
+    while std::time::Instant::now() < until {
+        let pack = rt.block_on(lab.client(1, key.clone(), "gpu0").pack(&id));
+        assert!(pack.is_ok(), "a peer's pack fetch past the caps: {pack:?}");
+        fetched += 1;
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    let o = lab.labrun(&["status"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("over the connection caps"),
+        "{err}"
+    );
+    drop(flood);
+    let log = std::fs::read_to_string(lab.dir.path().join("gpu0/labd.log")).unwrap();
+    assert!(
+        !log.contains("is down"),
+        "a node was cut off by idle connections from its address:\n{log}"
+    );
+    assert!(fetched >= 10, "{fetched}");
+    let s = lab.status();
+    assert!(
+        s.nodes.iter().all(|n| matches!(n.health, NodeHealth::Up)),
+        "{s:?}"
+    );
 }
 
 /// Placement end to end: `--explain` says where a job would go and it goes

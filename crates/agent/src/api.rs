@@ -16,6 +16,7 @@ use crate::blocking::off_runtime;
 use crate::cluster::{now_ms, wire};
 use crate::daemon::{Caller, Daemon};
 use crate::error::ApiError;
+use crate::lane::{Lane, Place, LANE_HEAD_TIMEOUT, LANE_PLACES};
 use crate::proto::{Dispatch, ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
 
 /// A bound listener: the local default is a Unix socket, a cluster node listens on TCP.
@@ -721,6 +722,10 @@ pub async fn serve(
         );
         tokio::spawn(reporter.run(stop_rx.clone()));
     }
+    // Past the caps, room for the cluster's own signed requests only.
+    let lane = daemon
+        .cluster()
+        .map(|_| (Lane::new(LANE_PLACES), daemon.clone()));
     let app = router(daemon);
     // Requests over plain TCP are marked: a pack may be sent into their
     // socket with `sendfile` (`cluster::wire`).
@@ -770,6 +775,26 @@ pub async fn serve(
             }
         };
         let Some(slot) = slot else {
+            if let Some((place, evicted)) = lane.as_ref().and_then(|(l, _)| l.admit()) {
+                let d = lane
+                    .as_ref()
+                    .map(|(_, d)| d.clone())
+                    .expect("a lane has its daemon");
+                let app = match (&io, &tls) {
+                    (Io::Tcp(_), None) => plain_app.clone(),
+                    _ => app.clone(),
+                };
+                let (stop, tls) = (stop_rx.clone(), tls.clone());
+                conns.spawn(async move {
+                    // Evicted: closed. The sender dropped once the head
+                    // arrived is no eviction (that branch is then disabled).
+                    tokio::select! {
+                        _ = serve_members_only(d, app, io, tls, place, peer, stop) => {}
+                        Ok(()) = evicted => {}
+                    }
+                });
+                continue;
+            }
             // Closed at once. Said at most once a minute: a flood must not fill the log.
             if refused_at.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
                 refused_at = Some(std::time::Instant::now());
@@ -821,6 +846,66 @@ pub async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(35), drain).await;
     let _ = ticker.await;
     Ok(())
+}
+
+/// A connection over the caps, in the lane ([`crate::lane`]): served only
+/// requests with a good cluster signature, each head within
+/// [`LANE_HEAD_TIMEOUT`]; anything else gets 503 and the connection closes.
+async fn serve_members_only(
+    d: Arc<Daemon>,
+    app: Router,
+    io: Io,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    place: Place,
+    peer: Peer,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let io = match (io, tls) {
+        (Io::Tcp(s), Some(acceptor)) => {
+            match tokio::time::timeout(LANE_HEAD_TIMEOUT, acceptor.accept(s)).await {
+                Ok(Ok(s)) => Io::Tls(Box::new(s)),
+                _ => return,
+            }
+        }
+        (io, _) => io,
+    };
+    let place = Arc::new(place);
+    let app = app.layer(axum::middleware::from_fn(move |req, next| {
+        members_only(d.clone(), place.clone(), req, next)
+    }));
+    let svc = hyper_util::service::TowerToHyperService::new(app);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(LANE_HEAD_TIMEOUT);
+    let conn = match io {
+        Io::Unix(s) => serve_one(&http, s, svc, &mut stop).await,
+        Io::Tcp(s) => serve_one(&http, s, svc, &mut stop).await,
+        Io::Tls(s) => serve_one(&http, s, svc, &mut stop).await,
+    };
+    if let Err(e) = conn {
+        tracing::debug!("connection over the caps from {peer:?}: {e}");
+    }
+}
+
+/// The check of [`serve_members_only`]: the request's cluster signature,
+/// from its head (the route checks it again, body and all, and takes it).
+async fn members_only(
+    d: Arc<Daemon>,
+    place: Arc<Place>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    place.arrived();
+    if member_head(&d, req.method(), req.uri(), req.headers()).is_ok() {
+        return next.run(req).await;
+    }
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::CONNECTION, "close")],
+        "over the connection caps for this address: past them labd serves only \
+         the cluster's signed requests; close idle connections and try again",
+    )
+        .into_response()
 }
 
 enum Io {

@@ -38,6 +38,7 @@ mod daemon;
 mod error;
 mod fake;
 mod gpu;
+mod lane;
 mod leases;
 mod node;
 pub mod proto;
