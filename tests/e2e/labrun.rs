@@ -1854,3 +1854,83 @@ fn readme_main_job_runs_on_a_fresh_home() {
         "embedded default store"
     );
 }
+
+/// Issue 40, point 16: an idle hold given back ends what its holder runs
+/// on the held GPU from their own shell (their processes whose
+/// environment names it, as the hold told them to export, or that NVML
+/// lists on it), after saying so in the hold's log; their processes on
+/// another GPU, and another user's on the same one, are never touched.
+#[test]
+fn an_idle_hold_given_back_ends_what_its_holder_runs_on_it() {
+    if labsync_agent::euid() != 0 {
+        return; // Running processes as other users needs root.
+    }
+    let n = Node::start(Some("2x11GiB"), "idle_hold_s = 2");
+    let nobody = "tok-nobody-0123456789";
+    let out = n.ok(nobody, &["--hold", "1h", "--gpus", "1"]);
+    let gpu: u32 = out
+        .split("CUDA_VISIBLE_DEVICES=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("which GPU: {out}"));
+    let hold = n
+        .jobs()
+        .into_iter()
+        .find(|j| j.meta.hold_s.is_some())
+        .expect("the hold in labrun ps");
+    let spawn = |uid: u32, visible: Option<u32>| {
+        let mut c = Command::new("setpriv");
+        c.args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={uid}"),
+            "--clear-groups",
+        ])
+        .args(["sleep", "600"])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::null());
+        if let Some(g) = visible {
+            c.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+                .env("CUDA_VISIBLE_DEVICES", g.to_string());
+        }
+        c.spawn().unwrap()
+    };
+    let mut in_shell = spawn(65534, Some(gpu));
+    let mut listed = spawn(65534, None);
+    let mut elsewhere = spawn(65534, Some(1 - gpu));
+    let mut not_theirs = spawn(4242, Some(gpu));
+    std::fs::write(
+        n.path("control.toml"),
+        format!(
+            "processes = [{{ gpu = {gpu}, pid = {}, mib = 100 }}]\n",
+            listed.id()
+        ),
+    )
+    .unwrap();
+    wait_until("the idle hold to be given back", 30, || {
+        n.job(&hold.id).ended()
+    });
+    wait_until("the holder's processes on its GPU to end", 15, || {
+        in_shell.try_wait().unwrap().is_some() && listed.try_wait().unwrap().is_some()
+    });
+    let left: Vec<_> = [&mut elsewhere, &mut not_theirs]
+        .into_iter()
+        .map(|c| c.try_wait().unwrap())
+        .collect();
+    for c in [&mut elsewhere, &mut not_theirs] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert_eq!(
+        left,
+        [None, None],
+        "another GPU's, another user's: untouched"
+    );
+    let log = n.ok(nobody, &["logs", &hold.id]);
+    assert!(
+        log.contains("labd: ending 2 process(es) of nobody on the GPU(s) given back")
+            && log.contains(&format!("{} (sleep)", in_shell.id())),
+        "{log}"
+    );
+}

@@ -271,6 +271,33 @@ pub fn kill_sessions(sessions: &[(u32, Option<u64>)], grace: Duration) -> usize 
     killed
 }
 
+/// Ends processes that are not a job's session (a hold's holder's, see
+/// `daemon::holds`): SIGTERM, then SIGKILL to those left after `grace`.
+/// Each is its pid and when it started; one whose pid changed hands (or
+/// that is gone) is left alone, as checked before every signal. Returns
+/// how many needed SIGKILL.
+pub fn kill_processes(procs: &[(u32, u64)], grace: Duration) -> usize {
+    let live = || -> Vec<u32> {
+        procs
+            .iter()
+            .filter(|(pid, start)| start_ticks(*pid) == Some(*start) && !is_zombie(*pid))
+            .map(|(pid, _)| *pid)
+            .collect()
+    };
+    for pid in live() {
+        signal(pid, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && !live().is_empty() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = live();
+    for pid in &left {
+        signal(*pid, libc::SIGKILL);
+    }
+    left.len()
+}
+
 /// When `pid` started, in clock ticks after boot (`/proc/PID/stat` field
 /// 22); `None` if it is gone.
 pub fn start_ticks(pid: u32) -> Option<u64> {

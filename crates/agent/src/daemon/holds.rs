@@ -25,6 +25,79 @@ fn check_every(idle_hold: std::time::Duration) -> std::time::Duration {
     )
 }
 
+/// What a hold's holder runs on its GPUs outside the hold itself: their
+/// processes that NVML lists on one of `gpus`, or whose environment names
+/// one (`CUDA_VISIBLE_DEVICES` with its index under
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`, as the hold told them to export, or
+/// its UUID). Never another user's, never root's, and never a process
+/// some labd started for a job (`LABRUN_JOB_ID` in its environment: its
+/// own job ends it). Each with its pid, start time and command name.
+fn holders_processes(uid: u32, gpus: &[u32], reading: &[GpuStatus]) -> Vec<(u32, u64, String)> {
+    if uid == 0 {
+        return Vec::new();
+    }
+    let held: Vec<&GpuStatus> = reading.iter().filter(|g| gpus.contains(&g.index)).collect();
+    let uuids: Vec<&str> = held
+        .iter()
+        .filter_map(|g| g.info.as_ref().map(|i| i.uuid.as_str()))
+        .filter(|u| !u.is_empty())
+        .collect();
+    let on_gpu: Vec<u32> = held
+        .iter()
+        .filter_map(|g| g.info.as_ref())
+        .flat_map(|i| i.processes.iter().map(|p| p.pid))
+        .collect();
+    let names_a_held_gpu = |environ: &[u8]| {
+        let vars: HashMap<&[u8], &[u8]> = environ
+            .split(|&b| b == 0)
+            .filter_map(|v| {
+                let at = v.iter().position(|&b| b == b'=')?;
+                Some((&v[..at], &v[at + 1..]))
+            })
+            .collect();
+        if vars.contains_key(&b"LABRUN_JOB_ID"[..]) {
+            return false;
+        }
+        let Some(visible) = vars.get(&b"CUDA_VISIBLE_DEVICES"[..]) else {
+            return false;
+        };
+        let by_bus = vars.get(&b"CUDA_DEVICE_ORDER"[..]) == Some(&&b"PCI_BUS_ID"[..]);
+        String::from_utf8_lossy(visible).split(',').any(|d| {
+            let d = d.trim();
+            (by_bus && d.parse::<u32>().is_ok_and(|i| gpus.contains(&i)))
+                || (d.starts_with("GPU-") && uuids.iter().any(|u| u.starts_with(d)))
+        })
+    };
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for e in procs.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let owner = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                let l = s.lines().find_map(|l| l.strip_prefix("Uid:"))?.to_string();
+                l.split_whitespace().next()?.parse::<u32>().ok()
+            });
+        if owner != Some(uid) {
+            continue;
+        }
+        let listed = on_gpu.contains(&pid);
+        let named = !listed
+            && std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| names_a_held_gpu(&e));
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if listed || named {
+            if let Some(start) = crate::runner::start_ticks(pid) {
+                found.push((pid, start, comm.trim().to_string()));
+            }
+        }
+    }
+    found
+}
+
 /// Whether any of `gpus` was computing at this reading. A GPU without a
 /// utilisation reading counts as busy: a hold is never released on what
 /// labd could not see.
@@ -109,19 +182,44 @@ impl Daemon {
                 self.cfg.kill_grace,
                 self.node.log_path(&id),
             );
+            let Some(j) = holds.iter().find(|j| j.id == id) else {
+                continue;
+            };
+            let holder = j.meta.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+            let (gpus, user, reading) = (j.gpus.clone(), j.user.clone(), reading.clone());
             let reason = why.clone();
             let done = off_runtime(move || {
                 node.update_meta(&id, |m| m.released = Some(reason.clone()))?;
-                // Its holder may be following the log.
+                // What the holder runs on those GPUs under the hold ends
+                // with it (else it keeps them from the next job); told
+                // first, in the log its holder may be following.
+                let theirs = holders_processes(holder, &gpus, &reading);
                 if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
                     let _ = writeln!(f, "labd: {reason}");
+                    if !theirs.is_empty() {
+                        let named: Vec<String> = theirs
+                            .iter()
+                            .map(|(p, _, c)| format!("{p} ({c})"))
+                            .collect();
+                        let _ = writeln!(
+                            f,
+                            "labd: ending {} process(es) of {user} on the GPU(s) given back: {}",
+                            theirs.len(),
+                            named.join(", ")
+                        );
+                    }
                 }
                 node.kill(&id, grace)?;
-                Ok::<_, NodeError>(id)
+                let procs: Vec<(u32, u64)> = theirs.iter().map(|(p, s, _)| (*p, *s)).collect();
+                crate::runner::kill_processes(&procs, grace);
+                Ok::<_, NodeError>((id, theirs.len()))
             })
             .await;
             match done {
-                Ok(id) => tracing::info!("hold {id} {why}"),
+                Ok((id, 0)) => tracing::info!("hold {id} {why}"),
+                Ok((id, n)) => {
+                    tracing::info!("hold {id} {why}; {n} process(es) of its holder ended")
+                }
                 Err(e) => tracing::error!("releasing an idle hold: {e}"),
             }
         }
