@@ -43,11 +43,15 @@ pub struct Policy {
     /// nodes (up to [`Policy::replicas_max`]); one job's data is warmed on
     /// the node it most likely gets.
     pub replicas_max: usize,
+    /// Copies one user's waiting jobs may have warmed per pass, their
+    /// earliest jobs' first: a thousand queued jobs on a thousand datasets
+    /// must not fill every node's cache and evict everyone else's data.
+    pub prefetch_per_user: usize,
 }
 
 impl Default for Policy {
     /// Ties within 2 s, no cap, preemption on, idle holds released after
-    /// 30 minutes, hot data warmed on up to 3 nodes.
+    /// 30 minutes, hot data warmed on up to 3 nodes, 2 warms per user.
     fn default() -> Self {
         Policy {
             tie_secs: 2.0,
@@ -55,6 +59,7 @@ impl Default for Policy {
             preemption: true,
             idle_hold_secs: 30 * 60,
             replicas_max: 3,
+            prefetch_per_user: 2,
         }
     }
 }

@@ -31,6 +31,12 @@ pub struct Warm {
 /// [`Policy::replicas_max`]: each copy is one more node that can start
 /// them at once. Packs shared between snapshots (DIV2K inside DF2K, a new
 /// version of a dataset) count as present, so only what differs moves.
+///
+/// Each copy is charged to the first user, in queue order, of the jobs
+/// that want it who has not had [`Policy::prefetch_per_user`] copies
+/// already; a copy no such user wants is not made. So one user's many
+/// waiting jobs warm at most that many copies, however many datasets they
+/// name, and never crowd out another user's.
 pub fn prefetch(
     cluster: &Cluster,
     queue: &[Queued],
@@ -40,7 +46,8 @@ pub fn prefetch(
 ) -> Vec<Warm> {
     let by_id: HashMap<&str, &Queued> = queue.iter().map(|q| (q.id.as_str(), q)).collect();
     // Per snapshot: the jobs that want it and, per job, its nodes best first.
-    let mut wanted: Vec<(SnapshotKey, Vec<String>, Vec<Vec<NodeName>>)> = Vec::new();
+    type Wanted<'q> = (SnapshotKey, Vec<&'q Queued>, Vec<Vec<NodeName>>);
+    let mut wanted: Vec<Wanted<'_>> = Vec::new();
     for d in decisions {
         let Some(q) = by_id.get(d.id()) else {
             continue;
@@ -71,11 +78,12 @@ pub fn prefetch(
                 }
             };
             let (_, jobs, per_job) = &mut wanted[i];
-            jobs.push(q.id.clone());
+            jobs.push(q);
             per_job.push(nodes.clone());
         }
     }
     let mut out = Vec::new();
+    let mut warms_of: HashMap<&str, usize> = HashMap::new();
     for (snapshot, jobs, per_job) in wanted {
         // Every job's best node first, in queue order, then their others.
         let mut targets: Vec<NodeName> = Vec::new();
@@ -92,11 +100,19 @@ pub fn prefetch(
                 continue;
             };
             if have < total {
+                let Some(user) = jobs
+                    .iter()
+                    .map(|q| q.user.as_str())
+                    .find(|u| warms_of.get(u).copied().unwrap_or(0) < policy.prefetch_per_user)
+                else {
+                    break;
+                };
+                *warms_of.entry(user).or_default() += 1;
                 out.push(Warm {
                     node,
                     snapshot,
                     missing: total - have,
-                    for_jobs: jobs.clone(),
+                    for_jobs: jobs.iter().map(|q| q.id.clone()).collect(),
                 });
             }
         }
@@ -215,6 +231,32 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(prefetch(&c, &queue, &d, 0, &once).len(), 1);
+    }
+
+    /// Issue 40, point 8: alice's ten waiting jobs, each on a dataset of
+    /// its own, warm two copies (her earliest jobs'), and bob's one job
+    /// still gets his: her queue cannot fill the nodes' caches.
+    #[test]
+    fn one_users_many_waiting_jobs_warm_only_their_share() {
+        let mut c = busy_trio();
+        let mut queue: Vec<Queued> = (1..=10u8)
+            .map(|i| {
+                let data = snapshot(&mut c, i, i, 1);
+                of(&format!("a{i}"), "alice", 2, u64::from(i), job(1, &[data]))
+            })
+            .collect();
+        let bobs = snapshot(&mut c, 20, 20, 1);
+        queue.push(of("b1", "bob", 2, 100, job(1, &[bobs])));
+        let usage = Usage::default();
+        let d = plan(&mut c, &pass(&queue, &[], &usage, 0), &Policy::default());
+        let w = prefetch(&c, &queue, &d, 0, &Policy::default());
+        let for_whom: Vec<&str> = w.iter().map(|w| w.for_jobs[0].as_str()).collect();
+        assert_eq!(for_whom, ["a1", "a2", "b1"], "{w:?}");
+        let generous = Policy {
+            prefetch_per_user: 100,
+            ..Policy::default()
+        };
+        assert_eq!(prefetch(&c, &queue, &d, 0, &generous).len(), 11);
     }
 
     #[test]

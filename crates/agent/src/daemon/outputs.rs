@@ -234,7 +234,7 @@ impl OutputsSaver {
         match outputs_folder_is_there(job, dir).await {
             Ok(true) => {}
             Ok(false) => return (Err(format!("the job left no {out} folder to save")), false),
-            Err(e) => return (Err(e), false),
+            Err(e) => return (Err(e.message), e.denied),
         }
         let opts = PushOptions {
             name: format!("runs/{}", job.id),
@@ -311,21 +311,34 @@ fn settle_after_end(job: &JobRecord, now: std::time::SystemTime) -> Option<Durat
 /// sees it (the job controls that path: a symlink to `/root/…` must not
 /// tell root's answer), looked at off the runtime (a symlink into an
 /// automount or a dead NFS server blocks a look).
-/// `Err` when labd cannot look as that user, or the look fails otherwise
-/// than "not there" (EIO, ESTALE, EACCES): that is not "no outputs", and
-/// the push is tried again with the folder kept.
-async fn outputs_folder_is_there(job: &JobRecord, dir: &std::path::Path) -> Result<bool, String> {
+/// Only "not there" is "no outputs": any other failure is an error (see
+/// [`LookError`]), so the push is tried again and the folder kept.
+async fn outputs_folder_is_there(
+    job: &JobRecord,
+    dir: &std::path::Path,
+) -> Result<bool, LookError> {
     let (d, who) = (dir.to_path_buf(), job.meta.run_as);
     off_runtime(move || look_at_outputs(who, &d)).await
 }
 
+/// Why labd could not tell whether a job's outputs folder is there.
+#[derive(Debug, PartialEq, Eq)]
+struct LookError {
+    message: String,
+    /// The job's user may not look there (EACCES, EPERM: a link into a
+    /// folder only root may enter): that will not heal by waiting, and is
+    /// given up after [`UNREADABLE_TRIES`] as unreadable outputs are. Any
+    /// other failure (EIO, ESTALE: a disk or an NFS server in trouble) is
+    /// retried for as long as a store outage is.
+    denied: bool,
+}
+
 /// [`outputs_folder_is_there`], blocking.
-fn look_at_outputs(who: Option<(u32, u32)>, dir: &std::path::Path) -> Result<bool, String> {
-    let looked = labsync_store::as_user(who, || std::fs::metadata(dir)).map_err(|e| {
-        format!(
-            "cannot look at {} as the job's user: {e}",
-            crate::error::logged(&dir.display().to_string())
-        )
+fn look_at_outputs(who: Option<(u32, u32)>, dir: &std::path::Path) -> Result<bool, LookError> {
+    let shown = || crate::error::logged(&dir.display().to_string());
+    let looked = labsync_store::as_user(who, || std::fs::metadata(dir)).map_err(|e| LookError {
+        message: format!("cannot look at {} as the job's user: {e}", shown()),
+        denied: false,
     })?;
     match looked {
         Ok(m) => Ok(m.is_dir()),
@@ -337,10 +350,21 @@ fn look_at_outputs(who: Option<(u32, u32)>, dir: &std::path::Path) -> Result<boo
         {
             Ok(false)
         }
-        Err(e) => Err(format!(
-            "cannot look at the outputs folder {}: {e}; tried again, and the job's folder is kept",
-            crate::error::logged(&dir.display().to_string())
-        )),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(LookError {
+            message: format!(
+                "the job's user may not look at its outputs folder {}: {e}",
+                shown()
+            ),
+            denied: true,
+        }),
+        Err(e) => Err(LookError {
+            message: format!(
+                "cannot look at the outputs folder {}: {e}; tried again, and the job's folder \
+                 is kept until it is saved",
+                shown()
+            ),
+            denied: false,
+        }),
     }
 }
 
@@ -388,9 +412,10 @@ mod tests {
     }
 
     /// Issue 40, point 14: only "not there" is "no outputs". A folder the
-    /// job's user cannot look into (EACCES here; EIO and ESTALE alike) is
-    /// an error, so the final push is tried again and the folder kept,
-    /// where it was taken for "the job left no outputs" and swept.
+    /// job's user may not look into (EACCES) is an error given up after a
+    /// few tries, as unreadable outputs are; any other failure (EIO, ESTALE)
+    /// an error tried again for as long as it takes, the folder kept. Both
+    /// were taken for "the job left no outputs", and its folder swept.
     #[test]
     fn an_outputs_folder_that_cannot_be_looked_at_is_not_no_outputs() {
         let dir = tempfile::tempdir().unwrap();
@@ -401,15 +426,16 @@ mod tests {
         assert_eq!(look_at_outputs(None, &work.join("none")), Ok(false));
         assert_eq!(look_at_outputs(None, &work.join("file/ckpt")), Ok(false));
         assert_eq!(look_at_outputs(None, &work.join("file")), Ok(false));
+        // ELOOP stands in for EIO and ESTALE, which a test cannot make.
+        std::os::unix::fs::symlink("loop", work.join("loop")).unwrap();
+        let e = look_at_outputs(None, &work.join("loop")).unwrap_err();
+        assert!(!e.denied && e.message.contains("tried again"), "{e:?}");
         if !rustix::process::geteuid().is_root() {
             return; // Looking as another user needs root.
         }
         // As nobody, behind a folder only root may enter.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         let e = look_at_outputs(Some((65534, 65534)), &work.join("ckpt")).unwrap_err();
-        assert!(
-            e.contains("ermission denied") && e.contains("tried again"),
-            "{e}"
-        );
+        assert!(e.denied && e.message.contains("ermission denied"), "{e:?}");
     }
 }
