@@ -739,6 +739,24 @@ fn packs_come_from_peers_and_a_corrupt_copy_is_refused() {
     let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
     assert!(text.contains("corrupt copies from peers refused"), "{text}");
     assert!(text.contains("served to peers: "), "{text}");
+    // Issue 40, point 12: the peers that served the corrupt copies were
+    // told; each checked its copy again, found it corrupt and dropped it,
+    // and no longer offers it (div2k is no longer whole there).
+    lab.wait_for("the holders to be told", 30, |s| {
+        let told: u64 = s.nodes.iter().map(|n| n.fetched.reported_corrupt).sum();
+        let dropped: u64 = s.nodes.iter().map(|n| n.fetched.dropped_corrupt).sum();
+        told >= f.corrupt_from_peers && dropped == told
+    });
+    let s = lab.status();
+    for n in s.nodes.iter().filter(|n| n.fetched.dropped_corrupt > 0) {
+        let (have, all) = present(&s, &n.name, "div2k@v1").unwrap_or((0, total));
+        assert!(have < all, "{} still offers what it dropped", n.name);
+    }
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(
+        text.contains("copies it served reported corrupt by peers: "),
+        "{text}"
+    );
 }
 
 /// 6: `labsync warm` fills and pins the named node's cache, with its

@@ -59,6 +59,7 @@ fn a_huge_planted_object_is_refused_by_name_not_read() {
     let dest = lab.path("out");
     let (code, out) = capped(&lab, &["pull", "ds", s(&dest)]);
     assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains(&junk_index), "pull names the key: {out}");
     support::assert_same_tree(&src, &dest);
     let (code, out) = capped(&lab, &["verify"]);
     assert_ne!(code, Some(0), "a refused index object is a problem: {out}");
@@ -69,6 +70,7 @@ fn a_huge_planted_object_is_refused_by_name_not_read() {
     std::fs::write(src.join("new.txt"), "a new file").unwrap();
     let (code, out) = capped(&lab, &["push", s(&src), "--name", "ds"]);
     assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains(&junk_index), "push names the key: {out}");
 
     // A version record planted as the next version, and an object planted
     // under a snapshot's name: refused by name, and the versions before it

@@ -501,7 +501,10 @@ fn a_gpu_used_outside_its_lease_is_not_free() {
 /// checkpoint, not the one it was rewriting when it was killed.
 #[test]
 fn kill_leaves_no_process_and_saves_outputs() {
-    let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
+    let n = Node::start(
+        Some("1x11GiB"),
+        "run_as = \"labd\"\noutputs_every_min_s = 1",
+    );
     // The checkpoint is dated a minute back: periodic saves leave out files
     // written in the last seconds (they may be half saved).
     // Told to (a file `go`), it rewrites the checkpoint and is killed
@@ -1939,4 +1942,27 @@ fn an_idle_hold_given_back_ends_what_its_holder_runs_on_it() {
             && log.contains(&format!("{} (sleep)", in_shell.id())),
         "{log}"
     );
+}
+
+/// Issue 40, point 3: a job cannot make its node push its outputs more
+/// often than the node's floor (`outputs_every_min_s`, 60 s by default):
+/// `--outputs-every 1s` is taken as 60 s, and `labrun ps` shows it.
+#[test]
+fn outputs_are_pushed_no_more_often_than_the_nodes_floor() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    let id = n.detach(
+        ALICE,
+        &[
+            "--outputs",
+            "ckpt",
+            "--outputs-every",
+            "1s",
+            "--",
+            "sleep",
+            "30",
+        ],
+    );
+    let j = n.job(&id);
+    assert_eq!(j.meta.outputs_every_s, 60, "{j:?}");
+    n.ok(ALICE, &["kill", &id]);
 }

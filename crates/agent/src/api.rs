@@ -329,6 +329,39 @@ impl<T: serde::de::DeserializeOwned> axum::extract::FromRequest<Arc<Daemon>> for
     }
 }
 
+/// A peer found the copy of a pack this node served corrupt: the copy here
+/// is checked again, whole, and dropped if it fails (so it is not offered
+/// again), and both are counted for `labrun status`.
+async fn pack_corrupt(
+    State(d): D,
+    Path(id): Path<String>,
+    Signed { from, body }: Signed<crate::proto::CorruptCopy>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: labsync_store::PackId = id
+        .parse()
+        .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
+    let cache = d.cache().clone();
+    let checked = off_runtime(move || {
+        let only = std::collections::HashSet::from([id]);
+        cache.verify(Some(&only), &labsync_store::NoProgress)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("checking pack {}: {e}", id.short())))?;
+    let dropped = checked.2.iter().any(|(p, _)| *p == id);
+    d.reported_corrupt(dropped);
+    tracing::warn!(
+        "{from} found the copy of pack {} it got from here corrupt ({}); checked again here: {}",
+        id.short(),
+        crate::error::logged(&body.why),
+        if dropped {
+            "corrupt too, dropped"
+        } else {
+            "sound (or gone)"
+        }
+    );
+    Ok(Json(crate::proto::CorruptChecked { dropped }))
+}
+
 /// An agent's heartbeat, on the coordinator.
 async fn heartbeat(
     State(d): D,
@@ -610,6 +643,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/cluster/status", get(cluster_status))
         .route("/v1/cluster/heartbeat", post(heartbeat))
         .route("/v1/cluster/packs/{id}", get(pack))
+        .route("/v1/cluster/packs/{id}/corrupt", post(pack_corrupt))
         .route("/v1/cluster/explain", post(explain))
         .route("/v1/cluster/rank", post(rank))
         .route("/v1/stage/done", post(stage_done_ask))

@@ -370,6 +370,24 @@ impl Client {
         Ok(resp.into_body())
     }
 
+    /// `POST /v1/cluster/packs/{id}/corrupt`: tells the node that served
+    /// pack `id` that its copy was corrupt (`why`); it checks its copy
+    /// again and drops it if so.
+    pub async fn report_corrupt(
+        &self,
+        id: &labsync_store::PackId,
+        why: &str,
+    ) -> Result<crate::proto::CorruptChecked, ClientError> {
+        let body = serde_json::to_vec(&crate::proto::CorruptCopy { why: why.into() })
+            .expect("report serialises");
+        self.json(
+            hyper::Method::POST,
+            &format!("/v1/cluster/packs/{id}/corrupt"),
+            Some(body),
+        )
+        .await
+    }
+
     /// `GET /v1/jobs/{id}/explain`: why job `id` waits, per node.
     pub async fn explain_job(&self, id: &str) -> Result<crate::proto::JobExplain, ClientError> {
         self.json(hyper::Method::GET, &format!("/v1/jobs/{id}/explain"), None)

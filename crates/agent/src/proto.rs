@@ -279,6 +279,30 @@ pub struct FetchCounts {
     /// Of those, bytes sent with `sendfile` (peers on plain TCP).
     #[serde(default)]
     pub served_by_sendfile: u64,
+    /// Copies this node served that a peer found corrupt and said so
+    /// (`POST /v1/cluster/packs/{id}/corrupt`).
+    #[serde(default)]
+    pub reported_corrupt: u64,
+    /// Of those, copies found corrupt here too when checked again, and
+    /// dropped (the others went bad on the way).
+    #[serde(default)]
+    pub dropped_corrupt: u64,
+}
+
+/// A peer's word that a pack this node served was corrupt
+/// (`POST /v1/cluster/packs/{id}/corrupt`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CorruptCopy {
+    /// What the fetching node found.
+    pub why: String,
+}
+
+/// The serving node's answer to a [`CorruptCopy`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CorruptChecked {
+    /// Its copy failed the check again and was dropped (`false`: sound
+    /// here, so it went bad on the way, or was dropped already).
+    pub dropped: bool,
 }
 
 impl FetchCounts {

@@ -43,6 +43,7 @@ fn config(dir: &Path) -> DaemonConfig {
         kill_grace: Duration::from_millis(200),
         idle_hold: Duration::from_secs(1800),
         outputs_every: Duration::from_secs(300),
+        outputs_every_min: Duration::from_secs(60),
         outputs_retry: Duration::from_secs(10),
         work_keep: Duration::from_secs(86_400),
         history_keep: Duration::from_secs(90 * 86_400),

@@ -80,6 +80,8 @@ pub(crate) struct LabdFile {
     /// A hold's GPUs idle this long are given back (default 1800).
     idle_hold_s: Option<u64>,
     outputs_every_s: Option<u64>,
+    /// The shortest `--outputs-every` a job gets (default 60).
+    outputs_every_min_s: Option<u64>,
     /// First wait before a failed final outputs push is tried again (doubles, up to 10 min).
     outputs_retry_s: Option<u64>,
     /// Seconds a job's working folder stays after it ended (default: one day).
@@ -398,6 +400,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         kill_grace: Duration::from_secs(file.kill_grace_s.unwrap_or(10)),
         idle_hold: Duration::from_secs(file.idle_hold_s.unwrap_or(1800).max(1)),
         outputs_every: Duration::from_secs(file.outputs_every_s.unwrap_or(300)),
+        outputs_every_min: Duration::from_secs(file.outputs_every_min_s.unwrap_or(60).max(1)),
         outputs_retry: Duration::from_secs(file.outputs_retry_s.unwrap_or(10).clamp(1, 600)),
         work_keep: Duration::from_secs(file.work_keep_s.unwrap_or(86_400)),
         history_keep: Duration::from_secs(

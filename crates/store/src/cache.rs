@@ -12,7 +12,7 @@
 //! so a corrupt cache costs a re-fetch, never a corrupt file.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -50,6 +50,10 @@ pub struct CachedSnapshot {
 #[derive(Default, Serialize, Deserialize)]
 struct State {
     snapshots: BTreeMap<SnapshotId, CachedSnapshot>,
+    /// Packs found corrupt here and removed ([`NodeCache::drop_pack`]):
+    /// the node says it lacks them until they are cached again.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    dropped: BTreeSet<PackId>,
 }
 
 impl State {
@@ -75,6 +79,8 @@ pub struct CacheStatus {
     pub used_bytes: u64,
     /// Cached snapshots, most recently used first.
     pub snapshots: Vec<(SnapshotId, CachedSnapshot, u64)>,
+    /// Packs found corrupt and removed, not cached again since.
+    pub dropped: Vec<PackId>,
 }
 
 /// (packs checked, chunks checked, corrupt packs with the reason).
@@ -264,6 +270,7 @@ impl NodeCache {
             e.label = label.to_string();
             e.packs = packs;
             e.last_used = now_secs();
+            s.dropped.retain(|p| !self.pack_path(p).exists());
             Ok(())
         })
     }
@@ -549,6 +556,18 @@ impl NodeCache {
         let _ = std::fs::remove_file(self.pack_path(id));
     }
 
+    /// Drops a cached pack found corrupt here, and says so in the cache's
+    /// state ([`CacheStatus::dropped`]): a node then stops telling its
+    /// peers it holds the pack, and the snapshots it belongs to are no
+    /// longer whole, until it is fetched again.
+    pub fn drop_pack(&self, id: &PackId) -> Result<()> {
+        self.forget_pack(id);
+        self.with_state(|s| {
+            s.dropped.insert(*id);
+            Ok(())
+        })
+    }
+
     /// Evicts least recently used unpinned snapshots until the cache holds at
     /// most `target` bytes, never `keep`. Returns the evicted labels.
     pub fn evict_to(&self, target: u64, keep: Option<SnapshotId>) -> Result<Vec<String>> {
@@ -645,11 +664,17 @@ impl NodeCache {
                 .map(|(id, c)| (*id, c.clone(), c.packs.iter().map(|p| p.1).sum()))
                 .collect();
             snaps.sort_by_key(|(_, c, _)| -c.last_used);
+            // Those cached again since no longer count as dropped.
+            let dropped = (s.dropped.iter())
+                .filter(|p| !self.pack_path(p).exists())
+                .copied()
+                .collect();
             Ok(CacheStatus {
                 root: self.root.clone(),
                 max_bytes: self.max_bytes,
                 used_bytes: s.used(),
                 snapshots: snaps,
+                dropped,
             })
         })
     }
@@ -699,7 +724,7 @@ impl NodeCache {
                 Ok(n) => chunks += n,
                 Err(e) => {
                     bad.push((*id, e.to_string()));
-                    self.forget_pack(id);
+                    self.drop_pack(id)?;
                 }
             }
             progress.advance(*size, 1);

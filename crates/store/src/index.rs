@@ -226,6 +226,12 @@ impl Index {
         }
     }
 
+    /// Takes over what `other` left out (an index rebuilt from it).
+    pub(crate) fn keep_refused_of(&mut self, other: &Index) {
+        self.refused = other.refused.clone();
+        self.refused_more = other.refused_more;
+    }
+
     /// Index objects left out beyond those [`Index::refused`] names.
     pub fn refused_more(&self) -> u64 {
         self.refused_more

@@ -105,6 +105,53 @@ impl ClusterPeers {
         self.counts.lock().expect("peers poisoned").clone()
     }
 
+    /// Tells `peer` (in the background: the fetch goes on elsewhere) that
+    /// the copy of `pack` it served was corrupt, so it checks its copy
+    /// again and drops it, rather than offering it to the next node.
+    fn tell_corrupt(&self, peer: &str, pack: PackId, why: String) {
+        let addr = {
+            let l = self.located.lock().expect("peers poisoned");
+            l.get(&pack)
+                .and_then(|h| h.iter().find(|(n, _)| n == peer))
+                .map(|(_, a)| a.clone())
+        };
+        let Some(ep) = addr.and_then(|a| a.parse::<Endpoint>().ok()) else {
+            return;
+        };
+        let (client, peer) = (self.client(ep, peer), peer.to_string());
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            match tokio::time::timeout(PACK_TIMEOUT, client.report_corrupt(&pack, &why)).await {
+                Ok(Ok(a)) => tracing::info!(
+                    "told {peer} its copy of pack {} was corrupt: {}",
+                    pack.short(),
+                    if a.dropped {
+                        "it found it so and dropped it"
+                    } else {
+                        "sound there (it went bad on the way)"
+                    }
+                ),
+                Ok(Err(e)) => {
+                    tracing::warn!("telling {peer} of corrupt pack {}: {e}", pack.short())
+                }
+                Err(_) => {
+                    tracing::warn!("{peer} did not answer about corrupt pack {}", pack.short())
+                }
+            }
+        });
+    }
+
+    /// A copy of `pack` this node served was reported corrupt by a peer;
+    /// `dropped`: it failed the check here too and is gone.
+    pub fn reported_corrupt(&self, dropped: bool) {
+        let mut c = self.counts.lock().expect("peers poisoned");
+        c.reported_corrupt += 1;
+        c.dropped_corrupt += u64::from(dropped);
+        self.keep(&c);
+    }
+
     /// A client of `to` (a node's name, or [`super::TO_COORDINATOR`]) at `ep`.
     fn client(&self, ep: Endpoint, to: &str) -> Client {
         Client::for_cluster(ep, self.key.clone(), &self.me, to).with_tls(self.tls.clone())
@@ -179,9 +226,10 @@ impl PackPeers for ClusterPeers {
             PeerEvent::Corrupt { peer, pack, why } => {
                 c.corrupt_from_peers += 1;
                 tracing::warn!(
-                    "refused pack {} from {peer}: {why}; fetching it elsewhere",
+                    "refused pack {} from {peer}: {why}; fetching it elsewhere and telling {peer}",
                     pack.short()
                 );
+                self.tell_corrupt(&peer, pack, why);
             }
             PeerEvent::Failed { peer, pack, why } => {
                 c.failed_from_peers += 1;

@@ -47,8 +47,10 @@ const KILL_AGAIN: Duration = Duration::from_secs(60);
 fn read_inventory(cache: &NodeCache) -> Result<Inventory, String> {
     let st = cache.status().map_err(|e| e.to_string())?;
     let mut inv = Inventory::default();
+    // A pack found corrupt here and dropped is not offered to peers.
+    let dropped: std::collections::HashSet<_> = st.dropped.iter().collect();
     for (id, c, bytes) in &st.snapshots {
-        for (p, n) in &c.packs {
+        for (p, n) in c.packs.iter().filter(|(p, _)| !dropped.contains(p)) {
             inv.packs.insert(*p, *n);
         }
         inv.snapshots.insert(*id, c.packs.clone());

@@ -69,6 +69,10 @@ pub struct DaemonConfig {
     pub idle_hold: Duration,
     /// Default time between pushes of a job's outputs.
     pub outputs_every: Duration,
+    /// The shortest time between pushes a job may ask for: every periodic
+    /// push lists and reads the store, and a user's thousand jobs asking
+    /// for one a second must not make the node push a thousand a second.
+    pub outputs_every_min: Duration,
     /// First wait before a failed final outputs push is tried again; it
     /// doubles after each failure, up to 10 minutes.
     pub outputs_retry: Duration,
@@ -434,6 +438,14 @@ impl Daemon {
     }
 
     /// Bytes fetched by source (in a cluster).
+    /// A peer reported a copy this node served corrupt; `dropped`: the
+    /// check here agreed and the pack is gone.
+    pub(crate) fn reported_corrupt(&self, dropped: bool) {
+        if let Some(p) = &self.peers {
+            p.reported_corrupt(dropped);
+        }
+    }
+
     pub(crate) fn fetched(&self) -> crate::proto::FetchCounts {
         self.peers.as_ref().map(|p| p.counts()).unwrap_or_default()
     }

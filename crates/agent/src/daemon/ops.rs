@@ -531,6 +531,7 @@ impl Daemon {
             outputs_every_s: req
                 .outputs_every_s
                 .unwrap_or(self.cfg.outputs_every.as_secs())
+                .max(self.cfg.outputs_every_min.as_secs())
                 .max(1),
             outputs_saved: None,
             outputs_error: None,

@@ -18,6 +18,12 @@ use crate::node::Node;
 /// and a copy taken mid-write would be the checkpoint a crash leaves.
 const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
 
+/// Outputs pushes running at once on a node, all jobs together: each lists
+/// the store and reads its index, so a thousand jobs due at once must not
+/// mean a thousand pushes at once. A periodic push due while these are
+/// taken waits for the next tick; a final push waits for a place.
+pub(crate) const OUTPUTS_AT_ONCE: usize = 2;
+
 /// Tries of a final outputs push that fails reading the outputs themselves.
 const UNREADABLE_TRIES: u32 = 3;
 
@@ -41,6 +47,8 @@ pub(crate) struct OutputsSaver {
     /// When each running job's outputs were last pushed, failed final
     /// pushes, and of those the ones that failed on the outputs themselves.
     pushed_at: Mutex<HashMap<String, (Instant, u32, u32)>>,
+    /// Places for pushes running at once ([`OUTPUTS_AT_ONCE`]).
+    places: Arc<tokio::sync::Semaphore>,
 }
 
 /// What the saver needs besides the engine and the store.
@@ -68,6 +76,7 @@ impl OutputsSaver {
             retry: cfg.retry,
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(HashMap::new()),
+            places: Arc::new(tokio::sync::Semaphore::new(OUTPUTS_AT_ONCE)),
         }
     }
 
@@ -79,12 +88,21 @@ impl OutputsSaver {
                 continue;
             }
             let ended = matches!(j.state, JobState::Exited { .. } | JobState::Failed { .. });
-            if self.due(&j, ended)
-                && self
-                    .pushing
-                    .lock()
-                    .expect("labd poisoned")
-                    .insert(j.id.clone())
+            if !self.due(&j, ended) {
+                continue;
+            }
+            // A periodic push finds a place now or waits for the next tick
+            // (and stays due); a final push waits for one.
+            let place = match self.places.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) if ended => None,
+                Err(_) => continue,
+            };
+            if self
+                .pushing
+                .lock()
+                .expect("labd poisoned")
+                .insert(j.id.clone())
             {
                 /// Takes the job off `pushing` however its push ends (a
                 /// panic too: else it would never be pushed again).
@@ -96,7 +114,15 @@ impl OutputsSaver {
                     }
                 }
                 let done = Done(self.clone(), j.id.clone());
+                let places = self.places.clone();
                 tokio::spawn(async move {
+                    let _place = match place {
+                        Some(p) => p,
+                        None => match places.acquire_owned().await {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        },
+                    };
                     done.0.push(j, ended).await;
                     drop(done);
                 });

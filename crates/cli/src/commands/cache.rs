@@ -25,13 +25,16 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
                 t += &format!(
                     "\nfetched by labd: {} from peers, {} from the store; {} corrupt copies \
                      from peers refused, {} tries at peers failed\n\
-                     served to peers: {} ({} by sendfile)",
+                     served to peers: {} ({} by sendfile); {} copies served reported corrupt \
+                     by peers ({} corrupt here too, dropped)",
                     human_bytes(f.from_peers),
                     human_bytes(f.from_store),
                     f.corrupt_from_peers,
                     f.failed_from_peers,
                     human_bytes(f.served_to_peers),
-                    human_bytes(f.served_by_sendfile)
+                    human_bytes(f.served_by_sendfile),
+                    f.reported_corrupt,
+                    f.dropped_corrupt
                 );
             }
             t

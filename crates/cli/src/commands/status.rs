@@ -104,6 +104,12 @@ fn print_node(n: &NodeStatus, now: u64) {
             gib(f.served_by_sendfile)
         );
     }
+    if f.reported_corrupt > 0 {
+        println!(
+            "  copies it served reported corrupt by peers: {} ({} corrupt here too, dropped)",
+            f.reported_corrupt, f.dropped_corrupt
+        );
+    }
     if !n.data.is_empty() {
         let data: Vec<String> = n
             .data

@@ -309,6 +309,7 @@ async fn load_tree(
     progress: &dyn Progress,
 ) -> Result<(VersionRecord, Index, Listing)> {
     let ((index, _), (record, object)) = tokio::try_join!(repo.load_index(), snapshot)?;
+    warn_refused(&index, progress);
     let mut loader = Loader::new(&index, shared);
     repo.decode_tree_into(&index, &record.snapshot, &object, &mut loader)
         .await?;
@@ -321,6 +322,20 @@ async fn load_tree(
         ));
     }
     Ok((record, index, entries))
+}
+
+/// Says which index objects were left out (the first few, and how many):
+/// a planted or damaged object, named so an admin can remove it.
+pub(crate) fn warn_refused(index: &Index, progress: &dyn Progress) {
+    for (key, why) in index.refused().iter().take(3) {
+        progress.warn(&format!("index object {key} is not used: {why}"));
+    }
+    let more = (index.refused().len() as u64).saturating_sub(3) + index.refused_more();
+    if more > 0 {
+        progress.warn(&format!(
+            "{more} more objects under index/ are not used either"
+        ));
+    }
 }
 
 /// Creates `dest` if needed; returns it resolved, and whether it was empty.

@@ -119,6 +119,7 @@ pub async fn push(
     // the scan (that it is still the newest) instead of two.
     let (index, latest) = tokio::join!(live_index(repo), repo.latest(&opts.name));
     let (index, latest) = (Arc::new(index?), latest?);
+    crate::pull::warn_refused(&index, progress.as_ref());
     let cache_file = (opts.files_cache.as_deref()).map(|dir| {
         let uid = opts.read_as.map(|(uid, _)| uid);
         FilesCacheFile::new(dir, &config.id, config.params, &root, uid)
@@ -216,5 +217,6 @@ async fn live_index(repo: &Repo) -> Result<Index> {
     for r in index.to_records(|p| !condemned.contains(p)) {
         live.add(&r);
     }
+    live.keep_refused_of(&index);
     Ok(live)
 }
