@@ -80,7 +80,7 @@ pub use pull::{
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{
-    validate_name, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_CONFIG_OBJECT,
+    validate_name, IndexMemo, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_CONFIG_OBJECT,
     MAX_INDEX_OBJECT, MAX_RECORD_OBJECT, MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
 };
 pub use seen::SeenVersions;

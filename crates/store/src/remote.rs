@@ -275,7 +275,7 @@ impl Remote {
     /// object, which a whole read would hold in memory). A key refused is
     /// remembered: asked again with no larger bound, it is refused without
     /// a request. Every whole read of the store goes through here, each kind
-    /// of object with its bound ([`crate::repo`]'s `MAX_*_OBJECT`).
+    /// of object with its bound ([`crate::MAX_INDEX_OBJECT`] and its siblings).
     pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Bytes> {
         let known = self
             .oversized

@@ -278,6 +278,32 @@ pub struct Repo {
     /// The versions this user saw, and what each named
     /// ([`Repo::with_seen`]).
     seen: Option<std::sync::Arc<crate::seen::SeenVersions>>,
+    /// The index kept between loads ([`Repo::with_index_memo`]).
+    index_memo: Option<std::sync::Arc<IndexMemo>>,
+}
+
+/// The index as a long-lived process (labd) last loaded it, and which
+/// index objects it was made of: the next load lists the store's index
+/// objects and reads only those it has not seen. A push every minute of
+/// each of a thousand jobs' outputs read every index object each time.
+#[derive(Default)]
+pub struct IndexMemo {
+    held: tokio::sync::Mutex<Option<HeldIndex>>,
+}
+
+impl std::fmt::Debug for IndexMemo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IndexMemo")
+    }
+}
+
+struct HeldIndex {
+    index: std::sync::Arc<Index>,
+    /// The index objects it holds.
+    loaded: HashSet<blake3::Hash>,
+    /// Those left out (not matching their names, not decoding): not read
+    /// again while the store lists them.
+    refused: HashSet<blake3::Hash>,
 }
 
 /// The most a snapshot's tree may decode to: about ten million files.
@@ -291,7 +317,7 @@ pub const MAX_CONFIG_OBJECT: u64 = 1 << 20;
 /// A version record (`refs/…`): a few hundred bytes.
 pub const MAX_RECORD_OBJECT: u64 = 1 << 20;
 /// A snapshot object: its counts and one reference per tree segment of up
-/// to 512 entries, about 1.5 MB at [`MAX_TREE_ENTRIES`](crate::snapshot).
+/// to 512 entries, about 1.5 MB at the most entries a tree may have (16 Mi).
 pub const MAX_SNAPSHOT_OBJECT: u64 = 16 << 20;
 /// An index object: at least 36 bytes per chunk, so about 1.8 million
 /// chunks (near 2 TB of data at 1 MiB chunks). Writers split larger ones.
@@ -392,6 +418,7 @@ impl Repo {
             config,
             index_cache: None,
             seen: None,
+            index_memo: None,
         })
     }
 
@@ -419,6 +446,73 @@ impl Repo {
     /// What [`Repo::with_seen`] gave.
     pub fn seen(&self) -> Option<&crate::seen::SeenVersions> {
         self.seen.as_deref()
+    }
+
+    /// The same store, keeping its index between
+    /// [`Repo::load_index_shared`]s (for a long-lived process: labd).
+    pub fn with_index_memo(mut self) -> Self {
+        self.index_memo = Some(std::sync::Arc::default());
+        self
+    }
+
+    /// The index, shared: with [`Repo::with_index_memo`], the one kept
+    /// since the last load plus the index objects written since (read
+    /// whole again when one it was made of is gone: a gc consolidated
+    /// them); else loaded as [`Repo::load_index`] does.
+    pub async fn load_index_shared(&self) -> Result<std::sync::Arc<Index>> {
+        let Some(memo) = &self.index_memo else {
+            return Ok(std::sync::Arc::new(self.load_index().await?.0));
+        };
+        let mut held = memo.held.lock().await;
+        let mut listed = HashSet::new();
+        let mut listing = std::pin::pin!(self.remote.list_stream("index/"));
+        while let Some(o) = listing.try_next().await? {
+            if let Some(id) = index_object_id(&o.key) {
+                listed.insert(id);
+            }
+        }
+        if let Some(h) = held.as_mut().filter(|h| h.loaded.is_subset(&listed)) {
+            let new: Vec<blake3::Hash> = listed
+                .iter()
+                .filter(|k| !h.loaded.contains(*k) && !h.refused.contains(*k))
+                .copied()
+                .collect();
+            if new.is_empty() {
+                return Ok(h.index.clone());
+            }
+            let mut index = (*h.index).clone();
+            for id in new {
+                let key = format!("index/{}", id.to_hex());
+                match self.get_index_object(&key).await {
+                    Ok(recs) => {
+                        recs.iter().for_each(|r| index.add(r));
+                        h.loaded.insert(id);
+                    }
+                    Err(Error::Corrupt { detail, .. }) => {
+                        tracing::warn!("index object {key} is not used: {detail}");
+                        index.refuse(key, detail);
+                        h.refused.insert(id);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            h.index = std::sync::Arc::new(index);
+            h.refused.retain(|k| listed.contains(k));
+            return Ok(h.index.clone());
+        }
+        // First load, or an object it was made of is gone: read whole.
+        let (index, keys) = self.load_index().await?;
+        let loaded: HashSet<blake3::Hash> =
+            keys.iter().filter_map(|k| index_object_id(k)).collect();
+        // Listed before that load and not in it: refused (or deleted since).
+        let refused = listed.difference(&loaded).copied().collect();
+        let index = std::sync::Arc::new(index);
+        *held = Some(HeldIndex {
+            index: index.clone(),
+            loaded,
+            refused,
+        });
+        Ok(index)
     }
 
     /// The object store.
@@ -1177,6 +1271,53 @@ mod tests {
         assert_eq!(idx.refused().len() as u64 + idx.refused_more(), 150);
         assert_eq!(idx.refused().len(), 100);
         assert!(idx.refused()[0].1.contains("not named as an index object"));
+    }
+
+    /// Issue 40, point 3: with a memo, a load reads only the index objects
+    /// written since the last, and one that vanished (a gc consolidated
+    /// the index) makes it read whole again.
+    #[tokio::test]
+    async fn a_kept_index_reads_only_what_is_new() {
+        let repo = Repo::open(Remote::memory(), None)
+            .await
+            .unwrap()
+            .with_index_memo();
+        let pack = |p: u8| {
+            let entries = [PackEntry {
+                id: ChunkId::of(&[p]),
+                offset: 0,
+                stored_len: 10,
+                raw_len: 10,
+                flags: 0,
+            }];
+            IndexPack::new(PackId::of(&[p]), 4096, &entries)
+        };
+        let first = repo.write_index(&[pack(1)]).await.unwrap();
+        let a = repo.load_index_shared().await.unwrap();
+        assert!(a.contains(&ChunkId::of(&[1])));
+        let b = repo.load_index_shared().await.unwrap();
+        assert!(
+            std::sync::Arc::ptr_eq(&a, &b),
+            "nothing new: the same index"
+        );
+        // A junk object under an index object's name: refused once, not read again.
+        repo.remote()
+            .put(
+                &format!("index/{}", "ef".repeat(32)),
+                bytes::Bytes::from_static(b"junk"),
+            )
+            .await
+            .unwrap();
+        repo.write_index(&[pack(2)]).await.unwrap();
+        let c = repo.load_index_shared().await.unwrap();
+        assert!(c.contains(&ChunkId::of(&[1])) && c.contains(&ChunkId::of(&[2])));
+        assert_eq!(c.refused().len(), 1);
+        let d = repo.load_index_shared().await.unwrap();
+        assert!(std::sync::Arc::ptr_eq(&c, &d), "the junk is not read again");
+        // The first object goes (consolidated elsewhere): read whole.
+        repo.remote().delete(&first[0].0).await.unwrap();
+        let e = repo.load_index_shared().await.unwrap();
+        assert!(!e.contains(&ChunkId::of(&[1])) && e.contains(&ChunkId::of(&[2])));
     }
 
     #[test]

@@ -536,9 +536,12 @@ async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError
             .await
             .map_err(DaemonError::Open)?;
     }
+    // labd lives long and pushes jobs' outputs again and again: it keeps
+    // the index between pushes and reads only what is new.
     let repo = Repo::open(remote, None)
         .await
-        .map_err(|e| store_error(&e))?;
+        .map_err(|e| store_error(&e))?
+        .with_index_memo();
     if let Some(n) = highest_run(&repo).await? {
         node.ids_above(n);
     }

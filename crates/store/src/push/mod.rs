@@ -118,7 +118,7 @@ pub async fn push(
     // unchanged tree is found equal to it with one store round trip after
     // the scan (that it is still the newest) instead of two.
     let (index, latest) = tokio::join!(live_index(repo), repo.latest(&opts.name));
-    let (index, latest) = (Arc::new(index?), latest?);
+    let (index, latest) = (index?, latest?);
     crate::pull::warn_refused(&index, progress.as_ref());
     let cache_file = (opts.files_cache.as_deref()).map(|dir| {
         let uid = opts.read_as.map(|(uid, _)| uid);
@@ -207,8 +207,8 @@ async fn source_root(src: &Path, read_as: Option<(u32, u32)>) -> Result<PathBuf>
 
 /// The store's index without the packs gc has condemned: a push never
 /// deduplicates against data scheduled for deletion.
-async fn live_index(repo: &Repo) -> Result<Index> {
-    let (index, _) = repo.load_index().await?;
+async fn live_index(repo: &Repo) -> Result<Arc<Index>> {
+    let index = repo.load_index_shared().await?;
     let condemned = crate::gc::condemned_packs(repo).await?;
     if condemned.is_empty() {
         return Ok(index);
@@ -218,5 +218,5 @@ async fn live_index(repo: &Repo) -> Result<Index> {
         live.add(&r);
     }
     live.keep_refused_of(&index);
-    Ok(live)
+    Ok(Arc::new(live))
 }
