@@ -156,6 +156,9 @@ pub struct NodeConfig {
     pub inventory_deadline: Duration,
     /// Jobs one user may have queued at once (checked as each is reserved).
     pub max_queued_per_user: usize,
+    /// Jobs without GPUs one user may have running at once; the rest wait
+    /// in the queue (no GPU bounds them: a thousand at once took the node).
+    pub max_cpu_jobs_per_user: usize,
     /// What each job may use at most (held by its cgroups).
     pub limits: JobLimits,
 }
@@ -579,6 +582,10 @@ impl Node {
         let mut at = 0;
         while let Some((id, s)) = inner.queue.get(at).cloned() {
             let gpus = if s.gpus == 0 {
+                if self.cpu_jobs_of(&s.user) >= self.cfg.max_cpu_jobs_per_user {
+                    at += 1;
+                    continue;
+                }
                 Vec::new()
             } else {
                 let status = self.gpus()?;
@@ -844,6 +851,14 @@ impl Node {
         self.state.active_where(keep)
     }
 
+    /// How many jobs without GPUs `user` has running.
+    fn cpu_jobs_of(&self, user: &str) -> usize {
+        self.active_where(|r| {
+            r.user == user && r.gpus_wanted == 0 && matches!(r.state, JobState::Running { .. })
+        })
+        .len()
+    }
+
     /// How many jobs `user` has queued, or running without GPUs.
     pub fn queued_of(&self, user: &str) -> usize {
         self.state.queued_of(user)
@@ -934,7 +949,15 @@ impl Node {
         let inner = self.inner.lock().expect("node poisoned");
         let pos = inner.queue.iter().position(|(q, _)| q == id)?;
         let (want, min_free) = (inner.queue[pos].1.gpus, inner.queue[pos].1.min_free_bytes);
+        let user = inner.queue[pos].1.user.clone();
         drop(inner);
+        if want == 0 {
+            return Some(format!(
+                "waits: {user} runs {} job(s) without GPUs here already, as many as one user \
+                 may (max_cpu_jobs_per_user)",
+                self.cpu_jobs_of(&user)
+            ));
+        }
         let free = free_gpus(gpus, min_free).len();
         let unknown = gpus
             .iter()
@@ -965,6 +988,7 @@ mod tests {
             foreign_limit: 256 << 20,
             inventory_deadline: Duration::from_secs(2),
             max_queued_per_user: 1000,
+            max_cpu_jobs_per_user: 100,
             limits: JobLimits::default(),
         }
     }
@@ -1187,6 +1211,38 @@ mod tests {
         assert!(n.enqueue(&again, sleeper("alice")).unwrap());
         ids.push(again);
         for id in &ids[1..] {
+            n.kill(id, Duration::ZERO).unwrap();
+        }
+    }
+
+    /// Issue 40, point 4 (in part): one user's jobs without GPUs run at
+    /// most `max_cpu_jobs_per_user` at once (no GPU bounds them); the rest
+    /// wait, saying why, and another user's start meanwhile.
+    #[test]
+    fn jobs_without_gpus_are_capped_per_user() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = test_config(dir.path());
+        cfg.max_cpu_jobs_per_user = 2;
+        let n = Node::open(cfg, Arc::new(FakeGpus::new("1x11GiB", None).unwrap())).unwrap();
+        let sleeper = |user: &str| Submit {
+            user: user.into(),
+            ..alices(dir.path(), vec!["sleep".into(), "300".into()], 0)
+        };
+        let running =
+            |id: &str| matches!(n.job(id).unwrap().unwrap().state, JobState::Running { .. });
+        let alice: Vec<String> = (0..3)
+            .map(|_| n.submit(sleeper("alice")).unwrap())
+            .collect();
+        assert!(running(&alice[0]) && running(&alice[1]));
+        assert_eq!(n.job(&alice[2]).unwrap().unwrap().state, JobState::Queued);
+        let why = n.why_waiting(&alice[2], &n.gpus().unwrap()).unwrap();
+        assert!(why.contains("alice runs 2 job(s) without GPUs"), "{why}");
+        let bob = n.submit(sleeper("bob")).unwrap();
+        assert!(running(&bob), "another user's job is not held by alice's");
+        n.kill(&alice[0], Duration::ZERO).unwrap();
+        n.schedule().unwrap();
+        assert!(running(&alice[2]), "started once one of hers ended");
+        for id in alice[1..].iter().chain([&bob]) {
             n.kill(id, Duration::ZERO).unwrap();
         }
     }

@@ -54,6 +54,7 @@ fn config(dir: &Path) -> DaemonConfig {
         tick: Duration::from_millis(50),
         conn_limits: ConnLimits::default(),
         max_queued_per_user: 5,
+        max_cpu_jobs_per_user: 100,
         job_limits: Default::default(),
         cluster: None,
         slurm_check: None,

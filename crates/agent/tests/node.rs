@@ -15,6 +15,7 @@ fn node(dir: &Path, inv: Arc<dyn GpuInventory>) -> Node {
         foreign_limit: 256 << 20,
         inventory_deadline: Duration::from_millis(300),
         max_queued_per_user: 1000,
+        max_cpu_jobs_per_user: 100,
         limits: Default::default(),
     };
     Node::open(cfg, inv).unwrap()

@@ -105,6 +105,9 @@ pub(crate) struct LabdFile {
     header_timeout_ms: Option<u64>,
     /// Jobs one user may have queued at once (default 1000).
     max_queued_per_user: Option<usize>,
+    /// Jobs without GPUs one user may have running at once (default: four
+    /// per CPU, at least 8).
+    max_cpu_jobs_per_user: Option<usize>,
     /// Processes and threads one job may have at once (0: no limit).
     job_pids_max: Option<u64>,
     /// Memory one job may use, e.g. `64G` (default: no limit).
@@ -422,6 +425,13 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
                 .map_or(d.header_timeout, |ms| Duration::from_millis(ms.max(100))),
         },
         max_queued_per_user: file.max_queued_per_user.unwrap_or(1000),
+        max_cpu_jobs_per_user: file.max_cpu_jobs_per_user.map_or_else(
+            || {
+                let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+                (4 * cpus).max(8)
+            },
+            |n| n.max(1),
+        ),
         job_limits: job_limits(file.job_pids_max, file.job_memory_max.as_deref())?,
         cluster: None,
         slurm_check: None,

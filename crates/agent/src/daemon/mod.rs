@@ -95,6 +95,8 @@ pub struct DaemonConfig {
     pub conn_limits: ConnLimits,
     /// Jobs one user may have queued (waiting or being prepared) at once.
     pub max_queued_per_user: usize,
+    /// Jobs without GPUs one user may have running at once.
+    pub max_cpu_jobs_per_user: usize,
     /// What each job may use at most (tasks, memory).
     pub job_limits: crate::JobLimits,
     /// The cluster this node belongs to; `None`: a node of its own.
@@ -196,6 +198,7 @@ impl Daemon {
             foreign_limit: cfg.foreign_limit,
             inventory_deadline: cfg.inventory_deadline,
             max_queued_per_user: cfg.max_queued_per_user,
+            max_cpu_jobs_per_user: cfg.max_cpu_jobs_per_user,
             limits: cfg.job_limits,
         };
         let node = off_runtime(move || Node::open(node_cfg, inventory))
