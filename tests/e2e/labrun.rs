@@ -1966,3 +1966,65 @@ fn outputs_are_pushed_no_more_often_than_the_nodes_floor() {
     assert_eq!(j.meta.outputs_every_s, 60, "{j:?}");
     n.ok(ALICE, &["kill", &id]);
 }
+
+/// Issue 40, point 15: labd starts while its store is unreachable (here
+/// its folder replaced by a file). It manages the job it already has (its
+/// state, its log), refuses new jobs saying why, keeps the outputs of the
+/// job that ended meanwhile, and saves them once the store answers again.
+/// Before, labd refused to start, and the running job had no labd.
+#[test]
+fn labd_starts_while_its_store_is_unreachable() {
+    let mut n = Node::start(None, "run_as = \"labd\"\noutputs_retry_s = 1");
+    let go = n.path("go");
+    let script = format!(
+        "mkdir -p ckpt; echo epoch-3 > ckpt/model.pt; echo started; \
+         while [ ! -e {} ]; do sleep 0.05; done",
+        go.display()
+    );
+    let id = n.detach(
+        ALICE,
+        &[
+            "--gpus",
+            "0",
+            "--outputs",
+            "ckpt",
+            "--",
+            "bash",
+            "-c",
+            &script,
+        ],
+    );
+    wait_until("the job to run", 20, || {
+        matches!(n.job(&id).state, JobState::Running { .. })
+    });
+    n.crash();
+    let (store, away) = (n.path("store"), n.path("store.away"));
+    std::fs::rename(&store, &away).unwrap();
+    std::fs::write(&store, "outage").unwrap();
+    n.restart();
+    assert!(matches!(n.job(&id).state, JobState::Running { .. }));
+    wait_until("the job's log", 10, || {
+        n.ok(ALICE, &["logs", &id]).contains("started")
+    });
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(log.contains("labd starts without it"), "{log}");
+    std::fs::write(&go, "").unwrap();
+    wait_until("the job to end, its outputs kept", 30, || {
+        let j = n.job(&id);
+        j.ended()
+            && j.meta.outputs_pending
+            && j.meta
+                .outputs_error
+                .as_deref()
+                .is_some_and(|e| e.contains("not reached its store"))
+    });
+    std::fs::remove_file(&store).unwrap();
+    std::fs::rename(&away, &store).unwrap();
+    wait_until(
+        "the outputs to be saved once the store is back",
+        120,
+        || n.ended(&id),
+    );
+    let j = n.job(&id);
+    assert_eq!(n.saved_outputs(&j, "model.pt"), "epoch-3\n");
+}

@@ -63,6 +63,9 @@ pub enum ApiError {
     /// labd itself failed (500).
     #[error("{0}")]
     Internal(String),
+    /// What it needs is not reachable now, e.g. the store (503).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl ApiError {
@@ -76,6 +79,7 @@ impl ApiError {
             ApiError::Conflict(_) => 409,
             ApiError::TooMany(_) => 429,
             ApiError::Internal(_) => 500,
+            ApiError::Unavailable(_) => 503,
         }
     }
 }
@@ -87,6 +91,9 @@ pub enum PrepareError {
     /// The store failed (missing snapshot, corrupt chunk, …).
     #[error(transparent)]
     Store(#[from] labsync_store::Error),
+    /// labd has not reached the store since it started.
+    #[error("{0}")]
+    NoStore(String),
     /// A file operation failed.
     #[error("{what} {path}: {source}")]
     Io {

@@ -113,7 +113,7 @@ impl Coordinator {
             let packs = match seen {
                 Some(p) => p,
                 None => {
-                    let packs = labsync_store::snapshot_packs(d.repo(), d.cache(), id)
+                    let packs = labsync_store::snapshot_packs(d.repo()?, d.cache(), id)
                         .await
                         .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
                     let packs = Arc::new(packs);
@@ -263,7 +263,7 @@ impl Coordinator {
                 .ok_or_else(|| {
                     ApiError::BadRequest(format!("{:?} is not a version (NAME@vN)", t.label))
                 })?;
-            let rec = d.repo().resolve(&spec).await.map_err(|e| {
+            let rec = d.repo()?.resolve(&spec).await.map_err(|e| {
                 ApiError::BadRequest(format!("{}: {}", t.label, crate::blocking::chain(&e)))
             })?;
             if rec.snapshot.to_string() != t.snapshot {

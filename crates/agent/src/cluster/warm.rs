@@ -115,6 +115,7 @@ impl Daemon {
             .parse()
             .map_err(|e| ApiError::BadRequest(format!("{}: {e}", o.label)))?;
         let cache = self.cache().clone();
+        let repo = self.repo()?.clone();
         if o.unpin {
             let snapshot = o.snapshot;
             return crate::blocking::off_runtime(move || cache.set_pinned(snapshot, false))
@@ -134,7 +135,7 @@ impl Daemon {
         let me = self.clone();
         tokio::spawn(async move {
             let meter: Arc<dyn Progress> = Arc::new(Meter(entry.clone()));
-            let done = labsync_store::warm(me.repo(), &cache, &spec, meter).await;
+            let done = labsync_store::warm(&repo, &cache, &spec, meter).await;
             let result = match done {
                 Ok((rec, _, _)) if rec.snapshot != o.snapshot => Err(format!(
                     "{} is now {}, not the {} asked for",
@@ -196,7 +197,7 @@ impl Coordinator {
             .parse()
             .map_err(|e| ApiError::BadRequest(format!("{}: {e}", ask.name)))?;
         let rec = d
-            .repo()
+            .repo()?
             .resolve(&spec)
             .await
             .map_err(|e| ApiError::NotFound(e.to_string()))?;

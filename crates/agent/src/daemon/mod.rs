@@ -18,7 +18,7 @@ pub use ops::{command_bytes, variable_bytes, MAX_COMMAND_BYTES, MAX_DATASETS};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use labsync_store::{NodeCache, Remote, Repo};
@@ -26,6 +26,7 @@ use labsync_store::{NodeCache, Remote, Repo};
 use crate::api::ConnLimits;
 use crate::blocking::off_runtime;
 use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
+use crate::error::ApiError;
 use crate::gpu::GpuInventory;
 use crate::leases::JobState;
 use crate::node::{Node, NodeConfig, NodeError};
@@ -153,7 +154,7 @@ pub enum DaemonError {
 pub struct Daemon {
     cfg: DaemonConfig,
     node: Arc<Node>,
-    repo: Repo,
+    store: Arc<StoreLink>,
     cache: Arc<NodeCache>,
     trees: Arc<Trees>,
     logs: Arc<JobLogs>,
@@ -204,7 +205,29 @@ impl Daemon {
         let node = off_runtime(move || Node::open(node_cfg, inventory))
             .await
             .map_err(|e| open_error("the job state", &e))?;
-        let repo = open_store(&cfg, &node).await?;
+        let store = Arc::new(StoreLink::new(&cfg.store));
+        let mut highest = None;
+        let reached = match open_store(&cfg.store, &cfg.store_options).await {
+            Ok((repo, n)) => {
+                highest = n;
+                let _ = store.repo.set(repo);
+                true
+            }
+            Err(StoreOpen::Fatal(e)) => return Err(e),
+            Err(StoreOpen::NotYet(why)) => {
+                tracing::warn!(
+                    "store {} not reachable ({why}): labd starts without it and keeps trying; \
+                     the jobs it has run, are killed and logged as usual, new jobs are refused \
+                     and outputs are saved once it answers",
+                    cfg.store
+                );
+                *store.why.lock().expect("store poisoned") = why;
+                false
+            }
+        };
+        if let Some(n) = highest {
+            node.ids_above(n);
+        }
         let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
             .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
         // In a cluster, packs come from peers that hold them first.
@@ -254,7 +277,7 @@ impl Daemon {
             Some(c) => {
                 let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir, &c.lab)
                     .map_err(|e| open_error("the cluster's jobs", &e))?;
-                if let Some(n) = highest_run(&repo).await? {
+                if let Some(n) = highest {
                     co.ids_above(n);
                 }
                 Some(Arc::new(co))
@@ -263,9 +286,18 @@ impl Daemon {
         };
         let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
         let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
+        if !reached {
+            let again = (cfg.store.clone(), cfg.store_options.clone());
+            tokio::spawn(reach_store(
+                again,
+                store.clone(),
+                node.clone(),
+                coordinator.clone(),
+            ));
+        }
         let outputs = OutputsSaver::new(
             node.clone(),
-            repo.clone(),
+            store.clone(),
             cache.clone(),
             logs.clone(),
             OutputsConfig {
@@ -286,7 +318,7 @@ impl Daemon {
         );
         Ok(Arc::new(Daemon {
             node,
-            repo,
+            store,
             cache,
             trees,
             logs,
@@ -408,9 +440,9 @@ impl Daemon {
         &self.cfg.node_name
     }
 
-    /// The store.
-    pub(crate) fn repo(&self) -> &Repo {
-        &self.repo
+    /// The store, or 503 while labd has not reached it since it started.
+    pub(crate) fn repo(&self) -> Result<&Repo, ApiError> {
+        self.store.get().map_err(ApiError::Unavailable)
     }
 
     /// Jobs one user may have queued at once.
@@ -529,26 +561,109 @@ fn lock_state_dir(state_dir: &Path) -> Result<File, DaemonError> {
     Ok(lock)
 }
 
-/// Opens the store; outputs already in it name jobs this node must not
-/// repeat, so the engine numbers new jobs above them.
-async fn open_store(cfg: &DaemonConfig, node: &Node) -> Result<Repo, DaemonError> {
-    let store_error = |e: &dyn std::fmt::Display| open_error(&format!("store {}", cfg.store), e);
-    let remote = Remote::open(&cfg.store, &cfg.store_options).map_err(|e| store_error(&e))?;
+/// Why the store could not be opened: `Fatal` for what no wait mends (a
+/// URL that does not parse, a local store others can write refused to
+/// root); `NotYet` for the rest (unreachable, down, refusing).
+enum StoreOpen {
+    Fatal(DaemonError),
+    NotYet(String),
+}
+
+/// Opens the store, and the highest job number its outputs name (the
+/// engine numbers new jobs above them: a node whose state folder was lost
+/// never pushes a second `runs/j1`).
+async fn open_store(
+    store: &str,
+    options: &[(String, String)],
+) -> Result<(Repo, Option<u64>), StoreOpen> {
+    let remote = Remote::open(store, options).map_err(|e| match e {
+        labsync_store::Error::Invalid { .. } => {
+            StoreOpen::Fatal(open_error(&format!("store {store}"), &e))
+        }
+        e => StoreOpen::NotYet(e.to_string()),
+    })?;
     if let Some(root) = remote.local_path("").filter(|_| crate::euid() == 0) {
         off_runtime(move || crate::store_guard::check_root_store(&root))
             .await
-            .map_err(DaemonError::Open)?;
+            .map_err(|e| StoreOpen::Fatal(DaemonError::Open(e)))?;
     }
     // labd lives long and pushes jobs' outputs again and again: it keeps
     // the index between pushes and reads only what is new.
     let repo = Repo::open(remote, None)
         .await
-        .map_err(|e| store_error(&e))?
+        .map_err(|e| StoreOpen::NotYet(e.to_string()))?
         .with_index_memo();
-    if let Some(n) = highest_run(&repo).await? {
-        node.ids_above(n);
+    let highest = highest_run(&repo)
+        .await
+        .map_err(|e| StoreOpen::NotYet(e.to_string()))?;
+    Ok((repo, highest))
+}
+
+/// The store as labd holds it: labd starts while the store is unreachable
+/// (it manages the jobs it has: kill, leases, logs), opens it in the
+/// background, and until then refuses new jobs and keeps outputs to save.
+pub(crate) struct StoreLink {
+    url: String,
+    repo: std::sync::OnceLock<Repo>,
+    why: Mutex<String>,
+}
+
+impl StoreLink {
+    fn new(url: &str) -> StoreLink {
+        StoreLink {
+            url: url.to_string(),
+            repo: std::sync::OnceLock::new(),
+            why: Mutex::new(String::new()),
+        }
     }
-    Ok(repo)
+
+    /// The store, or why labd has not reached it yet.
+    pub(crate) fn get(&self) -> Result<&Repo, String> {
+        self.repo.get().ok_or_else(|| {
+            format!(
+                "labd has not reached its store {} since it started ({}); it keeps trying",
+                self.url,
+                self.why.lock().expect("store poisoned")
+            )
+        })
+    }
+}
+
+/// Opens the store until it answers (2 s, then doubling to a minute apart),
+/// then numbers the node's and the coordinator's jobs above its outputs.
+async fn reach_store(
+    cfg: (String, Vec<(String, String)>),
+    link: Arc<StoreLink>,
+    node: Arc<Node>,
+    coordinator: Option<Arc<Coordinator>>,
+) {
+    let mut wait = Duration::from_secs(2);
+    loop {
+        tokio::time::sleep(wait).await;
+        match open_store(&cfg.0, &cfg.1).await {
+            Ok((repo, highest)) => {
+                if let Some(n) = highest {
+                    node.ids_above(n);
+                    if let Some(c) = &coordinator {
+                        c.ids_above(n);
+                    }
+                }
+                let _ = link.repo.set(repo);
+                tracing::info!("store {} reached: new jobs are taken again", cfg.0);
+                return;
+            }
+            Err(StoreOpen::Fatal(e)) => {
+                tracing::error!("store {}: {e}; new jobs stay refused", cfg.0);
+                *link.why.lock().expect("store poisoned") = e.to_string();
+                return;
+            }
+            Err(StoreOpen::NotYet(why)) => {
+                tracing::debug!("store {} still not reached: {why}", cfg.0);
+                *link.why.lock().expect("store poisoned") = why;
+            }
+        }
+        wait = (wait * 2).min(Duration::from_secs(60));
+    }
 }
 
 /// The highest `N` of the `runs/j<N>` outputs in the store, below

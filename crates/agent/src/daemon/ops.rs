@@ -398,6 +398,9 @@ impl Daemon {
             )));
         }
         check_user_request(&req)?;
+        // A job's code and data come from the store: none is taken before
+        // labd has reached it (and numbered its jobs above the store's).
+        self.repo()?;
         if let Some(p) = &req.priority {
             return Err(ApiError::BadRequest(format!(
                 "--priority {p}: tiers order a cluster's queue, and this labd is not a cluster's \
@@ -437,7 +440,7 @@ impl Daemon {
     /// now, then materialises and queues it as [`Daemon::submit`] does.
     pub async fn submit_placed(self: &Arc<Self>, d: Dispatch) -> DispatchReply {
         let refused = |e: ApiError| DispatchReply::Refused { why: e.to_string() };
-        if let Err(e) = check_request(&d.req) {
+        if let Err(e) = check_request(&d.req).and_then(|()| self.repo().map(drop)) {
             return refused(e);
         }
         let caller = Caller {
@@ -585,9 +588,10 @@ impl Daemon {
         // Code and every data set at once: each waits on its own packs.
         // Each runs to its end even when another fails (a pull dropped half
         // way would waste what it fetched); the first error is reported.
+        let repo = self.store.get().map_err(PrepareError::NoStore)?;
         let code = async {
             match &req.code {
-                Some(t) => self.trees.get(&self.repo, &self.cache, t).await.map(Some),
+                Some(t) => self.trees.get(repo, &self.cache, t).await.map(Some),
                 None => Ok(None),
             }
         };
@@ -595,7 +599,7 @@ impl Daemon {
         // Futures made before they are streamed: a closure inside the
         // stream made the spawned future non-`Send` (rust-lang/rust#102211).
         let trees: Vec<_> = (req.data.iter())
-            .map(|d| self.trees.get(&self.repo, &self.cache, &d.tree))
+            .map(|d| self.trees.get(repo, &self.cache, &d.tree))
             .collect();
         let data = futures::stream::iter(trees)
             .buffered(TREES_AT_ONCE)

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use labsync_store::{push, Codec, NoProgress, NodeCache, PushOptions, Repo};
+use labsync_store::{push, Codec, NoProgress, NodeCache, PushOptions};
 
 use super::logs::JobLogs;
 use crate::blocking::{chain, off_runtime};
@@ -34,7 +34,9 @@ const OUTPUTS_RETRY_MAX: Duration = Duration::from_secs(600);
 /// Pushes jobs' outputs when they are due.
 pub(crate) struct OutputsSaver {
     node: Arc<Node>,
-    repo: Repo,
+    /// The store, once labd reached it: until then a push fails as it
+    /// does while the store is down, and is tried again.
+    store: Arc<super::StoreLink>,
     cache: Arc<NodeCache>,
     logs: Arc<JobLogs>,
     /// Recorded as the versions' host.
@@ -61,14 +63,14 @@ pub(crate) struct OutputsConfig {
 impl OutputsSaver {
     pub fn new(
         node: Arc<Node>,
-        repo: Repo,
+        store: Arc<super::StoreLink>,
         cache: Arc<NodeCache>,
         logs: Arc<JobLogs>,
         cfg: OutputsConfig,
     ) -> OutputsSaver {
         OutputsSaver {
             node,
-            repo,
+            store,
             cache,
             logs,
             node_name: cfg.node_name,
@@ -278,7 +280,11 @@ impl OutputsSaver {
             },
             compression: self.compression,
         };
-        match push(&self.repo, dir, &opts, Arc::new(NoProgress)).await {
+        let repo = match self.store.get() {
+            Ok(r) => r.clone(),
+            Err(why) => return (Err(why), false),
+        };
+        match push(&repo, dir, &opts, Arc::new(NoProgress)).await {
             // Named with its snapshot's id (`runs/j12@v3#ID`): the job's
             // record, `labrun ps` and a requeued run's LABRUN_RESUME_FROM
             // pin what this push wrote, and a record anyone overwrites
@@ -315,15 +321,22 @@ impl OutputsSaver {
     }
 }
 
-/// The settle window of an ended job's final push. A job that exited by
-/// itself finished its writes: every file is taken as it is. One that was
-/// killed (a signal: `labrun kill`, preemption, the OOM killer, a node's
-/// restart) may have died halfway through `torch.save`: a file modified in
-/// the [`OUTPUTS_SETTLE`] before its end keeps the copy an earlier push
-/// recorded (or is left out), as in the periodic pushes, so the version
-/// `LABRUN_RESUME_FROM` names holds the last checkpoint that was whole.
+/// The settle window of an ended job's final push. A job a signal ended
+/// (`labrun kill`, preemption past the grace, the OOM killer) may have died
+/// halfway through `torch.save`: a file modified in the [`OUTPUTS_SETTLE`]
+/// before its end keeps the copy an earlier push recorded (or is left
+/// out), as in the periodic pushes, so the version `LABRUN_RESUME_FROM`
+/// names holds the last checkpoint that was whole. Any other end (it
+/// exited by itself, or ended while labd was away, its status unknown) is
+/// taken as it is.
 fn settle_after_end(job: &JobRecord, now: std::time::SystemTime) -> Option<Duration> {
-    if matches!(job.state, JobState::Exited { signal: None, .. }) {
+    if !matches!(
+        job.state,
+        JobState::Exited {
+            signal: Some(_),
+            ..
+        }
+    ) {
         return None;
     }
     // The end is known to the second, and recorded after the last write:
@@ -431,10 +444,10 @@ mod tests {
             settle_after_end(&job(exited(137, Some(9))), now),
             Some(window)
         );
-        let lost = JobState::Failed {
-            reason: "killed".into(),
+        let unknown = JobState::Failed {
+            reason: "ended while labd was restarting; exit status unknown".into(),
         };
-        assert_eq!(settle_after_end(&job(lost), now), Some(window));
+        assert_eq!(settle_after_end(&job(unknown), now), None);
     }
 
     /// Issue 40, point 14: only "not there" is "no outputs". A folder the

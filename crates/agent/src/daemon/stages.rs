@@ -584,16 +584,17 @@ impl Daemon {
             user: o.user.clone(),
             stage: name.clone(),
         };
+        let repo = self.repo()?;
         let prepared = async {
             let code = match &ask.code {
-                Some(t) => Some(self.trees.get(&self.repo, &self.cache, t).await?),
+                Some(t) => Some(self.trees.get(repo, &self.cache, t).await?),
                 None => None,
             };
             let mut data = Vec::new();
             for d in &ask.data {
                 data.push((
                     d.env.clone(),
-                    self.trees.get(&self.repo, &self.cache, &d.tree).await?,
+                    self.trees.get(repo, &self.cache, &d.tree).await?,
                 ));
             }
             let work = stage_dir.join("work");
