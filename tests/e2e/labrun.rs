@@ -1974,7 +1974,7 @@ fn outputs_are_pushed_no_more_often_than_the_nodes_floor() {
 /// Before, labd refused to start, and the running job had no labd.
 #[test]
 fn labd_starts_while_its_store_is_unreachable() {
-    let mut n = Node::start(None, "run_as = \"labd\"\noutputs_retry_s = 1");
+    let mut n = Node::start(Some("1x11GiB"), "run_as = \"labd\"\noutputs_retry_s = 1");
     let go = n.path("go");
     let script = format!(
         "mkdir -p ckpt; echo epoch-3 > ckpt/model.pt; echo started; \
@@ -2008,6 +2008,13 @@ fn labd_starts_while_its_store_is_unreachable() {
     });
     let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
     assert!(log.contains("labd starts without it"), "{log}");
+    // A hold needs nothing of the store: taken meanwhile.
+    let held = n.ok(ALICE, &["--hold", "1h", "--gpus", "1"]);
+    assert!(held.starts_with("held on"), "{held}");
+    let hold = (n.jobs().into_iter())
+        .find(|j| j.meta.hold_s.is_some())
+        .expect("the hold");
+    n.ok(ALICE, &["kill", &hold.id]);
     std::fs::write(&go, "").unwrap();
     wait_until("the job to end, its outputs kept", 30, || {
         let j = n.job(&id);

@@ -398,9 +398,12 @@ impl Daemon {
             )));
         }
         check_user_request(&req)?;
-        // A job's code and data come from the store: none is taken before
-        // labd has reached it (and numbered its jobs above the store's).
-        self.repo()?;
+        // A job's code and data come from the store and its outputs go
+        // there: none is taken before labd has reached it (and numbered its
+        // jobs above the store's). A hold needs none of it.
+        if needs_store(&req) {
+            self.repo()?;
+        }
         if let Some(p) = &req.priority {
             return Err(ApiError::BadRequest(format!(
                 "--priority {p}: tiers order a cluster's queue, and this labd is not a cluster's \
@@ -440,7 +443,11 @@ impl Daemon {
     /// now, then materialises and queues it as [`Daemon::submit`] does.
     pub async fn submit_placed(self: &Arc<Self>, d: Dispatch) -> DispatchReply {
         let refused = |e: ApiError| DispatchReply::Refused { why: e.to_string() };
-        if let Err(e) = check_request(&d.req).and_then(|()| self.repo().map(drop)) {
+        let reached = || match needs_store(&d.req) {
+            true => self.repo().map(drop),
+            false => Ok(()),
+        };
+        if let Err(e) = check_request(&d.req).and_then(|()| reached()) {
             return refused(e);
         }
         let caller = Caller {
@@ -588,18 +595,21 @@ impl Daemon {
         // Code and every data set at once: each waits on its own packs.
         // Each runs to its end even when another fails (a pull dropped half
         // way would waste what it fetched); the first error is reported.
-        let repo = self.store.get().map_err(PrepareError::NoStore)?;
+        let repo = match needs_store(req) {
+            true => Some(self.store.get().map_err(PrepareError::NoStore)?),
+            false => None,
+        };
         let code = async {
-            match &req.code {
-                Some(t) => self.trees.get(repo, &self.cache, t).await.map(Some),
-                None => Ok(None),
+            match (&req.code, repo) {
+                (Some(t), Some(repo)) => self.trees.get(repo, &self.cache, t).await.map(Some),
+                _ => Ok(None),
             }
         };
         use futures::StreamExt;
         // Futures made before they are streamed: a closure inside the
         // stream made the spawned future non-`Send` (rust-lang/rust#102211).
         let trees: Vec<_> = (req.data.iter())
-            .map(|d| self.trees.get(repo, &self.cache, &d.tree))
+            .filter_map(|d| repo.map(|repo| self.trees.get(repo, &self.cache, &d.tree)))
             .collect();
         let data = futures::stream::iter(trees)
             .buffered(TREES_AT_ONCE)
@@ -750,6 +760,12 @@ impl Daemon {
             let _ = tokio::time::timeout(nap, changed.changed()).await;
         }
     }
+}
+
+/// Whether a job needs the store: its code or data come from it, or its
+/// outputs go there (a hold needs none of it).
+fn needs_store(req: &SubmitRequest) -> bool {
+    req.code.is_some() || !req.data.is_empty() || req.outputs.is_some()
 }
 
 #[cfg(test)]
