@@ -1,9 +1,7 @@
 //! The store as a hostile lab member writes it: every member can put any
 //! key, and every labd (root) and every client reads what they put.
 
-use std::process::Command;
-
-use super::{s, support, Lab};
+use super::{heap_capped, s, support, Lab};
 
 /// Four GiB: what one planted object costs a reader that reads it whole.
 const HUGE: u64 = 4 << 30;
@@ -20,19 +18,7 @@ fn plant(lab: &Lab, key: &str) {
 /// whole read of a planted object would need is eight times that): its
 /// exit code and its output, both streams.
 fn capped(lab: &Lab, args: &[&str]) -> (Option<i32>, String) {
-    let plain = lab.cmd(args);
-    let mut c = Command::new("prlimit");
-    c.arg(format!("--data={0}:{0}", 512u64 << 20))
-        .arg("--")
-        .arg(plain.get_program())
-        .args(plain.get_args());
-    for (k, v) in plain.get_envs() {
-        match v {
-            Some(v) => c.env(k, v),
-            None => c.env_remove(k),
-        };
-    }
-    let o = c.output().unwrap();
+    let o = heap_capped(&lab.cmd(args), 512 << 20).output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),

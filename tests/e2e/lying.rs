@@ -45,19 +45,7 @@ fn run_measured(cmd: Command) -> (std::process::ExitStatus, i64, String, i64) {
         .unwrap_or(0);
     // And a cap on its heap (RLIMIT_DATA, 512 MiB) that holds whatever this
     // process holds: a claim of gigabytes honoured fails there, not cleanly.
-    let plain = cmd;
-    let mut cmd = Command::new("prlimit");
-    cmd.arg(format!("--data={0}:{0}", 512u64 << 20))
-        .arg("--")
-        .arg(plain.get_program())
-        .args(plain.get_args());
-    for (k, v) in plain.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
-    let child = cmd
+    let child = crate::heap_capped(&cmd, 512 << 20)
         .stdout(Stdio::null())
         .stderr(err.reopen().unwrap())
         .spawn()

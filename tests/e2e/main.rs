@@ -95,6 +95,24 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `cmd`, run under `prlimit` with its heap (RLIMIT_DATA) capped at
+/// `bytes`: an allocation past it fails, whatever other tests in this
+/// process hold (which a peak RSS read after a vfork would count).
+fn heap_capped(cmd: &Command, bytes: u64) -> Command {
+    let mut c = Command::new("prlimit");
+    c.arg(format!("--data={bytes}:{bytes}"))
+        .arg("--")
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c
+}
+
 #[test]
 fn push_pull_ls_log_diff() {
     let lab = Lab::new();

@@ -843,36 +843,7 @@ pub async fn serve(
         let (mut stop, tls) = (stop_rx.clone(), tls.clone());
         conns.spawn(async move {
             let _slot = slot;
-            // The handshake runs here, not in the accept loop: a client that
-            // stalls in it holds only its own slot, for the header timeout.
-            let io = match (io, tls) {
-                (Io::Tcp(s), Some(acceptor)) => {
-                    match tokio::time::timeout(limits.header_timeout, acceptor.accept(s)).await {
-                        Ok(Ok(s)) => Io::Tls(Box::new(s)),
-                        Ok(Err(e)) => {
-                            tracing::debug!("TLS handshake with {peer:?}: {e}");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!("TLS handshake with {peer:?}: timed out");
-                            return;
-                        }
-                    }
-                }
-                (io, _) => io,
-            };
-            let svc = hyper_util::service::TowerToHyperService::new(app);
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(limits.header_timeout);
-            let conn = match io {
-                Io::Unix(s) => serve_one(&http, s, svc, &mut stop).await,
-                Io::Tcp(s) => serve_one(&http, s, svc, &mut stop).await,
-                Io::Tls(s) => serve_one(&http, s, svc, &mut stop).await,
-            };
-            if let Err(e) = conn {
-                tracing::debug!("connection from {peer:?}: {e}");
-            }
+            serve_conn(io, tls, app, limits.header_timeout, &peer, &mut stop).await;
         });
     }
     // Running requests finish (a log follower's wait is at most 30 s).
@@ -894,30 +865,52 @@ async fn serve_members_only(
     peer: Peer,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let io = match (io, tls) {
-        (Io::Tcp(s), Some(acceptor)) => {
-            match tokio::time::timeout(LANE_HEAD_TIMEOUT, acceptor.accept(s)).await {
-                Ok(Ok(s)) => Io::Tls(Box::new(s)),
-                _ => return,
-            }
-        }
-        (io, _) => io,
-    };
     let place = Arc::new(place);
     let app = app.layer(axum::middleware::from_fn(move |req, next| {
         members_only(d.clone(), place.clone(), req, next)
     }));
+    serve_conn(io, tls, app, LANE_HEAD_TIMEOUT, &peer, &mut stop).await;
+}
+
+/// Serves one accepted connection: its TLS handshake (with `tls`) and then
+/// its requests, each head within `head_timeout`. The handshake runs here,
+/// not in the accept loop: a client that stalls in it holds only its own
+/// place, for that long.
+async fn serve_conn(
+    io: Io,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    app: Router,
+    head_timeout: Duration,
+    peer: &Peer,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) {
+    let io = match (io, tls) {
+        (Io::Tcp(s), Some(acceptor)) => {
+            match tokio::time::timeout(head_timeout, acceptor.accept(s)).await {
+                Ok(Ok(s)) => Io::Tls(Box::new(s)),
+                Ok(Err(e)) => {
+                    tracing::debug!("TLS handshake with {peer:?}: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!("TLS handshake with {peer:?}: timed out");
+                    return;
+                }
+            }
+        }
+        (io, _) => io,
+    };
     let svc = hyper_util::service::TowerToHyperService::new(app);
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(LANE_HEAD_TIMEOUT);
+        .header_read_timeout(head_timeout);
     let conn = match io {
-        Io::Unix(s) => serve_one(&http, s, svc, &mut stop).await,
-        Io::Tcp(s) => serve_one(&http, s, svc, &mut stop).await,
-        Io::Tls(s) => serve_one(&http, s, svc, &mut stop).await,
+        Io::Unix(s) => serve_one(&http, s, svc, stop).await,
+        Io::Tcp(s) => serve_one(&http, s, svc, stop).await,
+        Io::Tls(s) => serve_one(&http, s, svc, stop).await,
     };
     if let Err(e) = conn {
-        tracing::debug!("connection over the caps from {peer:?}: {e}");
+        tracing::debug!("connection from {peer:?}: {e}");
     }
 }
 
