@@ -152,6 +152,48 @@ impl Node {
         });
     }
 
+    /// A job of alice's without GPUs that writes `ckpt/model.pt` holding
+    /// `epoch` as its `--outputs`, prints `started`, and runs until the
+    /// file `go` (the second of what is returned) appears; once it runs.
+    fn checkpointing_job(&self, epoch: &str) -> (String, PathBuf) {
+        let go = self.path("go");
+        let script = format!(
+            "mkdir -p ckpt; echo {epoch} > ckpt/model.pt; echo started; \
+             while [ ! -e {} ]; do sleep 0.05; done",
+            go.display()
+        );
+        let id = self.detach(
+            ALICE,
+            &[
+                "--gpus",
+                "0",
+                "--outputs",
+                "ckpt",
+                "--",
+                "bash",
+                "-c",
+                &script,
+            ],
+        );
+        wait_until("the job to run", 20, || {
+            matches!(self.job(&id).state, JobState::Running { .. })
+        });
+        (id, go)
+    }
+
+    /// A store outage: the store's folder becomes a file, which no write
+    /// gets through, root or not. [`Node::store_up`] ends it.
+    fn store_down(&self) {
+        std::fs::rename(self.path("store"), self.path("store.away")).unwrap();
+        std::fs::write(self.path("store"), "outage").unwrap();
+    }
+
+    /// The end of [`Node::store_down`]'s outage.
+    fn store_up(&self) {
+        std::fs::remove_file(self.path("store")).unwrap();
+        std::fs::rename(self.path("store.away"), self.path("store")).unwrap();
+    }
+
     /// `kill -9` labd, as a crash would.
     fn crash(&mut self) {
         let mut c = self.labd.take().unwrap();
@@ -571,32 +613,8 @@ fn final_outputs_push_retries_through_a_store_outage() {
         None,
         "run_as = \"labd\"\nwork_keep_s = 0\noutputs_retry_s = 1",
     );
-    let go = n.path("go");
-    let script = format!(
-        "mkdir -p ckpt; echo epoch-9 > ckpt/model.pt; while [ ! -e {} ]; do sleep 0.05; done",
-        go.display()
-    );
-    let id = n.detach(
-        ALICE,
-        &[
-            "--gpus",
-            "0",
-            "--outputs",
-            "ckpt",
-            "--",
-            "bash",
-            "-c",
-            &script,
-        ],
-    );
-    wait_until("the job to run", 20, || {
-        matches!(n.job(&id).state, JobState::Running { .. })
-    });
-    // The outage: the store's folder becomes a file, which no write gets
-    // through, root or not.
-    let (store, away) = (n.path("store"), n.path("store.away"));
-    std::fs::rename(&store, &away).unwrap();
-    std::fs::write(&store, "outage").unwrap();
+    let (id, go) = n.checkpointing_job("epoch-9");
+    n.store_down();
     std::fs::write(&go, "").unwrap();
     // Tries at +0, +1, +3, +7 s: the sweeper (every 5 s, work_keep_s = 0) has run meanwhile.
     wait_until("four failed final pushes", 60, || {
@@ -617,8 +635,7 @@ fn final_outputs_push_retries_through_a_store_outage() {
         ps.contains("outputs not saved yet") && ps.contains("retrying"),
         "{ps}"
     );
-    std::fs::remove_file(&store).unwrap();
-    std::fs::rename(&away, &store).unwrap();
+    n.store_up();
     wait_until("the outputs to be saved after the outage", 60, || {
         n.ended(&id)
     });
@@ -1975,32 +1992,9 @@ fn outputs_are_pushed_no_more_often_than_the_nodes_floor() {
 #[test]
 fn labd_starts_while_its_store_is_unreachable() {
     let mut n = Node::start(Some("1x11GiB"), "run_as = \"labd\"\noutputs_retry_s = 1");
-    let go = n.path("go");
-    let script = format!(
-        "mkdir -p ckpt; echo epoch-3 > ckpt/model.pt; echo started; \
-         while [ ! -e {} ]; do sleep 0.05; done",
-        go.display()
-    );
-    let id = n.detach(
-        ALICE,
-        &[
-            "--gpus",
-            "0",
-            "--outputs",
-            "ckpt",
-            "--",
-            "bash",
-            "-c",
-            &script,
-        ],
-    );
-    wait_until("the job to run", 20, || {
-        matches!(n.job(&id).state, JobState::Running { .. })
-    });
+    let (id, go) = n.checkpointing_job("epoch-3");
     n.crash();
-    let (store, away) = (n.path("store"), n.path("store.away"));
-    std::fs::rename(&store, &away).unwrap();
-    std::fs::write(&store, "outage").unwrap();
+    n.store_down();
     n.restart();
     assert!(matches!(n.job(&id).state, JobState::Running { .. }));
     wait_until("the job's log", 10, || {
@@ -2025,8 +2019,7 @@ fn labd_starts_while_its_store_is_unreachable() {
                 .as_deref()
                 .is_some_and(|e| e.contains("not reached its store"))
     });
-    std::fs::remove_file(&store).unwrap();
-    std::fs::rename(&away, &store).unwrap();
+    n.store_up();
     wait_until(
         "the outputs to be saved once the store is back",
         120,
