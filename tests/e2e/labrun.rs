@@ -785,6 +785,82 @@ fn a_fork_bomb_and_a_memory_hog_are_held_to_their_jobs() {
     );
 }
 
+/// Issue 40, point 4: limits are the user's, not the job's nor root's.
+/// A job gets its user's login limits (pam_limits' files, here a
+/// `limits_conf` of the test's) and runs in its user's cgroup; two fork
+/// bombs of one user, each allowed 32 tasks, together stop at the user's
+/// 40.
+#[test]
+fn a_users_jobs_share_the_users_limits_and_get_their_login_limits() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: jobs run as labd's user, with its limits");
+        return;
+    }
+    let conf = tempfile::tempdir().unwrap();
+    let limits = conf.path().join("limits.conf");
+    std::fs::write(
+        &limits,
+        "nobody soft nofile 321\nnobody hard nofile 654\n* hard core 0\n",
+    )
+    .unwrap();
+    let n = Node::start(
+        None,
+        &format!(
+            "job_pids_max = 32\nuser_pids_max = 40\nlimits_conf = \"{}\"",
+            limits.display()
+        ),
+    );
+    let nobody = "tok-nobody-0123456789";
+    let probe = n.bash(
+        nobody,
+        0,
+        "echo soft=$(ulimit -Sn) hard=$(ulimit -Hn) core=$(ulimit -Hc); cat /proc/self/cgroup",
+    );
+    wait_until("the probe to end", 20, || n.ended(&probe));
+    let told = n.ok(nobody, &["logs", &probe]);
+    assert!(told.contains("soft=321 hard=654 core=0"), "{told}");
+    let uid = String::from_utf8(
+        Command::new("id")
+            .args(["-u", "nobody"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let under = format!("/u{}/{probe}", uid.trim());
+    assert!(told.contains(&under), "not under {under}: {told}");
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(
+        log.contains("all of one user's jobs together at most 40 tasks"),
+        "{log}"
+    );
+
+    let bombs = [0, 1].map(|_| n.bash(nobody, 0, "for i in $(seq 100); do sleep 300 & done; wait"));
+    wait_until("both bombs to start", 20, || {
+        bombs
+            .iter()
+            .all(|b| matches!(n.job(b).state, JobState::Running { .. }))
+    });
+    let leaders: Vec<u32> = bombs.iter().map(|b| sid(&n.job(b))).collect();
+    let count = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&p| labsync_agent::process_session(p).is_some_and(|s| leaders.contains(&s)))
+            .count()
+    };
+    // Past one job's 32: the two have the user's 40 between them.
+    wait_until("the bombs to reach the user's limit", 30, || count() >= 40);
+    std::thread::sleep(Duration::from_millis(500));
+    let at_most = count();
+    assert!(at_most <= 40, "{at_most} processes of a user limited to 40");
+    for b in &bombs {
+        n.ok(nobody, &["kill", b]);
+    }
+    wait_until("the bombs to be gone", 20, || count() == 0);
+}
+
 /// Issue 9, point 13: labd refuses, with a message naming the problem, a
 /// config that holds tokens and is readable by others, one writable by
 /// others, two users with one token, `tick_ms = 0`, and job limits no

@@ -2,9 +2,12 @@
 //! process it started, including those that left its Unix session
 //! (`setsid`, `subprocess.Popen(start_new_session=True)`, tmux, a daemon).
 //!
-//! A job's cgroup is `<hierarchy>/labsync/<labd>/<job-id>`, where `<labd>`
-//! names this labd's state folder, so two labds on one machine (a shared
-//! one and a personal one, or the tests) never share a job's cgroup. It sits
+//! A job's cgroup is `<hierarchy>/labsync/<labd>/u<uid>/<job-id>`, where
+//! `<labd>` names this labd's state folder, so two labds on one machine (a
+//! shared one and a personal one, or the tests) never share a job's cgroup,
+//! and `u<uid>` is the parent of all the jobs its Unix user runs there,
+//! which holds that user's limits (jobs adopted from before, at
+//! `<labd>/<job-id>`, are still found and killed). It sits
 //! outside labd's own cgroup: jobs outlive a labd restart by design, and a
 //! service manager stopping labd must not take them along.
 //!
@@ -17,7 +20,9 @@
 //! A job's limits ([`JobLimits`]: tasks, memory) keep one job from taking
 //! the whole server: a fork bomb from using up the machine's pids, a
 //! runaway data loader from the OOM killer picking other users' jobs or
-//! labd. They go in the same cgroup where the v2 hierarchy has the
+//! labd. The same limits on the user's parent keep one user's jobs
+//! together from doing it: four fork bombs of one user share that user's
+//! pids, not the machine's. They go in the same cgroup where the v2 hierarchy has the
 //! controller; otherwise (a hybrid mount, whose controllers are all v1) in
 //! a cgroup of the same name in the controller's v1 hierarchy, which the
 //! job's first process joins too. A limit no hierarchy can hold is said in
@@ -46,8 +51,10 @@ pub enum Flavor {
     V1Freezer,
 }
 
-/// What every job of a node may use at most. The `Default` is no limit;
-/// labd's own default has a task limit ([`JobLimits::default_tasks`]).
+/// What every job of a node, and all the jobs of one user there together,
+/// may use at most. The `Default` is no limit; labd's own default has task
+/// limits ([`JobLimits::default_tasks`], [`JobLimits::default_user_tasks`])
+/// and a memory limit per user ([`JobLimits::default_user_memory`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct JobLimits {
     /// Processes and threads at once (`pids.max`).
@@ -56,6 +63,11 @@ pub struct JobLimits {
     /// `memory.limit_in_bytes`). Past it the kernel reclaims the job's
     /// cache, then kills one of its processes.
     pub memory: Option<u64>,
+    /// Processes and threads of all of one user's jobs together.
+    pub user_tasks: Option<u64>,
+    /// Bytes of memory of all of one user's jobs together: past it the
+    /// kernel kills in that user's jobs, not in another user's or labd.
+    pub user_memory: Option<u64>,
 }
 
 impl JobLimits {
@@ -72,6 +84,30 @@ impl JobLimits {
             .unwrap_or(32_768);
         (pid_max / 4).max(256)
     }
+
+    /// The default task limit of one user's jobs together: half the
+    /// machine's pids, so one user's fork bombs leave the other half to
+    /// everyone else.
+    pub fn default_user_tasks() -> u64 {
+        (Self::default_tasks() * 2).max(512)
+    }
+
+    /// The default memory limit of one user's jobs together: three
+    /// quarters of the machine's memory (`MemTotal`), so one user's jobs
+    /// leave room for labd, the system and the other users; `None` where
+    /// `/proc/meminfo` cannot be read.
+    pub fn default_user_memory() -> Option<u64> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kib: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024 / 4 * 3)
+    }
 }
 
 /// One limit as the job's cgroups hold it.
@@ -82,12 +118,31 @@ struct Limit {
     /// `<v1 hierarchy>/labsync/<labd>` where the limit lives in a v1
     /// hierarchy; `None`: in the job's own (v2) cgroup.
     v1_base: Option<PathBuf>,
-    /// The file written in the job's cgroup, and what.
+    /// The file written in the job's cgroup and its user's.
     file: &'static str,
-    value: u64,
-    /// Written next, where the kernel has them (swap accounting is a boot
-    /// option): file and value.
-    then: Vec<(&'static str, String)>,
+    /// Each job's limit.
+    job: Option<u64>,
+    /// The limit of one user's jobs together.
+    user: Option<u64>,
+    /// Whether `then_files` applies in a v2 hierarchy.
+    v2: bool,
+}
+
+impl Limit {
+    /// Written after the limit `value`, where the kernel has them (swap
+    /// accounting is a boot option): file and value. A job's memory goes
+    /// whole (`memory.oom.group`), a user's parent never does.
+    fn then_files(&self, value: u64, of_job: bool) -> Vec<(&'static str, String)> {
+        match (self.controller, self.v2) {
+            ("memory", true) if of_job => vec![
+                ("memory.swap.max", "0".into()),
+                ("memory.oom.group", "1".into()),
+            ],
+            ("memory", true) => vec![("memory.swap.max", "0".into())],
+            ("memory", false) => vec![("memory.memsw.limit_in_bytes", value.to_string())],
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// The cgroups of one labd's jobs.
@@ -153,43 +208,41 @@ impl Cgroups {
     /// the controller's v1 hierarchy.
     fn hold(&mut self, mounts: &str, labd: &str, limits: JobLimits) {
         let wanted = [
-            ("pids", limits.tasks, "pids.max", "pids.max"),
+            (
+                "pids",
+                limits.tasks,
+                limits.user_tasks,
+                "pids.max",
+                "pids.max",
+            ),
             (
                 "memory",
                 limits.memory,
+                limits.user_memory,
                 "memory.max",
                 "memory.limit_in_bytes",
             ),
         ];
-        for (controller, value, v2_file, v1_file) in wanted {
-            let Some(value) = value else { continue };
-            let then = |v2: bool| -> Vec<(&'static str, String)> {
-                match (controller, v2) {
-                    // The whole job goes when one of its processes would be
-                    // killed for memory, not one data loader of many.
-                    ("memory", true) => vec![
-                        ("memory.swap.max", "0".into()),
-                        ("memory.oom.group", "1".into()),
-                    ],
-                    ("memory", false) => vec![("memory.memsw.limit_in_bytes", value.to_string())],
-                    _ => Vec::new(),
-                }
-            };
+        for (controller, job, user, v2_file, v1_file) in wanted {
+            if job.is_none() && user.is_none() {
+                continue;
+            }
             let mut why = Vec::new();
             if self.flavor == Flavor::V2 {
                 // Once more if another labd's start removed this labd's
                 // empty folder in between.
                 let enabled = self
-                    .enable_v2(controller)
-                    .or_else(|_| self.enable_v2(controller));
+                    .enable_v2(controller, None)
+                    .or_else(|_| self.enable_v2(controller, None));
                 match enabled {
                     Ok(()) => {
                         self.limits.push(Limit {
                             controller,
                             v1_base: None,
                             file: v2_file,
-                            value,
-                            then: then(true),
+                            job,
+                            user,
+                            v2: true,
                         });
                         continue;
                     }
@@ -212,8 +265,9 @@ impl Cgroups {
                     controller,
                     v1_base: Some(base),
                     file: v1_file,
-                    value,
-                    then: then(false),
+                    job,
+                    user,
+                    v2: false,
                 }),
                 None => {
                     if why.is_empty() {
@@ -227,9 +281,10 @@ impl Cgroups {
 
     /// Enables `controller` for the jobs' cgroups of the v2 hierarchy: in
     /// `subtree_control` from its root down to this labd's folder (made
-    /// again if gone), where it is not enabled yet: a root that already
-    /// has it (systemd's) is left alone.
-    fn enable_v2(&self, controller: &str) -> Result<(), String> {
+    /// again if gone), and to the user's folder `user` when given, where it
+    /// is not enabled yet: a root that already has it (systemd's) is left
+    /// alone.
+    fn enable_v2(&self, controller: &str, user: Option<&Path>) -> Result<(), String> {
         let root = self
             .base
             .ancestors()
@@ -246,7 +301,8 @@ impl Cgroups {
         }
         std::fs::create_dir_all(&self.base).map_err(|e| format!("{}: {e}", self.base.display()))?;
         let on = format!("+{controller}");
-        for dir in [root.to_path_buf(), root.join("labsync"), self.base.clone()] {
+        let dirs = [root.to_path_buf(), root.join("labsync"), self.base.clone()];
+        for dir in dirs.iter().map(PathBuf::as_path).chain(user) {
             let file = dir.join("cgroup.subtree_control");
             if !has(file.clone()) {
                 write_to(&file, &on).map_err(|e| format!("{}: {e}", file.display()))?;
@@ -255,17 +311,15 @@ impl Cgroups {
         Ok(())
     }
 
-    /// The limits every job gets here (those some hierarchy holds).
+    /// The limits every job and every user get here (those some hierarchy
+    /// holds).
     pub fn held(&self) -> JobLimits {
-        let of = |c: &str| {
-            self.limits
-                .iter()
-                .find(|l| l.controller == c)
-                .map(|l| l.value)
-        };
+        let of = |c: &str| self.limits.iter().find(|l| l.controller == c);
         JobLimits {
-            tasks: of("pids"),
-            memory: of("memory"),
+            tasks: of("pids").and_then(|l| l.job),
+            memory: of("memory").and_then(|l| l.job),
+            user_tasks: of("pids").and_then(|l| l.user),
+            user_memory: of("memory").and_then(|l| l.user),
         }
     }
 
@@ -281,7 +335,8 @@ impl Cgroups {
         };
         let mut hit = Vec::new();
         for l in &self.limits {
-            let dir = l.v1_base.as_ref().unwrap_or(&self.base).join(job);
+            let Some(value) = l.job else { continue };
+            let dir = located(l.v1_base.as_ref().unwrap_or(&self.base), job);
             match l.controller {
                 "pids" => {
                     let n = count(dir.join("pids.events"), "max ");
@@ -289,7 +344,7 @@ impl Cgroups {
                         hit.push(format!(
                             "{n} forks or new threads refused: the job was at its limit of {} \
                              processes and threads (job_pids_max)",
-                            l.value
+                            value
                         ));
                     }
                 }
@@ -304,7 +359,7 @@ impl Cgroups {
                         hit.push(format!(
                             "{n} process(es) killed for memory: the job was at its limit of {} \
                              MiB (job_memory_max)",
-                            l.value >> 20
+                            value >> 20
                         ));
                     }
                 }
@@ -325,7 +380,7 @@ impl Cgroups {
     }
 
     fn path(&self, job: &str) -> PathBuf {
-        self.base.join(job)
+        located(&self.base, job)
     }
 
     /// The `cgroup.procs` of the hierarchy's root (tests move a process
@@ -339,54 +394,54 @@ impl Cgroups {
             .join("cgroup.procs")
     }
 
-    /// Makes the job's cgroups, with its limits, and opens their
-    /// `cgroup.procs` for the job's first process to write itself into
-    /// before it runs anything: the job's own cgroup first, then those of
-    /// v1 hierarchies holding a limit. A limit that cannot be set is said
-    /// in the log; the job runs without it.
-    pub fn create(&self, job: &str) -> std::io::Result<Vec<File>> {
-        let p = self.path(job);
-        let mut procs = vec![make_cgroup(&p)?];
+    /// Makes the job's cgroups under its user's (`uid`), with the job's
+    /// and the user's limits, and opens their `cgroup.procs` for the job's
+    /// first process to write itself into before it runs anything: the
+    /// job's own cgroup first, then those of v1 hierarchies holding a
+    /// limit. A limit that cannot be set is said in the log; the job runs
+    /// without it.
+    pub fn create(&self, job: &str, uid: u32) -> std::io::Result<Vec<File>> {
+        let owner = format!("u{uid}");
+        let p = self.base.join(&owner).join(job);
+        // The job's folder first: a user's folder with a job in it is never
+        // pruned (by this labd's end of a job, or another labd's start)
+        // between the writing of its limits and the job joining it.
+        make_dir(&p)?;
+        let mut procs = Vec::new();
         for l in &self.limits {
-            let dir = l
-                .v1_base
-                .as_ref()
-                .map_or_else(|| p.clone(), |b| b.join(job));
+            let base = l.v1_base.as_ref().unwrap_or(&self.base);
+            let (user_dir, dir) = (base.join(&owner), base.join(&owner).join(job));
             let set = (|| {
-                let joined = match l.v1_base {
-                    Some(_) => Some(make_cgroup(&dir)?),
-                    None => None,
-                };
-                let (file, value) = (dir.join(l.file), l.value.to_string());
-                match write_to(&file, &value) {
-                    // Another labd starting removed this labd's folder
-                    // while it had no job, and with it the controllers
-                    // enabled there: enabled again, now that a job holds
-                    // the folder.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && l.v1_base.is_none() => {
-                        self.enable_v2(l.controller)
-                            .map_err(std::io::Error::other)?;
-                        write_to(&file, &value)?;
-                    }
-                    done => done?,
+                if l.v1_base.is_some() {
+                    make_dir(&dir)?;
+                } else if let Err(e) = self.enable_v2(l.controller, Some(&user_dir)) {
+                    return Err(std::io::Error::other(e));
                 }
-                for (f, v) in &l.then {
-                    let file = dir.join(f);
-                    if file.exists() {
-                        write_to(&file, v)?;
+                for (d, value, of_job) in [(&user_dir, l.user, false), (&dir, l.job, true)] {
+                    let Some(value) = value else { continue };
+                    write_to(&d.join(l.file), &value.to_string())?;
+                    for (f, v) in l.then_files(value, of_job) {
+                        let file = d.join(f);
+                        if file.exists() {
+                            write_to(&file, &v)?;
+                        }
                     }
                 }
-                Ok::<_, std::io::Error>(joined)
+                match l.v1_base {
+                    Some(_) => open_procs(&dir).map(Some),
+                    None => Ok(None),
+                }
             })();
             match set {
                 Ok(joined) => procs.extend(joined),
                 Err(e) => tracing::warn!(
-                    "job {job} runs without its {} limit ({}): {e}",
+                    "job {job} runs without its {} limits ({}): {e}",
                     l.controller,
                     dir.join(l.file).display()
                 ),
             }
         }
+        procs.insert(0, open_procs(&p)?);
         Ok(procs)
     }
 
@@ -452,14 +507,21 @@ impl Cgroups {
         }
     }
 
-    /// Removes the job's cgroups once they are empty (a non-empty one stays).
+    /// Removes the job's cgroups once they are empty (a non-empty one
+    /// stays), and its user's once that has no job left.
     pub fn remove(&self, job: &str) {
-        let v1 = self.v1_bases.iter().map(|b| b.join(job));
-        for p in std::iter::once(self.path(job)).chain(v1) {
+        let bases = std::iter::once(&self.base).chain(&self.v1_bases);
+        for base in bases {
+            let p = located(base, job);
             if p.exists() {
                 if let Err(e) = std::fs::remove_dir(&p) {
                     tracing::warn!("cannot remove cgroup {}: {e}", p.display());
                 }
+            }
+            // Another job of the user's keeps it (a folder with children
+            // cannot be removed).
+            if let Some(user) = p.parent().filter(|u| u != base) {
+                let _ = std::fs::remove_dir(user);
             }
         }
     }
@@ -485,32 +547,83 @@ fn job_in(text: &str, flavor: Flavor, prefix: &str) -> Option<String> {
         }
         // The whole path from the hierarchy's root: the same names deeper
         // down (in a cgroup a user was delegated) are not this labd's.
-        let job = path.strip_prefix(prefix)?;
+        let rest = path.strip_prefix(prefix)?;
+        // Under its user's folder, or (adopted from before) not.
+        let job = match rest.split_once('/') {
+            Some((user, job)) if is_user_folder(user) => job,
+            Some(_) => return None,
+            None if is_user_folder(rest) => return None,
+            None => rest,
+        };
         (!job.is_empty() && !job.contains('/')).then(|| job.to_string())
     })
 }
 
 /// Makes a cgroup (and its parents: another labd may have pruned this
-/// labd's empty folder) and opens its `cgroup.procs`.
-fn make_cgroup(p: &Path) -> std::io::Result<File> {
-    match std::fs::create_dir_all(p) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
+/// labd's empty folder).
+fn make_dir(p: &Path) -> std::io::Result<()> {
+    // Once more if another labd's start removed an empty parent between
+    // its making and the child's.
+    let made = std::fs::create_dir_all(p).or_else(|_| std::fs::create_dir_all(p));
+    match made {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
     }
+}
+
+/// A cgroup's `cgroup.procs`, opened for writing.
+fn open_procs(p: &Path) -> std::io::Result<File> {
     File::options().write(true).open(p.join("cgroup.procs"))
+}
+
+/// Whether `name` is a user's folder (`u<uid>`) of a labd's.
+fn is_user_folder(name: &str) -> bool {
+    name.strip_prefix('u')
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Where `job`'s cgroup is under a labd's folder `base`: in its user's
+/// folder, or (a job adopted from a labd before user folders) right under
+/// `base`. Job ids are unique, so at most one user's folder has it.
+fn located(base: &Path, job: &str) -> PathBuf {
+    let flat = base.join(job);
+    if flat.exists() {
+        return flat;
+    }
+    std::fs::read_dir(base)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_user_folder))
+        .map(|e| e.path().join(job))
+        .find(|p| p.exists())
+        .unwrap_or(flat)
 }
 
 /// Removes the folders of labds that are gone and left no job behind
 /// under `root/labsync` (a non-empty one refuses to go): tests start
 /// hundreds of labds.
 fn prune_gone(root: &Path) {
-    if let Ok(rd) = std::fs::read_dir(root.join("labsync")) {
-        for e in rd.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                let _ = std::fs::remove_dir(e.path());
+    let dirs = |p: &Path| {
+        std::fs::read_dir(p)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.path())
+    };
+    for labd in dirs(&root.join("labsync")) {
+        // Its users' folders first: only those without a job go.
+        for user in dirs(&labd) {
+            if user
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(is_user_folder)
+            {
+                let _ = std::fs::remove_dir(user);
             }
         }
+        let _ = std::fs::remove_dir(labd);
     }
 }
 
@@ -580,6 +693,11 @@ mod tests {
         assert_eq!(job_in("0::/user.slice\n", Flavor::V2, pre), None);
         assert_eq!(job_in("0::/labsync/other/j1\n", Flavor::V2, pre), None);
         assert_eq!(job_in("0::/labsync/ab12/j1/x\n", Flavor::V2, pre), None);
+        // Under its user's folder.
+        let under = "0::/labsync/ab12/u1000/j4\n";
+        assert_eq!(job_in(under, Flavor::V2, pre).as_deref(), Some("j4"));
+        assert_eq!(job_in("0::/labsync/ab12/u1000\n", Flavor::V2, pre), None);
+        assert_eq!(job_in("0::/labsync/ab12/x1/j4\n", Flavor::V2, pre), None);
         // A user's delegated cgroup with the same names is not the job's.
         let spoof = "0::/user.slice/user-1000.slice/user@1000.service/labsync/ab12/j1\n";
         assert_eq!(job_in(spoof, Flavor::V2, pre), None);
@@ -627,7 +745,8 @@ mod tests {
             env: vec![],
             log: dir.path().join("log"),
             user: None,
-            cgroups: cg.create("j1").unwrap(),
+            cgroups: cg.create("j1", 0).unwrap(),
+            rlimits: vec![],
         };
         let mut job = crate::runner::spawn(&spec).unwrap();
         let pid_file = dir.path().join("pid");
@@ -698,7 +817,8 @@ mod tests {
             env: vec![],
             log: dir.path().join("log"),
             user: None,
-            cgroups: cg.create("j1").unwrap(),
+            cgroups: cg.create("j1", 0).unwrap(),
+            rlimits: vec![],
         };
         let job = crate::runner::spawn(&spec).unwrap();
         Some(Limited { cg, job, _dir: dir })
@@ -711,7 +831,7 @@ mod tests {
             .iter()
             .find(|l| l.controller == controller)
             .unwrap();
-        l.v1_base.as_ref().unwrap_or(&cg.base).join(job)
+        located(l.v1_base.as_ref().unwrap_or(&cg.base), job)
     }
 
     /// A job forking past its task limit is refused the forks: however
@@ -721,7 +841,7 @@ mod tests {
     fn a_job_cannot_fork_past_its_task_limit() {
         let limits = JobLimits {
             tasks: Some(8),
-            memory: None,
+            ..JobLimits::default()
         };
         // Forty sleepers asked for; a shell that retries a refused fork
         // (bash as sh) keeps asking, one that gives up (dash) ends.
@@ -762,8 +882,8 @@ mod tests {
     fn a_job_past_its_memory_limit_is_killed_and_one_within_it_is_not() {
         use std::os::unix::process::ExitStatusExt;
         let limits = JobLimits {
-            tasks: None,
             memory: Some(64 << 20),
+            ..JobLimits::default()
         };
         // dd's buffer is its block size, every byte of it written.
         for (name, block, killed) in [("small", "16M", false), ("large", "256M", true)] {
@@ -801,5 +921,86 @@ mod tests {
                 assert!(l.cg.limits_hit("j1").is_empty());
             }
         }
+    }
+
+    /// Two jobs of one user, each under a task limit of 12, together stay
+    /// within the user's 16: the second is refused forks the first took,
+    /// and a job of another user's is not.
+    #[test]
+    fn a_users_jobs_share_the_users_task_limit() {
+        if crate::users::euid() != 0 {
+            eprintln!("not root: no cgroups to make");
+            return;
+        }
+        let limits = JobLimits {
+            tasks: Some(12),
+            user_tasks: Some(16),
+            ..JobLimits::default()
+        };
+        let ns = format!("test-{}-user", std::process::id());
+        let cg = Cgroups::open(&ns, limits).expect("root can make a cgroup here");
+        if !cg.unheld().is_empty() {
+            eprintln!("SKIPPED: this machine cannot hold {:?}", cg.unheld());
+            return;
+        }
+        assert_eq!(cg.held(), limits);
+        let dir = tempfile::tempdir().unwrap();
+        // bash retries a refused fork: each job keeps asking.
+        let script = "for i in $(seq 40); do sleep 60 & done; wait";
+        let run = |job: &str, uid: u32| {
+            let spec = crate::runner::JobSpec {
+                argv: vec!["bash".into(), "-c".into(), script.into()],
+                cwd: dir.path().to_path_buf(),
+                env: vec![],
+                log: dir.path().join(job),
+                user: None,
+                cgroups: cg.create(job, uid).unwrap(),
+                rlimits: vec![],
+            };
+            crate::runner::spawn(&spec).unwrap()
+        };
+        let mut jobs = vec![run("j1", 4242), run("j2", 4242), run("j3", 4243)];
+        let held = |job: &str| held_in(&cg, "pids", job);
+        let user = held("j1").parent().unwrap().to_path_buf();
+        assert!(user.ends_with("u4242"), "{}", user.display());
+        assert_eq!(held("j2").parent().unwrap(), user);
+        assert_eq!(
+            std::fs::read_to_string(user.join("pids.max"))
+                .unwrap()
+                .trim(),
+            "16"
+        );
+        let count = |job: &str| cg.members(job).len();
+        let t = Instant::now();
+        // Each job alone could have 12: the user's two fill 16 and stop.
+        while count("j1") + count("j2") < 16 || count("j3") < 12 {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{} + {} of the user's, {} of the other's",
+                count("j1"),
+                count("j2"),
+                count("j3")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(count("j1") + count("j2") <= 16);
+        let tasks: u64 = std::fs::read_to_string(user.join("pids.current"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(tasks <= 16, "{tasks} tasks of the user's");
+        assert!(count("j1") <= 12 && count("j2") <= 12 && count("j3") <= 12);
+        for (job, child) in ["j1", "j2", "j3"].iter().zip(&mut jobs) {
+            assert!(cg.kill(job, Duration::from_secs(5)));
+            let _ = child.child.wait();
+            cg.remove(job);
+        }
+        assert!(!user.exists(), "the user's folder goes with their last job");
+        for b in cg.limits.iter().filter_map(|l| l.v1_base.as_ref()) {
+            let _ = std::fs::remove_dir(b);
+        }
+        let _ = std::fs::remove_dir(&cg.base);
     }
 }

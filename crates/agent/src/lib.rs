@@ -42,6 +42,7 @@ mod lane;
 mod leases;
 mod node;
 pub mod proto;
+mod rlimits;
 mod runner;
 mod secret;
 mod status;
@@ -64,6 +65,7 @@ pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{Node, NodeConfig, NodeError, Submit};
+pub use rlimits::LoginLimits;
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use secret::{RedactedOptions, Secret};
 pub use status::{

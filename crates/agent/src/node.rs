@@ -102,12 +102,16 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
     match Cgroups::open(&name[..16], limits) {
         Ok(c) => {
             let held = c.held();
+            let tasks = |n: Option<u64>| n.map_or("any number of".into(), |n| n.to_string());
+            let memory = |n: Option<u64>| n.map_or("any amount".into(), |n| format!("{n} bytes"));
             tracing::info!(
-                "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory",
+                "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory; \
+                 all of one user's jobs together at most {} tasks and {} of memory",
                 c.flavor(),
-                held.tasks.map_or("any number of".into(), |n| n.to_string()),
-                held.memory
-                    .map_or("any amount".into(), |n| format!("{n} bytes")),
+                tasks(held.tasks),
+                memory(held.memory),
+                tasks(held.user_tasks),
+                memory(held.user_memory),
             );
             for why in c.unheld() {
                 tracing::warn!("jobs run without this limit: {why}");
@@ -116,7 +120,8 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
         }
         Err(why) => {
             tracing::warn!(
-                "jobs run without cgroups, so without job_pids_max or job_memory_max: {why}. \
+                "jobs run without cgroups, so without job_pids_max, job_memory_max, user_pids_max \
+                 or user_memory_max: {why}. \
                  A killed job's processes that left its \
                  session (setsid, tmux, daemons) survive it; run labd as root to fix this"
             );
@@ -161,6 +166,8 @@ pub struct NodeConfig {
     pub max_cpu_jobs_per_user: usize,
     /// What each job may use at most (held by its cgroups).
     pub limits: JobLimits,
+    /// Where the login limits jobs get are kept.
+    pub login_limits: crate::rlimits::LoginLimits,
 }
 
 /// A job as submitted.
@@ -636,7 +643,8 @@ impl Node {
             env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
             env.push(("LABRUN_JOB_ID".into(), id.clone()));
             let cgroups = self.cgroups.as_ref().map_or_else(Vec::new, |c| {
-                c.create(&id).unwrap_or_else(|e| {
+                let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+                c.create(&id, uid).unwrap_or_else(|e| {
                     tracing::warn!("job {id} runs without a cgroup: {e}");
                     Vec::new()
                 })
@@ -648,6 +656,7 @@ impl Node {
                 log: self.log_path(&id),
                 user: s.run_as,
                 cgroups,
+                rlimits: self.login_limits(s.run_as),
             };
             match runner::spawn(&spec) {
                 Ok(mut st) => {
@@ -692,6 +701,21 @@ impl Node {
             }
         }
         Ok(started)
+    }
+
+    /// The limits of a login of `run_as` ([`crate::rlimits`]); none (labd's
+    /// own) for a job run as labd's user.
+    fn login_limits(&self, run_as: Option<(u32, u32)>) -> Vec<crate::rlimits::Rlimit> {
+        let Some((uid, gid)) = run_as else {
+            return Vec::new();
+        };
+        let name = crate::users::user_by_uid(uid).map_or_else(String::new, |u| u.name);
+        let gids = crate::users::groups_of(&name, gid);
+        self.cfg.login_limits.for_user(&crate::rlimits::Who {
+            name: &name,
+            uid,
+            gids: &gids,
+        })
     }
 
     /// The job's log file.
@@ -990,6 +1014,7 @@ mod tests {
             max_queued_per_user: 1000,
             max_cpu_jobs_per_user: 100,
             limits: JobLimits::default(),
+            login_limits: crate::rlimits::LoginLimits::default(),
         }
     }
 

@@ -33,6 +33,9 @@ pub struct JobSpec {
     /// the job's first process moves itself into each before it runs
     /// anything, so everything it starts is inside.
     pub cgroups: Vec<File>,
+    /// Resource limits set before the switch to the user (its login's,
+    /// [`crate::rlimits`]); none: labd's own are inherited.
+    pub rlimits: Vec<crate::rlimits::Rlimit>,
 }
 
 /// A started job. Its pid is also its session id.
@@ -71,6 +74,9 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         // Before the switch to the user: moving a process needs root.
         let procs = spec.cgroups.iter().map(File::try_clone);
         join_cgroups(&mut cmd, procs.collect::<std::io::Result<_>>()?);
+    }
+    if !spec.rlimits.is_empty() {
+        set_rlimits(&mut cmd, spec.rlimits.clone());
     }
     match spec.user {
         // The working folder is entered as the user, after the switch:
@@ -120,6 +126,27 @@ fn join_cgroups(cmd: &mut Command, procs: Vec<File>) {
     }
 }
 
+#[allow(unsafe_code)]
+fn set_rlimits(cmd: &mut Command, limits: Vec<crate::rlimits::Rlimit>) {
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only setrlimit(2) calls, async-signal-safe, on memory prepared
+    // before the fork. Root may raise a hard limit as well as lower it.
+    unsafe {
+        cmd.pre_exec(move || {
+            for l in &limits {
+                let r = libc::rlimit {
+                    rlim_cur: l.soft,
+                    rlim_max: l.hard,
+                };
+                // One the kernel refuses (past `fs.nr_open`) is left as
+                // labd's: a job is not failed for it.
+                libc::setrlimit(l.resource, &r);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// The job runs as `uid` with its primary group and all its supplementary
 /// groups (`video`/`render` for `/dev/nvidia*` on some systems, the lab's
 /// data groups), in `cwd`, entered as that user. `Command::uid` would drop
@@ -139,27 +166,8 @@ fn become_user(cmd: &mut Command, uid: u32, gid: u32, cwd: &Path) -> std::io::Re
         Mode::empty(),
     )?;
     // Looked up before the fork: NSS is not async-signal-safe.
-    let mut groups: Vec<libc::gid_t> = vec![gid];
-    if let Some(user) = crate::users::user_by_uid(uid) {
-        if let Ok(name) = std::ffi::CString::new(user.name) {
-            let mut n: libc::c_int = 64;
-            loop {
-                let mut buf = vec![0 as libc::gid_t; n as usize];
-                let want = n;
-                // SAFETY: `buf` holds `n` entries, and `n` says so.
-                let rc =
-                    unsafe { libc::getgrouplist(name.as_ptr(), gid, buf.as_mut_ptr(), &mut n) };
-                if rc >= 0 {
-                    buf.truncate(n as usize);
-                    groups = buf;
-                    break;
-                }
-                if n <= want {
-                    break;
-                }
-            }
-        }
-    }
+    let groups: Vec<libc::gid_t> = crate::users::user_by_uid(uid)
+        .map_or_else(|| vec![gid], |u| crate::users::groups_of(&u.name, gid));
     // SAFETY: the closure runs in the forked child before exec and makes
     // only setgroups/setgid/setuid/fchdir system calls, which are
     // async-signal-safe, on memory and a descriptor prepared before the
@@ -332,6 +340,7 @@ mod tests {
             log: dir.join("log"),
             user: None,
             cgroups: vec![],
+            rlimits: vec![],
         }
     }
 

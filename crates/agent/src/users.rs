@@ -64,6 +64,45 @@ pub fn user_by_uid(uid: u32) -> Option<UnixUser> {
     })
 }
 
+/// The gid of the group called `name`, if this node knows it.
+#[allow(unsafe_code)]
+pub fn group_gid(name: &str) -> Option<u32> {
+    let c = CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 64 * 1024];
+    // SAFETY: an all-zero group is a valid value (null pointers, zero id);
+    // getgrnam_r fills it with pointers into `buf`, read only for its gid.
+    let mut gr: libc::group = unsafe { std::mem::zeroed() };
+    let mut out: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; the length is buf's.
+    let rc =
+        unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) };
+    (rc == 0 && !out.is_null()).then_some(gr.gr_gid)
+}
+
+/// The groups of the user `name` whose primary group is `gid`: that one
+/// and every supplementary group (getgrouplist); just `gid` where the
+/// lookup fails.
+#[allow(unsafe_code)]
+pub fn groups_of(name: &str, gid: u32) -> Vec<u32> {
+    let Ok(name) = CString::new(name) else {
+        return vec![gid];
+    };
+    let mut n: libc::c_int = 64;
+    loop {
+        let mut buf = vec![0 as libc::gid_t; n as usize];
+        let want = n;
+        // SAFETY: `buf` holds `n` entries, and `n` says so.
+        let rc = unsafe { libc::getgrouplist(name.as_ptr(), gid, buf.as_mut_ptr(), &mut n) };
+        if rc >= 0 {
+            buf.truncate(n as usize);
+            return buf;
+        }
+        if n <= want {
+            return vec![gid];
+        }
+    }
+}
+
 /// The effective uid of this process.
 #[allow(unsafe_code)]
 pub fn euid() -> u32 {

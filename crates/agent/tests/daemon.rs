@@ -56,6 +56,7 @@ fn config(dir: &Path) -> DaemonConfig {
         max_queued_per_user: 5,
         max_cpu_jobs_per_user: 100,
         job_limits: Default::default(),
+        login_limits: Default::default(),
         cluster: None,
         slurm_check: None,
     }

@@ -17,6 +17,7 @@ fn node(dir: &Path, inv: Arc<dyn GpuInventory>) -> Node {
         max_queued_per_user: 1000,
         max_cpu_jobs_per_user: 100,
         limits: Default::default(),
+        login_limits: Default::default(),
     };
     Node::open(cfg, inv).unwrap()
 }

@@ -12,7 +12,7 @@ use labsync_agent::cluster::{ClusterConfig, ClusterKey, LabConfig};
 use labsync_agent::tls::{ClientConfig, ServerConfig};
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory,
-    JobLimits, Secret, SlurmCheck,
+    JobLimits, LoginLimits, Secret, SlurmCheck,
 };
 use labsync_placer::{Ladder, Member, Members};
 use serde::Deserialize;
@@ -112,6 +112,16 @@ pub(crate) struct LabdFile {
     job_pids_max: Option<u64>,
     /// Memory one job may use, e.g. `64G` (default: no limit).
     job_memory_max: Option<String>,
+    /// Processes and threads of one user's jobs together (default: half
+    /// the machine's pids; 0: no limit).
+    user_pids_max: Option<u64>,
+    /// Memory of one user's jobs together (default: three quarters of the
+    /// machine's; "0": no limit).
+    user_memory_max: Option<String>,
+    /// The login limits jobs get, as pam_limits gives them at a login
+    /// (default `/etc/security/limits.conf`, and the `limits.d` folder
+    /// beside it).
+    limits_conf: Option<PathBuf>,
     /// Membership of a cluster.
     cluster: Option<ClusterFile>,
     /// The lab's rules for the cluster's queue (the coordinator's).
@@ -368,6 +378,7 @@ fn tokens(
 /// the state folder; defaults for what the file leaves out.
 fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Result<DaemonConfig> {
     let me = current_user();
+    let job_limits = job_limits(&file)?;
     let tokens = tokens(file.tokens, &me, local)?;
     if file.tick_ms == Some(0) {
         bail!("tick_ms = 0: labd would reap and schedule in a busy loop; use e.g. 100");
@@ -432,41 +443,68 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
             },
             |n| n.max(1),
         ),
-        job_limits: job_limits(file.job_pids_max, file.job_memory_max.as_deref())?,
+        job_limits,
+        login_limits: file
+            .limits_conf
+            .map_or_else(LoginLimits::default, LoginLimits::new),
         cluster: None,
         slurm_check: None,
     })
 }
 
-/// `job_pids_max` and `job_memory_max`, checked: 0 is no limit; a limit
-/// no job could start under is refused.
-fn job_limits(pids: Option<u64>, memory: Option<&str>) -> Result<JobLimits> {
+/// `job_pids_max`, `job_memory_max`, `user_pids_max` and
+/// `user_memory_max`, checked: 0 is no limit; a limit no job could start
+/// under is refused.
+fn job_limits(file: &LabdFile) -> Result<JobLimits> {
+    Ok(JobLimits {
+        tasks: tasks_max(
+            "job_pids_max",
+            file.job_pids_max,
+            JobLimits::default_tasks(),
+        )?,
+        memory: memory_max("job_memory_max", file.job_memory_max.as_deref(), None)?,
+        user_tasks: tasks_max(
+            "user_pids_max",
+            file.user_pids_max,
+            JobLimits::default_user_tasks(),
+        )?,
+        user_memory: memory_max(
+            "user_memory_max",
+            file.user_memory_max.as_deref(),
+            JobLimits::default_user_memory(),
+        )?,
+    })
+}
+
+/// A task limit named `key`: `default` when not given, none for 0.
+fn tasks_max(key: &str, given: Option<u64>, default: u64) -> Result<Option<u64>> {
     const MIN_TASKS: u64 = 32;
     /// The most `pids.max` takes (the kernel's `PID_MAX_LIMIT`).
     const MAX_TASKS: u64 = 4 << 20;
-    const MIN_MEMORY: u64 = 64 << 20;
-    let tasks = match pids {
-        Some(0) => None,
+    match given {
+        None => Ok(Some(default)),
+        Some(0) => Ok(None),
         Some(n) if n < MIN_TASKS => {
-            bail!("job_pids_max = {n}: a job needs more; write at least {MIN_TASKS}, or 0 for no limit")
+            bail!("{key} = {n}: a job needs more; write at least {MIN_TASKS}, or 0 for no limit")
         }
         Some(n) if n > MAX_TASKS => {
-            bail!("job_pids_max = {n}: the kernel takes at most {MAX_TASKS}; write 0 for no limit")
+            bail!("{key} = {n}: the kernel takes at most {MAX_TASKS}; write 0 for no limit")
         }
-        Some(n) => Some(n),
-        None => Some(JobLimits::default_tasks()),
-    };
-    let memory = match memory.map(|s| (s, parse_size(s))) {
-        None => None,
-        Some((s, size)) => match size? {
-            0 => None,
-            n if n < MIN_MEMORY => bail!(
-                "job_memory_max = {s:?}: a job needs more; write at least \"64M\", or \"0\" for no limit"
-            ),
-            n => Some(n),
-        },
-    };
-    Ok(JobLimits { tasks, memory })
+        Some(n) => Ok(Some(n)),
+    }
+}
+
+/// A memory limit named `key`: `default` when not given, none for "0".
+fn memory_max(key: &str, given: Option<&str>, default: Option<u64>) -> Result<Option<u64>> {
+    const MIN_MEMORY: u64 = 64 << 20;
+    let Some(s) = given else { return Ok(default) };
+    match parse_size(s)? {
+        0 => Ok(None),
+        n if n < MIN_MEMORY => {
+            bail!("{key} = {s:?}: a job needs more; write at least \"64M\", or \"0\" for no limit")
+        }
+        n => Ok(Some(n)),
+    }
 }
 
 /// The `[cluster]` section, checked: a TCP listener others can reach, a

@@ -100,6 +100,8 @@ pub struct DaemonConfig {
     pub max_cpu_jobs_per_user: usize,
     /// What each job may use at most (tasks, memory).
     pub job_limits: crate::JobLimits,
+    /// Where the login limits jobs get are kept (`limits_conf`).
+    pub login_limits: crate::LoginLimits,
     /// The cluster this node belongs to; `None`: a node of its own.
     pub cluster: Option<ClusterConfig>,
     /// How a stage's Slurm job is checked with Slurm before anything is
@@ -201,6 +203,7 @@ impl Daemon {
             max_queued_per_user: cfg.max_queued_per_user,
             max_cpu_jobs_per_user: cfg.max_cpu_jobs_per_user,
             limits: cfg.job_limits,
+            login_limits: cfg.login_limits.clone(),
         };
         let node = off_runtime(move || Node::open(node_cfg, inventory))
             .await
