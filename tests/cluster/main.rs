@@ -209,6 +209,7 @@ fn requests_without_the_cluster_secret_are_refused() {
         jobs: vec![],
         cache: Default::default(),
         inventory: Default::default(),
+        gpu_confinement: String::new(),
     };
     match rt.block_on(lab.client(0, right.clone(), "gpu9").heartbeat(&forged)) {
         Err(ClientError::Status {

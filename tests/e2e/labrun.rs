@@ -861,6 +861,79 @@ fn a_users_jobs_share_the_users_limits_and_get_their_login_limits() {
     wait_until("the bombs to be gone", 20, || count() == 0);
 }
 
+/// Issue 40, point 9: a job opens only the GPUs it leased. The fake GPUs'
+/// device nodes are made for the test (NVIDIA's major, no driver behind
+/// it): the leased card's open reaches the kernel's "no such device"
+/// (ENXIO, what a driver would answer), the other card's is refused
+/// (EPERM), whatever `CUDA_VISIBLE_DEVICES` says; `labrun status` says
+/// the node confines its jobs.
+#[test]
+fn a_job_cannot_open_a_gpu_it_did_not_lease() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: no cgroups, no device nodes to make");
+        return;
+    }
+    let dev = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dev.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    for i in 0..2 {
+        let node = dev.path().join(format!("nvidia{i}"));
+        let made = Command::new("mknod")
+            .args([
+                "-m",
+                "666",
+                node.to_str().unwrap(),
+                "c",
+                "195",
+                &i.to_string(),
+            ])
+            .status()
+            .unwrap();
+        assert!(made.success());
+    }
+    let n = Node::start(
+        Some("2x11GiB"),
+        &format!("fake_gpus_dev = \"{}\"", dev.path().display()),
+    );
+    let status = n.status();
+    if status.contains("NOT kept from GPUs") {
+        eprintln!("SKIPPED: this kernel cannot confine jobs, and says so: {status}");
+        return;
+    }
+    assert!(
+        status.contains("each job can open only the GPUs it leased"),
+        "{status}"
+    );
+    let script = format!(
+        "echo leased=$CUDA_VISIBLE_DEVICES; unset CUDA_VISIBLE_DEVICES; \
+         for i in 0 1; do cat {0}/nvidia$i 2>&1 | sed \"s/^/card$i: /\"; done",
+        dev.path().display()
+    );
+    let nobody = "tok-nobody-0123456789";
+    let job = n.bash(nobody, 1, &script);
+    wait_until("the job to end", 20, || n.ended(&job));
+    let log = n.ok(nobody, &["logs", &job]);
+    let leased: u32 = log
+        .lines()
+        .find_map(|l| l.strip_prefix("leased="))
+        .and_then(|g| g.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{log}"));
+    let other = 1 - leased;
+    assert!(
+        log.contains(&format!(
+            "card{leased}: cat: {}/nvidia{leased}: No such device or address",
+            dev.path().display()
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "card{other}: cat: {}/nvidia{other}: Operation not permitted",
+            dev.path().display()
+        )),
+        "{log}"
+    );
+}
+
 /// Issue 9, point 13: labd refuses, with a message naming the problem, a
 /// config that holds tokens and is readable by others, one writable by
 /// others, two users with one token, `tick_ms = 0`, and job limits no

@@ -42,6 +42,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::devices::GpuDevices;
+
 /// Which kind of hierarchy holds the jobs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
@@ -157,10 +159,22 @@ pub struct Cgroups {
     limits: Vec<Limit>,
     /// Limits asked for that no hierarchy can hold, said why.
     unheld: Vec<String>,
-    /// This labd's folders in the v1 pids and memory hierarchies, whatever
-    /// the limits: a job adopted from before a change of config is
-    /// cleaned up there too.
+    /// This labd's folders in the v1 pids, memory and devices hierarchies,
+    /// whatever the limits: a job adopted from before a change of config
+    /// is cleaned up there too.
     v1_bases: Vec<PathBuf>,
+    /// How jobs are kept from the GPUs they did not lease, where they are.
+    devices: Option<(GpuDevices, Confine)>,
+}
+
+/// How jobs are kept from GPUs ([`crate::devices`]).
+#[derive(Clone, Debug)]
+enum Confine {
+    /// A device program on the job's v2 cgroup.
+    Bpf,
+    /// `devices.deny` in a cgroup of the job's in the v1 `devices`
+    /// hierarchy, at `<hierarchy>/labsync/<labd>`.
+    V1(PathBuf),
 }
 
 impl Cgroups {
@@ -177,7 +191,7 @@ impl Cgroups {
             prune_gone(&root);
             match std::fs::create_dir_all(&base) {
                 Ok(()) => {
-                    let v1_bases = ["pids", "memory"]
+                    let v1_bases = ["pids", "memory", "devices"]
                         .into_iter()
                         .filter_map(|c| controller_hierarchy(&mounts, c))
                         .map(|root| root.join("labsync").join(labd))
@@ -189,6 +203,7 @@ impl Cgroups {
                         limits: Vec::new(),
                         unheld: Vec::new(),
                         v1_bases,
+                        devices: None,
                     };
                     cg.hold(&mounts, labd, limits);
                     return Ok(cg);
@@ -369,6 +384,49 @@ impl Cgroups {
         hit
     }
 
+    /// Keeps every job from the cards of `gpus` it did not lease: with a
+    /// device program where the jobs' cgroup is v2 and one can be attached
+    /// (tried on a cgroup made for it), else with the v1 `devices`
+    /// hierarchy. Says how, or why it cannot.
+    pub fn confine(&mut self, gpus: GpuDevices) -> Result<&'static str, String> {
+        let mut why = Vec::new();
+        if self.flavor == Flavor::V2 {
+            let probe = self.base.join(format!("probe-{}", std::process::id()));
+            let tried =
+                make_dir(&probe).and_then(|()| crate::devices::attach(&probe, gpus.major, &[]));
+            let _ = std::fs::remove_dir(&probe);
+            match tried {
+                Ok(()) => {
+                    self.devices = Some((gpus, Confine::Bpf));
+                    return Ok("a cgroup v2 device program");
+                }
+                Err(e) => why.push(format!("no cgroup v2 device program ({e})")),
+            }
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let labd = self.base.file_name().unwrap_or_default().to_owned();
+        match controller_hierarchy(&mounts, "devices") {
+            Some(root) => {
+                let base = root.join("labsync").join(labd);
+                match make_dir(&base) {
+                    Ok(()) => {
+                        self.devices = Some((gpus, Confine::V1(base)));
+                        return Ok("the cgroup v1 devices controller");
+                    }
+                    Err(e) => why.push(format!("{}: {e}", base.display())),
+                }
+            }
+            None => why.push("no cgroup v1 devices hierarchy".into()),
+        }
+        Err(why.join("; "))
+    }
+
+    /// Whether jobs are kept from the GPUs they did not lease: then a job
+    /// whose cgroups cannot be made must not start.
+    pub fn confines(&self) -> bool {
+        self.devices.is_some()
+    }
+
     /// Limits asked for that no hierarchy here can hold, each with why.
     pub fn unheld(&self) -> &[String] {
         &self.unheld
@@ -395,12 +453,14 @@ impl Cgroups {
     }
 
     /// Makes the job's cgroups under its user's (`uid`), with the job's
-    /// and the user's limits, and opens their `cgroup.procs` for the job's
-    /// first process to write itself into before it runs anything: the
-    /// job's own cgroup first, then those of v1 hierarchies holding a
-    /// limit. A limit that cannot be set is said in the log; the job runs
-    /// without it.
-    pub fn create(&self, job: &str, uid: u32) -> std::io::Result<Vec<File>> {
+    /// and the user's limits, keeping it from the GPUs it did not lease
+    /// (`leased`, by index) where jobs are confined, and opens their
+    /// `cgroup.procs` for the job's first process to write itself into
+    /// before it runs anything: the job's own cgroup first, then those of
+    /// v1 hierarchies. A limit that cannot be set is said in the log; the
+    /// job runs without it. Confinement that cannot be set is an error:
+    /// the job must not run.
+    pub fn create(&self, job: &str, uid: u32, leased: &[u32]) -> std::io::Result<Vec<File>> {
         let owner = format!("u{uid}");
         let p = self.base.join(&owner).join(job);
         // The job's folder first: a user's folder with a job in it is never
@@ -440,6 +500,27 @@ impl Cgroups {
                     dir.join(l.file).display()
                 ),
             }
+        }
+        if let Some((gpus, how)) = &self.devices {
+            let allowed = gpus.allowed(leased);
+            let confined = match how {
+                Confine::Bpf => crate::devices::attach(&p, gpus.major, &allowed),
+                Confine::V1(base) => (|| {
+                    let dir = base.join(&owner).join(job);
+                    make_dir(&dir)?;
+                    for line in crate::devices::v1_deny(gpus.major, &allowed) {
+                        write_to(&dir.join("devices.deny"), &line)?;
+                    }
+                    procs.push(open_procs(&dir)?);
+                    Ok(())
+                })(),
+            };
+            confined.map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("cannot keep job {job} from the GPUs it did not lease: {e}"),
+                )
+            })?;
         }
         procs.insert(0, open_procs(&p)?);
         Ok(procs)
@@ -729,6 +810,7 @@ mod tests {
                 limits: Vec::new(),
                 unheld: Vec::new(),
                 v1_bases: Vec::new(),
+                devices: None,
             });
         }
     }
@@ -745,7 +827,7 @@ mod tests {
             env: vec![],
             log: dir.path().join("log"),
             user: None,
-            cgroups: cg.create("j1", 0).unwrap(),
+            cgroups: cg.create("j1", 0, &[]).unwrap(),
             rlimits: vec![],
         };
         let mut job = crate::runner::spawn(&spec).unwrap();
@@ -817,7 +899,7 @@ mod tests {
             env: vec![],
             log: dir.path().join("log"),
             user: None,
-            cgroups: cg.create("j1", 0).unwrap(),
+            cgroups: cg.create("j1", 0, &[]).unwrap(),
             rlimits: vec![],
         };
         let job = crate::runner::spawn(&spec).unwrap();
@@ -954,7 +1036,7 @@ mod tests {
                 env: vec![],
                 log: dir.path().join(job),
                 user: None,
-                cgroups: cg.create(job, uid).unwrap(),
+                cgroups: cg.create(job, uid, &[]).unwrap(),
                 rlimits: vec![],
             };
             crate::runner::spawn(&spec).unwrap()
@@ -1002,5 +1084,86 @@ mod tests {
             let _ = std::fs::remove_dir(b);
         }
         let _ = std::fs::remove_dir(&cg.base);
+    }
+
+    /// Issue 40, point 9: a job leased GPU 0 of two opens card 0 (no
+    /// driver answers here: ENXIO) and is refused card 1 (EPERM), with
+    /// the device program where the jobs' cgroup is v2, and with the v1
+    /// devices controller where one is mounted.
+    #[test]
+    fn a_job_cannot_open_a_gpu_it_did_not_lease() {
+        if crate::users::euid() != 0 {
+            eprintln!("not root: no cgroups to make");
+            return;
+        }
+        let dev = tempfile::tempdir().unwrap();
+        for i in 0..2u32 {
+            let node =
+                std::ffi::CString::new(format!("{}/nvidia{i}", dev.path().display())).unwrap();
+            // SAFETY: a valid path; mknod makes a device node, nothing else.
+            #[allow(unsafe_code)]
+            let rc =
+                unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(195, i)) };
+            assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+        }
+        let gpus = GpuDevices {
+            major: 195,
+            minors: [(0, 0), (1, 1)].into(),
+        };
+        let ns = format!("test-{}-dev", std::process::id());
+        let mut cg = Cgroups::open(&ns, JobLimits::default()).expect("root can make a cgroup here");
+        let opens = |cg: &Cgroups, job: &str| -> String {
+            let script = "cat nvidia0; cat nvidia1; cat /dev/null && echo null-ok";
+            let spec = crate::runner::JobSpec {
+                argv: vec!["sh".into(), "-c".into(), script.into()],
+                cwd: dev.path().to_path_buf(),
+                env: vec![],
+                log: dev.path().join(format!("{job}.log")),
+                user: None,
+                cgroups: cg.create(job, 0, &[0]).unwrap(),
+                rlimits: vec![],
+            };
+            let mut child = crate::runner::spawn(&spec).unwrap();
+            child.child.wait().unwrap();
+            cg.remove(job);
+            std::fs::read_to_string(&spec.log).unwrap()
+        };
+        let mut confined = 0;
+        match cg.confine(gpus.clone()) {
+            Ok(how) => {
+                let log = opens(&cg, "j1");
+                assert!(
+                    log.contains("nvidia0: No such device or address")
+                        && log.contains("nvidia1: Operation not permitted")
+                        && log.contains("null-ok"),
+                    "{how}: {log}"
+                );
+                confined += 1;
+            }
+            Err(why) => eprintln!("this machine cannot confine: {why}"),
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        if let Some(root) = controller_hierarchy(&mounts, "devices") {
+            let base = root.join("labsync").join(format!("{ns}-v1"));
+            make_dir(&base).unwrap();
+            let v1 = Cgroups {
+                devices: Some((gpus, Confine::V1(base.clone()))),
+                v1_bases: vec![base.clone()],
+                ..cg.clone()
+            };
+            let log = opens(&v1, "j2");
+            assert!(
+                log.contains("nvidia0: No such device or address")
+                    && log.contains("nvidia1: Operation not permitted")
+                    && log.contains("null-ok"),
+                "v1: {log}"
+            );
+            let _ = std::fs::remove_dir(&base);
+            confined += 1;
+        }
+        let _ = std::fs::remove_dir(&cg.base);
+        if confined == 0 {
+            eprintln!("SKIPPED: neither a device program nor the v1 devices controller here");
+        }
     }
 }

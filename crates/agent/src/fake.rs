@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::devices::GpuDevices;
 use crate::error::InventoryError;
 use crate::gpu::{GpuInfo, GpuInventory, GpuProcess};
 
@@ -25,6 +26,9 @@ pub struct FakeGpus {
     spec: String,
     sizes: Vec<u64>,
     control: Option<PathBuf>,
+    /// A folder with a character device `nvidia<i>` for each GPU `i`
+    /// (`fake_gpus_dev`), which jobs are confined to as to real cards.
+    dev: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -103,7 +107,15 @@ impl FakeGpus {
             spec: spec.to_string(),
             sizes,
             control,
+            dev: None,
         })
+    }
+
+    /// The GPUs' device nodes are `dev/nvidia<i>` (made by a test with
+    /// `mknod`, of one major).
+    pub fn with_devices(mut self, dev: PathBuf) -> FakeGpus {
+        self.dev = Some(dev);
+        self
     }
 
     fn control(&self) -> Result<Control, InventoryError> {
@@ -176,6 +188,25 @@ impl GpuInventory for FakeGpus {
 
     fn describe(&self) -> String {
         format!("fake {}", self.spec)
+    }
+
+    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+        let Some(dev) = &self.dev else {
+            return Err("the fake GPUs have no device nodes (fake_gpus_dev)".into());
+        };
+        let mut major = None;
+        let mut minors = std::collections::BTreeMap::new();
+        for i in 0..self.sizes.len() as u32 {
+            let (ma, mi) = GpuDevices::of_node(&dev.join(format!("nvidia{i}")))?;
+            if *major.get_or_insert(ma) != ma {
+                return Err(format!("{}: the fake GPUs' majors differ", dev.display()));
+            }
+            minors.insert(i, mi);
+        }
+        Ok(Some(GpuDevices {
+            major: major.unwrap_or(0),
+            minors,
+        }))
     }
 }
 

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::devices::GpuDevices;
 use crate::error::InventoryError;
 
 /// A process holding memory on a GPU.
@@ -48,6 +49,10 @@ pub trait GpuInventory: Send + Sync + 'static {
     fn read(&self) -> Result<Vec<GpuInfo>, InventoryError>;
     /// What this inventory is, for logs and `labrun status` (`nvml`, `fake 4x11GiB`, `none`).
     fn describe(&self) -> String;
+    /// The GPUs' character devices, for keeping each job from the cards
+    /// it did not lease ([`crate::devices`]); `None` without GPUs; the
+    /// error says why they are not known. Blocks like [`GpuInventory::read`].
+    fn devices(&self) -> Result<Option<GpuDevices>, String>;
 }
 
 /// The inventory of a node without GPUs (no NVML library).
@@ -61,6 +66,10 @@ impl GpuInventory for NoGpus {
 
     fn describe(&self) -> String {
         "none (no NVML library on this node)".into()
+    }
+
+    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+        Ok(None)
     }
 }
 
@@ -136,6 +145,26 @@ impl GpuInventory for Nvml {
             .sys_driver_version()
             .unwrap_or_else(|_| "?".into());
         format!("nvml (driver {driver})")
+    }
+
+    /// Each card's minor from NVML; the major from `/dev/nvidiactl`, the
+    /// driver's control device, which every CUDA program opens.
+    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+        let (major, _) = GpuDevices::of_node(std::path::Path::new("/dev/nvidiactl"))?;
+        let n = self
+            .nvml
+            .device_count()
+            .map_err(|e| format!("device count: {e}"))?;
+        let mut minors = std::collections::BTreeMap::new();
+        for index in 0..n {
+            let minor = self
+                .nvml
+                .device_by_index(index)
+                .and_then(|d| d.minor_number())
+                .map_err(|e| format!("minor number of GPU {index}: {e}"))?;
+            minors.insert(index, minor);
+        }
+        Ok(Some(GpuDevices { major, minors }))
     }
 }
 

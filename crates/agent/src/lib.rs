@@ -35,6 +35,7 @@ mod cgroup;
 mod client;
 pub mod cluster;
 mod daemon;
+mod devices;
 mod error;
 mod fake;
 mod gpu;
@@ -60,6 +61,7 @@ pub use daemon::{
     command_bytes, variable_bytes, Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck,
     MAX_COMMAND_BYTES, MAX_DATASETS,
 };
+pub use devices::GpuDevices;
 pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};

@@ -130,6 +130,44 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
     }
 }
 
+/// Keeps jobs from the GPUs they did not lease where the node can
+/// ([`crate::devices`]), said in the log; the answer is what `labrun
+/// status` says of it.
+fn confine_jobs(
+    cgroups: Option<&mut Cgroups>,
+    inventory: Arc<dyn GpuInventory>,
+    deadline: Duration,
+) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    // A wedged driver must not hang labd's start: read beside it.
+    std::thread::spawn(move || {
+        let _ = tx.send(inventory.devices());
+    });
+    let devices = rx
+        .recv_timeout(deadline.max(Duration::from_secs(5)))
+        .unwrap_or_else(|_| Err("the GPU inventory did not answer at start".into()));
+    let confined = match (devices, cgroups) {
+        (Ok(None), _) => return "no GPUs on this node".into(),
+        (Err(why), _) => Err(why),
+        (Ok(_), None) => Err("jobs run without cgroups".into()),
+        (Ok(Some(gpus)), Some(cg)) => cg.confine(gpus),
+    };
+    match confined {
+        Ok(how) => {
+            tracing::info!("each job can open only the GPUs it leased ({how})");
+            format!("each job can open only the GPUs it leased ({how})")
+        }
+        Err(why) => {
+            let said = format!(
+                "jobs are NOT kept from GPUs they did not lease ({why}): a job that unsets \
+                 CUDA_VISIBLE_DEVICES can open every GPU of the node"
+            );
+            tracing::warn!("{said}");
+            said
+        }
+    }
+}
+
 /// Variables labd sets for every job, whatever the submitter's environment says.
 const JOB_VARS: [&str; 3] = ["CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "LABRUN_JOB_ID"];
 
@@ -242,6 +280,8 @@ pub struct Node {
     inner: Mutex<Inner>,
     /// GPU indices of the last good reading, so a hang shows them as unknown.
     last_known: Mutex<Vec<u32>>,
+    /// Whether jobs are kept from the GPUs they did not lease, in words.
+    gpu_confinement: String,
 }
 
 impl Node {
@@ -255,7 +295,9 @@ impl Node {
             NodeError::Refused(format!("cannot create {}: {e}", cfg.state_dir.display()))
         })?;
         let state = Leases::open(&cfg.state_dir.join("state-v1.redb"))?;
-        let cgroups = open_cgroups(&cfg.state_dir, cfg.limits);
+        let mut cgroups = open_cgroups(&cfg.state_dir, cfg.limits);
+        let gpu_confinement =
+            confine_jobs(cgroups.as_mut(), inventory.clone(), cfg.inventory_deadline);
         let failed = state.reconcile(runner::alive)?;
         for id in failed {
             tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
@@ -342,6 +384,7 @@ impl Node {
                 next,
             }),
             last_known: Mutex::new(known),
+            gpu_confinement,
         })
     }
 
@@ -642,13 +685,29 @@ impl Node {
             env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
             env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
             env.push(("LABRUN_JOB_ID".into(), id.clone()));
-            let cgroups = self.cgroups.as_ref().map_or_else(Vec::new, |c| {
-                let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
-                c.create(&id, uid).unwrap_or_else(|e| {
+            let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+            let cgroups = match self
+                .cgroups
+                .as_ref()
+                .map(|c| (c, c.create(&id, uid, &gpus)))
+            {
+                None => Vec::new(),
+                Some((_, Ok(procs))) => procs,
+                // The node says its jobs are confined to their GPUs: this
+                // one would not be, so it does not run.
+                Some((c, Err(e))) if c.confines() => {
+                    c.remove(&id);
+                    let reason = format!("{e}; the job was not started");
+                    tracing::warn!("job {id}: {reason}");
+                    self.state.finish(&id, JobState::Failed { reason })?;
+                    continue;
+                }
+                Some((c, Err(e))) => {
+                    c.remove(&id);
                     tracing::warn!("job {id} runs without a cgroup: {e}");
                     Vec::new()
-                })
-            });
+                }
+            };
             let spec = JobSpec {
                 argv: s.argv.clone(),
                 cwd: s.cwd.clone(),
@@ -716,6 +775,12 @@ impl Node {
             uid,
             gids: &gids,
         })
+    }
+
+    /// Whether jobs are kept from the GPUs they did not lease, in words
+    /// (`labrun status`).
+    pub fn gpu_confinement(&self) -> &str {
+        &self.gpu_confinement
     }
 
     /// The job's log file.

@@ -212,6 +212,9 @@ pub struct Info {
     /// asks it for [`ClusterStatus`]).
     #[serde(default)]
     pub coordinator: bool,
+    /// Whether its jobs are kept from the GPUs they did not lease, in words.
+    #[serde(default)]
+    pub gpu_confinement: String,
 }
 
 /// An error answer.
@@ -368,6 +371,9 @@ pub struct Heartbeat {
     pub cache: CacheSummary,
     /// What changed in it.
     pub inventory: InventoryDelta,
+    /// Whether its jobs are kept from the GPUs they did not lease, in words.
+    #[serde(default)]
+    pub gpu_confinement: String,
 }
 
 /// The coordinator's answer.
@@ -443,6 +449,9 @@ pub struct NodeStatus {
     /// this node has (a dataset that shares packs with a cached one is
     /// partly present), where anything is.
     pub data: Vec<Presence>,
+    /// Whether its jobs are kept from the GPUs they did not lease, in words.
+    #[serde(default)]
+    pub gpu_confinement: String,
 }
 
 /// The cluster as `labrun status` shows it.

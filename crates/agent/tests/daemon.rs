@@ -26,6 +26,9 @@ impl GpuInventory for Counting {
     fn describe(&self) -> String {
         self.inner.describe()
     }
+    fn devices(&self) -> Result<Option<labsync_agent::GpuDevices>, String> {
+        self.inner.devices()
+    }
 }
 
 fn config(dir: &Path) -> DaemonConfig {

@@ -73,6 +73,9 @@ pub(crate) struct LabdFile {
     compression: Option<String>,
     fake_gpus: Option<String>,
     fake_gpus_control: Option<PathBuf>,
+    /// A folder with a character device `nvidia<i>` per fake GPU, which
+    /// jobs are confined to as to real cards (tests).
+    fake_gpus_dev: Option<PathBuf>,
     /// A GPU with more than this held by foreign processes is not free (default 256M).
     foreign_limit: Option<String>,
     inventory_deadline_ms: Option<u64>,
@@ -275,6 +278,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
     };
     let fake_gpus = flags.fake_gpus.clone().or(file.fake_gpus.clone());
     let control = (flags.fake_gpus_control.clone()).or(file.fake_gpus_control.clone());
+    let fake_dev = file.fake_gpus_dev.clone();
     let cluster_file = file.cluster.take();
     let lab_file = file.lab.take();
     let slurm_file = file.slurm.take();
@@ -294,7 +298,13 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         c.lab = lab_config(l)?;
     }
     let inventory: Arc<dyn GpuInventory> = match fake_gpus {
-        Some(spec) => Arc::new(FakeGpus::new(&spec, control)?),
+        Some(spec) => {
+            let fake = FakeGpus::new(&spec, control)?;
+            Arc::new(match fake_dev {
+                Some(dev) => fake.with_devices(dev),
+                None => fake,
+            })
+        }
         None => Arc::from(detect()),
     };
     // Stages are for Slurm jobs only: each is checked with Slurm unless

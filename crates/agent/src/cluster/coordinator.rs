@@ -34,6 +34,7 @@ pub(super) struct Member {
     gpus: Vec<GpuStatus>,
     pub(super) jobs: Vec<JobView>,
     cache: CacheSummary,
+    gpu_confinement: String,
 }
 
 pub(super) struct View {
@@ -325,6 +326,7 @@ impl Coordinator {
                 gpus: hb.gpus,
                 jobs: hb.jobs,
                 cache: hb.cache,
+                gpu_confinement: hb.gpu_confinement,
             },
         );
         Ok(reply)
@@ -436,6 +438,7 @@ impl Coordinator {
                     cache_used: m.cache.used_bytes,
                     cache_max: m.cache.max_bytes,
                     data,
+                    gpu_confinement: m.gpu_confinement.clone(),
                 }
             })
             .collect();
@@ -463,6 +466,7 @@ mod tests {
             jobs: Vec::new(),
             cache: CacheSummary::default(),
             inventory,
+            gpu_confinement: String::new(),
         }
     }
 

@@ -169,6 +169,7 @@ impl Reporter {
                 ..self.current.summary.clone()
             },
             inventory: self.delta(),
+            gpu_confinement: self.daemon.gpu_confinement().to_string(),
         };
         let reply = match &self.local {
             Some(c) => c

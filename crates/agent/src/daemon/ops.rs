@@ -260,7 +260,13 @@ impl Daemon {
             admin: caller.admin,
             inventory: self.inventory.clone(),
             coordinator: self.coordinator.is_some(),
+            gpu_confinement: self.gpu_confinement().to_string(),
         }
+    }
+
+    /// Whether jobs are kept from the GPUs they did not lease, in words.
+    pub fn gpu_confinement(&self) -> &str {
+        self.node.gpu_confinement()
     }
 
     /// Every GPU and what it is.

@@ -42,15 +42,20 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
     if json {
         println!(
             "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"node": info.node, "inventory": info.inventory, "gpus": gpus})
-            )?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "node": info.node,
+                "inventory": info.inventory,
+                "gpu_confinement": info.gpu_confinement,
+                "gpus": gpus,
+            }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
     println!("{} — GPUs from {}", info.node, info.inventory);
     if gpus.is_empty() {
         println!("  no GPUs on this node: jobs run with --gpus 0");
+    } else if !info.gpu_confinement.is_empty() {
+        println!("  {}", info.gpu_confinement);
     }
     print_gpus(&gpus, &jobs);
     print_counts(&jobs);
@@ -76,6 +81,8 @@ fn print_node(n: &NodeStatus, now: u64) {
     );
     if n.gpus.is_empty() {
         println!("  no GPUs");
+    } else if !n.gpu_confinement.is_empty() {
+        println!("  {}", n.gpu_confinement);
     }
     print_gpus(&n.gpus, &n.jobs);
     print_counts(&n.jobs);
