@@ -1660,7 +1660,7 @@ fn ctrl_c_once_reports_twice_kills() {
 #[test]
 fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
     let mut n = Node::start(Some("2x11GiB"), "run_as = \"labd\"");
-    let long = n.bash(ALICE, 1, "sleep 3");
+    let long = n.bash(ALICE, 1, "echo before; sleep 3; echo after");
     let short = n.bash(ALICE, 1, "sleep 0.5");
     wait_until("both to run", 20, || {
         [&long, &short]
@@ -1689,10 +1689,59 @@ fn labd_crash_and_restart_adopts_live_jobs_and_frees_dead_ones() {
         "still queued after the restart"
     );
     wait_until("the adopted job to end", 20, || n.job(&long).ended());
+    // Its output's keeper outlived labd: what it printed after the crash
+    // is in its log.
+    assert_eq!(n.ok(ALICE, &["logs", &long]), "before\nafter\n");
     wait_until("the queued job to run and end", 20, || n.ended(&waiting));
     assert_eq!(n.ok(ALICE, &["logs", &waiting]).trim(), "both=0,1");
     let status = n.status();
     assert_eq!(status.matches("free").count(), 2, "{status}");
+}
+
+/// Issue 40, point 6: a job's output cannot outlive its job. A
+/// descriptor of the job's stdout taken out of it (here by root through
+/// `/proc`, as a job passes one out with `SCM_RIGHTS`) reaches the log
+/// while the job runs; once the job has ended, its writes fail (`EPIPE`)
+/// and the log stays as it was, however much is written.
+#[test]
+fn a_jobs_output_cannot_outlive_its_job() {
+    use std::io::Write;
+    let n = Node::start(None, "run_as = \"labd\"");
+    let job = n.bash(ALICE, 0, "echo started; sleep 300");
+    wait_until("the job to print", 20, || {
+        n.ok(ALICE, &["logs", &job]).contains("started")
+    });
+    let leader = sid(&n.job(&job));
+    let mut held = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{leader}/fd/1"))
+        .unwrap();
+    held.write_all(b"from outside while it runs\n").unwrap();
+    wait_until("the outside line in the log", 20, || {
+        n.ok(ALICE, &["logs", &job])
+            .contains("from outside while it runs")
+    });
+    n.ok(ALICE, &["kill", &job]);
+    wait_until("the job to end", 20, || n.job(&job).ended());
+    let mut written = 0u64;
+    let err = loop {
+        match held.write_all(&[b'x'; 1 << 16]) {
+            Err(e) => break e,
+            Ok(()) => {
+                written += 1 << 16;
+                assert!(
+                    written < 64 << 20,
+                    "64 MiB written to an ended job's output"
+                );
+            }
+        }
+    };
+    assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe, "{err}");
+    assert_eq!(written, 0, "written after the job's end");
+    let log = n.ok(ALICE, &["logs", &job]);
+    assert!(!log.contains("xxxx"), "{log}");
+    let said = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(said.contains("still holds its output open"), "{said}");
 }
 
 /// Test 7: without a valid token nothing but the health check answers; a user

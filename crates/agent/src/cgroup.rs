@@ -526,6 +526,12 @@ impl Cgroups {
         Ok(procs)
     }
 
+    /// This labd's log keepers' cgroup, for a new keeper to join: outside
+    /// labd's own and every job's.
+    pub fn keepers(&self) -> PathBuf {
+        self.base.join(KEEPERS)
+    }
+
     /// The live processes in the job's cgroup (none if it has no cgroup).
     pub fn members(&self, job: &str) -> Vec<u32> {
         std::fs::read_to_string(self.path(job).join("cgroup.procs"))
@@ -633,7 +639,7 @@ fn job_in(text: &str, flavor: Flavor, prefix: &str) -> Option<String> {
         let job = match rest.split_once('/') {
             Some((user, job)) if is_user_folder(user) => job,
             Some(_) => return None,
-            None if is_user_folder(rest) => return None,
+            None if is_user_folder(rest) || rest == KEEPERS => return None,
             None => rest,
         };
         (!job.is_empty() && !job.contains('/')).then(|| job.to_string())
@@ -656,6 +662,9 @@ fn make_dir(p: &Path) -> std::io::Result<()> {
 fn open_procs(p: &Path) -> std::io::Result<File> {
     File::options().write(true).open(p.join("cgroup.procs"))
 }
+
+/// The cgroup of a labd's log keepers ([`crate::keeper`]), in its folder.
+const KEEPERS: &str = "keepers";
 
 /// Whether `name` is a user's folder (`u<uid>`) of a labd's.
 fn is_user_folder(name: &str) -> bool {
@@ -694,13 +703,14 @@ fn prune_gone(root: &Path) {
             .map(|e| e.path())
     };
     for labd in dirs(&root.join("labsync")) {
-        // Its users' folders first: only those without a job go.
+        // Its users' folders and its keepers' first: only those without
+        // a process go.
         for user in dirs(&labd) {
-            if user
+            let name = user
                 .file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(is_user_folder)
-            {
+                .unwrap_or_default();
+            if is_user_folder(name) || name == KEEPERS {
                 let _ = std::fs::remove_dir(user);
             }
         }
@@ -778,6 +788,7 @@ mod tests {
         let under = "0::/labsync/ab12/u1000/j4\n";
         assert_eq!(job_in(under, Flavor::V2, pre).as_deref(), Some("j4"));
         assert_eq!(job_in("0::/labsync/ab12/u1000\n", Flavor::V2, pre), None);
+        assert_eq!(job_in("0::/labsync/ab12/keepers\n", Flavor::V2, pre), None);
         assert_eq!(job_in("0::/labsync/ab12/x1/j4\n", Flavor::V2, pre), None);
         // A user's delegated cgroup with the same names is not the job's.
         let spoof = "0::/user.slice/user-1000.slice/user@1000.service/labsync/ab12/j1\n";
@@ -829,6 +840,7 @@ mod tests {
             user: None,
             cgroups: cg.create("j1", 0, &[]).unwrap(),
             rlimits: vec![],
+            keeper: None,
         };
         let mut job = crate::runner::spawn(&spec).unwrap();
         let pid_file = dir.path().join("pid");
@@ -901,6 +913,7 @@ mod tests {
             user: None,
             cgroups: cg.create("j1", 0, &[]).unwrap(),
             rlimits: vec![],
+            keeper: None,
         };
         let job = crate::runner::spawn(&spec).unwrap();
         Some(Limited { cg, job, _dir: dir })
@@ -1038,6 +1051,7 @@ mod tests {
                 user: None,
                 cgroups: cg.create(job, uid, &[]).unwrap(),
                 rlimits: vec![],
+                keeper: None,
             };
             crate::runner::spawn(&spec).unwrap()
         };
@@ -1122,6 +1136,7 @@ mod tests {
                 user: None,
                 cgroups: cg.create(job, 0, &[0]).unwrap(),
                 rlimits: vec![],
+                keeper: None,
             };
             let mut child = crate::runner::spawn(&spec).unwrap();
             child.child.wait().unwrap();

@@ -163,6 +163,10 @@ pub struct JobMeta {
     /// to be requeued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_for: Option<String>,
+    /// The pid and start (clock ticks) of the job's log keeper
+    /// ([`crate::keeper`]), ended when the job is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_keeper: Option<(u32, Option<u64>)>,
 }
 
 /// Now, in Unix seconds.

@@ -206,6 +206,10 @@ pub struct NodeConfig {
     pub limits: JobLimits,
     /// Where the login limits jobs get are kept.
     pub login_limits: crate::rlimits::LoginLimits,
+    /// labd's binary, which a job's output goes through as its keeper
+    /// ([`crate::keeper`]); `None` (tests of this crate only, which have no
+    /// labd binary): the job writes its log itself.
+    pub log_keeper: Option<PathBuf>,
 }
 
 /// A job as submitted.
@@ -262,6 +266,9 @@ pub enum NodeError {
 struct Inner {
     queue: VecDeque<(String, Submit)>,
     children: HashMap<String, Child>,
+    /// The log keepers of this labd's jobs ([`crate::keeper`]), waited
+    /// for when their jobs end.
+    keepers: HashMap<String, Child>,
     /// Jobs whose exit the reaper has collected and is about to record: a
     /// kill racing it must not record its own guess over the real status.
     ending: HashSet<String>,
@@ -299,12 +306,12 @@ impl Node {
         let gpu_confinement =
             confine_jobs(cgroups.as_mut(), inventory.clone(), cfg.inventory_deadline);
         let failed = state.reconcile(runner::alive)?;
-        for id in failed {
+        for id in &failed {
             tracing::warn!("job {id} was gone after the restart; marked failed, its GPUs freed");
             // What it left running outside its session goes with it.
             if let Some(cg) = &cgroups {
-                cg.kill(&id, Duration::from_secs(5));
-                cg.remove(&id);
+                cg.kill(id, Duration::from_secs(5));
+                cg.remove(id);
             }
         }
         // Ids are never reused, even when the database is lost: a second
@@ -371,7 +378,7 @@ impl Node {
                 }
             }
         }
-        Ok(Node {
+        let node = Node {
             cfg,
             cgroups,
             dog,
@@ -379,13 +386,17 @@ impl Node {
             inner: Mutex::new(Inner {
                 queue,
                 children: HashMap::new(),
+                keepers: HashMap::new(),
                 ending: HashSet::new(),
                 unrecorded: Vec::new(),
                 next,
             }),
             last_known: Mutex::new(known),
             gpu_confinement,
-        })
+        };
+        // Their output's keepers too.
+        node.end_keepers(&failed, Duration::from_secs(2));
+        Ok(node)
     }
 
     /// Session id → job id of every running job.
@@ -716,17 +727,26 @@ impl Node {
                 user: s.run_as,
                 cgroups,
                 rlimits: self.login_limits(s.run_as),
+                keeper: self.cfg.log_keeper.as_ref().map(|exe| runner::KeeperSpec {
+                    exe: exe.clone(),
+                    cgroup: self.cgroups.as_ref().map(Cgroups::keepers),
+                }),
             };
             match runner::spawn(&spec) {
                 Ok(mut st) => {
                     let sid = st.sid();
                     // Our child, unwaited: its pid cannot change hands yet.
                     let start = runner::start_ticks(sid);
+                    let keeper = st
+                        .keeper
+                        .as_ref()
+                        .map(|k| (k.id(), runner::start_ticks(k.id())));
                     let recorded = self.state.update(&id, |r| {
                         r.gpus = gpus;
                         r.state = JobState::Running { sid, start };
                         r.started_at = Some(unix_now());
                         r.meta.preparing = None;
+                        r.meta.log_keeper = keeper;
                         r.queued = None;
                     });
                     if let Err(e) = recorded {
@@ -737,6 +757,10 @@ impl Node {
                         // Never a blocking wait under the queue's lock (a
                         // leader stuck in the kernel would hang labd).
                         let _ = st.child.try_wait();
+                        if let Some(mut k) = st.keeper {
+                            let _ = k.kill();
+                            let _ = k.try_wait();
+                        }
                         // If this fails too, the lease is the job's own and
                         // acquire gives it back to it when it starts again.
                         let _ = self.state.release(&id);
@@ -744,6 +768,9 @@ impl Node {
                         return Err(e.into());
                     }
                     inner.children.insert(id.clone(), st.child);
+                    if let Some(k) = st.keeper {
+                        inner.keepers.insert(id.clone(), k);
+                    }
                     started.push(id);
                 }
                 Err(source) => {
@@ -844,6 +871,8 @@ impl Node {
         // jobs leave processes that ignore SIGTERM could otherwise stall
         // the node's scheduling and log bounding for minutes).
         self.kill_jobs(&sessions, Duration::from_secs(2));
+        let ids: Vec<String> = ended.iter().map(|(id, _)| id.clone()).collect();
+        self.end_keepers(&ids, Duration::from_secs(2));
         {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut result = Ok(());
@@ -874,6 +903,65 @@ impl Node {
     /// once the pid is another process's, only the cgroup is the job's.
     fn kill_job(&self, id: &str, session: (u32, Option<u64>), grace: Duration) {
         self.kill_jobs(&[(id.to_string(), session)], grace);
+    }
+
+    /// Ends the log keepers of the jobs `ids`, which have ended and whose
+    /// processes are gone: a keeper has drained the pipe and exits by
+    /// itself once the last writer is gone; one still held open `grace`
+    /// later (a descriptor passed out of the job) is killed, and its
+    /// holder's writes fail from then on. Keepers of jobs adopted after a
+    /// restart are found by their record.
+    fn end_keepers(&self, ids: &[String], grace: Duration) {
+        /// A job, its keeper if ours, and its keeper's pid and start on record.
+        type Kept = (String, Option<Child>, Option<(u32, Option<u64>)>);
+        let mut keepers: Vec<Kept> = {
+            let mut inner = self.inner.lock().expect("node poisoned");
+            ids.iter()
+                .map(|id| (id.clone(), inner.keepers.remove(id)))
+                .collect::<Vec<_>>()
+        }
+        .into_iter()
+        .map(|(id, child)| {
+            let rec = match &child {
+                Some(_) => None,
+                None => self
+                    .state
+                    .job(&id)
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.meta.log_keeper),
+            };
+            (id, child, rec)
+        })
+        .filter(|(_, child, rec)| child.is_some() || rec.is_some())
+        .collect();
+        let deadline = std::time::Instant::now() + grace;
+        loop {
+            keepers.retain_mut(|(_, child, rec)| match child {
+                Some(c) => matches!(c.try_wait(), Ok(None)),
+                None => rec.is_some_and(|(pid, start)| runner::alive(pid, start)),
+            });
+            if keepers.is_empty() || std::time::Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for (id, child, rec) in keepers {
+            tracing::warn!(
+                "job {id} has ended and a process outside it still holds its output open: \
+                 its log is closed, and that process's writes fail from now on"
+            );
+            match (child, rec) {
+                (Some(mut c), _) => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                (None, Some((pid, start))) if runner::alive(pid, start) => {
+                    runner::signal(pid, libc::SIGKILL);
+                }
+                _ => {}
+            }
+        }
     }
 
     /// [`Node::kill_job`] for several jobs at once, under one grace period.
@@ -977,6 +1065,7 @@ impl Node {
             });
         };
         self.kill_job(id, session, grace);
+        self.end_keepers(&[id.to_string()], Duration::from_secs(2));
         // The ending is recorded under the queue's lock, as the reaper
         // records its own: whichever sees the exit first records the real
         // status, and the other leaves it alone.
@@ -1080,6 +1169,7 @@ mod tests {
             max_cpu_jobs_per_user: 100,
             limits: JobLimits::default(),
             login_limits: crate::rlimits::LoginLimits::default(),
+            log_keeper: None,
         }
     }
 

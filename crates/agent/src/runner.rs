@@ -25,8 +25,11 @@ pub struct JobSpec {
     /// `CUDA_DEVICE_ORDER` and `LABRUN_*`): nothing of labd's own leaks into a job. Without a
     /// `PATH`, the job gets a standard one.
     pub env: Vec<(String, String)>,
-    /// File that receives stdout and stderr.
+    /// File that receives stdout and stderr: through a keeper's pipe
+    /// where `keeper` says, else the job's own descriptors.
     pub log: PathBuf,
+    /// The keeper its output goes through ([`crate::keeper`]).
+    pub keeper: Option<KeeperSpec>,
     /// Run as this uid/gid (labd running as root runs a job as its submitter).
     pub user: Option<(u32, u32)>,
     /// The `cgroup.procs` of the job's cgroups ([`crate::Cgroups::create`]):
@@ -38,11 +41,22 @@ pub struct JobSpec {
     pub rlimits: Vec<crate::rlimits::Rlimit>,
 }
 
+/// How a job's output reaches its log through a keeper.
+#[derive(Debug)]
+pub struct KeeperSpec {
+    /// labd's binary, run as `labd keep-log <job>`.
+    pub exe: PathBuf,
+    /// The keepers' cgroup (a folder), which it joins.
+    pub cgroup: Option<PathBuf>,
+}
+
 /// A started job. Its pid is also its session id.
 #[derive(Debug)]
 pub struct Started {
     /// The session leader.
     pub child: Child,
+    /// Its output's keeper, where it has one.
+    pub keeper: Option<Child>,
 }
 
 impl Started {
@@ -59,13 +73,25 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         .split_first()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty command"))?;
     let log = File::options().create(true).append(true).open(&spec.log)?;
+    let (out, mut keeper) = match &spec.keeper {
+        None => (log, None),
+        Some(k) => {
+            // Both ends close on exec: the keeper holds only the read
+            // end, the job only the write end.
+            let (from, to) = std::io::pipe()?;
+            let label = spec.log.file_stem().unwrap_or_default().to_string_lossy();
+            let cgroup = k.cgroup.as_deref();
+            let child = crate::keeper::spawn(&k.exe, &label, from.into(), log, cgroup)?;
+            (File::from(std::os::fd::OwnedFd::from(to)), Some(child))
+        }
+    };
     let mut cmd = Command::new(prog);
     cmd.args(args)
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log);
+        .stdout(out.try_clone()?)
+        .stderr(out);
     if !spec.env.iter().any(|(k, _)| k == "PATH") {
         cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin");
     }
@@ -88,9 +114,17 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
             cmd.current_dir(&spec.cwd);
         }
     }
-    Ok(Started {
-        child: cmd.spawn()?,
-    })
+    match cmd.spawn() {
+        Ok(child) => Ok(Started { child, keeper }),
+        Err(e) => {
+            // The pipe's last writer goes with `cmd`: the keeper ends.
+            drop(cmd);
+            if let Some(k) = keeper.as_mut() {
+                let _ = k.wait();
+            }
+            Err(e)
+        }
+    }
 }
 
 #[allow(unsafe_code)]
@@ -341,6 +375,7 @@ mod tests {
             user: None,
             cgroups: vec![],
             rlimits: vec![],
+            keeper: None,
         }
     }
 

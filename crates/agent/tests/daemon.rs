@@ -60,6 +60,7 @@ fn config(dir: &Path) -> DaemonConfig {
         max_cpu_jobs_per_user: 100,
         job_limits: Default::default(),
         login_limits: Default::default(),
+        log_keeper: None,
         cluster: None,
         slurm_check: None,
     }

@@ -18,6 +18,7 @@ fn node(dir: &Path, inv: Arc<dyn GpuInventory>) -> Node {
         max_cpu_jobs_per_user: 100,
         limits: Default::default(),
         login_limits: Default::default(),
+        log_keeper: None,
     };
     Node::open(cfg, inv).unwrap()
 }

@@ -454,6 +454,8 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
             |n| n.max(1),
         ),
         job_limits,
+        // The running binary, even once an upgrade replaced its file.
+        log_keeper: Some(PathBuf::from("/proc/self/exe")),
         login_limits: file
             .limits_conf
             .map_or_else(LoginLimits::default, LoginLimits::new),

@@ -77,10 +77,11 @@ impl JobLogs {
     /// Keeps the job's log under `log_max` on disk: once it grows past the
     /// cap (plus an eighth, so the database is written once per few MB, not
     /// per line), everything between its first half and its last half is
-    /// punched out. The job keeps appending to the same file; readers
-    /// skipping the hole are told how much was cut.
+    /// punched out. The job's keeper ([`crate::keeper`]) keeps appending to
+    /// the same file; readers skipping the hole are told how much was cut.
     ///
-    /// The job holds the file itself (its stdout) and may clear `O_APPEND`
+    /// A job started by a labd before keepers (adopted) holds the file
+    /// itself (its stdout), and may clear `O_APPEND`
     /// on it, then write back into the cut part, which does not move the
     /// file's size. So when the file holds more blocks than the cap (XFS
     /// counts its preallocation past the end there too) and there is data

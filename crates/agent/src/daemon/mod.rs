@@ -102,6 +102,9 @@ pub struct DaemonConfig {
     pub job_limits: crate::JobLimits,
     /// Where the login limits jobs get are kept (`limits_conf`).
     pub login_limits: crate::LoginLimits,
+    /// labd's binary, run as each job's log keeper ([`crate::keeper`]);
+    /// `None` only in this crate's tests, which have no labd binary.
+    pub log_keeper: Option<PathBuf>,
     /// The cluster this node belongs to; `None`: a node of its own.
     pub cluster: Option<ClusterConfig>,
     /// How a stage's Slurm job is checked with Slurm before anything is
@@ -204,6 +207,7 @@ impl Daemon {
             max_cpu_jobs_per_user: cfg.max_cpu_jobs_per_user,
             limits: cfg.job_limits,
             login_limits: cfg.login_limits.clone(),
+            log_keeper: cfg.log_keeper.clone(),
         };
         let node = off_runtime(move || Node::open(node_cfg, inventory))
             .await

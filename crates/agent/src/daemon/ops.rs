@@ -559,6 +559,7 @@ impl Daemon {
             hold_s: req.hold_s,
             released: None,
             stopped_for: None,
+            log_keeper: None,
             trees: req
                 .code
                 .iter()

@@ -125,6 +125,8 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // `labd keep-log <job>`: a job's output keeper, started by labd.
+    labsync_agent::keep_log_if_asked();
     let cli = Cli::parse();
     if let Some(Cmd::SlurmConfig { nodes, timeout }) = &cli.cmd {
         let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "error") else {
