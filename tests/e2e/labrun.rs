@@ -1677,6 +1677,60 @@ fn a_jobs_output_cannot_outlive_its_job() {
     assert!(said.contains("still holds its output open"), "{said}");
 }
 
+/// Issue 40, point 5: disk held for a user is charged to that user. Two
+/// versions of one dataset, 0.7 MB each, and a share of 1 MB: alice's job
+/// on v1 holds 0.7 MB, her job on v2 is refused before anything is pulled
+/// (saying what she holds and her share), another on v1 costs nothing
+/// more, bob's on v2 counts against his own share; `labrun ps` says what
+/// she holds; once her v1 job ends, v2 fits.
+#[test]
+fn trees_held_for_a_user_are_charged_to_that_user() {
+    let n = Node::start(None, "run_as = \"labd\"\ntrees_per_user = \"1000000\"");
+    for byte in [1u8, 2] {
+        let d = n.path(&format!("div2k-{byte}"));
+        std::fs::create_dir_all(d.join("train")).unwrap();
+        std::fs::write(d.join("train/0001.png"), vec![byte; 700_000]).unwrap();
+        let o = n.labsync(&["push", d.to_str().unwrap(), "--name", "div2k"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let on = |token: &str, version: &str, script: &str| {
+        n.detach(token, &["--data", version, "--", "bash", "-c", script])
+    };
+    let v1 = on(ALICE, "div2k@v1", "sleep 60");
+    wait_until("alice's v1 job to run", 30, || {
+        matches!(n.job(&v1).state, JobState::Running { .. })
+    });
+    let v2 = on(ALICE, "div2k@v2", "echo ran");
+    wait_until("alice's v2 job to end", 30, || n.ended(&v2));
+    match n.job(&v2).state {
+        JobState::Failed { reason } => assert!(
+            reason.contains("alice's jobs and stages on")
+                && reason.contains("hold 700.00 KB")
+                && reason.contains("div2k@v2 (700.00 KB)")
+                && reason.contains("share of 1.00 MB (trees_per_user)"),
+            "{reason}"
+        ),
+        other => panic!("alice's v2 job: {other:?}"),
+    }
+    let again = on(ALICE, "div2k@v1", "echo again");
+    let bobs = on(BOB, "div2k@v2", "echo bob");
+    wait_until("both to end", 30, || n.ended(&again) && n.ended(&bobs));
+    for id in [&again, &bobs] {
+        assert_eq!(n.job(id).exit_code(), Some(0), "{:?}", n.job(id));
+    }
+    let ps = n.ok(ALICE, &["ps"]);
+    assert!(
+        ps.contains("code and data your jobs hold on")
+            && ps.contains(": 700.00 KB; your share is 1.00 MB (trees_per_user)"),
+        "{ps}"
+    );
+    n.ok(ALICE, &["kill", &v1]);
+    wait_until("alice's v1 job to end", 30, || n.job(&v1).ended());
+    let fits = on(ALICE, "div2k@v2", "echo fits");
+    wait_until("alice's v2 job to end", 30, || n.ended(&fits));
+    assert_eq!(n.job(&fits).exit_code(), Some(0), "{:?}", n.job(&fits));
+}
+
 /// Test 7: without a valid token nothing but the health check answers; a user
 /// cannot kill or read another user's job; an admin can.
 #[test]

@@ -111,6 +111,10 @@ pub enum PrepareError {
     /// A snapshot id not spelt as ids are (64 lowercase hex digits).
     #[error("snapshot id {0:?} is not written as labsync writes ids (64 lowercase hex digits)")]
     BadSnapshot(String),
+    /// The trees would take their user past their share of the node's
+    /// disk (`trees_per_user`).
+    #[error("{0}")]
+    OverShare(String),
 }
 
 impl PrepareError {

@@ -58,6 +58,7 @@ pub use api::{router, serve, ConnLimits, Listener};
 pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
+pub use daemon::shares::human_bytes;
 pub use daemon::{
     command_bytes, variable_bytes, Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck,
     MAX_COMMAND_BYTES, MAX_DATASETS,

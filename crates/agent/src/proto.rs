@@ -215,6 +215,10 @@ pub struct Info {
     /// Whether its jobs are kept from the GPUs they did not lease, in words.
     #[serde(default)]
     pub gpu_confinement: String,
+    /// Bytes of materialised code and data the asking user's jobs and
+    /// stages hold on this node, and their share (`trees_per_user`).
+    #[serde(default)]
+    pub trees_held: Option<(u64, Option<u64>)>,
 }
 
 /// An error answer.

@@ -45,6 +45,9 @@ pub struct Trees {
     root: PathBuf,
     /// One materialisation per snapshot at a time; the others wait for it.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Sizes of trees not materialised, as their snapshot objects say
+    /// ([`Trees::size`]).
+    claimed: Mutex<HashMap<String, u64>>,
 }
 
 impl Trees {
@@ -81,12 +84,47 @@ impl Trees {
         Ok(Trees {
             root,
             locks: Mutex::new(HashMap::new()),
+            claimed: Mutex::new(HashMap::new()),
         })
     }
 
     /// Where the tree of `snapshot` lives (materialised or not).
     pub fn path(&self, snapshot: &str) -> PathBuf {
         self.root.join(snapshot)
+    }
+
+    /// Bytes of the tree of `snapshot`: its record's where it is
+    /// materialised, else what its snapshot object says (read once, then
+    /// remembered).
+    pub async fn size(&self, repo: &Repo, snapshot: &SnapshotId) -> Result<u64, PrepareError> {
+        let name = snapshot.to_string();
+        if let Some(b) = self.materialised_size(&name) {
+            return Ok(b);
+        }
+        if let Some(b) = self.claimed.lock().expect("trees poisoned").get(&name) {
+            return Ok(*b);
+        }
+        let bytes = repo.load_snapshot(snapshot).await?.bytes;
+        self.claimed
+            .lock()
+            .expect("trees poisoned")
+            .insert(name, bytes);
+        Ok(bytes)
+    }
+
+    /// Bytes of the tree of `snapshot` as far as known without the store:
+    /// materialised or sized before ([`Trees::size`]), else 0.
+    pub fn known_size(&self, snapshot: &str) -> u64 {
+        self.materialised_size(snapshot).unwrap_or_else(|| {
+            let claimed = self.claimed.lock().expect("trees poisoned");
+            claimed.get(snapshot).copied().unwrap_or(0)
+        })
+    }
+
+    fn materialised_size(&self, snapshot: &str) -> Option<u64> {
+        self.path(snapshot)
+            .is_dir()
+            .then(|| self.record(snapshot).bytes)
     }
 
     /// The tree of `tree`, materialised now unless it already is.

@@ -61,6 +61,7 @@ fn config(dir: &Path) -> DaemonConfig {
         job_limits: Default::default(),
         login_limits: Default::default(),
         log_keeper: None,
+        trees_per_user: None,
         cluster: None,
         slurm_check: None,
     }
@@ -327,4 +328,85 @@ async fn a_root_labd_refuses_a_local_store_others_can_write() {
     // Made root's alone, it opens.
     std::fs::set_permissions(store.join("packs"), std::fs::Permissions::from_mode(0o755)).unwrap();
     Daemon::open(config(dir.path()), inv).await.unwrap();
+}
+
+/// Two versions of one dataset, 700 KB each, pushed to the daemon's store.
+async fn two_versions(dir: &Path) -> [labsync_agent::proto::TreeRef; 2] {
+    use labsync_store::{push, NoProgress, PushOptions, Remote, Repo};
+    let repo = Repo::open(Remote::local(&dir.join("store")).unwrap(), None)
+        .await
+        .unwrap();
+    let mut refs = Vec::new();
+    for byte in [1u8, 2] {
+        let src = dir.join(format!("div2k-{byte}"));
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("0001.png"), vec![byte; 700_000]).unwrap();
+        let opts = PushOptions {
+            name: "div2k".into(),
+            files_cache: None,
+            threads: 2,
+            user: "t".into(),
+            host: "h".into(),
+            read_as: None,
+            settle: None,
+            compression: labsync_store::Codec::default(),
+        };
+        let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
+            .await
+            .unwrap();
+        refs.push(labsync_agent::proto::TreeRef {
+            label: pushed.record.label(),
+            snapshot: pushed.record.snapshot.to_string(),
+        });
+    }
+    refs.try_into().unwrap()
+}
+
+/// Issue 40, point 5, under Slurm: a stage's trees are charged to its
+/// user as a job's are. With a share of 1 MB, alice's stage on v1 holds
+/// 700 KB; her stage on v2 is refused before anything is pulled, another
+/// on v1 costs nothing more, bob's on v2 is his own; once her v1 stages
+/// are released, v2 fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_are_charged_to_their_user_against_the_share() {
+    use labsync_agent::proto::{DataRef, StageAsk, StageDone, StageOrder};
+    let dir = tempfile::tempdir().unwrap();
+    let [v1, v2] = two_versions(dir.path()).await;
+    let mut cfg = config(dir.path());
+    cfg.trees_per_user = Some(1_000_000);
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let d = Daemon::open(cfg, inv).await.unwrap();
+    let order = |user: &str, job: &str, tree: &labsync_agent::proto::TreeRef| StageOrder {
+        user: user.into(),
+        ask: StageAsk {
+            node: "n1".into(),
+            job: job.into(),
+            code: None,
+            data: vec![DataRef {
+                env: "LABRUN_DATA_DIV2K".into(),
+                tree: tree.clone(),
+            }],
+            outputs: None,
+        },
+    };
+    let first = d.stage(order("alice", "101", &v1)).await.unwrap();
+    match d.stage(order("alice", "102", &v2)).await {
+        Err(ApiError::Conflict(m)) => assert!(
+            m.contains("alice's jobs and stages on n1 hold 700.00 KB")
+                && m.contains("past alice's share of 1.00 MB (trees_per_user)"),
+            "{m}"
+        ),
+        other => panic!("alice's stage on v2: {other:?}"),
+    }
+    let again = d.stage(order("alice", "103", &v1)).await.unwrap();
+    d.stage(order("bob", "104", &v2)).await.unwrap();
+    for s in [first, again] {
+        let done = StageDone {
+            node: "n1".into(),
+            stage: s.stage,
+            user: "alice".into(),
+        };
+        d.stage_done(done).await.unwrap();
+    }
+    d.stage(order("alice", "105", &v2)).await.unwrap();
 }

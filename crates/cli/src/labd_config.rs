@@ -67,6 +67,9 @@ pub(crate) struct LabdFile {
     cache_max: Option<String>,
     /// Cap on materialised trees of code and data (default: cache_max).
     trees_max: Option<String>,
+    /// Trees one user's jobs and stages may hold here (default: half of
+    /// trees_max; "0": no share).
+    trees_per_user: Option<String>,
     s3_endpoint: Option<String>,
     s3_region: Option<String>,
     /// How outputs pushes compress compressible chunks: `lz4` or `zstd`.
@@ -389,6 +392,10 @@ fn tokens(
 fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Result<DaemonConfig> {
     let me = current_user();
     let job_limits = job_limits(&file)?;
+    let trees_max = match &file.trees_max {
+        Some(s) => parse_size(s)?,
+        None => settings.cache_max,
+    };
     let tokens = tokens(file.tokens, &me, local)?;
     if file.tick_ms == Some(0) {
         bail!("tick_ms = 0: labd would reap and schedule in a busy loop; use e.g. 100");
@@ -412,9 +419,10 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         cache_dir: settings.cache_dir,
         cache_max: settings.cache_max,
         compression: settings.compression,
-        trees_max: match file.trees_max {
-            Some(s) => parse_size(&s)?,
-            None => settings.cache_max,
+        trees_max,
+        trees_per_user: match file.trees_per_user {
+            Some(s) => Some(parse_size(&s)?).filter(|&n| n > 0),
+            None => Some(trees_max / 2),
         },
         foreign_limit: match file.foreign_limit {
             Some(s) => parse_size(&s)?,

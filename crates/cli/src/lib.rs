@@ -99,21 +99,7 @@ fn invisible(c: char) -> bool {
     )
 }
 
-/// `1.02 GB` (decimal units, as `du -h --si` and the examples).
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1000.0 && u + 1 < UNITS.len() {
-        v /= 1000.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub use labsync_agent::human_bytes;
 
 /// `2026-12-02 18:04` (UTC) from Unix seconds.
 pub fn human_time(secs: i64) -> String {

@@ -11,6 +11,7 @@ mod housekeeping;
 mod logs;
 mod ops;
 mod outputs;
+pub(crate) mod shares;
 mod stages;
 
 pub(crate) use ops::{check_size, check_user_request};
@@ -59,6 +60,9 @@ pub struct DaemonConfig {
     /// Cap on the shared read-only trees, bytes; trees no active job uses
     /// are removed, least recently used first, above it.
     pub trees_max: u64,
+    /// Bytes of trees one user's active jobs and stages may hold here
+    /// (`trees_per_user`; `None`: no share).
+    pub trees_per_user: Option<u64>,
     /// A GPU with more foreign memory than this is not free.
     pub foreign_limit: u64,
     /// Deadline of one inventory read.
@@ -133,6 +137,7 @@ impl std::fmt::Debug for DaemonConfig {
             .field("cache_dir", &self.cache_dir)
             .field("cache_max", &self.cache_max)
             .field("trees_max", &self.trees_max)
+            .field("trees_per_user", &self.trees_per_user)
             .field("run_as_submitter", &self.run_as_submitter)
             .field("tokens", &self.tokens)
             .field("admins", &self.admins)

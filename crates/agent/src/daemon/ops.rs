@@ -13,7 +13,7 @@ use crate::blocking::{chain, off_runtime};
 use crate::error::{ApiError, PrepareError};
 use crate::leases::{JobMeta, JobRecord, JobState};
 use crate::node::{NodeError, Submit};
-use crate::proto::{Dispatch, DispatchReply, Info, JobView, SubmitRequest};
+use crate::proto::{Dispatch, DispatchReply, Info, JobView, SubmitRequest, TreeRef};
 use crate::status::GpuStatus;
 use crate::trees::{check_outputs, make_workdir};
 use crate::users;
@@ -261,6 +261,7 @@ impl Daemon {
             inventory: self.inventory.clone(),
             coordinator: self.coordinator.is_some(),
             gpu_confinement: self.gpu_confinement().to_string(),
+            trees_held: Some(self.tree_charge(&caller.user)),
         }
     }
 
@@ -606,6 +607,14 @@ impl Daemon {
             true => Some(self.store.get().map_err(PrepareError::NoStore)?),
             false => None,
         };
+        if let Some(repo) = repo {
+            let trees: Vec<&TreeRef> = (req.code.iter())
+                .chain(req.data.iter().map(|d| &d.tree))
+                .collect();
+            let user = &submit.user;
+            self.check_tree_share(user, super::shares::Asking::Job(id), &trees, repo)
+                .await?;
+        }
         let code = async {
             match (&req.code, repo) {
                 (Some(t), Some(repo)) => self.trees.get(repo, &self.cache, t).await.map(Some),

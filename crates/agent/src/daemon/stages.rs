@@ -586,6 +586,8 @@ impl Daemon {
         };
         let repo = self.repo()?;
         let prepared = async {
+            self.check_tree_share(&o.user, super::shares::Asking::Stage(&name), &trees, repo)
+                .await?;
             let code = match &ask.code {
                 Some(t) => Some(self.trees.get(repo, &self.cache, t).await?),
                 None => None,

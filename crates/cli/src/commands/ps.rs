@@ -11,7 +11,8 @@ use super::job_words::{runtime, state_words};
 
 /// Lists your jobs (`all`: everyone's): live ones, and those that ended in the last day.
 pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
-    let me = client.info().await.map_err(explain)?.user;
+    let info = client.info().await.map_err(explain)?;
+    let me = info.user.clone();
     let jobs: Vec<JobView> = client
         .jobs()
         .await
@@ -58,6 +59,20 @@ pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
             // Other users' commands: text, never bytes a terminal acts on.
             crate::shown(&j.argv.join(" "))
         );
+    }
+    // What the disk holds for this user here (their share of it).
+    if let Some((held, share)) = info.trees_held {
+        if held > 0 || share.is_some() {
+            let share = share.map_or_else(
+                || "no share set".into(),
+                |s| format!("your share is {} (trees_per_user)", crate::human_bytes(s)),
+            );
+            println!(
+                "code and data your jobs hold on {}: {}; {share}",
+                info.node,
+                crate::human_bytes(held)
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
