@@ -1445,6 +1445,62 @@ fn a_waiting_jobs_data_is_prefetched_where_it_will_likely_run() {
     );
 }
 
+/// Issue 40, point 8: one user's many waiting jobs keep at most their
+/// share of prefetched copies warm (`prefetch_per_user`, 2) however long
+/// they wait, so they cannot flush the nodes' caches; another user's
+/// waiting job still gets its data.
+#[test]
+fn one_users_waiting_jobs_warm_only_their_share() {
+    let Some(lab) = Lab::start(2) else { return };
+    let names: Vec<String> = (0..5).map(|i| format!("a{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        lab.dataset(name, 40 + i as u64);
+    }
+    lab.dataset("bobs", 60);
+    let release = lab.dir.path().join("release");
+    let keep = format!("while [ ! -e {} ]; do sleep 0.05; done", release.display());
+    let id = |o: Output| {
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let blockers: Vec<String> = (0..4)
+        .map(|_| id(lab.labrun(&["-d", "--gpus", "1", "--", "bash", "-c", &keep])))
+        .collect();
+    for b in &blockers {
+        lab.running(b);
+    }
+    let waiting: Vec<String> = names
+        .iter()
+        .map(|n| id(lab.labrun(&["-d", "--data", n, "--gpus", "1", "--", "true"])))
+        .collect();
+    let bobs = id(lab.labrun_as_bob(&["-d", "--data", "bobs", "--gpus", "1", "--", "true"]));
+    let warm = |s: &ClusterStatus, label: &str| {
+        ["gpu0", "gpu1"]
+            .into_iter()
+            .filter(|n| matches!(present(s, n, &format!("{label}@v1")), Some((h, t)) if t > 0 && h == t))
+            .count()
+    };
+    lab.wait_for("bob's data to be prefetched", 30, |s| warm(s, "bobs") > 0);
+    // Passes run every tick: many of them while alice's jobs wait.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let s = lab.status();
+    let copies: Vec<(&String, usize)> = names.iter().map(|n| (n, warm(&s, n))).collect();
+    let hers: usize = copies.iter().map(|(_, c)| c).sum();
+    assert!(hers <= 2, "copies warmed for alice's jobs: {copies:?}");
+    assert!(hers >= 1, "alice's first jobs get their share: {copies:?}");
+    for j in waiting.iter().chain([&bobs]) {
+        assert!(
+            matches!(lab.job(j).state, JobState::Queued),
+            "{:?}",
+            lab.job(j)
+        );
+    }
+    std::fs::write(&release, "").unwrap();
+    for j in waiting.iter().chain([&bobs]) {
+        wait_until("the waiting jobs to run and end", 60, || lab.job(j).ended());
+    }
+}
+
 /// A submission names each dataset by label and snapshot; nodes fetch a
 /// waiting job's data ahead by its label. A label that is not a version,
 /// or whose snapshot is another, is refused at the coordinator: a user

@@ -34,9 +34,12 @@ pub struct Warm {
 ///
 /// Each copy is charged to the first user, in queue order, of the jobs
 /// that want it who has not had [`Policy::prefetch_per_user`] copies
-/// already; a copy no such user wants is not made. So one user's many
-/// waiting jobs warm at most that many copies, however many datasets they
-/// name, and never crowd out another user's.
+/// already; a copy no such user wants is not made. Copies already whole
+/// where a waiting job would go count too, charged the same way: a pass
+/// warms only what the last ones left of a user's share, not that many
+/// more each time. So one user's many waiting jobs keep at most that many
+/// copies warm, however many datasets they name and however long they
+/// wait, and never crowd out another user's.
 pub fn prefetch(
     cluster: &Cluster,
     queue: &[Queued],
@@ -99,15 +102,17 @@ pub fn prefetch(
             let Some((have, total)) = cluster.presence(&node, &snapshot) else {
                 continue;
             };
-            if have < total {
-                let Some(user) = jobs
-                    .iter()
-                    .map(|q| q.user.as_str())
-                    .find(|u| warms_of.get(u).copied().unwrap_or(0) < policy.prefetch_per_user)
-                else {
-                    break;
-                };
+            let user = jobs
+                .iter()
+                .map(|q| q.user.as_str())
+                .find(|u| warms_of.get(u).copied().unwrap_or(0) < policy.prefetch_per_user);
+            if let Some(user) = user {
                 *warms_of.entry(user).or_default() += 1;
+            }
+            if have < total {
+                if user.is_none() {
+                    break;
+                }
                 out.push(Warm {
                     node,
                     snapshot,
@@ -257,6 +262,18 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(prefetch(&c, &queue, &d, 0, &generous).len(), 11);
+        // Warmed, they count at the next passes: her share is full, and
+        // her eight other datasets stay where they are however long her
+        // jobs wait.
+        for w in &w {
+            let first = w.snapshot.0[0];
+            cache(&mut c, w.node.as_str(), first, 1);
+        }
+        for now in [1_000, 2_000, 3_000] {
+            let d = plan(&mut c, &pass(&queue, &[], &usage, now), &Policy::default());
+            let more = prefetch(&c, &queue, &d, now, &Policy::default());
+            assert!(more.is_empty(), "{more:?}");
+        }
     }
 
     #[test]
