@@ -1731,6 +1731,28 @@ fn trees_held_for_a_user_are_charged_to_that_user() {
     assert_eq!(n.job(&fits).exit_code(), Some(0), "{:?}", n.job(&fits));
 }
 
+/// Issue 40, point 7: a job that can never start does not stop the node.
+/// On an 11 GiB card whose driver keeps 300 MiB, as real idle cards do, a
+/// job asking the whole card is failed with the reason, and the jobs
+/// behind it run.
+#[test]
+fn a_job_that_can_never_start_does_not_stop_the_node() {
+    let n = Node::start(Some("1x11GiB"), "run_as = \"labd\"");
+    n.control("reserved = [{ gpu = 0, mib = 300 }]\n");
+    let whole = n.detach(ALICE, &["--gpus", "1", "--gpu-mem", "11G", "--", "true"]);
+    let behind = n.detach(BOB, &["--gpus", "1", "--", "echo", "behind"]);
+    wait_until("both to end", 30, || n.ended(&whole) && n.ended(&behind));
+    match n.job(&whole).state {
+        JobState::Failed { reason } => assert!(
+            reason.contains("never fits") && reason.contains("300 MiB the driver keeps"),
+            "{reason}"
+        ),
+        other => panic!("a job no card can serve: {other:?}"),
+    }
+    assert_eq!(n.job(&behind).exit_code(), Some(0), "{:?}", n.job(&behind));
+    assert_eq!(n.ok(BOB, &["logs", &behind]), "behind\n");
+}
+
 /// Test 7: without a valid token nothing but the health check answers; a user
 /// cannot kill or read another user's job; an admin can.
 #[test]
@@ -1839,7 +1861,11 @@ fn data_is_read_only_and_shared_between_jobs() {
 /// uses is removed; one in use stays.
 #[test]
 fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
-    let n = Node::start(None, "run_as = \"labd\"\ntrees_max = \"1K\"");
+    // No share per user: one tree is past any share of a 1K budget.
+    let n = Node::start(
+        None,
+        "run_as = \"labd\"\ntrees_max = \"1K\"\ntrees_per_user = \"0\"",
+    );
     let data = n.path("div2k");
     std::fs::create_dir_all(&data).unwrap();
     std::fs::write(data.join("0001.png"), vec![7u8; 300_000]).unwrap();
