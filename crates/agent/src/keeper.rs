@@ -7,7 +7,7 @@
 //! job ended: unbounded, and charged to root, whom no quota stops. So the
 //! job gets the write end of a pipe, and a keeper holds the read end and
 //! appends what comes to the log, which labd keeps under its cap
-//! ([`crate::JobLogs`]'s bounding). When the job has ended, labd ends the
+//! (labd's log bounding). When the job has ended, labd ends the
 //! keeper: it has drained the pipe and exited by itself once the last
 //! writer was gone (the usual end, nothing lost), or is killed after a
 //! grace period when a writer outlives the job, whose writes then fail
