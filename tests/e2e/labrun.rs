@@ -2195,6 +2195,46 @@ fn outputs_are_pushed_no_more_often_than_the_nodes_floor() {
     n.ok(ALICE, &["kill", &id]);
 }
 
+/// Issue 40, point 3: outputs pushes run through one node-wide limit.
+/// Eight jobs that end together, each with 4 MB of outputs, make eight
+/// final pushes due at once: every one is saved, never more than two at
+/// a time (labd says in its log each time more run at once than ever).
+#[test]
+fn outputs_pushes_run_at_most_two_at_once() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    let go = n.path("go");
+    let script = format!(
+        "mkdir -p ckpt; head -c 4000000 /dev/urandom > ckpt/w.pt; echo written; \
+         while [ ! -e {} ]; do sleep 0.05; done",
+        go.display()
+    );
+    let ids: Vec<String> = (0..8)
+        .map(|_| n.detach(ALICE, &["--outputs", "ckpt", "--", "bash", "-c", &script]))
+        .collect();
+    for id in &ids {
+        wait_until("each job to write its outputs", 30, || {
+            n.ok(ALICE, &["logs", id]).contains("written")
+        });
+    }
+    std::fs::write(&go, "").unwrap();
+    for id in &ids {
+        wait_until("each job's outputs to be saved", 60, || {
+            let j = n.job(id);
+            j.ended() && j.meta.outputs_saved.is_some() && !j.meta.outputs_pending
+        });
+    }
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    let most = log
+        .lines()
+        .filter_map(|l| {
+            let at = l.split("outputs pushes at once: ").nth(1)?;
+            at.split(',').next()?.parse::<usize>().ok()
+        })
+        .max()
+        .unwrap_or_else(|| panic!("no push counted:\n{log}"));
+    assert!(most <= 2, "{most} outputs pushes at once");
+}
+
 /// Issue 40, point 15: labd starts while its store is unreachable (here
 /// its folder replaced by a file). It manages the job it already has (its
 /// state, its log), refuses new jobs saying why, keeps the outputs of the

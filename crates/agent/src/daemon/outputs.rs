@@ -24,6 +24,40 @@ const OUTPUTS_SETTLE: Duration = Duration::from_secs(5);
 /// taken waits for the next tick; a final push waits for a place.
 pub(crate) const OUTPUTS_AT_ONCE: usize = 2;
 
+/// One push counted as running while it lives.
+struct Running(
+    Arc<(
+        std::sync::atomic::AtomicUsize,
+        std::sync::atomic::AtomicUsize,
+    )>,
+);
+
+impl Running {
+    /// Counts a push in; says in the log when more run at once than ever.
+    fn start(
+        counts: &Arc<(
+            std::sync::atomic::AtomicUsize,
+            std::sync::atomic::AtomicUsize,
+        )>,
+    ) -> Running {
+        use std::sync::atomic::Ordering;
+        let now = counts.0.fetch_add(1, Ordering::SeqCst) + 1;
+        if counts.1.fetch_max(now, Ordering::SeqCst) < now {
+            tracing::info!(
+                "outputs pushes at once: {now}, the most so far (the node runs at most \
+                 {OUTPUTS_AT_ONCE})"
+            );
+        }
+        Running(counts.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Tries of a final outputs push that fails reading the outputs themselves.
 const UNREADABLE_TRIES: u32 = 3;
 
@@ -51,6 +85,12 @@ pub(crate) struct OutputsSaver {
     pushed_at: Mutex<HashMap<String, (Instant, u32, u32)>>,
     /// Places for pushes running at once ([`OUTPUTS_AT_ONCE`]).
     places: Arc<tokio::sync::Semaphore>,
+    /// Pushes running now, and the most that ever ran at once (said in
+    /// the log each time it grows).
+    running: Arc<(
+        std::sync::atomic::AtomicUsize,
+        std::sync::atomic::AtomicUsize,
+    )>,
 }
 
 /// What the saver needs besides the engine and the store.
@@ -79,6 +119,7 @@ impl OutputsSaver {
             pushing: Mutex::new(HashSet::new()),
             pushed_at: Mutex::new(HashMap::new()),
             places: Arc::new(tokio::sync::Semaphore::new(OUTPUTS_AT_ONCE)),
+            running: Arc::default(),
         }
     }
 
@@ -125,6 +166,7 @@ impl OutputsSaver {
                             Err(_) => return,
                         },
                     };
+                    let _running = Running::start(&done.0.running);
                     done.0.push(j, ended).await;
                     drop(done);
                 });
