@@ -32,6 +32,23 @@ use crate::pack::MAX_PACK_BYTES;
 use crate::progress::Progress;
 use crate::repo::{now_secs, pack_key, Repo};
 
+/// Where pulls hold the snapshots they read ([`NodeCache::hold`]).
+const PULLING: &str = "pulling";
+
+/// A pull's hold on a snapshot ([`NodeCache::hold`]), given back when
+/// dropped.
+#[derive(Debug)]
+pub struct PullHold {
+    _file: std::fs::File,
+    path: PathBuf,
+}
+
+impl Drop for PullHold {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// One cached snapshot.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct CachedSnapshot {
@@ -249,6 +266,8 @@ impl NodeCache {
 
     /// Records that `snapshot` is (being) cached and used now. Call before
     /// fetching its packs, so an interrupted pull keeps what it fetched.
+    /// `packs` join those it already has: a pull into an up-to-date folder
+    /// needs none, and an admin's warm (or pin) keeps all of them.
     pub fn touch(
         &self,
         snapshot: SnapshotId,
@@ -268,7 +287,11 @@ impl NodeCache {
                     pinned: false,
                 });
             e.label = label.to_string();
-            e.packs = packs;
+            for (p, size) in packs {
+                if !e.packs.iter().any(|(q, _)| *q == p) {
+                    e.packs.push((p, size));
+                }
+            }
             e.last_used = now_secs();
             s.dropped.retain(|p| !self.pack_path(p).exists());
             Ok(())
@@ -568,14 +591,67 @@ impl NodeCache {
         })
     }
 
+    /// Holds `snapshot` while a pull (or warm) reads it: no eviction, in
+    /// this process or another on the node, takes it until the hold is
+    /// dropped. A pull that finished first evicted the least recently used
+    /// snapshot, which could be the one another pull was still reading;
+    /// that pull then failed blaming the store. The hold is a file under
+    /// `pulling/`, locked shared for its life: a holder that crashed holds
+    /// nothing.
+    pub fn hold(&self, snapshot: SnapshotId) -> Result<PullHold> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = self.root.join(PULLING);
+        std::fs::create_dir_all(&dir).map_err(Error::io("create", &dir))?;
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{snapshot}.{}.{n}", std::process::id());
+        // Locked before it gets its name: an evictor never finds it
+        // unlocked and takes it for a crashed holder's.
+        let tmp = dir.join(format!(".{name}"));
+        let file = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockShared)
+            .map_err(|e| Error::io("lock", &tmp)(e.into()))?;
+        let path = dir.join(name);
+        std::fs::rename(&tmp, &path).map_err(Error::io("rename", &tmp))?;
+        Ok(PullHold { _file: file, path })
+    }
+
+    /// Snapshots some pull holds now ([`NodeCache::hold`]); the files of
+    /// holders that are gone are removed.
+    fn held(&self) -> HashSet<SnapshotId> {
+        let dir = self.root.join(PULLING);
+        let mut held = HashSet::new();
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(id) = name.split('.').next().and_then(|s| s.parse().ok()) else {
+                continue;
+            };
+            let Ok(f) = std::fs::File::open(e.path()) else {
+                continue;
+            };
+            let free = rustix::fs::FlockOperation::NonBlockingLockExclusive;
+            match rustix::fs::flock(&f, free) {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(e.path());
+                }
+                Err(_) => {
+                    held.insert(id);
+                }
+            }
+        }
+        held
+    }
+
     /// Evicts least recently used unpinned snapshots until the cache holds at
-    /// most `target` bytes, never `keep`. Returns the evicted labels.
+    /// most `target` bytes, never `keep` nor one a pull holds
+    /// ([`NodeCache::hold`]). Returns the evicted labels.
     pub fn evict_to(&self, target: u64, keep: Option<SnapshotId>) -> Result<Vec<String>> {
+        let held = self.held();
         let (evicted, live) = self.with_state(|s| {
             let mut order: Vec<(i64, SnapshotId)> = s
                 .snapshots
                 .iter()
-                .filter(|(id, c)| !c.pinned && Some(**id) != keep)
+                .filter(|(id, c)| !c.pinned && Some(**id) != keep && !held.contains(id))
                 .map(|(id, c)| (c.last_used, *id))
                 .collect();
             order.sort();

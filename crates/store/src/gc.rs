@@ -104,17 +104,27 @@ pub struct GcOutcome {
 }
 
 /// Runs gc. `grace_secs` overrides the store's grace period (0 is only safe
-/// when no push is running).
+/// when no push is running: the admin's to say, on the command line);
+/// the store's own is never taken below [`crate::GC_GRACE_FLOOR_SECS`].
 pub async fn gc(
     repo: &Repo,
     dry_run: bool,
     grace_secs: Option<u64>,
     progress: &dyn Progress,
 ) -> Result<GcOutcome> {
+    let config = repo.config();
+    if grace_secs.is_none() && config.gc_grace_secs < config.gc_grace() {
+        tracing::warn!(
+            "the store's config asks a gc grace of {} s: gc takes {} s, the floor (any member \
+             can write config; a shorter grace would delete running pushes' packs)",
+            config.gc_grace_secs,
+            config.gc_grace()
+        );
+    }
     let run = Run {
         repo,
         now: now_secs(),
-        grace: grace_secs.unwrap_or(repo.config().gc_grace_secs) as i64,
+        grace: grace_secs.unwrap_or_else(|| config.gc_grace()) as i64,
         dry_run,
     };
     progress.phase("gc: list", None, None);
@@ -659,6 +669,56 @@ mod tests {
         run.sweep_snapshots(&marked, &mut out).await.unwrap();
         assert_eq!(out.deleted_snapshots, 1);
         assert!(repo.load_snapshot(&again.snapshot).await.is_err());
+    }
+
+    /// Issue 41, point 4: any member can write the store's `config`. One
+    /// asking a grace of 0 does not make an honest gc condemn the packs a
+    /// push has just written and not yet committed: the floor holds.
+    #[tokio::test]
+    async fn a_config_without_grace_keeps_the_floor() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let fresh = push_one(&repo, "ds", b"a push not committed yet").await;
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let mut cfg = repo.config().clone();
+        cfg.gc_grace_secs = 0;
+        repo.remote()
+            .put("config", serde_json::to_vec(&cfg).unwrap().into())
+            .await
+            .unwrap();
+        let repo = Repo::open(repo.remote().clone(), None).await.unwrap();
+        assert_eq!(repo.config().gc_grace_secs, 0);
+        let out = gc(&repo, false, None, &NoProgress).await.unwrap();
+        assert!(out.condemned.is_empty(), "{out:?}");
+        assert_eq!(out.young_packs, fresh.len() as u64);
+        // The admin's own override still goes below it.
+        let out = gc(&repo, false, Some(0), &NoProgress).await.unwrap();
+        assert_eq!(out.condemned.len(), fresh.len());
+    }
+
+    /// Issue 41, point 8: any member can write `gc/`. Records that do not
+    /// parse, or parse as something else, block neither a push nor a gc:
+    /// they condemn nothing.
+    #[tokio::test]
+    async fn a_junk_gc_record_blocks_nothing() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let live = push_one(&repo, "ds", &[1u8; 1000]).await;
+        for (key, body) in [
+            ("gc/condemned-junk", "not json at all"),
+            (
+                "gc/condemned-000000000001-x",
+                r#"{"time": "soon", "packs": 7}"#,
+            ),
+        ] {
+            let body = bytes::Bytes::from(body.as_bytes().to_vec());
+            repo.remote().put(key, body).await.unwrap();
+        }
+        assert!(condemned_packs(&repo).await.unwrap().is_empty());
+        push_one(&repo, "other", b"pushed past the junk").await;
+        let out = gc(&repo, false, Some(0), &NoProgress).await.unwrap();
+        assert!(out.deleted.is_empty(), "{out:?}");
+        assert!(live.iter().all(|p| !out.condemned.contains(p)));
     }
 
     /// The packs (data and tree) a push of `content` as `name` wrote.

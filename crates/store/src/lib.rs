@@ -61,7 +61,7 @@ mod verify;
 
 pub use at::{empty_tree_as, remove_tree};
 pub use behind::{CacheWrites, CacheWritten, BEHIND_MAX_MIB};
-pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent};
+pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent, PullHold};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::ConditionalWrites;
 pub use error::{Error, Result};
@@ -80,8 +80,9 @@ pub use pull::{
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{
-    validate_name, IndexMemo, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT, MAX_CONFIG_OBJECT,
-    MAX_INDEX_OBJECT, MAX_RECORD_OBJECT, MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
+    validate_name, IndexMemo, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT,
+    GC_GRACE_FLOOR_SECS, MAX_CONFIG_OBJECT, MAX_INDEX_OBJECT, MAX_RECORD_OBJECT,
+    MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
 };
 pub use seen::SeenVersions;
 pub use snapshot::{

@@ -44,7 +44,18 @@ pub struct StoreConfig {
     pub conditional_writes: Option<ConditionalWrites>,
 }
 
+/// The shortest grace period gc and pushes take, whatever the store's
+/// `config` says: any member can write `config`, and a grace of 0 would
+/// make an honest gc delete the packs of pushes still running.
+pub const GC_GRACE_FLOOR_SECS: u64 = 3600;
+
 impl StoreConfig {
+    /// The grace period gc and pushes go by: the config's, never below
+    /// [`GC_GRACE_FLOOR_SECS`].
+    pub fn gc_grace(&self) -> u64 {
+        self.gc_grace_secs.max(GC_GRACE_FLOOR_SECS)
+    }
+
     /// The defaults for a new store with the given chunk parameters.
     pub fn new(params: ChunkerParams) -> Self {
         let mut id = [0u8; 16];

@@ -700,6 +700,63 @@ async fn push_random(env: &Env, name: &str, len: usize, seed: u64) {
         .unwrap();
 }
 
+/// Issue 41, point 6: `labsync cache pin ds`, then a pull of `ds` into
+/// an up-to-date folder (which needs no pack): the pin keeps every pack
+/// it had. Before, the cache showed `ds@v1 0 B pinned` and the packs
+/// were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_pull_keeps_a_pins_packs() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    push_random(&env, "ds", 1_200_000, 7).await;
+    let dest = env.root.join("D");
+    env.pull_into("ds", &dest).await.unwrap();
+    let held = |env: &Env| {
+        let st = env.cache.status().unwrap();
+        let (id, c, present) = st
+            .snapshots
+            .iter()
+            .find(|(_, c, _)| c.label == "ds@v1")
+            .expect("ds@v1 cached")
+            .clone();
+        (id, present, c.packs)
+    };
+    let (id, bytes, packs) = held(&env);
+    assert!(bytes > 1_000_000, "{bytes}");
+    env.cache.set_pinned(id, true).unwrap();
+    env.pull_into("ds", &dest).await.unwrap();
+    let (_, after, _) = held(&env);
+    assert_eq!(after, bytes, "the pin's packs are kept");
+    for (p, _) in &packs {
+        assert!(env.cache.pack_path(p).exists(), "pack {p} removed");
+    }
+}
+
+/// Issue 41, point 5: a snapshot a pull is reading (held) is never
+/// evicted, whoever evicts; once the pull lets go, it is evicted as any
+/// other. Before, a pull that finished first evicted the one another pull
+/// was still reading, which then failed blaming the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_being_pulled_is_never_evicted() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    push_random(&env, "a", 1_200_000, 11).await;
+    let a = labsync_store::warm(&env.repo, &env.cache, &"a".parse().unwrap(), np())
+        .await
+        .unwrap()
+        .0;
+    let hold = env.cache.hold(a.snapshot).unwrap();
+    // Another process's view of the same cache evicts everything it may.
+    let other = NodeCache::open(&env.root.join("cache"), 1 << 30).unwrap();
+    assert_eq!(other.evict_to(0, None).unwrap(), Vec::<String>::new());
+    let st = env.cache.status().unwrap();
+    assert!(st.snapshots.iter().any(|(_, c, _)| c.label == "a@v1"));
+    assert!(st.used_bytes > 1_000_000, "{}", st.used_bytes);
+    drop(hold);
+    assert_eq!(other.evict_to(0, None).unwrap(), vec!["a@v1".to_string()]);
+    assert_eq!(env.cache.status().unwrap().used_bytes, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
     let dir = tempfile::tempdir().unwrap();

@@ -43,7 +43,15 @@ pub async fn info(ctx: &StoreContext) -> Result<ExitCode> {
                     "compression:        {} (this client's pushes)",
                     ctx.settings.compression
                 ),
-                format!("gc grace:           {} s", c.gc_grace_secs),
+                if c.gc_grace_secs < c.gc_grace() {
+                    format!(
+                        "gc grace:           {} s asked, {} s taken (the floor)",
+                        c.gc_grace_secs,
+                        c.gc_grace()
+                    )
+                } else {
+                    format!("gc grace:           {} s", c.gc_grace_secs)
+                },
                 format!("conditional writes: {how}"),
                 format!("versions created by {scheme}"),
             ]

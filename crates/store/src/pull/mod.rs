@@ -208,8 +208,10 @@ async fn pull_inner(
 
     let plan = plan(&entries, &index, &tree, empty)?;
     check_room(&repo, cache, &dest, &plan)?;
-    // Recorded before fetching, so packs of an interrupted pull stay owned.
+    // Recorded before fetching, so packs of an interrupted pull stay owned;
+    // held until the end, so another pull's eviction passes it by.
     let (id, label, store) = (record.snapshot, record.label(), &repo.config().id);
+    let _held = cache.hold(id)?;
     cache.touch(id, &label, store, plan.packs.clone())?;
 
     // Files are written while the packs they need arrive (see `arrive`);
@@ -1054,6 +1056,7 @@ pub async fn warm(
     let repo = repo
         .clone()
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
+    let _held = cache.hold(record.snapshot)?;
     cache.touch(
         record.snapshot,
         &record.label(),

@@ -164,7 +164,7 @@ pub async fn push(
     let snapshot =
         commit::write_snapshot(repo, &opts.name, latest, streamed.object, &mut written).await?;
     // Positions in `used` are the index's before the new tree packs join it.
-    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace_secs {
+    if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace() {
         commit::check_still_present(repo, &index, &streamed.used).await?;
     }
     // Every thread that shared it is done.
