@@ -563,6 +563,9 @@ impl NodeCache {
         use std::os::unix::fs::FileExt;
         let f = std::fs::File::open(self.pack_path(id)).ok()?;
         let size = f.metadata().ok()?.len();
+        if size > MAX_PACK_BYTES {
+            return None;
+        }
         let tl = crate::pack::trailer_len() as u64;
         let mut trailer = vec![0; tl as usize];
         f.read_exact_at(&mut trailer, size.checked_sub(tl)?).ok()?;

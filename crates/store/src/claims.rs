@@ -20,7 +20,8 @@
 //!
 //! 1. If the key exists, it is taken: answer "exists".
 //! 2. Write a claim under a unique name, `claims/<hash of key>.<nonce>`.
-//! 3. List the claims of that key. If any other claim is live (younger than
+//! 3. List the claims of that key (only those: the listing starts at their
+//!    names). If any other claim is live (younger than
 //!    [`CLAIM_STALE`] than ours, by the server's clock), withdraw ours
 //!    (delete it), wait a random while, and start again.
 //! 4. Alone: if the key exists now, withdraw and answer "exists"; otherwise
@@ -219,11 +220,12 @@ impl Remote {
             let mine = format!("{prefix}{}", nonce());
             // Counted from before the claim is sent: a slow answer counts too.
             let held = Instant::now();
-            self.put(&mine, Bytes::from(key.to_string())).await?;
-            let claims = self.list(CLAIMS).await.map(|all| {
-                let on_key = all.into_iter().filter(|c| c.key.starts_with(&prefix));
-                on_key.collect::<Vec<_>>()
-            });
+            // The key, then who claims it: a name kept from others says whose.
+            self.put(&mine, Bytes::from(format!("{key}\n{}", claimant())))
+                .await?;
+            // Only this key's claims: a folder of a million others (left
+            // over, or planted) costs nothing here.
+            let claims = self.list_beginning(CLAIMS, &prefix).await;
             let alone = match &claims {
                 Ok(claims) => match claims.iter().find(|c| c.key == mine) {
                     // Not listed yet: the server is not consistent enough to
@@ -282,10 +284,84 @@ impl Remote {
         Err(Error::Conflict {
             what: format!("object {key}"),
             detail: format!(
-                "{attempt} attempts in {} s to claim it met other writers' claims; run the \
-                 command again",
-                PATIENCE.as_secs()
+                "{attempt} attempts in {} s to claim it met other writers' claims ({}); run \
+                 the command again. A claim renewed for ever keeps the name from everyone: the \
+                 store's admin removes it (and asks its writer why)",
+                PATIENCE.as_secs(),
+                self.claimants(&prefix).await
             ),
         })
+    }
+
+    /// Whose the claims beginning with `prefix` are, for a conflict's
+    /// message: each key and what its writer said of itself (at most
+    /// three, each read in bounded memory).
+    async fn claimants(&self, prefix: &str) -> String {
+        let Ok(claims) = self.list_beginning(CLAIMS, prefix).await else {
+            return "they could not be listed".into();
+        };
+        let mut said = Vec::new();
+        for c in claims.iter().take(3) {
+            let who: String = match self.get_at_most(&c.key, 4096).await {
+                Ok(b) => String::from_utf8_lossy(&b)
+                    .lines()
+                    .nth(1)
+                    // Anyone's words: no control character reaches a terminal.
+                    .map(|l| {
+                        l.chars()
+                            .take(200)
+                            .map(|c| if c.is_control() { '?' } else { c })
+                            .collect()
+                    })
+                    .unwrap_or_else(|| "a writer that does not say who".into()),
+                Err(_) => "gone".into(),
+            };
+            said.push(format!("{} by {who}", c.key));
+        }
+        if claims.len() > 3 {
+            said.push(format!("{} more", claims.len() - 3));
+        }
+        if said.is_empty() {
+            "none left now".into()
+        } else {
+            said.join("; ")
+        }
+    }
+}
+
+/// Who this writer is, as its claims say: user, host and process.
+fn claimant() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| format!("uid {}", rustix::process::getuid().as_raw()));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "an unnamed host".into());
+    format!("{user}@{host} (pid {})", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A name kept by someone's claim says whose it is, in words no
+    /// terminal acts on, and this writer's claims say who it is.
+    #[tokio::test]
+    async fn a_blocking_claim_says_whose_it_is() {
+        let remote = Remote::memory();
+        let prefix = claim_prefix("refs/ds/@/2");
+        let body = "refs/ds/@/2\nmallory@gpu9 (pid 7)\u{1b}[2J";
+        remote
+            .put(&format!("{prefix}x"), Bytes::from(body))
+            .await
+            .unwrap();
+        let said = remote.claimants(&prefix).await;
+        assert!(said.contains("by mallory@gpu9 (pid 7)?[2J"), "{said}");
+        assert!(!said.contains('\u{1b}'));
+        assert!(claimant().contains(&format!("(pid {})", std::process::id())));
+        assert_eq!(
+            remote.claimants(&claim_prefix("other")).await,
+            "none left now"
+        );
     }
 }

@@ -112,6 +112,65 @@ pub async fn gc(
     grace_secs: Option<u64>,
     progress: &dyn Progress,
 ) -> Result<GcOutcome> {
+    gc_on_clock(repo, dry_run, grace_secs, progress, now_secs()).await
+}
+
+/// The most this host's clock may differ from the store's for gc to run.
+pub const CLOCK_MARGIN_SECS: i64 = 300;
+
+/// The store's clock now: the modification time the server gives an
+/// object this run writes (and removes at once).
+async fn store_now(repo: &Repo) -> Result<i64> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let key = format!("clock/gc-{}-{nanos}", std::process::id());
+    repo.remote()
+        .put(
+            &key,
+            bytes::Bytes::from_static(b"gc reads the store's clock here"),
+        )
+        .await?;
+    let info = repo.remote().head(&key).await;
+    let _ = repo.remote().delete(&key).await;
+    match info? {
+        Some(o) => Ok(o.modified),
+        None => Err(Error::not_found(format!("{key}, just written"))),
+    }
+}
+
+/// Refuses a run whose host clock (`local`) is more than
+/// [`CLOCK_MARGIN_SECS`] off the store's (`store`).
+fn check_clock(local: i64, store: i64) -> Result<()> {
+    let skew = local - store;
+    if skew.abs() <= CLOCK_MARGIN_SECS {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "this host's clock",
+        format!(
+            "it is {} s {} the store's (the time the server gave an object gc wrote); gc \
+             measures ages on the store's clock and deletes nothing while this host's is more \
+             than {CLOCK_MARGIN_SECS} s off it: set the clock right (NTP; a hardware clock kept \
+             in local time is hours off) and run gc again",
+            skew.abs(),
+            if skew > 0 { "ahead of" } else { "behind" }
+        ),
+    ))
+}
+
+/// [`gc`] on a host whose clock says `local` now (tests skew it).
+async fn gc_on_clock(
+    repo: &Repo,
+    dry_run: bool,
+    grace_secs: Option<u64>,
+    progress: &dyn Progress,
+    local: i64,
+) -> Result<GcOutcome> {
+    // Ages are the server's (LastModified): measured against the host's
+    // clock, one hours ahead deleted the packs of running pushes.
+    let now = store_now(repo).await?;
+    check_clock(local, now)?;
     let config = repo.config();
     if grace_secs.is_none() && config.gc_grace_secs < config.gc_grace() {
         tracing::warn!(
@@ -123,7 +182,7 @@ pub async fn gc(
     }
     let run = Run {
         repo,
-        now: now_secs(),
+        now,
         grace: grace_secs.unwrap_or_else(|| config.gc_grace()) as i64,
         dry_run,
     };
@@ -547,7 +606,8 @@ impl Run<'_> {
     }
 
     /// Half-written objects of pushes that were killed, and claims and
-    /// probes of writers that crashed ([`crate::claims`]): never referenced
+    /// probes of writers that crashed ([`crate::claims`]), and the clock
+    /// objects of gc runs that did: never referenced
     /// by anything, and older than any write still in progress.
     async fn sweep_staging(&self, out: &mut GcOutcome) -> Result<()> {
         let remote = self.repo.remote();
@@ -558,7 +618,7 @@ impl Run<'_> {
             out.deleted_staging += 1;
             out.deleted_staging_bytes += o.size;
         }
-        for prefix in ["claims/", "probe/"] {
+        for prefix in ["claims/", "probe/", "clock/"] {
             for o in remote.list(prefix).await? {
                 if self.now - o.modified < self.grace || o.key == crate::claims::KEEP {
                     continue;
@@ -719,6 +779,42 @@ mod tests {
         let out = gc(&repo, false, Some(0), &NoProgress).await.unwrap();
         assert!(out.deleted.is_empty(), "{out:?}");
         assert!(live.iter().all(|p| !out.condemned.contains(p)));
+    }
+
+    /// Issue 41, point 2: a host whose clock is 8 h ahead of the store's
+    /// (a hardware clock kept in local time at UTC+8) runs no gc: it would
+    /// take the packs a push wrote a moment ago for 8 h old. It is told
+    /// why; a clock within the margin runs, measuring on the store's.
+    #[tokio::test]
+    async fn a_host_clock_off_the_stores_runs_no_gc() {
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let fresh = push_one(&repo, "ds", b"a push not committed yet").await;
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let ahead = now_secs() + 8 * 3600;
+        let err = gc_on_clock(&repo, false, None, &NoProgress, ahead)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("28800 s ahead of the store's") && err.contains("NTP"),
+            "{err}"
+        );
+        assert!(condemned_packs(&repo).await.unwrap().is_empty());
+        let behind = now_secs() - 2 * 3600;
+        let err = gc_on_clock(&repo, false, None, &NoProgress, behind)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("s behind the store's"), "{err}");
+        let near = now_secs() + 60;
+        let out = gc_on_clock(&repo, false, None, &NoProgress, near)
+            .await
+            .unwrap();
+        assert!(out.condemned.is_empty(), "{out:?}");
+        assert_eq!(out.young_packs, fresh.len() as u64);
+        assert!(repo.remote().list("clock/").await.unwrap().is_empty());
     }
 
     /// The packs (data and tree) a push of `content` as `name` wrote.

@@ -13,7 +13,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
@@ -376,6 +376,42 @@ impl Remote {
                 size: m.size,
                 modified: m.last_modified.timestamp(),
             })
+    }
+
+    /// The objects of `folder` whose keys begin with `start` (a key prefix
+    /// inside it, not a folder), in key order. On a server the listing
+    /// starts after `start` (S3's `start-after`) and stops at the first key
+    /// past the prefix: the keys of a million others are never read. Other
+    /// backends list the folder and keep what matches.
+    pub async fn list_beginning(&self, folder: &str, start: &str) -> Result<Vec<ObjectInfo>> {
+        let p = Path::from(folder.trim_end_matches('/'));
+        let info = |m: object_store::ObjectMeta| ObjectInfo {
+            key: m.location.to_string(),
+            size: m.size,
+            modified: m.last_modified.timestamp(),
+        };
+        if !self.is_server() {
+            let mut all: Vec<ObjectInfo> = self
+                .list_stream(folder)
+                .try_filter(|o| std::future::ready(o.key.starts_with(start)))
+                .try_collect()
+                .await?;
+            all.sort_by(|a, b| a.key.cmp(&b.key));
+            return Ok(all);
+        }
+        // Every key beginning with `start` sorts after `start` less its
+        // last character.
+        let after = Path::from(&start[..start.len().saturating_sub(1)]);
+        let mut stream = self.inner.list_with_offset(Some(&p), &after);
+        let mut out = Vec::new();
+        while let Some(m) = stream.next().await {
+            let m = m.map_err(Self::unavailable("list", folder))?;
+            if !m.location.as_ref().starts_with(start) {
+                break;
+            }
+            out.push(info(m));
+        }
+        Ok(out)
     }
 
     /// Staging files (`key#N`) of local writes that never finished (a push

@@ -973,25 +973,24 @@ impl Repo {
                 Err(e) => return Err(e),
             }
         }
-        let versions = self.versions(&spec.name).await?;
-        if versions.is_empty() {
+        // The latest: newest records first, usually one read. A name with
+        // thousands of versions, or an old record anyone spoiled, costs the
+        // newest ones, not every one.
+        let Some(latest) = self.latest(&spec.name).await? else {
             return Err(Error::NotFound {
                 what: format!("name {:?}", spec.name),
                 hint: "; `labsync ls` lists the stored names".into(),
             });
-        }
+        };
         match spec.version {
-            None => Ok(versions.into_iter().next_back().expect("non-empty")),
-            Some(v) => {
-                let last = versions.last().map(|r| r.version).unwrap_or(0);
-                versions
-                    .into_iter()
-                    .find(|r| r.version == v)
-                    .ok_or_else(|| Error::NotFound {
-                        what: format!("version {spec}"),
-                        hint: format!("; the latest is v{last} (`labsync log {}`)", spec.name),
-                    })
-            }
+            None => Ok(latest),
+            Some(_) => Err(Error::NotFound {
+                what: format!("version {spec}"),
+                hint: format!(
+                    "; the latest is v{} (`labsync log {}`)",
+                    latest.version, spec.name
+                ),
+            }),
         }
     }
 
@@ -1111,6 +1110,18 @@ impl Repo {
                 "shorter than a pack trailer",
             ));
         }
+        // Any member can put a 4 GiB object under `packs/` whose trailer
+        // says its footer is most of it: read, that footer would be 4 GiB
+        // of memory. No pack is larger than this, so no footer is.
+        if size > pack::MAX_PACK_BYTES {
+            return Err(Error::corrupt(
+                format!("pack {id}"),
+                format!(
+                    "{size} bytes, larger than a pack can be ({} MiB); its footer is not read",
+                    pack::MAX_PACK_BYTES >> 20
+                ),
+            ));
+        }
         let trailer = self.remote.get_range(&key, size - tl..size).await?;
         let flen = pack::parse_trailer(&trailer, id)? as u64;
         let fstart = (size - tl)
@@ -1200,6 +1211,63 @@ mod tests {
         std::fs::write(dir.path().join("f"), "two").unwrap();
         let e = crate::push(&repo, dir.path(), &opts, np).await.unwrap_err();
         assert!(e.to_string().contains("the last there can be"), "{e}");
+    }
+
+    /// Issue 41, point 12: resolving a name reads its newest records, not
+    /// every one: an old record anyone spoiled (or a thousand of them)
+    /// does not stop, nor slow, a pull of the latest.
+    #[tokio::test]
+    async fn the_latest_version_is_resolved_without_reading_old_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::memory(), None).await.unwrap();
+        let np = std::sync::Arc::new(crate::progress::NoProgress);
+        let opts = crate::PushOptions::for_test("ds");
+        for text in ["one", "two"] {
+            std::fs::write(dir.path().join("f"), text).unwrap();
+            crate::push(&repo, dir.path(), &opts, np.clone())
+                .await
+                .unwrap();
+        }
+        let spoiled = bytes::Bytes::from_static(b"not a version record");
+        repo.remote()
+            .put(&version_key("ds", 1), spoiled)
+            .await
+            .unwrap();
+        let latest = repo.resolve(&"ds".parse().unwrap()).await.unwrap();
+        assert_eq!(latest.version, 2);
+        let miss = repo.resolve(&"ds@v9".parse().unwrap()).await.unwrap_err();
+        assert!(miss.to_string().contains("the latest is v2"), "{miss}");
+    }
+
+    /// Issue 41, point 12: a 4 GiB object under `packs/` (sparse here)
+    /// whose trailer says its footer is nearly all of it is refused from
+    /// its size: its footer is never read into memory.
+    #[tokio::test]
+    async fn a_huge_object_named_as_a_pack_has_its_footer_left_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::local(dir.path()).unwrap(), None)
+            .await
+            .unwrap();
+        let id = PackId::from_bytes([9; 32]);
+        let path = dir.path().join(pack_key(&id));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let size: u64 = 4 << 30;
+        let tl = pack::trailer_len() as u64;
+        let count = (size - tl) / 49;
+        let mut trailer = Vec::new();
+        trailer.extend_from_slice(&((count * 49) as u32).to_le_bytes());
+        trailer.extend_from_slice(&(count as u32).to_le_bytes());
+        trailer.extend_from_slice(&[0; 8]);
+        trailer.extend_from_slice(b"LSPK");
+        trailer.extend_from_slice(&2u32.to_le_bytes());
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(size).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &trailer, size - tl).unwrap();
+        let err = repo.read_pack_footer(&id, size).await.unwrap_err();
+        assert!(
+            err.to_string().contains("larger than a pack can be"),
+            "{err}"
+        );
     }
 
     /// The index objects gc consolidated away leave the local copies too.

@@ -454,3 +454,36 @@ async fn a_push_while_gc_lists_the_packs_keeps_its_chunks_indexed() {
         random_bytes(300_000, 7)
     );
 }
+
+/// Issue 41, point 9: where the server ignores conditional writes a
+/// create goes by claims, and it lists only its own key's claims (the
+/// listing starts at their names), however many others the folder holds,
+/// left over or planted. Before, every create listed the whole folder: a
+/// million claims made every commit run out of time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_lists_only_its_own_keys_claims() {
+    let Some((_s3, proxy)) = server_behind(Fault::DropConditions).await else {
+        return;
+    };
+    let remote = remote_via(&proxy, "claims41").with_conditional_writes(ConditionalWrites::Ignored);
+    for i in 0..30u32 {
+        let key = format!("claims/{i:032x}.planted");
+        remote.put(&key, "data/elsewhere".into()).await.unwrap();
+    }
+    let before = proxy.passed().len();
+    assert!(remote.create("data/one", "v1".into()).await.unwrap());
+    assert!(!remote.create("data/one", "v2".into()).await.unwrap());
+    let lists: Vec<String> = proxy.passed()[before..]
+        .iter()
+        .filter(|w| w.contains("list-type=2"))
+        .cloned()
+        .collect();
+    assert!(!lists.is_empty(), "the create listed its claims");
+    for l in &lists {
+        assert!(l.contains("start-after="), "a listing of every claim: {l}");
+    }
+    assert_eq!(
+        &remote.get_at_most("data/one", 64).await.unwrap()[..],
+        b"v1"
+    );
+}

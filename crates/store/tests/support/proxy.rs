@@ -100,6 +100,13 @@ impl Proxy {
         self.state.requests.load(Ordering::Relaxed)
     }
 
+    /// Every request that reached the server, in order: method and path
+    /// with its query.
+    pub fn passed(&self) -> Vec<String> {
+        let passed = self.state.passed.lock().unwrap();
+        passed.iter().map(|(_, what)| what.clone()).collect()
+    }
+
     /// Conditional requests answered `501`.
     pub fn refused(&self) -> u64 {
         self.state.refused.load(Ordering::Relaxed)
