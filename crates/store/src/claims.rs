@@ -330,7 +330,7 @@ impl Remote {
 }
 
 /// Who this writer is, as its claims say: user, host and process.
-fn claimant() -> String {
+pub(crate) fn claimant() -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| format!("uid {}", rustix::process::getuid().as_raw()));

@@ -69,6 +69,61 @@ async fn read_condemned(repo: &Repo, key: &str) -> Result<Option<Condemned>> {
     }
 }
 
+/// Where long pushes pin the packs they uploaded and no version names yet.
+pub(crate) const PINS: &str = "pins/";
+
+/// The most a pin may hold: two million packs (64 TB of 32 MiB packs).
+const MAX_PIN: u64 = 64 << 20;
+
+/// A pin: the packs a running push uploaded (and who pushes).
+#[derive(Serialize, Deserialize)]
+struct Pin {
+    packs: Vec<PackId>,
+    by: String,
+}
+
+/// A new pin's key.
+pub(crate) fn pin_key() -> String {
+    format!("{PINS}{}", crate::claims::nonce())
+}
+
+/// Writes (again) the pin `key` naming `packs`: gc keeps them, as young,
+/// as long as the pin is younger than the grace period.
+pub(crate) async fn write_pin(repo: &Repo, key: &str, packs: &[PackId]) -> Result<()> {
+    let pin = Pin {
+        packs: packs.to_vec(),
+        by: crate::claims::claimant(),
+    };
+    let json = serde_json::to_vec(&pin).expect("pin serialises");
+    repo.remote().put(key, json.into()).await
+}
+
+/// The packs pins younger than `grace` (by `now`, the store's clock)
+/// name: uploaded by pushes still running. A pin that is too large or
+/// does not parse pins nothing (any member can write `pins/`).
+async fn pinned(repo: &Repo, now: i64, grace: i64) -> Result<HashSet<PackId>> {
+    let mut out = HashSet::new();
+    for o in repo.remote().list(PINS).await? {
+        if now.saturating_sub(o.modified) >= grace {
+            continue;
+        }
+        let bytes = match repo.remote().get_at_most(&o.key, MAX_PIN).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => continue,
+            Err(e @ Error::Corrupt { .. }) => {
+                tracing::warn!("pin {} is not used: {e}", o.key);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        match serde_json::from_slice::<Pin>(&bytes) {
+            Ok(p) => out.extend(p.packs),
+            Err(e) => tracing::warn!("pin {} is not used: it does not parse ({e})", o.key),
+        }
+    }
+    Ok(out)
+}
+
 /// The most a `gc/` record may hold: about 900,000 packs (30 TB of 32 MiB
 /// packs). A run condemns at most [`MAX_CONDEMNED_PER_RUN`], which fits.
 const MAX_GC_RECORD: u64 = 64 << 20;
@@ -86,6 +141,8 @@ pub struct GcOutcome {
     pub referenced_packs: u64,
     /// Unreferenced packs kept because they are younger than the grace period.
     pub young_packs: u64,
+    /// Packs kept because a running push pinned them.
+    pub pinned_packs: u64,
     /// Packs condemned by this run (deleted by a run after the grace period).
     pub condemned: Vec<PackId>,
     /// Packs deleted (or that would be, with `--dry-run`).
@@ -203,7 +260,7 @@ async fn gc_on_clock(
         ));
     }
 
-    let marked = mark(repo, &index, &versions, progress).await?;
+    let mut marked = mark(repo, &index, &versions, progress).await?;
     let mut out = GcOutcome {
         versions: versions.len() as u64,
         packs: packs.len() as u64,
@@ -211,6 +268,11 @@ async fn gc_on_clock(
         dry_run,
         ..Default::default()
     };
+    // Packs a running push pinned are kept as if a version named them:
+    // neither condemned nor deleted while the pin is younger than the grace.
+    let pins = pinned(repo, run.now, run.grace).await?;
+    out.pinned_packs = packs.keys().filter(|p| pins.contains(p)).count() as u64;
+    marked.packs.extend(pins);
     let records = run.condemn(&packs, &marked, &mut out).await?;
 
     progress.phase("gc: sweep", None, None);
@@ -618,7 +680,7 @@ impl Run<'_> {
             out.deleted_staging += 1;
             out.deleted_staging_bytes += o.size;
         }
-        for prefix in ["claims/", "probe/", "clock/"] {
+        for prefix in ["claims/", "probe/", "clock/", PINS] {
             for o in remote.list(prefix).await? {
                 if self.now - o.modified < self.grace || o.key == crate::claims::KEEP {
                     continue;
@@ -815,6 +877,41 @@ mod tests {
         assert!(out.condemned.is_empty(), "{out:?}");
         assert_eq!(out.young_packs, fresh.len() as u64);
         assert!(repo.remote().list("clock/").await.unwrap().is_empty());
+    }
+
+    /// Issue 41, point 3: a push running longer than the grace period pins
+    /// the packs it uploaded. gc keeps pinned packs, however old, while
+    /// the pin is younger than the grace; once it is not (the push died),
+    /// they go the usual way, and so does the pin.
+    #[tokio::test]
+    async fn packs_a_running_push_pinned_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repo::open(Remote::local(dir.path()).unwrap(), None)
+            .await
+            .unwrap();
+        let mut uploaded = push_one(&repo, "ds", &[3u8; 50_000]).await;
+        uploaded.sort();
+        repo.forget(&"ds@v1".parse::<RefSpec>().unwrap())
+            .await
+            .unwrap();
+        let day_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(86_400);
+        let age = |key: &str| {
+            let path = repo.remote().local_path(key).unwrap();
+            let f = std::fs::File::options().write(true).open(path).unwrap();
+            f.set_modified(day_ago).unwrap();
+        };
+        // As old as the first packs of a day-long push.
+        for p in &uploaded {
+            age(&pack_key(p));
+        }
+        write_pin(&repo, "pins/running", &uploaded).await.unwrap();
+        let out = gc(&repo, false, Some(3600), &NoProgress).await.unwrap();
+        assert!(out.condemned.is_empty(), "{out:?}");
+        assert_eq!(out.pinned_packs, uploaded.len() as u64);
+        age("pins/running");
+        let out = gc(&repo, false, Some(3600), &NoProgress).await.unwrap();
+        assert_eq!(out.condemned, uploaded);
+        assert!(repo.remote().list(PINS).await.unwrap().is_empty());
     }
 
     /// The packs (data and tree) a push of `content` as `name` wrote.

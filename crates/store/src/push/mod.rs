@@ -176,6 +176,10 @@ pub async fn push(
         commit::tree_stats(repo, &index, &streamed.used, streamed.new_stored, &snapshot).await?;
     let (record, created) =
         commit::commit_version(repo, opts, &snapshot, &stats, &mut written).await?;
+    // A version names the packs now; a pin left behind is swept by gc.
+    if let Some(pin) = &uploaded.pin {
+        let _ = repo.remote().delete(pin).await;
+    }
 
     if let Some(cache) = streamed.cache {
         cache.commit(progress.as_ref());

@@ -34,6 +34,9 @@ pub(super) struct Uploaded {
     /// The packs of tree segments (the diff against the latest version
     /// reads the new ones).
     pub tree_packs: Vec<IndexPack>,
+    /// The pin naming the packs uploaded, where the push ran long enough
+    /// to write one ([`crate::gc::write_pin`]): removed once committed.
+    pub pin: Option<String>,
 }
 
 /// The running uploader: where packs go and the buffers they come back to.
@@ -161,10 +164,24 @@ async fn upload_packs(
         index_bytes: 0,
         unindexed: Vec::new(),
         tree_packs: Vec::new(),
+        pin: None,
     };
     let mut unindexed_chunks = 0;
+    // A push running longer than the grace period would see gc take the
+    // packs it uploaded first, which no version names yet: from a quarter
+    // of the grace on it pins them, and pins again as often.
+    let started = std::time::Instant::now();
+    let every = std::time::Duration::from_secs(repo.config().gc_grace() / 4);
+    let mut own: Vec<crate::id::PackId> = Vec::new();
+    let mut pinned_at = started;
     while let Some(rec) = puts.next().await {
         let rec = rec?;
+        own.push(rec.pack);
+        if pinned_at.elapsed() >= every {
+            let key = up.pin.get_or_insert_with(crate::gc::pin_key);
+            crate::gc::write_pin(&repo, key, &own).await?;
+            pinned_at = std::time::Instant::now();
+        }
         up.packs += 1;
         up.chunks += rec.chunks.len() as u64;
         up.bytes += rec.size;
