@@ -914,6 +914,49 @@ mod tests {
         assert!(repo.remote().list(PINS).await.unwrap().is_empty());
     }
 
+    /// Issue 41, point 3, the push's side: a push pins the packs it
+    /// uploads (here at once, where a real one waits a quarter of the
+    /// grace), and removes its pin once its version is committed. One that
+    /// dies before (its snapshot cannot be written) leaves the pin, naming
+    /// every pack it uploaded.
+    #[tokio::test]
+    async fn a_push_pins_its_packs_until_its_version_is_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let repo = Repo::open(Remote::local(&store).unwrap(), None)
+            .await
+            .unwrap()
+            .with_pin_every(std::time::Duration::ZERO);
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("f"), [5u8; 60_000]).unwrap();
+        // Its snapshot cannot be written: `snapshots` is a file.
+        std::fs::write(store.join("snapshots"), "in the way").unwrap();
+        let np = std::sync::Arc::new(NoProgress);
+        let opts = PushOptions::for_test("ds");
+        assert!(crate::push(&repo, &src, &opts, np.clone()).await.is_err());
+        let pins = repo.remote().list(PINS).await.unwrap();
+        assert_eq!(pins.len(), 1, "{pins:?}");
+        let bytes = repo
+            .remote()
+            .get_at_most(&pins[0].key, MAX_PIN)
+            .await
+            .unwrap();
+        let pin: Pin = serde_json::from_slice(&bytes).unwrap();
+        let mut named = pin.packs.clone();
+        named.sort();
+        let mut all: Vec<PackId> = list_packs(&repo).await.unwrap().into_keys().collect();
+        all.sort();
+        assert_eq!(named, all, "the pin names every pack uploaded");
+        std::fs::remove_file(store.join("snapshots")).unwrap();
+        // New data, so that this push uploads (and pins) packs of its own.
+        std::fs::write(src.join("g"), [6u8; 60_000]).unwrap();
+        crate::push(&repo, &src, &opts, np).await.unwrap();
+        let left = repo.remote().list(PINS).await.unwrap();
+        assert_eq!(left.len(), 1, "only the dead push's pin is left: {left:?}");
+        assert_eq!(left[0].key, pins[0].key);
+    }
+
     /// The packs (data and tree) a push of `content` as `name` wrote.
     async fn push_one(repo: &Repo, name: &str, content: &[u8]) -> Vec<PackId> {
         let before: HashSet<PackId> = list_packs(repo).await.unwrap().into_keys().collect();

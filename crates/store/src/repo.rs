@@ -291,6 +291,9 @@ pub struct Repo {
     seen: Option<std::sync::Arc<crate::seen::SeenVersions>>,
     /// The index kept between loads ([`Repo::with_index_memo`]).
     index_memo: Option<std::sync::Arc<IndexMemo>>,
+    /// How often a push pins its packs; `None`: a quarter of the grace
+    /// (tests pin at once).
+    pin_every: Option<std::time::Duration>,
 }
 
 /// The index as a long-lived process (labd) last loaded it, and which
@@ -430,6 +433,7 @@ impl Repo {
             index_cache: None,
             seen: None,
             index_memo: None,
+            pin_every: None,
         })
     }
 
@@ -438,6 +442,20 @@ impl Repo {
             .map_err(|e| Error::corrupt(format!("config of store {url}"), e.to_string()))?;
         cfg.check(url)?;
         Ok(cfg)
+    }
+
+    /// How often a push pins the packs it uploaded
+    /// ([`crate::gc`]'s pins): a quarter of the grace period.
+    pub(crate) fn pin_every(&self) -> std::time::Duration {
+        self.pin_every
+            .unwrap_or_else(|| std::time::Duration::from_secs(self.config.gc_grace() / 4))
+    }
+
+    /// Pushes pin their packs every `every` (tests: at once).
+    #[cfg(test)]
+    pub(crate) fn with_pin_every(mut self, every: std::time::Duration) -> Self {
+        self.pin_every = Some(every);
+        self
     }
 
     /// Keeps copies of immutable index objects in `dir` (for remote stores).

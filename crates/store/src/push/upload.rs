@@ -171,7 +171,7 @@ async fn upload_packs(
     // packs it uploaded first, which no version names yet: from a quarter
     // of the grace on it pins them, and pins again as often.
     let started = std::time::Instant::now();
-    let every = std::time::Duration::from_secs(repo.config().gc_grace() / 4);
+    let every = repo.pin_every();
     let mut own: Vec<crate::id::PackId> = Vec::new();
     let mut pinned_at = started;
     while let Some(rec) = puts.next().await {
