@@ -38,11 +38,20 @@ struct TreeRecord {
     bytes: u64,
     /// Last time a job was given it (Unix seconds).
     used_at: u64,
+    /// Every byte of the tree was on the disk before it got its name: a
+    /// power cut cannot have left it with files of zeros. Trees made
+    /// before labd synced them have none, and are trusted only in the boot
+    /// that made them (see [`Trees::get`]).
+    #[serde(default)]
+    durable: bool,
 }
 
 /// The node's shared read-only trees.
 pub struct Trees {
     root: PathBuf,
+    /// When this machine booted (Unix seconds): a tree not known durable
+    /// that changed before it may have lost data in a power cut.
+    booted: i64,
     /// One materialisation per snapshot at a time; the others wait for it.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Sizes of trees not materialised, as their snapshot objects say
@@ -83,6 +92,7 @@ impl Trees {
         }
         Ok(Trees {
             root,
+            booted: boot_time(),
             locks: Mutex::new(HashMap::new()),
             claimed: Mutex::new(HashMap::new()),
         })
@@ -150,9 +160,25 @@ impl Trees {
         let _held = lock.lock().await;
         if dest.is_dir() {
             let mut rec = self.record(&tree.snapshot);
-            rec.used_at = unix_now();
-            self.write_record(&tree.snapshot, &rec);
-            return Ok(dest);
+            if let Some(ok) = self.trusted(&dest, &mut rec).await {
+                rec.used_at = unix_now();
+                self.write_record(&tree.snapshot, &rec);
+                return ok.map(|()| dest);
+            }
+            // Made in an earlier boot and never synced: a power cut may
+            // have left it files of zeros at their size. No job of an
+            // earlier boot still runs on it; it is made again.
+            tracing::warn!(
+                "tree {} of {} was made before this machine last booted and never synced to \
+                 the disk: materialised again",
+                tree.snapshot,
+                tree.label
+            );
+            let trash = self.root.join(format!(".trash-{}", tree.snapshot));
+            let d = dest.clone();
+            off_runtime(move || std::fs::rename(&d, &trash).and_then(|_| remove_tree(&trash)))
+                .await
+                .map_err(PrepareError::io("remove", &dest))?;
         }
         let spec: RefSpec = tree.label.parse()?;
         let tmp = self.root.join(format!(".tmp-{}", tree.snapshot));
@@ -215,19 +241,45 @@ impl Trees {
             got.packs_fetched,
             got.bytes_fetched
         );
-        let (t, d) = (tmp.clone(), dest.clone());
+        // Every file's data was synced before its rename (by the pull);
+        // its folders and names are too before the tree gets its name, and
+        // that name before the record says so: after a power cut the tree
+        // is whole, or absent and made again.
+        let (t, d, root) = (tmp.clone(), dest.clone(), self.root.clone());
         off_runtime(move || {
+            set_mode(&t, |m| m & 0o1777 & !0o222 | 0o555)?;
+            sync_file_system(&t)?;
             std::fs::rename(&t, &d)?;
-            set_mode(&d, |m| m & 0o1777 & !0o222 | 0o555)
+            std::fs::File::open(&root)?.sync_all()
         })
         .await
-        .map_err(PrepareError::io("make read-only", &dest))?;
+        .map_err(PrepareError::io("make read-only and sync", &dest))?;
         let rec = TreeRecord {
             bytes: got.bytes_written,
             used_at: unix_now(),
+            durable: true,
         };
         self.write_record(&tree.snapshot, &rec);
         Ok(dest)
+    }
+
+    /// Whether the materialised tree at `dest` can be handed out: one known
+    /// durable, or one made since this machine booted (what it wrote is
+    /// still in memory or on the disk), which is synced now and recorded
+    /// durable. `None` for a tree to make again.
+    async fn trusted(&self, dest: &Path, rec: &mut TreeRecord) -> Option<Result<(), PrepareError>> {
+        if rec.durable {
+            return Some(Ok(()));
+        }
+        use std::os::unix::fs::MetadataExt;
+        let changed = std::fs::symlink_metadata(dest).ok()?.ctime();
+        if changed < self.booted {
+            return None;
+        }
+        let d = dest.to_path_buf();
+        let synced = off_runtime(move || sync_file_system(&d)).await;
+        rec.durable = synced.is_ok();
+        Some(synced.map_err(PrepareError::io("sync", dest)))
     }
 
     fn record(&self, snapshot: &str) -> TreeRecord {
@@ -241,11 +293,15 @@ impl Trees {
         let path = self.root.join(format!("{snapshot}.json"));
         let tmp = self.root.join(format!(".{snapshot}.json.tmp"));
         let json = serde_json::to_vec(rec).expect("record serialises");
-        // Only eviction order depends on it: a lost record makes a tree look old.
-        if std::fs::write(&tmp, json)
-            .and_then(|_| std::fs::rename(&tmp, &path))
-            .is_err()
-        {
+        // Eviction order and trust depend on it: a lost record makes a tree
+        // look old, and one made before the last boot is made again.
+        let write = || {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, &json)?;
+            f.sync_data()?;
+            std::fs::rename(&tmp, &path)
+        };
+        if write().is_err() {
             tracing::warn!("cannot write {}", path.display());
         }
     }
@@ -306,6 +362,25 @@ impl Trees {
         }
         removed
     }
+}
+
+/// Writes everything of the file system holding `path` to the disk
+/// (`syncfs`): the folders and names of a tree of thousands, in one call.
+fn sync_file_system(path: &Path) -> std::io::Result<()> {
+    let f = std::fs::File::open(path)?;
+    rustix::fs::syncfs(&f).map_err(std::io::Error::from)
+}
+
+/// When this machine booted, in Unix seconds (`btime` of `/proc/stat`);
+/// 0 where that cannot be read (every tree then counts as this boot's).
+fn boot_time() -> i64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn set_mode(path: &Path, f: impl Fn(u32) -> u32) -> std::io::Result<()> {
@@ -923,6 +998,79 @@ mod tests {
         assert_eq!(mode(&path), 0o555);
         assert_eq!(trees.evict(0, &|_| false), vec![tree.snapshot.clone()]);
         assert!(!path.exists());
+    }
+
+    /// Issue 41, point 1: a tree is trusted only when it is known durable.
+    /// One labd made before it synced trees, in an earlier boot, may hold
+    /// files of zeros after a power cut: it is made again, not handed out.
+    /// One made in this boot is synced and recorded durable; a new tree is
+    /// recorded durable once synced.
+    #[tokio::test]
+    async fn a_tree_not_known_durable_from_before_the_boot_is_made_again() {
+        use labsync_store::{push, PushOptions, Remote};
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("weights.pt"), "trained weights").unwrap();
+        let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+        let repo = Repo::open(Remote::local(&dir.path().join("store")).unwrap(), None)
+            .await
+            .unwrap();
+        let opts = PushOptions {
+            name: "w".into(),
+            files_cache: None,
+            threads: 1,
+            user: "t".into(),
+            host: "h".into(),
+            read_as: None,
+            settle: None,
+            compression: labsync_store::Codec::default(),
+        };
+        let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
+            .await
+            .unwrap();
+        let mut trees = Trees::new(&cache).unwrap();
+        let tree = crate::proto::TreeRef {
+            label: pushed.record.label(),
+            snapshot: pushed.record.snapshot.to_string(),
+        };
+        let record = || trees_record(&cache, &tree.snapshot);
+        let path = trees.get(&repo, &cache, &tree).await.unwrap();
+        assert!(record().durable, "a new tree is recorded durable");
+
+        // What an older labd left: no word of durability, and what a power
+        // cut left of the data.
+        let file = path.join("weights.pt");
+        std::fs::write(&file, vec![0u8; 15]).unwrap();
+        let old = format!("{{\"bytes\":15,\"used_at\":{}}}", unix_now());
+        let rec_path = cache
+            .root()
+            .join("trees-v2")
+            .join(format!("{}.json", tree.snapshot));
+        std::fs::write(&rec_path, &old).unwrap();
+        // Made in this boot: trusted, synced, recorded durable.
+        trees.booted = 0;
+        trees.get(&repo, &cache, &tree).await.unwrap();
+        assert!(record().durable);
+        // Made before this boot: made again.
+        std::fs::write(&rec_path, &old).unwrap();
+        trees.booted = i64::MAX;
+        let again = trees.get(&repo, &cache, &tree).await.unwrap();
+        assert_eq!(
+            std::fs::read(again.join("weights.pt")).unwrap(),
+            b"trained weights"
+        );
+        assert!(record().durable);
+        let mode = std::fs::metadata(&again).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o555);
+    }
+
+    fn trees_record(cache: &NodeCache, snapshot: &str) -> TreeRecord {
+        let p = cache
+            .root()
+            .join("trees-v2")
+            .join(format!("{snapshot}.json"));
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
     }
 
     /// Issue 9, point 2: labd (root) hands the job's folders to its user.

@@ -15,6 +15,10 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     let written = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
         f.write_all(data).map_err(Error::io("write", &tmp))?;
+        // Durable before it has its name: a power cut leaves the old
+        // contents or the new, never an empty or zero-filled file (the
+        // cache's state, read by every pull on the node, among them).
+        f.sync_data().map_err(Error::io("sync", &tmp))?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
     })();

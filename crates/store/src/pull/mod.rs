@@ -3,9 +3,11 @@
 //! Packs are brought into the node cache (hard links for a local store on
 //! the same file system) and files written by a few threads: each to a
 //! temporary name, every chunk checked against its BLAKE3 id before its
-//! bytes are written, mode and mtime set, then renamed into place. A file already present with the
-//! snapshot's size and mtime is complete (only a finished rename can produce
-//! it), so a re-run after an interruption skips it.
+//! bytes are written, mode and mtime set, its data synced to the disk, then
+//! renamed into place. A file already present with the snapshot's size and
+//! mtime is complete (only a finished rename can produce it, and only once
+//! the data it names is durable: a power cut cannot leave a file of zeros
+//! under its name), so a re-run after an interruption skips it.
 //!
 //! Every name in the destination is reached from the folder holding it
 //! ([`crate::at`]): no symlink in the destination is followed, and paths
@@ -1002,6 +1004,11 @@ fn write_one(
             .map_err(Error::io("set mode of", shown()))?;
         w.set_modified(time_of(e.mtime_ns()))
             .map_err(Error::io("set time of", shown()))?;
+        // Its bytes on the disk before its name: after a power cut a file
+        // under its final name has its data, never the zeros a journal
+        // that kept the name and size but not the data would show (and a
+        // re-pull would take for complete by size and time).
+        w.sync_data().map_err(Error::io("sync", shown()))?;
         drop(w);
         // No look before the rename (one lookup per file saved): only a
         // failed rename asks whether a directory was in the way.
