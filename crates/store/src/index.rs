@@ -131,7 +131,18 @@ pub struct Index {
     refused: Vec<(String, String)>,
     /// Index objects left out past those.
     refused_more: u64,
+    /// Other places index objects give for chunks already placed (the
+    /// first place is the one used until [`Index::relocate`]): pack
+    /// position and entry, at most [`MAX_OTHER_PLACES`] in all.
+    others: HashMap<ChunkId, Vec<(u32, PackEntry)>>,
+    others_len: usize,
 }
+
+/// Other places of chunks an [`Index`] keeps, at most: a store where every
+/// chunk was indexed twice (two racing pushes of one data set) keeps them
+/// all up to a few million chunks; past it a planted object's second
+/// places are not all kept.
+const MAX_OTHER_PLACES: usize = 4 << 20;
 
 /// How many refused index objects an [`Index`] names (a store may hold
 /// millions of junk keys; their count is kept, not their names).
@@ -184,16 +195,35 @@ impl Index {
                 |&i| slots[i as usize].id == id,
                 |&i| hasher.hash_one(slots[i as usize].id),
             );
-            if let hashbrown::hash_table::Entry::Vacant(v) = found {
-                v.insert(slots.len() as u32);
-                slots.push(Slot {
-                    id,
-                    offset,
-                    pack: pos,
-                    stored_len,
-                    raw_len,
-                    flags,
-                });
+            match found {
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(slots.len() as u32);
+                    slots.push(Slot {
+                        id,
+                        offset,
+                        pack: pos,
+                        stored_len,
+                        raw_len,
+                        flags,
+                    });
+                }
+                hashbrown::hash_table::Entry::Occupied(o) => {
+                    let s = &slots[*o.get() as usize];
+                    let e = PackEntry {
+                        id,
+                        offset,
+                        stored_len,
+                        raw_len,
+                        flags,
+                    };
+                    if (s.pack, s.entry()) != (pos, e) && self.others_len < MAX_OTHER_PLACES {
+                        let others = self.others.entry(id).or_default();
+                        if !others.contains(&(pos, e)) {
+                            others.push((pos, e));
+                            self.others_len += 1;
+                        }
+                    }
+                }
             }
         }
     }
@@ -215,6 +245,55 @@ impl Index {
                 }
             }
         }
+    }
+
+    /// Whether any chunk has more than one place.
+    pub(crate) fn has_other_places(&self) -> bool {
+        !self.others.is_empty()
+    }
+
+    /// Every place the index objects give for chunk `id`, the one in use
+    /// first.
+    pub(crate) fn places(&self, id: &ChunkId) -> Vec<(PackId, PackEntry)> {
+        let Some(first) = self.get(id) else {
+            return Vec::new();
+        };
+        let mut out = vec![first];
+        for (pos, e) in self.others.get(id).into_iter().flatten() {
+            let place = (self.packs[*pos as usize].0, *e);
+            if !out.contains(&place) {
+                out.push(place);
+            }
+        }
+        out
+    }
+
+    /// Uses `entry` of `pack` (one of [`Index::places`]) for chunk `id`.
+    pub(crate) fn relocate(&mut self, id: &ChunkId, pack: &PackId, entry: &PackEntry) {
+        let (Some(i), Some(&pos)) = (self.position(id), self.pack_pos.get(pack)) else {
+            return;
+        };
+        let s = &mut self.slots[i];
+        (s.pack, s.offset, s.stored_len, s.raw_len, s.flags) = (
+            pos,
+            entry.offset,
+            entry.stored_len,
+            entry.raw_len,
+            entry.flags,
+        );
+    }
+
+    /// This index less the chunks `chunks` (a push's that it found were
+    /// not where the index placed them): pushed again, they are uploaded.
+    pub(crate) fn without(&self, chunks: &std::collections::HashSet<ChunkId>) -> Index {
+        let mut out = Index::default();
+        out.reserve(self.len());
+        for mut r in self.to_records(|_| true) {
+            r.chunks.retain(|c| !chunks.contains(&c.0));
+            out.add(&r);
+        }
+        out.keep_refused_of(self);
+        out
     }
 
     /// Records an index object that was left out, and why.

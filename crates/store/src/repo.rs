@@ -303,6 +303,31 @@ pub struct Repo {
 #[derive(Default)]
 pub struct IndexMemo {
     held: tokio::sync::Mutex<Option<HeldIndex>>,
+    /// Index entries a push confirmed by their pack's footer
+    /// ([`Repo::vouched`]): packs never change under their id, so an entry
+    /// found true stays true while its pack is there.
+    vouched: std::sync::Mutex<HashSet<u128>>,
+}
+
+/// Packs whose footers are read at once to confirm index entries.
+const CONFIRMING: usize = 16;
+
+/// Entries a process remembers as confirmed, at most (16 bytes each, a
+/// million chunks' worth of the store's data in 32 MiB); past it the memory
+/// is started afresh.
+const MAX_VOUCHED: usize = 2 << 20;
+
+/// One index entry as a key of [`IndexMemo::vouched`]: a hash of where it
+/// says the chunk is.
+fn vouch_key(pack: &PackId, e: &PackEntry) -> u128 {
+    let mut h = blake3::Hasher::new();
+    h.update(pack.as_bytes());
+    h.update(e.id.as_bytes());
+    h.update(&e.offset.to_le_bytes());
+    h.update(&e.stored_len.to_le_bytes());
+    h.update(&e.raw_len.to_le_bytes());
+    h.update(&[e.flags]);
+    u128::from_le_bytes(h.finalize().as_bytes()[..16].try_into().expect("16 bytes"))
 }
 
 impl std::fmt::Debug for IndexMemo {
@@ -1116,6 +1141,111 @@ impl Repo {
             }
         }
         Ok((n, chunks))
+    }
+
+    /// The index entries of `by_pack` that their pack does not confirm:
+    /// the pack missing, or its own footer not placing the chunk where the
+    /// entry says. Index objects are anyone's; a pack's footer is checked
+    /// against its id. Each pack is asked its size and its footer read (two
+    /// ranged reads), [`CONFIRMING`] packs at once; entries this process
+    /// confirmed before are not asked again ([`Repo::with_index_memo`]).
+    pub(crate) async fn confirm_entries(
+        &self,
+        by_pack: HashMap<PackId, Vec<PackEntry>>,
+    ) -> Result<Vec<(PackId, PackEntry)>> {
+        let checks = by_pack.into_iter().map(|(p, mut entries)| async move {
+            entries.retain(|e| !self.vouched(&p, e));
+            if entries.is_empty() {
+                return Ok(Vec::new());
+            }
+            let all = |entries: Vec<PackEntry>| entries.into_iter().map(|e| (p, e)).collect();
+            let Some(info) = self.remote.head(&pack_key(&p)).await? else {
+                return Ok::<Vec<(PackId, PackEntry)>, Error>(all(entries));
+            };
+            let footer = match self.read_pack_footer(&p, info.size).await {
+                Ok(f) => f,
+                Err(Error::Corrupt { .. }) => return Ok(all(entries)),
+                Err(e) => return Err(e),
+            };
+            let own: HashMap<ChunkId, PackEntry> = footer.into_iter().map(|e| (e.id, e)).collect();
+            let (good, bad): (Vec<_>, Vec<_>) =
+                entries.into_iter().partition(|e| own.get(&e.id) == Some(e));
+            self.vouch(&p, &good);
+            Ok(all(bad))
+        });
+        let bad: Vec<Vec<(PackId, PackEntry)>> = futures::stream::iter(checks)
+            .buffer_unordered(CONFIRMING)
+            .try_collect()
+            .await?;
+        Ok(bad.into_iter().flatten().collect())
+    }
+
+    /// Where index objects disagree on where a chunk of `ids` is (an
+    /// honest store rarely has two places for one chunk; a planted object
+    /// gives one that is wrong), the first place the packs' own footers
+    /// confirm is the one `index` keeps. A chunk with no confirmed place
+    /// keeps its first, which fails by name when read.
+    pub(crate) async fn settle_places(
+        &self,
+        index: &mut Index,
+        ids: impl Iterator<Item = ChunkId>,
+    ) -> Result<()> {
+        if !index.has_other_places() {
+            return Ok(());
+        }
+        let mut by_pack: HashMap<PackId, Vec<PackEntry>> = HashMap::new();
+        let mut asked: Vec<(ChunkId, Vec<(PackId, PackEntry)>)> = Vec::new();
+        let mut seen = HashSet::new();
+        for id in ids {
+            let places = index.places(&id);
+            if places.len() < 2 || !seen.insert(id) {
+                continue;
+            }
+            for (p, e) in &places {
+                by_pack.entry(*p).or_default().push(*e);
+            }
+            asked.push((id, places));
+        }
+        if asked.is_empty() {
+            return Ok(());
+        }
+        let bad: HashSet<(PackId, ChunkId, u64)> = self
+            .confirm_entries(by_pack)
+            .await?
+            .into_iter()
+            .map(|(p, e)| (p, e.id, e.offset))
+            .collect();
+        for (id, places) in asked {
+            let good = places
+                .iter()
+                .find(|(p, e)| !bad.contains(&(*p, id, e.offset)));
+            match good {
+                Some((p, e)) => index.relocate(&id, p, e),
+                None => tracing::warn!("no pack holds chunk {id} where the index says"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this process confirmed the index entry `e` of `pack` by the
+    /// pack's footer already (only a process keeping its index, labd,
+    /// remembers).
+    pub(crate) fn vouched(&self, pack: &PackId, e: &PackEntry) -> bool {
+        self.index_memo.as_ref().is_some_and(|m| {
+            let v = m.vouched.lock().expect("vouched poisoned");
+            v.contains(&vouch_key(pack, e))
+        })
+    }
+
+    /// Remembers index entries of `pack` confirmed by its footer.
+    pub(crate) fn vouch(&self, pack: &PackId, entries: &[PackEntry]) {
+        if let Some(m) = &self.index_memo {
+            let mut v = m.vouched.lock().expect("vouched poisoned");
+            if v.len() + entries.len() > MAX_VOUCHED {
+                v.clear();
+            }
+            v.extend(entries.iter().map(|e| vouch_key(pack, e)));
+        }
     }
 
     /// Reads a pack's footer with two ranged reads.

@@ -1229,6 +1229,92 @@ async fn a_pull_survives_power_loss() {
     assert_eq!(again.files_written, 0, "every file was whole after the cut");
 }
 
+/// Issue 41, point 11: dedup trusts only what the packs hold. A member
+/// who knows the chunks of a common file (anyone can chunk a public data
+/// set) plants an index object placing them in a pack that does not exist,
+/// and others in a real pack that does not hold them. A push of that file
+/// skipped uploading every one of them, and its version did not restore.
+/// The push confirms each chunk it did not upload by its pack's footer,
+/// and uploads those that are not where the index says.
+#[tokio::test]
+async fn a_planted_index_entry_is_not_trusted_by_a_push() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(Remote::local(&dir.path().join("store")).unwrap()).await;
+    // Someone's data, in a real pack.
+    let other = env.root.join("other");
+    write_tree(&other, 3);
+    push(&env.repo, &other, &plain_opts("other"), np())
+        .await
+        .unwrap();
+    let (index, _) = env.repo.load_index().await.unwrap();
+    let (real_pack, real_size) = *index.packs().iter().max_by_key(|p| p.1).unwrap();
+
+    // The common file's chunks, as mallory learns them: pushed to a store
+    // of her own.
+    let common = env.root.join("common");
+    std::fs::create_dir_all(&common).unwrap();
+    std::fs::write(common.join("DIV2K_0001.png"), random_bytes(9_000_000, 41)).unwrap();
+    let hers = Repo::open(Remote::memory(), None).await.unwrap();
+    push(&hers, &common, &plain_opts("div2k"), np())
+        .await
+        .unwrap();
+    let (learned, _) = hers.load_index().await.unwrap();
+    let mut chunks: Vec<_> = learned
+        .to_records(|_| true)
+        .into_iter()
+        .flat_map(|r| r.chunks)
+        .collect();
+    assert!(
+        chunks.len() >= 4,
+        "a file of several chunks: {}",
+        chunks.len()
+    );
+    let mut second_half = chunks.split_off(chunks.len() / 2);
+    // At the start of the real pack, where other chunks are.
+    for c in &mut second_half {
+        c.1 = 0;
+    }
+    let nowhere = IndexPack {
+        pack: labsync_store::PackId::of(b"no such pack"),
+        size: 64 << 20,
+        chunks,
+    };
+    let elsewhere = IndexPack {
+        pack: real_pack,
+        size: real_size,
+        chunks: second_half,
+    };
+    // Two objects: each is used (or refused) whole.
+    for planted in [nowhere, elsewhere] {
+        env.repo.write_index(&[planted]).await.unwrap();
+    }
+    let (index, _) = env.repo.load_index().await.unwrap();
+    assert!(index.refused().is_empty(), "{:?}", index.refused());
+
+    // Bob pushes the data set: every chunk of it is uploaded after all.
+    let out = push(&env.repo, &common, &plain_opts("div2k"), np())
+        .await
+        .unwrap();
+    assert!(out.created);
+    assert!(
+        out.new_chunks >= 4,
+        "the planted chunks uploaded: {}",
+        out.new_chunks
+    );
+    let fresh = env.fresh_cache("bob");
+    let dest = env.root.join("restored");
+    pull(&env.repo, &fresh, &"div2k".parse().unwrap(), &dest, 2, np())
+        .await
+        .unwrap();
+    assert_same_tree(&common, &dest);
+    // The data it did not upload was confirmed too: the other data set
+    // pushed again under a new name uploads nothing.
+    let again = push(&env.repo, &other, &plain_opts("other-copy"), np())
+        .await
+        .unwrap();
+    assert_eq!(again.new_chunks, 0);
+}
+
 /// Issue 9, point 9 ("racy git"): on a file system with whole-second
 /// timestamps, a file rewritten with the same size in the same second as the
 /// push that recorded it has the same size, mtime, ctime and inode. The next

@@ -312,12 +312,23 @@ async fn load_tree(
     shared: bool,
     progress: &dyn Progress,
 ) -> Result<(VersionRecord, Index, Listing)> {
-    let ((index, _), (record, object)) = tokio::try_join!(repo.load_index(), snapshot)?;
+    let ((mut index, _), (record, object)) = tokio::try_join!(repo.load_index(), snapshot)?;
     warn_refused(&index, progress);
+    // A chunk two index objects place apart is read where its pack's
+    // footer confirms it (a planted object cannot make a version fail).
+    repo.settle_places(&mut index, object.segments.iter().map(|s| s.id))
+        .await?;
     let mut loader = Loader::new(&index, shared);
     repo.decode_tree_into(&index, &record.snapshot, &object, &mut loader)
         .await?;
     let (entries, masked, first) = loader.finish(&record.snapshot.to_string())?;
+    if index.has_other_places() {
+        let ids: Vec<ChunkId> = (0..entries.len())
+            .flat_map(|i| entries.get(i).chunks().to_vec())
+            .filter_map(|c| entries.chunk(&index, c).ok().map(|(_, e)| e.id))
+            .collect();
+        repo.settle_places(&mut index, ids.into_iter()).await?;
+    }
     if let Some(first) = first {
         progress.warn(&format!(
             "{masked} entries of {} carry setuid, setgid or other special mode bits \

@@ -347,6 +347,40 @@ pub(super) async fn commit_version(
     Ok((record, created))
 }
 
+/// The chunks the push took from the store (the positions in `used`, and
+/// the tree segments of `snapshot` the store had) that are not where the
+/// index places them: the pack missing, or its own footer not placing the
+/// chunk there, as a planted index object naming common chunks in a pack
+/// that does not hold them would have it. A version naming them would not
+/// restore. See [`Repo::confirm_entries`].
+pub(super) async fn unconfirmed_hits(
+    repo: &Repo,
+    index: &Index,
+    used: &[u64],
+    snapshot: &SnapshotObject,
+) -> Result<HashSet<ChunkId>> {
+    let mut by_pack: std::collections::HashMap<PackId, Vec<crate::pack::PackEntry>> =
+        Default::default();
+    let segments = snapshot
+        .segments
+        .iter()
+        .filter_map(|s| index.position(&s.id));
+    for i in used_positions(used).chain(segments) {
+        let (p, e) = index.at(i);
+        by_pack.entry(p).or_default().push(e);
+    }
+    let bad = repo.confirm_entries(by_pack).await?;
+    if let Some((p, e)) = bad.first() {
+        tracing::warn!(
+            "push: the index places chunk {} in pack {p}, whose own footer does not ({} such \
+             entries): not used (run `labsync rebuild-index` to repair the index)",
+            e.id,
+            bad.len()
+        );
+    }
+    Ok(bad.into_iter().map(|(_, e)| e.id).collect())
+}
+
 /// A push that ran longer than half of gc's grace period re-checks that the
 /// packs it deduplicated against were not condemned meanwhile.
 pub(super) async fn check_still_present(repo: &Repo, index: &Index, used: &[u64]) -> Result<()> {

@@ -118,51 +118,90 @@ pub async fn push(
     // unchanged tree is found equal to it with one store round trip after
     // the scan (that it is still the newest) instead of two.
     let (index, latest) = tokio::join!(live_index(repo), repo.latest(&opts.name));
-    let (index, latest) = (index?, latest?);
+    let (mut index, latest) = (index?, latest?);
     crate::pull::warn_refused(&index, progress.as_ref());
-    let cache_file = (opts.files_cache.as_deref()).map(|dir| {
-        let uid = opts.read_as.map(|(uid, _)| uid);
-        FilesCacheFile::new(dir, &config.id, config.params, &root, uid)
-    });
+    let mut pins = Vec::new();
+    let mut attempt = 0;
+    let (streamed, uploaded, mut written, snapshot) = loop {
+        attempt += 1;
+        let cache_file = (opts.files_cache.as_deref()).map(|dir| {
+            let uid = opts.read_as.map(|(uid, _)| uid);
+            FilesCacheFile::new(dir, &config.id, config.params, &root, uid)
+        });
+        let uploads = Uploads::start(repo);
+        let settings = ReadSettings {
+            threads: opts.threads.max(1),
+            read_as: opts.read_as,
+            params: config.params,
+            pack_size: config.pack_size as usize,
+            codec: opts.compression,
+        };
+        let sink = stream::Sink {
+            tx: uploads.sender(),
+            pool: uploads.pool(),
+        };
+        let streamed = {
+            let (root, index, settle, progress) =
+                (root.clone(), index.clone(), opts.settle, progress.clone());
+            blocking(move || {
+                let cache_file = cache_file.as_ref();
+                stream::run(
+                    &root,
+                    &index,
+                    cache_file,
+                    settle,
+                    &settings,
+                    sink,
+                    progress.as_ref(),
+                )
+            })
+            .await
+        };
+        let streamed = match streamed {
+            Ok(s) => s,
+            Err(e) => return Err(uploads.fail(e).await),
+        };
+        let uploaded = uploads.finish(&root).await?;
+        pins.extend(uploaded.pin.clone());
 
-    let uploads = Uploads::start(repo);
-    let settings = ReadSettings {
-        threads: opts.threads.max(1),
-        read_as: opts.read_as,
-        params: config.params,
-        pack_size: config.pack_size as usize,
-        codec: opts.compression,
+        let mut written = commit::write_index(repo, &uploaded).await?;
+        let snapshot = commit::write_snapshot(
+            repo,
+            &opts.name,
+            latest.clone(),
+            streamed.object.clone(),
+            &mut written,
+        )
+        .await?;
+        if snapshot.unchanged {
+            break (streamed, uploaded, written, snapshot);
+        }
+        // Every chunk the push did not upload is where the index says, by
+        // its pack's own footer: an index object anyone wrote decides
+        // nothing a version will need.
+        let bad = commit::unconfirmed_hits(repo, &index, &streamed.used, &snapshot.object).await?;
+        if bad.is_empty() {
+            break (streamed, uploaded, written, snapshot);
+        }
+        if attempt >= 2 {
+            return Err(Error::corrupt(
+                "the store's index",
+                format!(
+                    "{} chunks it places in packs that do not hold them, twice; the push \
+                     was not committed: run `labsync rebuild-index`, then push again",
+                    bad.len()
+                ),
+            ));
+        }
+        progress.warn(&format!(
+            "the index places {} chunks of this tree in packs that do not hold them \
+             (run `labsync rebuild-index` to repair it): their files are read and \
+             uploaded again",
+            bad.len()
+        ));
+        // What the first pass uploaded is indexed now, and used.
+        index = Arc::new(live_index(repo).await?.without(&bad));
     };
-    let sink = stream::Sink {
-        tx: uploads.sender(),
-        pool: uploads.pool(),
-    };
-    let streamed = {
-        let (root, index, settle, progress) =
-            (root.clone(), index.clone(), opts.settle, progress.clone());
-        blocking(move || {
-            let cache_file = cache_file.as_ref();
-            stream::run(
-                &root,
-                &index,
-                cache_file,
-                settle,
-                &settings,
-                sink,
-                progress.as_ref(),
-            )
-        })
-        .await
-    };
-    let streamed = match streamed {
-        Ok(s) => s,
-        Err(e) => return Err(uploads.fail(e).await),
-    };
-    let uploaded = uploads.finish(&root).await?;
-
-    let mut written = commit::write_index(repo, &uploaded).await?;
-    let snapshot =
-        commit::write_snapshot(repo, &opts.name, latest, streamed.object, &mut written).await?;
     // Positions in `used` are the index's before the new tree packs join it.
     if !snapshot.unchanged && started.elapsed().as_secs() * 2 > config.gc_grace() {
         commit::check_still_present(repo, &index, &streamed.used).await?;
@@ -177,7 +216,7 @@ pub async fn push(
     let (record, created) =
         commit::commit_version(repo, opts, &snapshot, &stats, &mut written).await?;
     // A version names the packs now; a pin left behind is swept by gc.
-    if let Some(pin) = &uploaded.pin {
+    for pin in &pins {
         let _ = repo.remote().delete(pin).await;
     }
 
