@@ -26,6 +26,12 @@
 //!    (delete it), wait a random while, and start again.
 //! 4. Alone: if the key exists now, withdraw and answer "exists"; otherwise
 //!    write it, then withdraw the claim.
+//! 5. Where that write was a plain one (the server ignores or refuses the
+//!    condition), read the key back: other bytes there are a late write of
+//!    a writer frozen past its claim, which replaced ours. The key stays
+//!    theirs and the answer is "exists" (a version is then created under
+//!    the next number). A late write landing after the read-back still
+//!    replaces ours unseen; `verify` reports the snapshot it orphaned.
 //!
 //! Two writers of one key never both write it: whichever lists second sees
 //! the other's claim, which was written before the first one listed, and is
@@ -271,7 +277,10 @@ impl Remote {
                 if let Err(e) = self.delete(&mine).await {
                     tracing::warn!("cannot withdraw claim {mine}: {e}");
                 }
-                return written;
+                if written? && self.conditional() != ConditionalWrites::Honoured {
+                    return self.read_back(key, &data).await;
+                }
+                return Ok(false);
             }
             self.delete(&mine).await?;
             claims?;
@@ -291,6 +300,28 @@ impl Remote {
                 self.claimants(&prefix).await
             ),
         })
+    }
+
+    /// Whether `key`, just written with `data` by a plain write, still holds
+    /// it. On a server that ignores conditional writes, a writer frozen past
+    /// its claim's staleness (a stopped process, a paused VM) may still send
+    /// its write after another took the key: the later write replaces the
+    /// earlier without a word. Read back, a key holding other bytes was
+    /// taken: it stays the other writer's, and the caller creates the next
+    /// key (a version's next number) instead. `true`: the key is ours.
+    async fn read_back(&self, key: &str, data: &Bytes) -> Result<bool> {
+        match self.get_at_most(key, data.len() as u64).await {
+            Ok(found) if found == *data => Ok(true),
+            Ok(_) | Err(Error::Corrupt { .. }) => {
+                tracing::warn!(
+                    "{key} was written by another writer after this one wrote it (a write that \
+                     landed late, past its claim): it is left as theirs, and this one is \
+                     written under the next key"
+                );
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Whose the claims beginning with `prefix` are, for a conflict's

@@ -251,6 +251,79 @@ async fn verify_reports_a_version_overwritten_on_a_server_that_ignored_the_condi
     assert!(report.warnings[0].contains("named by no version"));
 }
 
+/// Issue 41, point 10: on a server that ignores conditional writes, a
+/// writer frozen past its claim (a stopped process, a paused VM) sends its
+/// write of `ds@v2` late, after this push wrote `v2`: the later write
+/// replaced the earlier without a word, and this push reported a version
+/// the store no longer had. Reading the key back finds the other writer's
+/// bytes: `v2` stays theirs, and this push becomes `v3`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_over_a_new_version_is_found_and_the_push_goes_next() {
+    let Some((_s3, proxy)) = server_behind(Fault::LateWrite).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = Repo::open(remote_via(&proxy, "late"), None).await.unwrap();
+    assert_eq!(
+        repo.config().conditional_writes,
+        Some(ConditionalWrites::Ignored)
+    );
+    let tree = |name: &str, seed| {
+        let p = dir.path().join(name);
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("f"), random_bytes(10_000, seed)).unwrap();
+        p
+    };
+    push(&repo, &tree("a", 1), &plain_opts("ds"), np())
+        .await
+        .unwrap();
+    let frozen = push(&repo, &tree("f", 2), &plain_opts("frozen"), np())
+        .await
+        .unwrap();
+    // What the frozen writer sends, late: its own record as `ds@v2`.
+    let mut late = frozen.record.clone();
+    late.name = "ds".into();
+    late.version = 2;
+    proxy.land_late_write(serde_json::to_vec(&late).unwrap().into());
+
+    let b = tree("b", 3);
+    let mine = push(&repo, &b, &plain_opts("ds"), np()).await.unwrap();
+    // Landed at the first read of `v2` after this push wrote it; a push
+    // that never read it back, just after it.
+    match proxy.late_write_landed() {
+        Some(landed) => assert!(landed.ends_with("refs/ds/@/0000000002"), "{landed}"),
+        None => {
+            let json = serde_json::to_vec(&late).unwrap();
+            (repo.remote())
+                .put("refs/ds/@/0000000002", json.into())
+                .await
+                .unwrap();
+        }
+    }
+    assert_eq!(
+        mine.record.version, 3,
+        "the push went on to the next version"
+    );
+    let versions = repo.versions("ds").await.unwrap();
+    let snaps: Vec<_> = versions.iter().map(|v| (v.version, v.snapshot)).collect();
+    assert_eq!(snaps.len(), 3, "{snaps:?}");
+    assert_eq!(
+        snaps[1],
+        (2, frozen.record.snapshot),
+        "v2 is the late writer's"
+    );
+    assert_eq!(snaps[2], (3, mine.record.snapshot));
+    let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
+    let out = dir.path().join("out");
+    labsync_store::pull(&repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(out.join("f")).unwrap(),
+        std::fs::read(b.join("f")).unwrap()
+    );
+}
+
 /// Point 4: a conditional write the server refuses is not retried, and the
 /// error is one line naming the operation, the key and the server's
 /// message once, with what to do.

@@ -32,6 +32,12 @@ pub enum Fault {
     /// after the server made it: what a gc lists then is already stale
     /// when it goes on ([`Proxy::holding`] says when it is held).
     HoldPackListing,
+    /// [`Fault::DropConditions`], and a late write: once armed
+    /// ([`Proxy::land_late_write`]), the first read of a version's key
+    /// (`refs/.../@/...`) written through the proxy since finds another
+    /// writer's bytes there, written just before the read reaches the
+    /// server, as a writer frozen past its claim would land them.
+    LateWrite,
 }
 
 /// A running proxy; stops when dropped.
@@ -55,6 +61,12 @@ struct State {
     holding: std::sync::atomic::AtomicBool,
     /// A listing of `packs/` was held already.
     held: std::sync::atomic::AtomicBool,
+    /// The bytes of the late write still to land ([`Fault::LateWrite`]).
+    late: Mutex<Option<Bytes>>,
+    /// Paths written through the proxy.
+    written: Mutex<std::collections::HashSet<String>>,
+    /// Where the late write landed.
+    landed: Mutex<Option<String>>,
 }
 
 impl Proxy {
@@ -62,6 +74,18 @@ impl Proxy {
     /// ([`Fault::HoldPackListing`]).
     pub fn holding(&self) -> bool {
         self.state.holding.load(Ordering::SeqCst)
+    }
+
+    /// Arms [`Fault::LateWrite`] with the late writer's bytes.
+    pub fn land_late_write(&self, body: Bytes) {
+        // Only keys written from now on.
+        self.state.written.lock().unwrap().clear();
+        *self.state.late.lock().unwrap() = Some(body);
+    }
+
+    /// The path the late write landed on, once it has.
+    pub fn late_write_landed(&self) -> Option<String> {
+        self.state.landed.lock().unwrap().clone()
     }
 
     /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
@@ -186,11 +210,38 @@ async fn handle(
     }
     st.passed.lock().unwrap().push((Instant::now(), what));
     let (mut parts, body) = req.into_parts();
-    if fault == Fault::DropConditions {
+    if matches!(fault, Fault::DropConditions | Fault::LateWrite) {
         parts.headers.remove("if-none-match");
         parts.headers.remove("if-match");
     }
     let body = body.collect().await?.to_bytes();
+    if fault == Fault::LateWrite {
+        let path = parts.uri.path().to_string();
+        let decoded = path.replace("%2F", "/").replace("%40", "@");
+        let version = decoded.contains("/refs/") && decoded.contains("/@/");
+        if parts.method == hyper::Method::PUT {
+            st.written.lock().unwrap().insert(path.clone());
+        } else if parts.method == hyper::Method::GET
+            && version
+            && st.written.lock().unwrap().contains(&path)
+        {
+            let late = st.late.lock().unwrap().take();
+            if let Some(late) = late {
+                let put = Request::put(parts.uri.clone())
+                    .header("host", parts.headers["host"].clone())
+                    .header("content-length", late.len())
+                    .body(Full::new(late))
+                    .unwrap();
+                let stream = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let (mut sender, conn) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+                tokio::spawn(conn);
+                let resp = sender.send_request(put).await?;
+                assert!(resp.status().is_success(), "late write: {}", resp.status());
+                *st.landed.lock().unwrap() = Some(decoded);
+            }
+        }
+    }
     let stream = match tokio::net::TcpStream::connect(upstream).await {
         Ok(s) => s,
         Err(e) => {
