@@ -277,10 +277,11 @@ impl Remote {
                 if let Err(e) = self.delete(&mine).await {
                     tracing::warn!("cannot withdraw claim {mine}: {e}");
                 }
-                if written? && self.conditional() != ConditionalWrites::Honoured {
+                let written = written?;
+                if written && self.conditional() != ConditionalWrites::Honoured {
                     return self.read_back(key, &data).await;
                 }
-                return Ok(false);
+                return Ok(written);
             }
             self.delete(&mine).await?;
             claims?;

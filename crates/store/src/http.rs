@@ -60,6 +60,8 @@ mod plain;
 #[derive(Debug, Default)]
 pub(crate) struct Connector {
     pub(crate) plain: bool,
+    /// Where the keys listings pass by are kept ([`Retrying::send`]).
+    pub(crate) unnamable: crate::remote::Unnamable,
 }
 
 impl HttpConnector for Connector {
@@ -69,7 +71,10 @@ impl HttpConnector for Connector {
         } else {
             ReqwestConnector::default().connect(options)?
         };
-        Ok(HttpClient::new(Retrying { inner }))
+        Ok(HttpClient::new(Retrying {
+            inner,
+            unnamable: self.unnamable.clone(),
+        }))
     }
 }
 
@@ -77,6 +82,7 @@ impl HttpConnector for Connector {
 #[derive(Debug)]
 struct Retrying {
     inner: HttpClient,
+    unnamable: crate::remote::Unnamable,
 }
 
 /// Statuses worth asking again.
@@ -123,6 +129,27 @@ fn backoff(retry: u32) -> Duration {
 
 impl Retrying {
     async fn send(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        let listing = req.method() == hyper::Method::GET
+            && req.uri().query().is_some_and(|q| q.contains("list-type=2"));
+        let resp = self.send_retrying(req).await?;
+        if !listing || resp.status() != hyper::StatusCode::OK {
+            return Ok(resp);
+        }
+        // A listing's page is parsed whole by `object_store`: one key it
+        // cannot name fails the page, so every listing of that folder.
+        let (parts, body) = resp.into_parts();
+        let body = body.bytes().await?;
+        let kept = match without_unnamable(&body) {
+            Some((kept, passed)) => {
+                passed.iter().for_each(|k| self.unnamable.note(k));
+                bytes::Bytes::from(kept)
+            }
+            None => body,
+        };
+        Ok(HttpResponse::from_parts(parts, kept.into()))
+    }
+
+    async fn send_retrying(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         let started = Instant::now();
         let mut retry = 0;
         loop {
@@ -159,6 +186,70 @@ impl Retrying {
 }
 
 http_service!(Retrying);
+
+/// An S3 `ListObjectsV2` answer without the objects whose keys
+/// `object_store` cannot name, and those keys; `None` when every key can
+/// be named (the answer is passed on as it came). The answer is scanned,
+/// not parsed: each `<Contents>` element holds one `<Key>`, and `<` never
+/// appears escaped-free inside a key.
+fn without_unnamable(body: &[u8]) -> Option<(Vec<u8>, Vec<String>)> {
+    let text = std::str::from_utf8(body).ok()?;
+    let (open, close) = ("<Contents>", "</Contents>");
+    let mut kept = String::with_capacity(text.len());
+    let mut passed = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(open) {
+        let Some(len) = rest[start..].find(close) else {
+            break;
+        };
+        let end = start + len + close.len();
+        let element = &rest[start..end];
+        kept.push_str(&rest[..start]);
+        match element_key(element) {
+            Some(key) if object_store::path::Path::parse(&key).is_err() => passed.push(key),
+            _ => kept.push_str(element),
+        }
+        rest = &rest[end..];
+    }
+    kept.push_str(rest);
+    (!passed.is_empty()).then(|| (kept.into_bytes(), passed))
+}
+
+/// The text of the `<Key>` of one `<Contents>` element, unescaped.
+fn element_key(element: &str) -> Option<String> {
+    let start = element.find("<Key>")? + "<Key>".len();
+    let len = element[start..].find("</Key>")?;
+    unescape_xml(&element[start..start + len])
+}
+
+/// XML text with its five named entities and numeric references replaced.
+fn unescape_xml(text: &str) -> Option<String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(amp) = rest.find('&') {
+        out.push_str(&rest[..amp]);
+        let semi = rest[amp..].find(';')? + amp;
+        let name = &rest[amp + 1..semi];
+        let c = match name {
+            "amp" => '&',
+            "lt" => '<',
+            "gt" => '>',
+            "quot" => '"',
+            "apos" => '\'',
+            _ => {
+                let n = match name.strip_prefix("#x").or_else(|| name.strip_prefix("#X")) {
+                    Some(hex) => u32::from_str_radix(hex, 16).ok()?,
+                    None => name.strip_prefix('#')?.parse().ok()?,
+                };
+                char::from_u32(n)?
+            }
+        };
+        out.push(c);
+        rest = &rest[semi + 1..];
+    }
+    out.push_str(rest);
+    Some(out)
+}
 
 /// The HTTP status in an `object_store` error, if the server answered one.
 /// `object_store` keeps it in a private type, so it is read from the
@@ -222,6 +313,33 @@ mod tests {
         assert!(waits.iter().all(|w| *w < Duration::from_millis(800)));
         assert!(waits.iter().any(|w| *w != waits[0]), "jittered");
         assert!((0..50).all(|_| backoff(30) < Duration::from_secs(10)));
+    }
+
+    /// A listing's page loses the objects whose keys no command can name,
+    /// escaped or not, and keeps the others and the rest of the answer.
+    #[test]
+    fn a_listing_page_passes_unnamable_keys_by() {
+        let page = "<?xml version=\"1.0\"?><ListBucketResult><Name>b</Name>\
+            <Contents><Key>index/a</Key><Size>1</Size></Contents>\
+            <Contents><Key>index//x</Key><Size>2</Size></Contents>\
+            <Contents><Key>index/c&amp;d</Key><Size>3</Size></Contents>\
+            <Contents><Key>index/e&#x1;f</Key><Size>4</Size></Contents>\
+            <Contents><Key>index/g\u{7}h</Key><Size>5</Size></Contents>\
+            <Contents><Key>index/../y</Key><Size>6</Size></Contents>\
+            <NextContinuationToken>t</NextContinuationToken></ListBucketResult>";
+        let (kept, passed) = without_unnamable(page.as_bytes()).unwrap();
+        let kept = String::from_utf8(kept).unwrap();
+        assert_eq!(
+            passed,
+            ["index//x", "index/e\u{1}f", "index/g\u{7}h", "index/../y"]
+        );
+        assert!(kept.contains("<Key>index/a</Key>") && kept.contains("index/c&amp;d"));
+        assert!(!kept.contains("index//x") && !kept.contains("&#x1;"));
+        assert!(
+            kept.ends_with("<NextContinuationToken>t</NextContinuationToken></ListBucketResult>")
+        );
+        let fine = "<ListBucketResult><Contents><Key>refs/a</Key></Contents></ListBucketResult>";
+        assert!(without_unnamable(fine.as_bytes()).is_none());
     }
 
     #[test]

@@ -27,6 +27,121 @@ use crate::error::{Error, Result};
 /// past this, and learns them again from their sizes).
 const MAX_OVERSIZED_KEPT: usize = 4096;
 
+/// Keys a listing met that `object_store` cannot name (an empty segment as
+/// in `index//x`, a `.` or `..` segment, a control character): any member
+/// can write one, and one of them failed every listing of its folder, so
+/// every push, pull, gc and verify on every node. Listings pass them by;
+/// a [`Remote`] remembers the first [`MAX_UNNAMABLE_KEPT`] it met (and
+/// counts the rest) for `verify` to report.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Unnamable(Arc<Mutex<(BTreeSet<String>, u64)>>);
+
+/// Unnamable keys remembered by name, at most.
+const MAX_UNNAMABLE_KEPT: usize = 100;
+
+impl Unnamable {
+    /// Records a key a listing passed by, warning once.
+    pub(crate) fn note(&self, key: &str) {
+        let mut u = self.0.lock().expect("unnamable poisoned");
+        if u.0.contains(key) {
+            return;
+        }
+        tracing::warn!(
+            "a listing passed by key {key:?}: no labsync command can name it (an empty, `.` \
+             or `..` segment, or a control character); remove it with the server's own tools"
+        );
+        if u.0.len() < MAX_UNNAMABLE_KEPT {
+            u.0.insert(key.to_string());
+        } else {
+            u.1 += 1;
+        }
+    }
+}
+
+/// The objects under `prefix` of the local store at `root`, as a walk of
+/// its folders finds them, passing by names no command can name
+/// ([`Unnamable`]) and staging files (`key#N`). `object_store`'s own
+/// walk ends its listing at the first name it cannot parse, without a word
+/// past the error: a listing skipping that error would have lost every
+/// object after it (the index, the versions gc keeps). Symlinks are taken
+/// for what they point at, and folders they name are not entered.
+fn list_local(
+    root: PathBuf,
+    prefix: &str,
+    unnamable: Unnamable,
+) -> impl futures::Stream<Item = Result<ObjectInfo>> + Send + 'static {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<ObjectInfo>>(1024);
+    let start = root.join(prefix.trim_end_matches('/'));
+    tokio::task::spawn_blocking(move || {
+        let mut stack = vec![start];
+        while let Some(dir) = stack.pop() {
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(Error::io("list", &dir)(e)));
+                    return;
+                }
+            };
+            for e in entries {
+                let e = match e {
+                    Ok(e) => e,
+                    Err(err) => {
+                        let _ = tx.blocking_send(Err(Error::io("list", &dir)(err)));
+                        return;
+                    }
+                };
+                let path = e.path();
+                let Ok(kind) = e.file_type() else { continue };
+                if kind.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let rel = path.strip_prefix(&root).unwrap_or(&path);
+                let Some(key) = rel.to_str() else {
+                    unnamable.note(&rel.to_string_lossy());
+                    continue;
+                };
+                if key.contains('#') {
+                    continue;
+                }
+                if Path::parse(key).is_err() {
+                    unnamable.note(key);
+                    continue;
+                }
+                // Gone meanwhile, or a symlink to nothing or to a folder.
+                let Ok(meta) = std::fs::metadata(&path) else {
+                    continue;
+                };
+                if !meta.is_file() {
+                    continue;
+                }
+                let modified = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_secs() as i64);
+                let info = ObjectInfo {
+                    key: key.to_string(),
+                    size: meta.len(),
+                    modified,
+                };
+                if tx.blocking_send(Ok(info)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    tokio_stream_of(rx)
+}
+
+/// The receiving end of a channel as a stream.
+fn tokio_stream_of<T: Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> + Send + 'static {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|t| (t, rx)) })
+}
+
 /// An object's key (relative to the store root), size and age.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectInfo {
@@ -54,6 +169,8 @@ pub struct Remote {
     /// again with no larger bound, they are refused without a request (a
     /// 50 GB object planted under `index/` is met by every load of the index).
     oversized: Arc<Mutex<HashMap<String, u64>>>,
+    /// Keys its listings passed by ([`Unnamable`]).
+    unnamable: Unnamable,
 }
 
 impl std::fmt::Debug for Remote {
@@ -80,7 +197,9 @@ impl Remote {
         if parsed.scheme() == "memory" {
             return Ok(Remote::memory());
         }
-        let (store, prefix) = open_backend(&parsed, options).map_err(|e| invalid(e.to_string()))?;
+        let unnamable = Unnamable::default();
+        let (store, prefix) =
+            open_backend(&parsed, options, &unnamable).map_err(|e| invalid(e.to_string()))?;
         let inner: Arc<dyn ObjectStore> = if prefix.as_ref().is_empty() {
             Arc::from(store)
         } else {
@@ -94,6 +213,7 @@ impl Remote {
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
             oversized: Default::default(),
+            unnamable,
         })
     }
 
@@ -116,6 +236,7 @@ impl Remote {
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
             oversized: Default::default(),
+            unnamable: Default::default(),
         })
     }
 
@@ -129,6 +250,7 @@ impl Remote {
             conditional: ConditionalWrites::Honoured,
             claims_kept: Default::default(),
             oversized: Default::default(),
+            unnamable: Default::default(),
         }
     }
 
@@ -354,6 +476,13 @@ impl Remote {
         }
     }
 
+    /// Keys this handle's listings passed by because no command can name
+    /// them, and how many more beyond those named.
+    pub fn unnamable_keys(&self) -> (Vec<String>, u64) {
+        let u = self.unnamable.0.lock().expect("unnamable poisoned");
+        (u.0.iter().cloned().collect(), u.1)
+    }
+
     /// Every object under `prefix` (a folder such as `packs/`), in no order.
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         self.list_stream(prefix).try_collect().await
@@ -365,6 +494,9 @@ impl Remote {
         &self,
         prefix: &'a str,
     ) -> impl futures::Stream<Item = Result<ObjectInfo>> + Send + 'a {
+        if let Some(root) = &self.local_root {
+            return list_local(root.clone(), prefix, self.unnamable.clone()).left_stream();
+        }
         let p = Path::from(prefix.trim_end_matches('/'));
         self.inner
             .list(Some(&p))
@@ -376,6 +508,7 @@ impl Remote {
                 size: m.size,
                 modified: m.last_modified.timestamp(),
             })
+            .right_stream()
     }
 
     /// The objects of `folder` whose keys begin with `start` (a key prefix
@@ -553,6 +686,7 @@ impl Remote {
 fn open_backend(
     url: &url::Url,
     options: &[(String, String)],
+    unnamable: &Unnamable,
 ) -> object_store::Result<(Box<dyn ObjectStore>, Path)> {
     use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
     use object_store::{ClientConfigKey, ObjectStoreScheme, RetryConfig};
@@ -589,6 +723,7 @@ fn open_backend(
     let plain = endpoint.is_some_and(|e| e.starts_with("http://")) && !https_elsewhere;
     let connector = crate::http::Connector {
         plain: own_client(plain, options, |k| std::env::var_os(k)),
+        unnamable: unnamable.clone(),
     };
     let builder = if plain {
         let key = AmazonS3ConfigKey::Client(ClientConfigKey::NoSystemCertificates);

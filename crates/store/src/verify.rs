@@ -99,6 +99,21 @@ pub async fn verify(
     } else {
         check_cache_packs(cache, packs, &mut report, progress).await?;
     }
+    // Keys the listings passed by: they stop nothing, but are junk someone
+    // wrote, which only the server's own tools can remove.
+    let (unnamable, more) = repo.remote().unnamable_keys();
+    for key in unnamable {
+        report.warnings.push(format!(
+            "key {key:?} cannot be named by any command (an empty, `.` or `..` segment, or \
+             a control character): listings pass it by; remove it with the server's own \
+             tools (e.g. `aws s3api delete-object`)"
+        ));
+    }
+    if more > 0 {
+        report
+            .warnings
+            .push(format!("{more} more keys cannot be named either"));
+    }
     if !index_sound || !index.refused().is_empty() {
         report.repair = Some(
             "the packs hold what the index lacks or misstates: run `labsync rebuild-index`, \

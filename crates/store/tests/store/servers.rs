@@ -5,7 +5,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use labsync_store::{push, verify, ConditionalWrites, Error, NodeCache, Remote, Repo};
+use labsync_store::{
+    gc, push, verify, ConditionalWrites, Error, NoProgress, NodeCache, Remote, Repo,
+};
 
 use super::proxy::{Fault, Proxy};
 use super::support::{random_bytes, S3Server};
@@ -559,4 +561,65 @@ async fn a_create_lists_only_its_own_keys_claims() {
         &remote.get_at_most("data/one", 64).await.unwrap()[..],
         b"v1"
     );
+}
+
+/// Issue 41, point 7: one key `object_store` cannot name (a control
+/// character, as any member can write) in a folder made every listing of
+/// that folder fail: every push, pull, gc and verify, on every node, on a
+/// real S3 server and on a local folder alike. Listings pass such keys by;
+/// `verify` names them for the server's own tools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_no_command_can_name_stops_no_listing() {
+    const FOLDERS: [&str; 7] = [
+        "index",
+        "refs/ds/@",
+        "snapshots",
+        "packs/00",
+        "gc",
+        "pins",
+        "claims",
+    ];
+    let Some(s3) = S3Server::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("local-store");
+    let stores = [
+        (s3.remote("odd"), s3.data_dir().join("labsync/odd")),
+        (Remote::local(&local).unwrap(), local.clone()),
+    ];
+    for (k, (remote, on_disk)) in stores.into_iter().enumerate() {
+        let repo = Repo::open(remote, None).await.unwrap();
+        let src = dir.path().join(format!("src{k}"));
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("f"), random_bytes(50_000, k as u64)).unwrap();
+        push(&repo, &src, &plain_opts("ds"), np()).await.unwrap();
+        for folder in FOLDERS {
+            let d = on_disk.join(folder);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(format!("planted\u{1}{k}")), b"junk").unwrap();
+        }
+        std::fs::write(src.join("g"), b"more").unwrap();
+        let pushed = push(&repo, &src, &plain_opts("ds"), np()).await.unwrap();
+        assert_eq!(pushed.record.version, 2);
+        let cache = NodeCache::open(&dir.path().join(format!("cache{k}")), 1 << 30).unwrap();
+        let out = dir.path().join(format!("out{k}"));
+        labsync_store::pull(&repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(out.join("g")).unwrap(), b"more");
+        gc(&repo, false, None, &NoProgress).await.unwrap();
+        let report = verify(&repo, &cache, None, true, np()).await.unwrap();
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+        let named = |folder: &str| {
+            let key = format!("{folder}/planted\u{1}{k}");
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains(&format!("{key:?}").trim_matches('"').to_string()))
+        };
+        for folder in ["index", "snapshots", "packs/00"] {
+            assert!(named(folder), "{k} {folder}: {:?}", report.warnings);
+        }
+    }
 }
