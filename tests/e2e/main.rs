@@ -538,6 +538,25 @@ fn s3_end_to_end() {
         info.contains("conditional writes: honoured (probed"),
         "{info}"
     );
+    // Issue 41, point 9: a claim someone keeps renewing on the next
+    // version is shown with whose it is, and an admin removes it by the
+    // key it claims.
+    let key = "refs/ds/@/0000000002";
+    let hash = blake3::hash(key.as_bytes()).to_hex();
+    let claims = server.data_dir().join("labsync/cli-test/claims");
+    std::fs::create_dir_all(&claims).unwrap();
+    let claim = format!("{}.{}", &hash[..32], "f".repeat(32));
+    std::fs::write(claims.join(&claim), format!("{key}\nmallory@gpu9 (pid 7)")).unwrap();
+    let shown = lab.ok(&["claims"]);
+    assert!(
+        shown.contains(&format!(
+            "claims/{claim}  on {key}  by mallory@gpu9 (pid 7)"
+        )),
+        "{shown}"
+    );
+    let removed = lab.json(&["claims", "--remove", key]);
+    assert_eq!(removed["removed"][0], format!("claims/{claim}"));
+    assert!(lab.ok(&["claims"]).starts_with("no claims are held"));
     let info = lab.json(&["info"]);
     assert_eq!(info["conditional_writes"], "honoured");
     assert_eq!(info["conditional_writes_probed"], true);

@@ -296,7 +296,8 @@ impl Remote {
             detail: format!(
                 "{attempt} attempts in {} s to claim it met other writers' claims ({}); run \
                  the command again. A claim renewed for ever keeps the name from everyone: the \
-                 store's admin removes it (and asks its writer why)",
+                 store's admin removes it (`labsync claims --remove {key}`) and asks its \
+                 writer why",
                 PATIENCE.as_secs(),
                 self.claimants(&prefix).await
             ),
@@ -339,12 +340,7 @@ impl Remote {
                     .lines()
                     .nth(1)
                     // Anyone's words: no control character reaches a terminal.
-                    .map(|l| {
-                        l.chars()
-                            .take(200)
-                            .map(|c| if c.is_control() { '?' } else { c })
-                            .collect()
-                    })
+                    .map(words)
                     .unwrap_or_else(|| "a writer that does not say who".into()),
                 Err(_) => "gone".into(),
             };
@@ -358,6 +354,102 @@ impl Remote {
         } else {
             said.join("; ")
         }
+    }
+}
+
+/// A claim in the store, as `labsync claims` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Claim {
+    /// Its own key, `claims/<hash>.<nonce>`.
+    pub claim: String,
+    /// The key it claims, as its writer said (anyone's words).
+    pub key: String,
+    /// Who wrote it, as its writer said: user, host and process.
+    pub who: String,
+    /// When the server last wrote it (Unix seconds): a claim renewed for
+    /// ever stays young.
+    pub modified: i64,
+}
+
+/// Claims `labsync claims` reads at most (a folder anyone can fill).
+pub const MAX_CLAIMS_SHOWN: usize = 1000;
+
+/// Anyone's words, made safe for a terminal and a line.
+fn words(text: &str) -> String {
+    text.chars()
+        .take(200)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
+impl Remote {
+    /// The claims in the store (the first [`MAX_CLAIMS_SHOWN`] listed, each
+    /// read in bounded memory), and how many more there are.
+    pub async fn claims(&self) -> Result<(Vec<Claim>, u64)> {
+        use futures::TryStreamExt;
+        let mut listed = Vec::new();
+        let mut more = 0u64;
+        let mut stream = std::pin::pin!(self.list_stream(CLAIMS));
+        while let Some(o) = stream.try_next().await? {
+            if o.key == KEEP {
+                continue;
+            }
+            if listed.len() < MAX_CLAIMS_SHOWN {
+                listed.push(o);
+            } else {
+                more += 1;
+            }
+        }
+        let mut out = Vec::with_capacity(listed.len());
+        for o in listed {
+            let body = match self.get_at_most(&o.key, 4096).await {
+                Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+                // Withdrawn meanwhile.
+                Err(e) if e.is_not_found() => continue,
+                Err(_) => String::new(),
+            };
+            let mut lines = body.lines();
+            out.push(Claim {
+                claim: o.key,
+                key: words(lines.next().unwrap_or("")),
+                who: lines
+                    .next()
+                    .map(words)
+                    .unwrap_or_else(|| "a writer that does not say who".into()),
+                modified: o.modified,
+            });
+        }
+        Ok((out, more))
+    }
+
+    /// Removes the claim `target` (a key under `claims/`), or every claim
+    /// on the key `target` (as a conflict names it, e.g.
+    /// `refs/ds/@/0000000002`): an admin's way past a claim renewed for
+    /// ever. Returns the claims removed. A writer whose claim is removed
+    /// while it writes is stopped by the next writer's read-back, not by
+    /// this: remove only claims whose writer is gone or stuck.
+    pub async fn remove_claims(&self, target: &str) -> Result<Vec<String>> {
+        if target.starts_with(CLAIMS) {
+            if target == KEEP {
+                return Err(Error::invalid(
+                    format!("claim {target}"),
+                    "keeps claims/ from being empty; it is no claim",
+                ));
+            }
+            return match self.head(target).await? {
+                Some(_) => {
+                    self.delete(target).await?;
+                    Ok(vec![target.to_string()])
+                }
+                None => Err(Error::not_found(format!("claim {target}"))),
+            };
+        }
+        let mut removed = Vec::new();
+        for c in self.list_beginning(CLAIMS, &claim_prefix(target)).await? {
+            self.delete(&c.key).await?;
+            removed.push(c.key);
+        }
+        Ok(removed)
     }
 }
 
@@ -391,6 +483,17 @@ mod tests {
         assert!(said.contains("by mallory@gpu9 (pid 7)?[2J"), "{said}");
         assert!(!said.contains('\u{1b}'));
         assert!(claimant().contains(&format!("(pid {})", std::process::id())));
+        // The admin sees it, and whose it is, and removes it.
+        remote.put(KEEP, Bytes::from_static(b"keep")).await.unwrap();
+        let (all, more) = remote.claims().await.unwrap();
+        assert_eq!((all.len(), more), (1, 0), "{all:?}");
+        assert_eq!(all[0].key, "refs/ds/@/2");
+        assert_eq!(all[0].who, "mallory@gpu9 (pid 7)?[2J");
+        let removed = remote.remove_claims("refs/ds/@/2").await.unwrap();
+        assert_eq!(removed, vec![format!("{prefix}x")]);
+        assert!(remote.claims().await.unwrap().0.is_empty());
+        assert!(remote.remove_claims(KEEP).await.is_err());
+        assert!(remote.head(KEEP).await.unwrap().is_some());
         assert_eq!(
             remote.claimants(&claim_prefix("other")).await,
             "none left now"

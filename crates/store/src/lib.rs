@@ -63,7 +63,7 @@ pub use at::{empty_tree_as, remove_tree};
 pub use behind::{CacheWrites, CacheWritten, BEHIND_MAX_MIB};
 pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent, PullHold};
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
-pub use claims::ConditionalWrites;
+pub use claims::{Claim, ConditionalWrites};
 pub use error::{Error, Result};
 pub use fsutil::{as_user, blocking};
 pub use gc::{condemned_packs, gc, GcOutcome};

@@ -180,6 +180,26 @@ enum Cmd {
     },
     /// Rebuild the index from the pack footers (after a lost or corrupt index)
     RebuildIndex,
+    /// Admins: list the claims writers hold on new versions, or remove one
+    #[command(
+        long_about = "List the claims writers hold on keys that must not exist yet
+        (a new version, the store's config), or remove them.
+
+        On a server that does not honour conditional writes, a writer claims a key for the
+        few seconds of its write (claims/<hash>.<nonce>, saying who wrote it). A claim left
+        by a crashed writer is removed by the next writer after 120 s; one renewed for ever
+        keeps the name from everyone, and a push fails naming it. Remove it by its claim key,
+        or every claim on a key by that key.
+
+        Examples:
+  labsync claims
+  labsync claims --remove refs/div2k/@/0000000004"
+    )]
+    Claims {
+        /// A claim (claims/...) or a key whose claims all go; repeatable
+        #[arg(long, value_name = "KEY")]
+        remove: Vec<String>,
+    },
     /// Admins: fetch a version into cluster nodes' caches now and pin it there
     #[command(
         long_about = "Fetch a version into the caches of a cluster's nodes now, and pin it\n\
@@ -268,6 +288,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Gc { dry_run, grace } => commands::gc::gc(&ctx, dry_run, grace.as_deref()).await,
         Cmd::Forget { specs } => commands::forget::forget(&ctx, &specs).await,
         Cmd::RebuildIndex => commands::rebuild_index::rebuild_index(&ctx).await,
+        Cmd::Claims { remove } => commands::claims::claims(&ctx, &remove).await,
         Cmd::Warm {
             name,
             nodes,

@@ -16,6 +16,7 @@ use crate::Settings;
 
 // labsync
 pub mod cache;
+pub mod claims;
 pub mod diff;
 pub mod forget;
 pub mod gc;
