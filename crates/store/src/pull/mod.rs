@@ -3,11 +3,12 @@
 //! Packs are brought into the node cache (hard links for a local store on
 //! the same file system) and files written by a few threads: each to a
 //! temporary name, every chunk checked against its BLAKE3 id before its
-//! bytes are written, mode and mtime set, its data synced to the disk, then
-//! renamed into place. A file already present with the snapshot's size and
-//! mtime is complete (only a finished rename can produce it, and only once
-//! the data it names is durable: a power cut cannot leave a file of zeros
-//! under its name), so a re-run after an interruption skips it.
+//! bytes are written, mode and mtime set, then renamed into place once its
+//! data is on the disk (a batch of files at a time, one `syncfs` each). A
+//! file already present with the snapshot's size and mtime is complete
+//! (only a finished rename can produce it, and only once the data it names
+//! is durable: a power cut cannot leave a file of zeros under its name), so
+//! a re-run after an interruption skips it.
 //!
 //! Every name in the destination is reached from the folder holding it
 //! ([`crate::at`]): no symlink in the destination is followed, and paths
@@ -845,6 +846,7 @@ fn write_files(
                 let mut reader = PackReader::new(cache).with_fresh(arrivals);
                 let mut buf = Vec::new();
                 let mut dirs = at::Dirs::for_writer(threads);
+                let mut unsynced = Unsynced::default();
                 loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&i) = order.get(k) else { break };
@@ -859,7 +861,10 @@ fn write_files(
                         err.lock().expect("poisoned").get_or_insert(failed);
                         break;
                     }
-                    match write_one(entries, e, tree, &mut dirs, index, &mut reader, &mut buf) {
+                    let written =
+                        write_one(entries, e, tree, &mut dirs, index, &mut reader, &mut buf)
+                            .and_then(|w| unsynced.add(tree, w, e.size()));
+                    match written {
                         Ok(()) => {
                             arrivals.done_with(&packs);
                             bytes.fetch_add(e.size(), Ordering::Relaxed);
@@ -870,6 +875,11 @@ fn write_files(
                             break;
                         }
                     }
+                }
+                // What this writer wrote is whole, whatever stopped the
+                // others: named now, a re-run finds it complete.
+                if let Err(x) = unsynced.name_all(tree) {
+                    err.lock().expect("poisoned").get_or_insert(x);
                 }
             });
         }
@@ -953,6 +963,115 @@ fn write_data(f: &std::fs::File, data: &[u8], offset: u64) -> std::io::Result<()
     Ok(())
 }
 
+/// A file written under a temporary name, waiting for its data to be
+/// durable before it gets its own ([`Unsynced`]).
+struct Written {
+    dir: Arc<rustix::fd::OwnedFd>,
+    tmp: String,
+    path: Vec<u8>,
+}
+
+/// Files written that wait for their renames: batched so that one `syncfs`
+/// makes all their data durable, instead of an `fdatasync` each (which
+/// made a pull of 50,000 small files twice as slow). A file is renamed
+/// into place only after its data is on the disk: after a power cut a file
+/// under its own name holds its bytes, never the zeros a journal that kept
+/// the name and size but not the data would show (and a re-pull would take
+/// for complete by size and time).
+#[derive(Default)]
+struct Unsynced {
+    files: Vec<Written>,
+    bytes: u64,
+}
+
+impl Unsynced {
+    /// Files waiting at most, per writer.
+    const FILES: usize = 4096;
+    /// Bytes waiting at most, per writer: the kernel writes dirty data back
+    /// by itself well before this much is held.
+    const BYTES: u64 = 256 << 20;
+
+    fn add(&mut self, tree: &Tree, w: Written, size: u64) -> Result<()> {
+        self.files.push(w);
+        self.bytes += size;
+        if self.files.len() >= Self::FILES || self.bytes >= Self::BYTES {
+            self.name_all(tree)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the waiting files' data durable (one `syncfs` per file system
+    /// they are on), then renames each into place. On failure the files
+    /// not renamed are removed.
+    fn name_all(&mut self, tree: &Tree) -> Result<()> {
+        let files = std::mem::take(&mut self.files);
+        self.bytes = 0;
+        let result = Self::sync(&files).and_then(|()| {
+            files.iter().try_for_each(|w| {
+                let name = split_name(&w.path);
+                at::rename(&w.dir, w.tmp.as_ref(), name)
+                    .map_err(|err| rename_error(tree, &w.path, err))
+            })
+        });
+        if result.is_err() {
+            for w in &files {
+                at::discard(&w.dir, w.tmp.as_ref());
+            }
+        }
+        result
+    }
+
+    fn sync(files: &[Written]) -> Result<()> {
+        let mut devices = Vec::new();
+        let mut seen: Vec<*const rustix::fd::OwnedFd> = Vec::new();
+        for w in files {
+            if seen.contains(&Arc::as_ptr(&w.dir)) {
+                continue;
+            }
+            seen.push(Arc::as_ptr(&w.dir));
+            let st =
+                rustix::fs::fstat(&*w.dir).map_err(|e| Error::io("sync", "a folder")(e.into()))?;
+            if !devices.iter().any(|(d, _)| *d == st.st_dev) {
+                devices.push((st.st_dev, w.dir.clone()));
+            }
+        }
+        for (_, dir) in devices {
+            // The tree's folders are open `O_PATH`, which `syncfs` refuses.
+            let synced = rustix::fs::openat(
+                &*dir,
+                ".",
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+                rustix::fs::Mode::empty(),
+            )
+            .and_then(rustix::fs::syncfs);
+            synced.map_err(|e| Error::io("sync", "the destination")(e.into()))?;
+        }
+        Ok(())
+    }
+}
+
+/// The last component of a relative path.
+fn split_name(rel: &[u8]) -> &std::ffi::OsStr {
+    use std::os::unix::ffi::OsStrExt;
+    let at = rel.iter().rposition(|&b| b == b'/').map_or(0, |i| i + 1);
+    std::ffi::OsStr::from_bytes(&rel[at..])
+}
+
+/// Why a file could not be renamed into place: a folder where the snapshot
+/// has a file is said so (only a failed rename asks).
+fn rename_error(tree: &Tree, rel: &[u8], err: std::io::Error) -> Error {
+    let shown = tree.shown(rel);
+    let is_dir = tree.stat(rel).ok().flatten();
+    if is_dir.is_some_and(|st| at::kind(&st) == rustix::fs::FileType::Directory) {
+        Error::invalid(
+            format!("destination {}", shown.display()),
+            "is a directory where the snapshot has a file",
+        )
+    } else {
+        Error::io("rename into place", shown)(err)
+    }
+}
+
 fn write_one(
     list: &Listing,
     e: Item<'_>,
@@ -961,13 +1080,13 @@ fn write_one(
     index: &Index,
     reader: &mut PackReader<'_>,
     buf: &mut Vec<u8>,
-) -> Result<()> {
+) -> Result<Written> {
     let shown = || tree.shown(e.path());
-    let (dir, name) = tree
+    let (dir, _) = tree
         .parent_in(dirs, e.path())
         .map_err(Error::io("create", shown()))?;
-    let tmp = tmp_leaf();
-    let tmp: &std::ffi::OsStr = tmp.as_ref();
+    let tmp_name = tmp_leaf();
+    let tmp: &std::ffi::OsStr = tmp_name.as_ref();
     // Only a name this pull created is ever removed again.
     let w = at::create(&dir, tmp).map_err(Error::io("create", shown()))?;
     let result = (|| {
@@ -1015,30 +1134,20 @@ fn write_one(
             .map_err(Error::io("set mode of", shown()))?;
         w.set_modified(time_of(e.mtime_ns()))
             .map_err(Error::io("set time of", shown()))?;
-        // Its bytes on the disk before its name: after a power cut a file
-        // under its final name has its data, never the zeros a journal
-        // that kept the name and size but not the data would show (and a
-        // re-pull would take for complete by size and time).
-        w.sync_data().map_err(Error::io("sync", shown()))?;
-        drop(w);
-        // No look before the rename (one lookup per file saved): only a
-        // failed rename asks whether a directory was in the way.
-        at::rename(&dir, tmp, name).map_err(|err| {
-            let is_dir = tree.stat(e.path()).ok().flatten();
-            if is_dir.is_some_and(|st| at::kind(&st) == rustix::fs::FileType::Directory) {
-                Error::invalid(
-                    format!("destination {}", shown().display()),
-                    "is a directory where the snapshot has a file",
-                )
-            } else {
-                Error::io("rename into place", shown())(err)
-            }
-        })
+        Ok(())
     })();
-    if result.is_err() {
-        at::discard(&dir, tmp);
+    match result {
+        // Renamed once its data is durable ([`Unsynced`]).
+        Ok(()) => Ok(Written {
+            dir,
+            tmp: tmp_name,
+            path: e.path().to_vec(),
+        }),
+        Err(x) => {
+            at::discard(&dir, tmp);
+            Err(x)
+        }
     }
-    result
 }
 
 /// The packs a snapshot's files need, with their sizes: what a
