@@ -482,22 +482,12 @@ impl Mounted {
     /// ext4 with 128-byte inodes: timestamps in whole seconds, as on NFS
     /// servers and old ext4 file systems that lab servers still have.
     pub fn coarse_ext4(mib: u64) -> Mounted {
-        let dir = tempfile::tempdir().unwrap();
-        let img = dir.path().join("fs.img");
-        std::fs::File::create(&img)
-            .unwrap()
-            .set_len(mib << 20)
-            .unwrap();
-        run(Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-I", "128"])
-            .arg(&img));
-        let path = dir.path().join("mnt");
-        std::fs::create_dir(&path).unwrap();
+        let m = Mounted::ext4(mib, &["-I", "128"]);
         run(Command::new("mount")
             .args(["-o", "loop"])
-            .arg(&img)
-            .arg(&path));
-        Mounted { _dir: dir, path }
+            .arg(m._dir.path().join("fs.img"))
+            .arg(&m.path));
+        m
     }
 
     /// ext4 that loses what was not synced when [`Mounted::lose_power`]
@@ -507,18 +497,27 @@ impl Mounted {
     /// behave. Files written and renamed but not synced come back at their
     /// size, full of zeros.
     pub fn ext4_losing_unsynced(mib: u64) -> Mounted {
+        let m = Mounted::ext4(mib, &[]);
+        m.mount_losing_unsynced();
+        m
+    }
+
+    /// An ext4 image of `mib` MiB made with `mkfs` options `args`, and the
+    /// folder to mount it on (not mounted yet).
+    fn ext4(mib: u64, args: &[&str]) -> Mounted {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("fs.img");
         std::fs::File::create(&img)
             .unwrap()
             .set_len(mib << 20)
             .unwrap();
-        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+        run(Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .args(args)
+            .arg(&img));
         let path = dir.path().join("mnt");
         std::fs::create_dir(&path).unwrap();
-        let m = Mounted { _dir: dir, path };
-        m.mount_losing_unsynced();
-        m
+        Mounted { _dir: dir, path }
     }
 
     fn mount_losing_unsynced(&self) {
