@@ -383,7 +383,7 @@ fn words(text: &str) -> String {
 }
 
 impl Remote {
-    /// The claims in the store (the first [`MAX_CLAIMS_SHOWN`] listed, each
+    /// The claims in the store (the first `MAX_CLAIMS_SHOWN` listed, each
     /// read in bounded memory), and how many more there are.
     pub async fn claims(&self) -> Result<(Vec<Claim>, u64)> {
         use futures::TryStreamExt;

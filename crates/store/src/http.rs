@@ -14,6 +14,8 @@
 //!   whole under their final key, and a conditional create that did land
 //!   the first time answers "exists" the second, which the caller handles.
 
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use object_store::client::{
@@ -61,7 +63,7 @@ mod plain;
 pub(crate) struct Connector {
     pub(crate) plain: bool,
     /// Where the keys listings pass by are kept ([`Retrying::send`]).
-    pub(crate) unnamable: crate::remote::Unnamable,
+    pub(crate) unnamable: Unnamable,
 }
 
 impl HttpConnector for Connector {
@@ -82,7 +84,44 @@ impl HttpConnector for Connector {
 #[derive(Debug)]
 struct Retrying {
     inner: HttpClient,
-    unnamable: crate::remote::Unnamable,
+    unnamable: Unnamable,
+}
+
+/// Keys a listing met that `object_store` cannot name (an empty segment as
+/// in `index//x`, a `.` or `..` segment, a control character): any member
+/// can write one, and one of them failed every listing of its folder, so
+/// every push, pull, gc and verify on every node. Listings pass them by;
+/// a [`crate::Remote`] remembers the first [`MAX_UNNAMABLE_KEPT`] it met (and
+/// counts the rest) for `verify` to report.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Unnamable(Arc<Mutex<(BTreeSet<String>, u64)>>);
+
+/// Unnamable keys remembered by name, at most.
+const MAX_UNNAMABLE_KEPT: usize = 100;
+
+impl Unnamable {
+    /// The keys remembered, and how many more were met.
+    pub(crate) fn keys(&self) -> (Vec<String>, u64) {
+        let u = self.0.lock().expect("unnamable poisoned");
+        (u.0.iter().cloned().collect(), u.1)
+    }
+
+    /// Records a key a listing passed by, warning once.
+    pub(crate) fn note(&self, key: &str) {
+        let mut u = self.0.lock().expect("unnamable poisoned");
+        if u.0.contains(key) {
+            return;
+        }
+        tracing::warn!(
+            "a listing passed by key {key:?}: no labsync command can name it (an empty, `.` \
+             or `..` segment, or a control character); remove it with the server's own tools"
+        );
+        if u.0.len() < MAX_UNNAMABLE_KEPT {
+            u.0.insert(key.to_string());
+        } else {
+            u.1 += 1;
+        }
+    }
 }
 
 /// Statuses worth asking again.

@@ -22,41 +22,11 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 
 use crate::claims::ConditionalWrites;
 use crate::error::{Error, Result};
+use crate::http::Unnamable;
 
 /// How many oversized keys a [`Remote`] remembers (it forgets them all
 /// past this, and learns them again from their sizes).
 const MAX_OVERSIZED_KEPT: usize = 4096;
-
-/// Keys a listing met that `object_store` cannot name (an empty segment as
-/// in `index//x`, a `.` or `..` segment, a control character): any member
-/// can write one, and one of them failed every listing of its folder, so
-/// every push, pull, gc and verify on every node. Listings pass them by;
-/// a [`Remote`] remembers the first [`MAX_UNNAMABLE_KEPT`] it met (and
-/// counts the rest) for `verify` to report.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Unnamable(Arc<Mutex<(BTreeSet<String>, u64)>>);
-
-/// Unnamable keys remembered by name, at most.
-const MAX_UNNAMABLE_KEPT: usize = 100;
-
-impl Unnamable {
-    /// Records a key a listing passed by, warning once.
-    pub(crate) fn note(&self, key: &str) {
-        let mut u = self.0.lock().expect("unnamable poisoned");
-        if u.0.contains(key) {
-            return;
-        }
-        tracing::warn!(
-            "a listing passed by key {key:?}: no labsync command can name it (an empty, `.` \
-             or `..` segment, or a control character); remove it with the server's own tools"
-        );
-        if u.0.len() < MAX_UNNAMABLE_KEPT {
-            u.0.insert(key.to_string());
-        } else {
-            u.1 += 1;
-        }
-    }
-}
 
 /// The objects under `prefix` of the local store at `root`, as a walk of
 /// its folders finds them, passing by names no command can name
@@ -479,8 +449,7 @@ impl Remote {
     /// Keys this handle's listings passed by because no command can name
     /// them, and how many more beyond those named.
     pub fn unnamable_keys(&self) -> (Vec<String>, u64) {
-        let u = self.unnamable.0.lock().expect("unnamable poisoned");
-        (u.0.iter().cloned().collect(), u.1)
+        self.unnamable.keys()
     }
 
     /// Every object under `prefix` (a folder such as `packs/`), in no order.
