@@ -963,16 +963,7 @@ mod tests {
         let repo = Repo::open(Remote::local(&dir.path().join("store")).unwrap(), None)
             .await
             .unwrap();
-        let opts = PushOptions {
-            name: "deep".into(),
-            files_cache: None,
-            threads: 2,
-            user: "t".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
-            compression: labsync_store::Codec::default(),
-        };
+        let opts = PushOptions::new("deep");
         let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
             .await
             .unwrap();
@@ -1017,14 +1008,8 @@ mod tests {
             .await
             .unwrap();
         let opts = PushOptions {
-            name: "w".into(),
-            files_cache: None,
             threads: 1,
-            user: "t".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
-            compression: labsync_store::Codec::default(),
+            ..PushOptions::new("w")
         };
         let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
             .await

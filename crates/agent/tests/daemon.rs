@@ -341,16 +341,7 @@ async fn two_versions(dir: &Path) -> [labsync_agent::proto::TreeRef; 2] {
         let src = dir.join(format!("div2k-{byte}"));
         std::fs::create_dir_all(&src).unwrap();
         std::fs::write(src.join("0001.png"), vec![byte; 700_000]).unwrap();
-        let opts = PushOptions {
-            name: "div2k".into(),
-            files_cache: None,
-            threads: 2,
-            user: "t".into(),
-            host: "h".into(),
-            read_as: None,
-            settle: None,
-            compression: labsync_store::Codec::default(),
-        };
+        let opts = PushOptions::new("div2k");
         let pushed = push(&repo, &src, &opts, Arc::new(NoProgress))
             .await
             .unwrap();

@@ -455,13 +455,26 @@ impl Remote {
 
 /// Who this writer is, as its claims say: user, host and process.
 pub(crate) fn claimant() -> String {
-    let user = std::env::var("USER")
+    format!(
+        "{}@{} (pid {})",
+        user_name(),
+        host_name(),
+        std::process::id()
+    )
+}
+
+/// This process's user, as the environment names it (else its uid).
+pub(crate) fn user_name() -> String {
+    std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| format!("uid {}", rustix::process::getuid().as_raw()));
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_else(|_| format!("uid {}", rustix::process::getuid().as_raw()))
+}
+
+/// This machine's host name.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "an unnamed host".into());
-    format!("{user}@{host} (pid {})", std::process::id())
+        .unwrap_or_else(|_| "an unnamed host".into())
 }
 
 #[cfg(test)]

@@ -18,14 +18,8 @@
 //! let repo = Repo::open(Remote::open("file:///tmp/store", &[])?, None).await?;
 //! let cache = NodeCache::open("/tmp/cache".as_ref(), 10 << 30)?;
 //! let opts = PushOptions {
-//!     name: "div2k".into(),
 //!     files_cache: Some(cache.files_cache_dir()),
-//!     threads: 2,
-//!     user: "alice".into(),
-//!     host: "gpu1".into(),
-//!     read_as: None,
-//!     settle: None,
-//!     compression: labsync_store::Codec::default(),
+//!     ..PushOptions::new("div2k")
 //! };
 //! let pushed = push(&repo, "./div2k".as_ref(), &opts, Arc::new(NoProgress)).await?;
 //! println!("{}", pushed.record.label());

@@ -36,16 +36,7 @@ fn opts(name: &str, cache: &NodeCache) -> PushOptions {
 
 /// Push options with no files cache (every file read).
 fn plain_opts(name: &str) -> PushOptions {
-    PushOptions {
-        name: name.into(),
-        files_cache: None,
-        threads: 2,
-        user: "t".into(),
-        host: "h".into(),
-        read_as: None,
-        settle: None,
-        compression: labsync_store::Codec::default(),
-    }
+    PushOptions::new(name)
 }
 
 /// Makes `env.root/dir` holding one file `file` with `bytes`, pushes it as

@@ -66,19 +66,31 @@ pub struct PushOptions {
     pub compression: Codec,
 }
 
-#[cfg(test)]
 impl PushOptions {
-    /// Options for the crate's tests: `name`, one reader, no files cache.
-    pub(crate) fn for_test(name: &str) -> PushOptions {
+    /// Options to push a version of `name`: every file read (no files
+    /// cache), two reader threads, files taken as they are, read as this
+    /// process, the default compression, and this process's user and host
+    /// recorded. Change what differs with `PushOptions { .., ..new(name) }`.
+    pub fn new(name: impl Into<String>) -> PushOptions {
         PushOptions {
             name: name.into(),
             files_cache: None,
-            threads: 1,
-            user: "u".into(),
-            host: "h".into(),
+            threads: 2,
+            user: crate::claims::user_name(),
+            host: crate::claims::host_name(),
             read_as: None,
             settle: None,
+            compression: Codec::default(),
+        }
+    }
+
+    /// Options for the crate's tests: `name`, one reader, no files cache.
+    #[cfg(test)]
+    pub(crate) fn for_test(name: &str) -> PushOptions {
+        PushOptions {
+            threads: 1,
             compression: Codec::Lz4,
+            ..PushOptions::new(name)
         }
     }
 }
