@@ -2,13 +2,9 @@
 //! and errors as one line.
 
 /// Runs blocking work (the engine forks, waits and scans `/proc`; trees are
-/// written and removed file by file) off the runtime.
-pub async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(v) => v,
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
-    }
-}
+/// written and removed file by file) off the runtime: the store's helper,
+/// the one of the workspace.
+pub use labsync_store::off_runtime;
 
 /// An error and its causes, as one line for a job's record: the store's
 /// errors name the path and leave the OS's reason ("No space left on

@@ -291,17 +291,10 @@ impl Trees {
 
     fn write_record(&self, snapshot: &str, rec: &TreeRecord) {
         let path = self.root.join(format!("{snapshot}.json"));
-        let tmp = self.root.join(format!(".{snapshot}.json.tmp"));
         let json = serde_json::to_vec(rec).expect("record serialises");
         // Eviction order and trust depend on it: a lost record makes a tree
         // look old, and one made before the last boot is made again.
-        let write = || {
-            let mut f = std::fs::File::create(&tmp)?;
-            std::io::Write::write_all(&mut f, &json)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &path)
-        };
-        if write().is_err() {
+        if labsync_store::write_atomic(&path, &json).is_err() {
             tracing::warn!("cannot write {}", path.display());
         }
     }

@@ -6,18 +6,35 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 /// Writes `data` to `path` through a temporary file and a rename, so a reader
-/// sees the old content or the new, never half of it.
-pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+/// sees the old content or the new, never half of it, and a power cut
+/// leaves one or the other, never an empty or zero-filled file: the data
+/// is synced before the rename. The temporary name is new (`O_EXCL`, a
+/// random part per process): a symlink planted in the folder is never
+/// followed, and concurrent writers of one path never share one. The file
+/// gets mode `0o644` less the umask, and missing folders above it are
+/// made; [`write_atomic_mode`] sets another mode and makes no folder.
+/// The one atomic write of the workspace: labd's records use it too.
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
     }
+    write_atomic_mode(path, data, 0o644)
+}
+
+/// [`write_atomic`] with the file's mode (less the umask), `0o600` for a
+/// record only root may read, into a folder that must exist: a record
+/// written as its folder is removed fails, and does not make it again.
+pub fn write_atomic_mode(path: &Path, data: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = tmp_name(path);
     let written = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(Error::io("create", &tmp))?;
         f.write_all(data).map_err(Error::io("write", &tmp))?;
-        // Durable before it has its name: a power cut leaves the old
-        // contents or the new, never an empty or zero-filled file (the
-        // cache's state, read by every pull on the node, among them).
         f.sync_data().map_err(Error::io("sync", &tmp))?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(Error::io("rename into place", path))
@@ -256,19 +273,23 @@ pub(crate) fn tmp_leaf() -> String {
     format!(".labsync-tmp.{pid}.{salt:08x}.{n}")
 }
 
-/// Runs blocking work (file I/O, hashing a tree) off the async runtime.
+/// Runs blocking work (file I/O, hashing a tree, forking, scanning
+/// `/proc`) off the async runtime and waits for it; a panic in it goes on
+/// in the caller. The one such helper of the workspace.
+pub async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only a runtime shutting down cancels a blocking task.
+        Err(e) => panic!("blocking task cancelled: {e}"),
+    }
+}
+
+/// [`off_runtime`] for work that returns the store's `Result`.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => Err(Error::Io {
-            op: "run blocking task",
-            path: PathBuf::new(),
-            source: std::io::Error::other(e),
-        }),
-    }
+    off_runtime(f).await
 }
 
 /// While alive, this thread reads files as another user: its file-system

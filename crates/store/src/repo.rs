@@ -687,7 +687,7 @@ impl Repo {
         if let Some(dir) = self.index_cache.clone() {
             // The first run after an upgrade may remove thousands.
             let live = keys.clone();
-            let _ = tokio::task::spawn_blocking(move || prune_index_copies(&dir, &live)).await;
+            crate::fsutil::off_runtime(move || prune_index_copies(&dir, &live)).await;
         }
         Ok((idx, keys))
     }

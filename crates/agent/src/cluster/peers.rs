@@ -67,21 +67,12 @@ impl ClusterPeers {
         }
     }
 
-    /// Writes the counts (whole, then renamed into place).
-    ///
-    /// labd runs as root: the temporary file is made anew (`O_EXCL`), so
-    /// a symlink planted in its place is never followed, only refused.
+    /// Writes the counts (whole, then renamed into place; labd runs as
+    /// root: the temporary file is made anew, `O_EXCL`, so a symlink
+    /// planted in its place is never followed, only refused).
     fn keep(&self, c: &FetchCounts) {
-        use std::io::Write;
-        let tmp = self.file.with_extension("json.tmp");
-        let _ = std::fs::remove_file(&tmp);
-        let written = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .and_then(|mut f| f.write_all(&serde_json::to_vec(c).expect("counts serialise")))
-            .and_then(|()| std::fs::rename(&tmp, &self.file));
-        if let Err(e) = written {
+        let json = serde_json::to_vec(c).expect("counts serialise");
+        if let Err(e) = labsync_store::write_atomic(&self.file, &json) {
             tracing::warn!(
                 "cannot keep the fetch counts in {}: {e}",
                 self.file.display()
@@ -316,8 +307,9 @@ mod tests {
         );
         assert_eq!(again.counts(), c);
         assert_eq!(c.store_rate, Some(10 << 20));
-        // A symlink planted where the temporary file goes is not written
-        // through (labd is root; the cache folder could be someone's).
+        // A symlink planted where a temporary file went is not written
+        // through (labd is root; the cache folder could be someone's): the
+        // store's atomic write takes a new, unguessable name (`O_EXCL`).
         let victim = dir.path().join("victim");
         std::fs::write(&victim, "keep me").unwrap();
         std::os::unix::fs::symlink(&victim, dir.path().join("fetched-v1.json.tmp")).unwrap();

@@ -74,9 +74,7 @@ pub async fn send(
         // Nothing more is read from the peer: what hyper read ahead is
         // dropped with `parts`.
         let socket = parts.io.into_inner().into_std()?;
-        tokio::task::spawn_blocking(move || send_file(&socket, &file, len))
-            .await
-            .map_err(io::Error::other)?
+        crate::blocking::off_runtime(move || send_file(&socket, &file, len)).await
     };
     match done.await {
         Ok(()) => sent(),

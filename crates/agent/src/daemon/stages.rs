@@ -224,24 +224,12 @@ pub(crate) fn tree_in_stage(dir: &Path, snapshot: &str, now: u64) -> bool {
 }
 
 fn write_record(stage_dir: &Path, rec: &StageRecord) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    // A name of its own: the sweep, the step's release and an abandoned
-    // request's may write the record at once.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = stage_dir.join(format!(".stage.json.tmp.{}.{n}", std::process::id()));
-    // labd's alone: it names the user's job and snapshots.
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    std::io::Write::write_all(&mut f, &serde_json::to_vec(rec).expect("record serialises"))?;
-    // On the disk before it is in place: a crash must not leave an empty
-    // record where a whole one was.
-    f.sync_all()?;
-    std::fs::rename(&tmp, stage_dir.join("stage.json"))
+    // labd's alone (it names the user's job and snapshots), whole on the
+    // disk before it is in place, under a name of its own (the sweep, the
+    // step's release and an abandoned request's may write it at once).
+    let json = serde_json::to_vec(rec).expect("record serialises");
+    labsync_store::write_atomic_mode(&stage_dir.join("stage.json"), &json, 0o600)
+        .map_err(std::io::Error::other)
 }
 
 /// When a stage not released stops holding its trees: [`STAGE_TTL`] after

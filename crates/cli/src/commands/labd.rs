@@ -102,7 +102,7 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
                     _ = int.recv() => break,
                     _ = every.tick() => {
                         let d = daemon.clone();
-                        if let Ok(Some(why)) = tokio::task::spawn_blocking(move || d.state_dir_lost()).await {
+                        if let Some(why) = labsync_store::off_runtime(move || d.state_dir_lost()).await {
                             tracing::error!("{why}");
                             lost.store(true, Ordering::Relaxed);
                             return;
