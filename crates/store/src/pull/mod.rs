@@ -169,36 +169,8 @@ async fn pull_inner(
         .with_index_cache(Some(cache.index_dir(&repo.config().id)));
     // With `shared`, written with shared modes, and a finished file is
     // recognised by them.
-    // The index loads while the name is resolved and the snapshot object
-    // read (neither needs it): a round trip less before the first pack.
-    let (record, index, entries) = match opts.expect {
-        Some(expected) => {
-            // The tree is read only once the name is known to still name
-            // the snapshot the caller expects.
-            let snapshot = async {
-                let (record, object) =
-                    tokio::join!(repo.resolve(spec), repo.load_snapshot(&expected));
-                let record = record?;
-                if record.snapshot != expected {
-                    return Err(Error::Moved {
-                        label: record.label(),
-                        expected: expected.to_string(),
-                        found: record.snapshot.to_string(),
-                    });
-                }
-                Ok((record, object?))
-            };
-            load_tree(&repo, snapshot, opts.shared, progress.as_ref()).await?
-        }
-        None => {
-            let snapshot = async {
-                let record = repo.resolve(spec).await?;
-                let object = repo.load_snapshot(&record.snapshot).await?;
-                Ok((record, object))
-            };
-            load_tree(&repo, snapshot, opts.shared, progress.as_ref()).await?
-        }
-    };
+    let (record, index, entries) =
+        resolve_and_load(&repo, spec, opts.expect, opts.shared, progress.as_ref()).await?;
     let loaded = started.elapsed();
     let (dest, empty) = prepare_destination(dest)?;
     let tree = Arc::new(Tree::open(&dest).map_err(Error::io("open destination", &dest))?);
@@ -237,51 +209,27 @@ async fn pull_inner(
             &plan.files,
         ));
     }
-    let fetch = async {
-        let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
-        let fetched = cache
-            .fetch_packs_then(&repo, &fetch_order, &quiet, Some(&arrivals), behind)
-            .await;
-        // Done or failed, no writer waits any longer: a pack that turned
-        // up in the cache meanwhile is read there.
-        match &fetched {
-            Ok(_) => arrivals.finished(),
-            Err(_) => arrivals.fail(),
-        }
-        tracing::debug!(
-            "pull {}: packs fetched at {:.3} s",
-            record.label(),
-            started.elapsed().as_secs_f64()
-        );
-        fetched
-    };
-    let write = write_verified(
-        &repo, cache, &entries, index, order, &tree, threads, &progress, &arrivals, behind,
-    );
-    let (fetched, written) = tokio::join!(fetch, write);
-    // A writer's own error says more than the fetch's, unless the writer
-    // only stopped because the fetch failed.
-    let written = match written {
-        Err(Error::NotFound { what, .. }) if what == FETCH_FAILED => None,
-        w => Some(w?),
-    };
-    let (packs_fetched, bytes_fetched) = fetched?;
-    let written = written.ok_or_else(|| Error::not_found(FETCH_FAILED))?;
+    let (written, packs_fetched, bytes_fetched) = fetch_and_write(
+        &repo,
+        cache,
+        &entries,
+        index,
+        order,
+        &fetch_order,
+        &tree,
+        threads,
+        &progress,
+        &arrivals,
+        behind,
+    )
+    .await?;
     tracing::debug!(
         "pull {}: tree loaded at {:.3} s, files written at {:.3} s",
         record.label(),
         loaded.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
-    make_links(&tree, &entries)?;
-    // Into an empty folder nothing extra can be there: no walk.
-    let (extra, deleted) = if empty {
-        (0, 0)
-    } else {
-        let (extra, deleted) = sweep_extras(&tree, &entries, opts.delete)?;
-        (extra + replaced, deleted + replaced)
-    };
-    finish(&tree, &entries)?;
+    let (extra, deleted) = complete_tree(&tree, &entries, empty, opts.delete, replaced)?;
 
     cache.touch(id, &label, store, plan.packs)?;
     for label in cache.enforce_cap(Some(record.snapshot))? {
@@ -301,6 +249,47 @@ async fn pull_inner(
         deleted,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Stage 1: the version `spec` names (which must still be the snapshot
+/// `expect`, when given), the store's index and the version's tree. The
+/// index loads while the name is resolved and the snapshot object read
+/// (neither needs it): a round trip less before the first pack.
+async fn resolve_and_load(
+    repo: &Repo,
+    spec: &RefSpec,
+    expect: Option<SnapshotId>,
+    shared: bool,
+    progress: &dyn Progress,
+) -> Result<(VersionRecord, Index, Listing)> {
+    match expect {
+        Some(expected) => {
+            // The tree is read only once the name is known to still name
+            // the snapshot the caller expects.
+            let snapshot = async {
+                let (record, object) =
+                    tokio::join!(repo.resolve(spec), repo.load_snapshot(&expected));
+                let record = record?;
+                if record.snapshot != expected {
+                    return Err(Error::Moved {
+                        label: record.label(),
+                        expected: expected.to_string(),
+                        found: record.snapshot.to_string(),
+                    });
+                }
+                Ok((record, object?))
+            };
+            load_tree(repo, snapshot, shared, progress).await
+        }
+        None => {
+            let snapshot = async {
+                let record = repo.resolve(spec).await?;
+                let object = repo.load_snapshot(&record.snapshot).await?;
+                Ok((record, object))
+            };
+            load_tree(repo, snapshot, shared, progress).await
+        }
+    }
 }
 
 /// The store's index and the version's validated tree. Special mode bits
@@ -594,6 +583,80 @@ async fn write_verified(
         cache.forget_pack(&p);
         cache.fetch_pack(repo, &p).await?;
     }
+}
+
+/// Stage 5, once every file is in place: hard links, what the version does
+/// not hold (counted, or removed with `delete`; `replaced` were already),
+/// then the modes and times of folders and the symlinks. Returns the
+/// entries found extra and those deleted.
+fn complete_tree(
+    tree: &Tree,
+    entries: &Listing,
+    empty: bool,
+    delete: bool,
+    replaced: u64,
+) -> Result<(u64, u64)> {
+    make_links(tree, entries)?;
+    // Into an empty folder nothing extra can be there: no walk.
+    let (extra, deleted) = if empty {
+        (0, 0)
+    } else {
+        let (extra, deleted) = sweep_extras(tree, entries, delete)?;
+        (extra + replaced, deleted + replaced)
+    };
+    finish(tree, entries)?;
+    Ok((extra, deleted))
+}
+
+/// Stages 3 and 4, side by side: the packs fetched in `fetch_order` (into
+/// the node cache, from peers or the store) while the files are written
+/// from them as they arrive. Returns the bytes written and the packs and
+/// bytes fetched.
+#[allow(clippy::too_many_arguments)] // the pull's parts, passed on as they are
+async fn fetch_and_write(
+    repo: &Repo,
+    cache: &NodeCache,
+    entries: &Arc<Listing>,
+    index: Index,
+    order: Vec<usize>,
+    fetch_order: &[(PackId, u64)],
+    tree: &Arc<Tree>,
+    threads: usize,
+    progress: &Arc<dyn Progress>,
+    arrivals: &Arc<Arrivals>,
+    behind: Option<&CacheWrites>,
+) -> Result<(u64, u64, u64)> {
+    let started = Instant::now();
+    let fetch = async {
+        let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
+        let fetched = cache
+            .fetch_packs_then(repo, fetch_order, &quiet, Some(arrivals), behind)
+            .await;
+        // Done or failed, no writer waits any longer: a pack that turned
+        // up in the cache meanwhile is read there.
+        match &fetched {
+            Ok(_) => arrivals.finished(),
+            Err(_) => arrivals.fail(),
+        }
+        tracing::debug!(
+            "pull: packs fetched in {:.3} s",
+            started.elapsed().as_secs_f64()
+        );
+        fetched
+    };
+    let write = write_verified(
+        repo, cache, entries, index, order, tree, threads, progress, arrivals, behind,
+    );
+    let (fetched, written) = tokio::join!(fetch, write);
+    // A writer's own error says more than the fetch's, unless the writer
+    // only stopped because the fetch failed.
+    let written = match written {
+        Err(Error::NotFound { what, .. }) if what == FETCH_FAILED => None,
+        w => Some(w?),
+    };
+    let (packs_fetched, bytes_fetched) = fetched?;
+    let written = written.ok_or_else(|| Error::not_found(FETCH_FAILED))?;
+    Ok((written, packs_fetched, bytes_fetched))
 }
 
 /// What a writer reports when the fetch it waited on failed (the fetch's

@@ -136,44 +136,7 @@ pub async fn push(
     let mut attempt = 0;
     let (streamed, uploaded, mut written, snapshot) = loop {
         attempt += 1;
-        let cache_file = (opts.files_cache.as_deref()).map(|dir| {
-            let uid = opts.read_as.map(|(uid, _)| uid);
-            FilesCacheFile::new(dir, &config.id, config.params, &root, uid)
-        });
-        let uploads = Uploads::start(repo);
-        let settings = ReadSettings {
-            threads: opts.threads.max(1),
-            read_as: opts.read_as,
-            params: config.params,
-            pack_size: config.pack_size as usize,
-            codec: opts.compression,
-        };
-        let sink = stream::Sink {
-            tx: uploads.sender(),
-            pool: uploads.pool(),
-        };
-        let streamed = {
-            let (root, index, settle, progress) =
-                (root.clone(), index.clone(), opts.settle, progress.clone());
-            blocking(move || {
-                let cache_file = cache_file.as_ref();
-                stream::run(
-                    &root,
-                    &index,
-                    cache_file,
-                    settle,
-                    &settings,
-                    sink,
-                    progress.as_ref(),
-                )
-            })
-            .await
-        };
-        let streamed = match streamed {
-            Ok(s) => s,
-            Err(e) => return Err(uploads.fail(e).await),
-        };
-        let uploaded = uploads.finish(&root).await?;
+        let (streamed, uploaded) = stream_and_upload(repo, &root, &index, opts, &progress).await?;
         pins.extend(uploaded.pin.clone());
 
         let mut written = commit::write_index(repo, &uploaded).await?;
@@ -245,6 +208,58 @@ pub async fn push(
         objects_written: written.objects,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Stages 1 to 5 over the tree at `root` (scan, plan, read and chunk, the
+/// tree), with the uploads of stage 4 beside them, deduplicating against
+/// `index`: what the tree is, and what was uploaded.
+async fn stream_and_upload(
+    repo: &Repo,
+    root: &Path,
+    index: &Arc<Index>,
+    opts: &PushOptions,
+    progress: &Arc<dyn Progress>,
+) -> Result<(stream::Streamed, upload::Uploaded)> {
+    let config = repo.config();
+    let cache_file = (opts.files_cache.as_deref()).map(|dir| {
+        let uid = opts.read_as.map(|(uid, _)| uid);
+        FilesCacheFile::new(dir, &config.id, config.params, root, uid)
+    });
+    let uploads = Uploads::start(repo);
+    let settings = ReadSettings {
+        threads: opts.threads.max(1),
+        read_as: opts.read_as,
+        params: config.params,
+        pack_size: config.pack_size as usize,
+        codec: opts.compression,
+    };
+    let sink = stream::Sink {
+        tx: uploads.sender(),
+        pool: uploads.pool(),
+    };
+    let (root_dir, index, settle, progress) = (
+        root.to_path_buf(),
+        index.clone(),
+        opts.settle,
+        progress.clone(),
+    );
+    let streamed = blocking(move || {
+        let cache_file = cache_file.as_ref();
+        stream::run(
+            &root_dir,
+            &index,
+            cache_file,
+            settle,
+            &settings,
+            sink,
+            progress.as_ref(),
+        )
+    })
+    .await;
+    match streamed {
+        Ok(s) => Ok((s, uploads.finish(root).await?)),
+        Err(e) => Err(uploads.fail(e).await),
+    }
 }
 
 /// The source as an absolute path with no symlinks, resolved as `read_as`.
