@@ -69,18 +69,11 @@ pub fn decode(bytes: &[u8], key: &str) -> Result<Vec<IndexPack>> {
     // a lying length would otherwise size a buffer (4 GiB for a u32) or
     // overflow an offset on every pull that reads it.
     for p in &packs {
-        for &(id, offset, stored_len, raw_len, flags) in &p.chunks {
-            let e = PackEntry {
-                id,
-                offset,
-                stored_len,
-                raw_len,
-                flags,
-            };
+        for e in p.chunks.iter().map(entry_of) {
             if let Some(why) = e.problem(p.size) {
                 return Err(Error::corrupt(
                     format!("index {key}"),
-                    format!("chunk {} of pack {}: {why}", id.short(), p.pack),
+                    format!("chunk {} of pack {}: {why}", e.id.short(), p.pack),
                 ));
             }
         }
@@ -143,6 +136,22 @@ pub struct Index {
 /// all up to a few million chunks; past it a planted object's second
 /// places are not all kept.
 const MAX_OTHER_PLACES: usize = 4 << 20;
+
+/// Other places of one chunk an [`Index`] keeps, at most: honest stores
+/// have one or two; a planted object giving a chunk a million places would
+/// have a pull ask after each.
+const MAX_PLACES_PER_CHUNK: usize = 4;
+
+/// An index record's chunk as a pack entry.
+fn entry_of(&(id, offset, stored_len, raw_len, flags): &(ChunkId, u64, u32, u32, u8)) -> PackEntry {
+    PackEntry {
+        id,
+        offset,
+        stored_len,
+        raw_len,
+        flags,
+    }
+}
 
 /// How many refused index objects an [`Index`] names (a store may hold
 /// millions of junk keys; their count is kept, not their names).
@@ -209,16 +218,10 @@ impl Index {
                 }
                 hashbrown::hash_table::Entry::Occupied(o) => {
                     let s = &slots[*o.get() as usize];
-                    let e = PackEntry {
-                        id,
-                        offset,
-                        stored_len,
-                        raw_len,
-                        flags,
-                    };
+                    let e = entry_of(&(id, offset, stored_len, raw_len, flags));
                     if (s.pack, s.entry()) != (pos, e) && self.others_len < MAX_OTHER_PLACES {
                         let others = self.others.entry(id).or_default();
-                        if !others.contains(&(pos, e)) {
+                        if others.len() < MAX_PLACES_PER_CHUNK && !others.contains(&(pos, e)) {
                             others.push((pos, e));
                             self.others_len += 1;
                         }
@@ -389,6 +392,23 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As an attacker: index objects giving one chunk a thousand other
+    /// places (each would cost a pull a request to its pack) are kept to
+    /// a few.
+    #[test]
+    fn a_chunk_keeps_few_other_places() {
+        let id = ChunkId::of(b"common");
+        let mut index = Index::default();
+        for k in 0..1000u32 {
+            index.add(&IndexPack {
+                pack: PackId::of(&k.to_le_bytes()),
+                size: 1 << 20,
+                chunks: vec![(id, 0, 10, 10, 0)],
+            });
+        }
+        assert_eq!(index.places(&id).len(), 1 + MAX_PLACES_PER_CHUNK);
+    }
 
     #[test]
     fn encode_decode_identity_and_lookup() {

@@ -1183,7 +1183,10 @@ impl Repo {
     /// Where index objects disagree on where a chunk of `ids` is (an
     /// honest store rarely has two places for one chunk; a planted object
     /// gives one that is wrong), the first place the packs' own footers
-    /// confirm is the one `index` keeps. A chunk with no confirmed place
+    /// confirm is the one `index` keeps. The places in use are asked first
+    /// (their packs are few: the version's own); only the chunks they fail
+    /// are asked at their other places, so planted places cost requests
+    /// only where they were put first. A chunk with no confirmed place
     /// keeps its first, which fails by name when read.
     pub(crate) async fn settle_places(
         &self,
@@ -1193,36 +1196,35 @@ impl Repo {
         if !index.has_other_places() {
             return Ok(());
         }
-        let mut by_pack: HashMap<PackId, Vec<PackEntry>> = HashMap::new();
-        let mut asked: Vec<(ChunkId, Vec<(PackId, PackEntry)>)> = Vec::new();
         let mut seen = HashSet::new();
-        for id in ids {
-            let places = index.places(&id);
-            if places.len() < 2 || !seen.insert(id) {
-                continue;
-            }
-            for (p, e) in &places {
-                by_pack.entry(*p).or_default().push(*e);
-            }
-            asked.push((id, places));
-        }
-        if asked.is_empty() {
-            return Ok(());
-        }
-        let bad: HashSet<(PackId, ChunkId, u64)> = self
-            .confirm_entries(by_pack)
-            .await?
-            .into_iter()
-            .map(|(p, e)| (p, e.id, e.offset))
+        let mut asked: Vec<(ChunkId, Vec<(PackId, PackEntry)>)> = ids
+            .filter(|id| seen.insert(*id))
+            .map(|id| (id, index.places(&id)))
+            .filter(|(_, places)| places.len() > 1)
             .collect();
-        for (id, places) in asked {
-            let good = places
-                .iter()
-                .find(|(p, e)| !bad.contains(&(*p, id, e.offset)));
-            match good {
-                Some((p, e)) => index.relocate(&id, p, e),
-                None => tracing::warn!("no pack holds chunk {id} where the index says"),
+        // Round by round: each chunk's next place, until one is confirmed.
+        while !asked.is_empty() {
+            let mut by_pack: HashMap<PackId, Vec<PackEntry>> = HashMap::new();
+            for (_, places) in &asked {
+                by_pack.entry(places[0].0).or_default().push(places[0].1);
             }
+            let bad: HashSet<(PackId, ChunkId, u64)> = self
+                .confirm_entries(by_pack)
+                .await?
+                .into_iter()
+                .map(|(p, e)| (p, e.id, e.offset))
+                .collect();
+            asked.retain_mut(|(id, places)| {
+                let (p, e) = places.remove(0);
+                if !bad.contains(&(p, *id, e.offset)) {
+                    index.relocate(id, &p, &e);
+                    return false;
+                }
+                if places.is_empty() {
+                    tracing::warn!("no pack holds chunk {id} where the index says");
+                }
+                !places.is_empty()
+            });
         }
         Ok(())
     }
