@@ -2,7 +2,7 @@
 //! leases, and the job runner. Synchronous (it forks, scans `/proc` and
 //! waits on children); labd's async API calls it off the runtime.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
@@ -640,48 +640,65 @@ impl Node {
         // behind passes it only on GPUs it could not use, or none (a
         // stream of small jobs never starves a large one).
         let mut kept: HashSet<u32> = HashSet::new();
+        // The GPUs and their leases, read once per pass and again only
+        // after a job took some: read per queued job, a pass over a queue
+        // of a thousand behind busy GPUs made a thousand inventory reads,
+        // and labd answered submissions in seconds (`bench/labd-load.sh`).
+        let mut seen: Option<(Vec<GpuStatus>, BTreeMap<u32, String>)> = None;
         let mut at = 0;
-        while let Some((id, s)) = inner.queue.get(at).cloned() {
-            let gpus = if s.gpus == 0 {
-                if self.cpu_jobs_of(&s.user) >= self.cfg.max_cpu_jobs_per_user {
+        while let Some((id, q)) = inner.queue.get(at) {
+            let (wanted, min_free) = (q.gpus, q.min_free_bytes);
+            let gpus = if wanted == 0 {
+                if self.cpu_jobs_of(&q.user) >= self.cfg.max_cpu_jobs_per_user {
                     at += 1;
                     continue;
                 }
                 Vec::new()
             } else {
-                let status = self.gpus()?;
+                let id = id.clone();
+                if seen.is_none() {
+                    seen = Some((self.gpus()?, self.state.all()?));
+                }
+                let (status, leases) = seen.as_ref().expect("read above");
                 // Accepted while the inventory did not answer, or asking
                 // more than a card can free: failed with the reason, so it
                 // does not block the queue.
-                if let Some(why) = never_fits(&status, s.gpus, s.min_free_bytes) {
+                if let Some(why) = never_fits(status, wanted, min_free) {
                     inner.queue.remove(at);
                     self.state.finish(&id, JobState::Failed { reason: why })?;
                     continue;
                 }
                 // GPUs already leased to it (a job placed here by the
                 // coordinator holds them from its dispatch) come first.
-                let mut free: Vec<u32> = self
-                    .state
-                    .all()?
-                    .into_iter()
-                    .filter(|(_, holder)| *holder == id)
-                    .map(|(g, _)| g)
+                let mut free: Vec<u32> = leases
+                    .iter()
+                    .filter(|(_, holder)| **holder == id)
+                    .map(|(g, _)| *g)
                     .collect();
                 free.extend(
-                    free_gpus(&status, s.min_free_bytes)
+                    free_gpus(status, min_free)
                         .into_iter()
                         .filter(|g| !kept.contains(g)),
                 );
-                match self.state.acquire(&id, s.gpus as usize, &free)? {
-                    Some(g) => g,
+                // Fewer than it wants: no lease could be taken (one is
+                // taken among these only), so none is tried.
+                let taken = match free.len() >= wanted as usize {
+                    true => self.state.acquire(&id, wanted as usize, &free)?,
+                    false => None,
+                };
+                match taken {
+                    Some(g) => {
+                        seen = None;
+                        g
+                    }
                     None => {
-                        kept.extend(could_serve(&status, s.min_free_bytes));
+                        kept.extend(could_serve(status, min_free));
                         at += 1;
                         continue;
                     }
                 }
             };
-            inner.queue.remove(at);
+            let (id, s) = inner.queue.remove(at).expect("read above");
             let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
             // Set after (and instead of) the submitter's own: NVML numbers
             // GPUs in PCI bus order, CUDA by default fastest first, so
@@ -1350,6 +1367,68 @@ mod tests {
         for id in [&head, &small, &cpu, &kept_out] {
             n.kill(id, Duration::from_millis(100)).unwrap();
         }
+    }
+
+    /// A pass over a long queue behind busy GPUs reads the inventory once,
+    /// not once per queued job: it read it a thousand times behind a
+    /// thousand queued jobs, and labd answered `labrun -d` in seconds.
+    #[test]
+    fn a_pass_over_a_long_queue_reads_the_gpus_once() {
+        struct Counting(FakeGpus, std::sync::atomic::AtomicUsize);
+        impl GpuInventory for Counting {
+            fn read(&self) -> Result<Vec<crate::GpuInfo>, crate::InventoryError> {
+                self.1.fetch_add(1, Ordering::SeqCst);
+                self.0.read()
+            }
+            fn describe(&self) -> String {
+                self.0.describe()
+            }
+            fn devices(&self) -> Result<Option<crate::GpuDevices>, String> {
+                self.0.devices()
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let fake = FakeGpus::new("1x11GiB", None).unwrap();
+        let inv = Arc::new(Counting(fake, Default::default()));
+        let n = Node::open(test_config(dir.path()), inv.clone()).unwrap();
+        let marker = format!("1107.{}", std::process::id());
+        let sleep = vec!["sleep".to_string(), marker.clone()];
+        let holder = n.submit(alices(dir.path(), sleep.clone(), 1)).unwrap();
+        assert!(matches!(
+            n.job(&holder).unwrap().unwrap().state,
+            JobState::Running { .. }
+        ));
+        let waiting: Vec<String> = (0..200)
+            .map(|_| n.submit(alices(dir.path(), sleep.clone(), 1)).unwrap())
+            .collect();
+        inv.1.store(0, Ordering::SeqCst);
+        assert_eq!(n.schedule().unwrap(), Vec::<String>::new());
+        assert_eq!(
+            inv.1.load(Ordering::SeqCst),
+            1,
+            "inventory reads in one pass"
+        );
+        // The holder is killed: the pass after it starts the next one.
+        n.kill(&holder, Duration::from_millis(100)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !matches!(
+            n.job(&waiting[0]).unwrap().unwrap().state,
+            JobState::Running { .. }
+        ) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the next did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+            n.reap().unwrap();
+            n.schedule().unwrap();
+        }
+        assert_eq!(n.job(&waiting[1]).unwrap().unwrap().state, JobState::Queued);
+        // The queued first, or each kill would start the next.
+        for id in waiting.iter().rev() {
+            n.kill(id, Duration::from_millis(100)).unwrap();
+        }
+        assert!(processes_with(&marker).is_empty());
     }
 
     /// Jobs without GPUs start at once, so leave the queue at once: they

@@ -401,3 +401,38 @@ async fn stages_are_charged_to_their_user_against_the_share() {
     }
     d.stage(order("alice", "105", &v2)).await.unwrap();
 }
+
+/// The followers of a fresh job see its first line as it comes, with no
+/// ticker to wake them: one task per job looks at its log for them all
+/// (each follower reading it every 20 ms itself cost labd three times its
+/// idle CPU with 50 of them, `bench/labd-load.sh`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_of_a_fresh_job_see_its_first_line_without_a_tick() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::open(config(dir.path()), Arc::new(FakeGpus::new("1x11GiB", None).unwrap()))
+        .await
+        .unwrap();
+    let me = alice();
+    let id = (d.submit(&me, bash("sleep 0.5; echo first; sleep 30", 0)).await)
+        .unwrap()
+        .id;
+    let t = std::time::Instant::now();
+    let followers = (0..20).map(|_| {
+        let (d, me, id) = (d.clone(), me.clone(), id.clone());
+        tokio::spawn(async move {
+            let mut offset = 0;
+            let mut got = Vec::new();
+            while !String::from_utf8_lossy(&got).contains("first") {
+                let r = d.log(&me, &id, offset, Duration::from_secs(20)).await.unwrap();
+                offset = r.next;
+                got.extend(r.bytes);
+            }
+        })
+    });
+    let all = futures::future::join_all(followers);
+    tokio::time::timeout(Duration::from_secs(10), all)
+        .await
+        .expect("each follower sees the first line before its 20 s wait ends");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    d.kill(&me, &id).await.unwrap();
+}

@@ -26,6 +26,9 @@ pub(crate) struct JobLogs {
     warned: Mutex<HashSet<String>>,
     /// Jobs whose log held disk they allocated, freed (said once each).
     hoarders: Mutex<HashSet<String>>,
+    /// Fresh jobs whose log one task looks at often for their followers
+    /// (`Daemon::watch_fresh`).
+    watched: Mutex<HashSet<String>>,
 }
 
 impl JobLogs {
@@ -37,7 +40,25 @@ impl JobLogs {
             bounding: Mutex::new(()),
             warned: Mutex::new(HashSet::new()),
             hoarders: Mutex::new(HashSet::new()),
+            watched: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Marks `id`'s log as watched; false when it already was.
+    pub fn start_watching(&self, id: &str) -> bool {
+        (self.watched.lock().expect("labd poisoned")).insert(id.to_string())
+    }
+
+    /// See [`JobLogs::start_watching`].
+    pub fn stop_watching(&self, id: &str) {
+        self.watched.lock().expect("labd poisoned").remove(id);
+    }
+
+    /// Whether anyone follows `id`'s log now.
+    pub fn followed(&self, id: &str) -> bool {
+        (self.watch.lock().expect("labd poisoned"))
+            .get(id)
+            .is_some_and(|tx| tx.receiver_count() > 0)
     }
 
     /// A receiver that changes when `id`'s log grows or the job changes state.

@@ -24,16 +24,17 @@ const TREES_AT_ONCE: usize = 4;
 /// How long an ended job stays in the default listing (`labrun ps`).
 const RECENT: Duration = Duration::from_secs(86_400);
 
-/// How often a follower of a fresh job looks at its log besides being woken
-/// by the ticker.
+/// How often the log of a fresh job that is followed is looked at, besides
+/// the ticker's look.
 const FRESH_POLL: Duration = Duration::from_millis(20);
 
 /// A job submitted or started in the last seconds: its first lines are what
 /// its user is waiting for. The ticker wakes log followers once a tick (100
 /// ms), which alone doubled `labrun`'s time to a job's first line (0.16 s
-/// to 0.29-0.34 s with 5,000 code files); a job running for a while is
-/// followed on the ticker's wakes only, which keeps a thousand followers
-/// cheap.
+/// to 0.29-0.34 s with 5,000 code files), so one task looks at a fresh
+/// job's log every [`FRESH_POLL`] and wakes its followers
+/// ([`Daemon::watch_fresh`]); a job running for a while is followed on the
+/// ticker's wakes only, which keeps a thousand followers cheap.
 fn fresh(rec: &JobRecord) -> bool {
     let now = crate::leases::unix_now();
     now.saturating_sub(rec.submitted_at) < 5
@@ -767,14 +768,45 @@ impl Daemon {
                 return Ok(LogRead { bytes, next, done });
             }
             changed.mark_unchanged();
+            if fresh(&rec) {
+                self.watch_fresh(id);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            let nap = if fresh(&rec) {
-                left.min(FRESH_POLL)
-            } else {
-                left
-            };
-            let _ = tokio::time::timeout(nap, changed.changed()).await;
+            let _ = tokio::time::timeout(left, changed.changed()).await;
         }
+    }
+
+    /// Looks at fresh job `id`'s log every [`FRESH_POLL`] while it is
+    /// fresh and followed, and wakes its followers when it grows: one task
+    /// per job, however many follow it. Each follower reading the log
+    /// every 20 ms itself made 50 followers of a silent job cost labd
+    /// three times its idle CPU (`bench/labd-load.sh`).
+    fn watch_fresh(self: &Arc<Self>, id: &str) {
+        if !self.logs.start_watching(id) {
+            return;
+        }
+        let (me, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(FRESH_POLL).await;
+                let (node, job) = (me.node.clone(), id.clone());
+                let looked = off_runtime(move || {
+                    let rec = node.job(&job).ok().flatten()?;
+                    let size = std::fs::symlink_metadata(node.log_path(&job)).map(|m| m.len());
+                    Some((fresh(&rec), size.ok()))
+                })
+                .await;
+                match looked {
+                    Some((true, size)) if me.logs.followed(&id) => {
+                        if let Some(size) = size {
+                            me.logs.wake(&id, Some(size));
+                        }
+                    }
+                    _ => break,
+                }
+            }
+            me.logs.stop_watching(&id);
+        });
     }
 }
 
