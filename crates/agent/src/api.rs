@@ -13,9 +13,11 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use crate::blocking::off_runtime;
+use crate::cluster::Reach;
 use crate::cluster::{now_ms, wire};
 use crate::daemon::{Caller, Daemon};
-use crate::error::ApiError;
+use crate::error::{ApiError, JobError};
+use crate::jobs::Jobs;
 use crate::lane::{Lane, Place, LANE_HEAD_TIMEOUT, LANE_PLACES};
 use crate::proto::{Dispatch, ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
 
@@ -29,10 +31,30 @@ pub enum Listener {
     Tls(tokio::net::TcpListener, Arc<crate::tls::ServerConfig>),
 }
 
+/// The HTTP status of a refusal: the one place errors meet HTTP.
+pub(crate) fn status_of(e: &ApiError) -> StatusCode {
+    match e {
+        ApiError::Unauthorized | ApiError::NotMember(_) => StatusCode::UNAUTHORIZED,
+        ApiError::Job(e) => job_status(e),
+    }
+}
+
+/// See [`status_of`].
+pub(crate) fn job_status(e: &JobError) -> StatusCode {
+    match e {
+        JobError::NotFound(_) => StatusCode::NOT_FOUND,
+        JobError::Forbidden(_) => StatusCode::FORBIDDEN,
+        JobError::Invalid(_) => StatusCode::BAD_REQUEST,
+        JobError::Conflict(_) => StatusCode::CONFLICT,
+        JobError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
+        JobError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        JobError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = status_of(&self);
         (
             status,
             Json(ErrorBody {
@@ -56,19 +78,45 @@ fn caller(d: &Daemon, headers: &HeaderMap) -> Result<Caller, ApiError> {
 
 type D = State<Arc<Daemon>>;
 
+/// The router's state: the daemon, and its jobs (a node's or the
+/// cluster's, chosen once in [`router`]).
+#[derive(Clone)]
+struct App {
+    daemon: Arc<Daemon>,
+    jobs: Arc<Jobs>,
+}
+
+impl axum::extract::FromRef<App> for Arc<Daemon> {
+    fn from_ref(app: &App) -> Arc<Daemon> {
+        app.daemon.clone()
+    }
+}
+
+impl axum::extract::FromRef<App> for Arc<Jobs> {
+    fn from_ref(app: &App) -> Arc<Jobs> {
+        app.jobs.clone()
+    }
+}
+
+type J = State<Arc<Jobs>>;
+
 /// The caller, as an extractor: checked from the headers, before a
 /// handler's body extractor reads a byte of the body (a request without a
 /// token cannot make labd hold one).
 struct Authed(Caller);
 
-impl axum::extract::FromRequestParts<Arc<Daemon>> for Authed {
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Authed
+where
+    Arc<Daemon>: axum::extract::FromRef<S>,
+{
     type Rejection = ApiError;
 
     async fn from_request_parts(
         parts: &mut axum::http::request::Parts,
-        d: &Arc<Daemon>,
+        s: &S,
     ) -> Result<Self, ApiError> {
-        caller(d, &parts.headers).map(Authed)
+        let d: Arc<Daemon> = axum::extract::FromRef::from_ref(s);
+        caller(&d, &parts.headers).map(Authed)
     }
 }
 
@@ -97,76 +145,48 @@ struct JobsQuery {
 }
 
 async fn jobs(
-    State(d): D,
-    h: HeaderMap,
+    State(jobs): J,
+    _: Authed,
     Query(q): Query<JobsQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
-    caller(&d, &h)?;
-    let history = q.history || q.before.is_some();
-    if let Some(co) = d.coordinator() {
-        return Ok(Json(if history {
-            co.history(q.before, q.limit.unwrap_or(100))?
-        } else {
-            co.jobs_view()?
-        }));
-    }
-    if history {
-        Ok(Json(d.history(q.before, q.limit.unwrap_or(100)).await?))
+    Ok(Json(if q.history || q.before.is_some() {
+        jobs.history(q.before, q.limit.unwrap_or(100)).await?
     } else {
-        Ok(Json(d.jobs().await?))
-    }
+        jobs.list().await?
+    }))
 }
 
 async fn submit(
-    State(d): D,
+    State(jobs): J,
     Authed(c): Authed,
     Json(req): Json<SubmitRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let view = match d.coordinator() {
-        Some(co) => co.submit(&d, &c, req).await?,
-        None => d.submit(&c, req).await?,
-    };
-    Ok((StatusCode::CREATED, Json(view)))
+    Ok((StatusCode::CREATED, Json(jobs.submit(&c, req).await?)))
 }
 
 async fn job(
-    State(d): D,
-    h: HeaderMap,
+    State(jobs): J,
+    _: Authed,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    caller(&d, &h)?;
-    match d.coordinator() {
-        Some(co) => Ok(Json(co.job(&d, &id).await?)),
-        None => Ok(Json(d.job(&id).await?)),
-    }
+    Ok(Json(jobs.job(&id).await?))
 }
 
 /// `labrun explain JOB`.
 async fn job_explain(
-    State(d): D,
-    h: HeaderMap,
+    State(jobs): J,
+    _: Authed,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    caller(&d, &h)?;
-    match d.coordinator() {
-        Some(co) => Ok(Json(co.explain_job(&d, &id).await?)),
-        None => Ok(Json(crate::proto::JobExplain {
-            job: d.job(&id).await?,
-            ranking: None,
-        })),
-    }
+    Ok(Json(jobs.explain(&id).await?))
 }
 
 async fn kill(
-    State(d): D,
-    h: HeaderMap,
+    State(jobs): J,
+    Authed(c): Authed,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let c = caller(&d, &h)?;
-    match d.coordinator() {
-        Some(co) => Ok(Json(co.kill(&d, &c, &id).await?)),
-        None => Ok(Json(d.kill(&c, &id).await?)),
-    }
+    Ok(Json(jobs.kill(&c, &id).await?))
 }
 
 #[derive(Deserialize)]
@@ -178,18 +198,13 @@ struct LogQuery {
 }
 
 async fn log(
-    State(d): D,
-    h: HeaderMap,
+    State(jobs): J,
+    Authed(c): Authed,
     Path(id): Path<String>,
     Query(q): Query<LogQuery>,
 ) -> Result<Response, ApiError> {
-    let c = caller(&d, &h)?;
     let wait = Duration::from_millis(q.wait_ms);
-    let r = match d.coordinator() {
-        Some(co) => co.log(&d, &c, &id, q.offset, wait).await?,
-        None => d.log(&c, &id, q.offset, wait).await?,
-    };
-    log_response(r)
+    log_response(jobs.log(&c, &id, q.offset, wait).await?)
 }
 
 fn log_response(r: crate::daemon::LogRead) -> Result<Response, ApiError> {
@@ -198,26 +213,27 @@ fn log_response(r: crate::daemon::LogRead) -> Result<Response, ApiError> {
         .header(NEXT_OFFSET, r.next.to_string())
         .header(DONE, r.done.to_string())
         .body(Body::from(r.bytes))
-        .map_err(|e| ApiError::Internal(e.to_string()))
+        .map_err(|e| ApiError::from(JobError::Internal(e.to_string())))
 }
 
-/// The coordinator, or a refusal saying `what` needs it.
+/// The coordinator and its reach, or a refusal saying `what` needs it.
 fn coordinator<'a>(
-    d: &'a Daemon,
+    d: &'a Arc<Daemon>,
     what: &str,
-) -> Result<&'a Arc<crate::cluster::Coordinator>, ApiError> {
-    d.coordinator().ok_or_else(|| {
-        ApiError::Conflict(format!(
+) -> Result<(&'a Arc<crate::cluster::Coordinator>, Reach), JobError> {
+    let co = d.coordinator().ok_or_else(|| {
+        JobError::Conflict(format!(
             "{} does not coordinate a cluster: {what} needs the coordinator",
             d.node_name()
         ))
-    })
+    })?;
+    Ok((co, Reach::new(d.clone())))
 }
 
 /// The coordinator's view of every node, for users.
 async fn cluster_status(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
     caller(&d, &h)?;
-    let c = coordinator(&d, "the cluster's status")?;
+    let (c, _) = coordinator(&d, "the cluster's status")?;
     Ok(Json(c.status(now_ms() as u64)))
 }
 
@@ -292,14 +308,18 @@ const REFUSED_EVERY: Duration = Duration::from_secs(10);
 /// signature checked: the signing node.
 struct FromMember(String);
 
-impl axum::extract::FromRequestParts<Arc<Daemon>> for FromMember {
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FromMember
+where
+    Arc<Daemon>: axum::extract::FromRef<S>,
+{
     type Rejection = ApiError;
 
     async fn from_request_parts(
         parts: &mut axum::http::request::Parts,
-        d: &Arc<Daemon>,
+        s: &S,
     ) -> Result<Self, ApiError> {
-        member(d, &parts.method, &parts.uri, &parts.headers, b"").map(FromMember)
+        let d: Arc<Daemon> = axum::extract::FromRef::from_ref(s);
+        member(&d, &parts.method, &parts.uri, &parts.headers, b"").map(FromMember)
     }
 }
 
@@ -310,21 +330,26 @@ struct Signed<T> {
     body: T,
 }
 
-impl<T: serde::de::DeserializeOwned> axum::extract::FromRequest<Arc<Daemon>> for Signed<T> {
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for Signed<T>
+where
+    Arc<Daemon>: axum::extract::FromRef<S>,
+{
     type Rejection = ApiError;
 
-    async fn from_request(req: axum::extract::Request, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+    async fn from_request(req: axum::extract::Request, s: &S) -> Result<Self, ApiError> {
+        let d: Arc<Daemon> = axum::extract::FromRef::from_ref(s);
+        let d = &d;
         let (parts, body) = req.into_parts();
         // Not a byte of the body before the signature checks out.
         let signed = member_head(d, &parts.method, &parts.uri, &parts.headers)?;
         let bytes = axum::body::to_bytes(body, SIGNED_MAX)
             .await
-            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", parts.uri.path())))?;
+            .map_err(|e| JobError::Invalid(format!("{}: {e}", parts.uri.path())))?;
         let from = signed
             .body(&bytes)
             .map_err(|e| refused(&parts.method, &parts.uri, e))?;
         let body = serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::BadRequest(format!("{} from {from}: {e}", parts.uri.path())))?;
+            .map_err(|e| JobError::Invalid(format!("{} from {from}: {e}", parts.uri.path())))?;
         Ok(Signed { from, body })
     }
 }
@@ -339,14 +364,14 @@ async fn pack_corrupt(
 ) -> Result<impl IntoResponse, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
-        .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
+        .map_err(|_| JobError::Invalid(format!("{id:?} is not a pack id")))?;
     let cache = d.cache().clone();
     let checked = off_runtime(move || {
         let only = std::collections::HashSet::from([id]);
         cache.verify(Some(&only), &labsync_store::NoProgress)
     })
     .await
-    .map_err(|e| ApiError::Internal(format!("checking pack {}: {e}", id.short())))?;
+    .map_err(|e| JobError::Internal(format!("checking pack {}: {e}", id.short())))?;
     let dropped = checked.2.iter().any(|(p, _)| *p == id);
     d.reported_corrupt(dropped);
     tracing::warn!(
@@ -368,7 +393,7 @@ async fn heartbeat(
     Signed { from, body }: Signed<Heartbeat>,
 ) -> Result<impl IntoResponse, ApiError> {
     let c = d.coordinator().ok_or_else(|| {
-        ApiError::Conflict(format!(
+        JobError::Conflict(format!(
             "{} is not the coordinator: check `coordinator` in {from}'s [cluster] config",
             d.node_name()
         ))
@@ -387,7 +412,7 @@ async fn pack(
 ) -> Result<Response, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
-        .map_err(|_| ApiError::BadRequest(format!("{id:?} is not a pack id")))?;
+        .map_err(|_| JobError::Invalid(format!("{id:?} is not a pack id")))?;
     let path = d.cache().pack_path(&id);
     let opened = off_runtime(move || {
         let f = std::fs::File::open(path)?;
@@ -397,12 +422,12 @@ async fn pack(
         Ok::<_, std::io::Error>((f, len))
     });
     let (file, len) = opened.await.map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ApiError::NotFound(format!(
+        std::io::ErrorKind::NotFound => JobError::NotFound(format!(
             "pack {} is not cached on {}",
             id.short(),
             d.node_name()
         )),
-        _ => ApiError::Internal(format!("pack {}: {e}", id.short())),
+        _ => JobError::Internal(format!("pack {}: {e}", id.short())),
     })?;
     let asks = req
         .headers()
@@ -423,7 +448,7 @@ async fn pack(
                 .header(header::UPGRADE, wire::PROTOCOL)
                 .header(wire::LENGTH, len)
                 .body(Body::empty())
-                .map_err(|e| ApiError::Internal(e.to_string()));
+                .map_err(|e| ApiError::from(JobError::Internal(e.to_string())));
         }
     }
     // Counted as answered: a body cut short is the fetching node's to see.
@@ -452,7 +477,7 @@ async fn pack(
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, len)
         .body(Body::from_stream(pieces))
-        .map_err(|e| ApiError::Internal(e.to_string()))
+        .map_err(|e| ApiError::from(JobError::Internal(e.to_string())))
 }
 
 /// Where a job would go, and why not elsewhere: the placer's table.
@@ -461,8 +486,8 @@ async fn explain(
     _: Authed,
     Json(req): Json<SubmitRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let co = coordinator(&d, "--explain")?;
-    Ok(Json(co.explain(&d, &req).await?))
+    let (co, r) = coordinator(&d, "--explain")?;
+    Ok(Json(co.explain(&r, &req).await?))
 }
 
 /// Nodes ranked with Slurm's GPUs (`labrun --backend slurm`).
@@ -471,8 +496,8 @@ async fn rank(
     _: Authed,
     Json(ask): Json<crate::proto::RankAsk>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let co = coordinator(&d, "ranking nodes for Slurm")?;
-    Ok(Json(co.rank_for_scheduler(&d, &ask).await?))
+    let (co, r) = coordinator(&d, "ranking nodes for Slurm")?;
+    Ok(Json(co.rank_for_scheduler(&r, &ask).await?))
 }
 
 /// A Slurm job's batch script asks for its code and data, on the
@@ -486,12 +511,12 @@ async fn stage_ask(
     let c = caller(&d, &parts.headers)?;
     let bytes = tokio::time::timeout(REQUEST_TIMEOUT, axum::body::to_bytes(body, 1 << 20))
         .await
-        .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))?
-        .map_err(|e| ApiError::BadRequest(format!("/v1/stage: {e}")))?;
-    let ask: crate::proto::StageAsk = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::BadRequest(format!("/v1/stage: {e}")))?;
-    let co = coordinator(&d, "staging a Slurm job")?;
-    Ok(Json(co.stage(&d, &c, ask).await?))
+        .map_err(|_| JobError::Invalid("request took too long; closed".into()))?
+        .map_err(|e| JobError::Invalid(format!("/v1/stage: {e}")))?;
+    let ask: crate::proto::StageAsk =
+        serde_json::from_slice(&bytes).map_err(|e| JobError::Invalid(format!("/v1/stage: {e}")))?;
+    let (co, r) = coordinator(&d, "staging a Slurm job")?;
+    Ok(Json(co.stage(&r, &c, ask).await?))
 }
 
 /// A Slurm job ended: its stage is released, on the coordinator.
@@ -500,8 +525,8 @@ async fn stage_done_ask(
     Authed(c): Authed,
     Json(done): Json<crate::proto::StageDone>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let co = coordinator(&d, "releasing a Slurm job's stage")?;
-    co.stage_done(&d, &c, done).await?;
+    let (co, r) = coordinator(&d, "releasing a Slurm job's stage")?;
+    co.stage_done(&r, &c, done).await?;
     Ok(Json(serde_json::json!({})))
 }
 
@@ -517,7 +542,7 @@ async fn stage_order(
         Signed::<crate::proto::StageOrder>::from_request(req, &d),
     )
     .await
-    .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))??;
+    .map_err(|_| JobError::Invalid("request took too long; closed".into()))??;
     Ok(Json(d.stage(signed.body).await?))
 }
 
@@ -536,8 +561,8 @@ async fn warm_ask(
     Authed(c): Authed,
     Json(ask): Json<crate::cluster::WarmAsk>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let co = coordinator(&d, "labsync warm")?;
-    Ok(Json(co.warm(&d, &c, ask).await?))
+    let (co, r) = coordinator(&d, "labsync warm")?;
+    Ok(Json(co.warm(&r, &c, ask).await?))
 }
 
 /// The coordinator's warm order, on a node.
@@ -554,7 +579,7 @@ async fn locate(
     State(d): D,
     Signed { from, body }: Signed<Vec<labsync_store::PackId>>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let co = coordinator(&d, "locating packs")?;
+    let (co, _) = coordinator(&d, "locating packs")?;
     Ok(Json(co.locate(&from, &body)))
 }
 
@@ -626,7 +651,7 @@ async fn time_limit(
 ) -> Result<Response, ApiError> {
     tokio::time::timeout(REQUEST_TIMEOUT, next.run(req))
         .await
-        .map_err(|_| ApiError::BadRequest("request took too long; closed".into()))
+        .map_err(|_| JobError::Invalid("request took too long; closed".into()).into())
 }
 
 /// The API's routes over `daemon`.
@@ -664,7 +689,10 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
                 .route("/v1/stage", post(stage_ask))
                 .route("/v1/cluster/stage", post(stage_order)),
         )
-        .with_state(daemon)
+        .with_state(App {
+            jobs: Arc::new(Jobs::of(&daemon)),
+            daemon,
+        })
 }
 
 /// What one peer, and everyone together, may hold open. A local user

@@ -35,7 +35,39 @@ pub enum LeaseError {
     TooMany(String),
 }
 
-/// Why labd refused or failed a request; each maps to one HTTP status.
+/// Why an operation of labd (on jobs, trees, stages, warming) was refused
+/// or failed, as its caller can act on it. Only the HTTP layer
+/// ([`crate::api`]) turns it into a status code.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobError {
+    /// No such job (or other thing asked for).
+    #[error("{0}")]
+    NotFound(String),
+    /// The caller may not do this: not theirs, or not allowed them.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The request itself is wrong: asked again as it is, it is refused again.
+    #[error("{0}")]
+    Invalid(String),
+    /// Not in this state: the job has ended, this labd is not the
+    /// coordinator, no node could run it.
+    #[error("{0}")]
+    Conflict(String),
+    /// The caller is over a cap (queued jobs per user, a share of the
+    /// disk): it may be asked again once some of theirs end.
+    #[error("{0}")]
+    Busy(String),
+    /// What it needs is not reachable now (the store): ask again later.
+    #[error("{0}")]
+    Unavailable(String),
+    /// labd itself failed.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Why labd refused a request at its HTTP edge: the caller unknown, or an
+/// operation's [`JobError`]. Each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ApiError {
@@ -45,43 +77,9 @@ pub enum ApiError {
     /// A request between nodes without a valid cluster signature (401).
     #[error("cluster request refused: {0}")]
     NotMember(String),
-    /// The caller may not do this (403).
-    #[error("{0}")]
-    Forbidden(String),
-    /// No such job (404).
-    #[error("{0}")]
-    NotFound(String),
-    /// The request is malformed (400).
-    #[error("{0}")]
-    BadRequest(String),
-    /// The request cannot be done in this state (409).
-    #[error("{0}")]
-    Conflict(String),
-    /// The caller is over a cap, e.g. queued jobs per user (429).
-    #[error("{0}")]
-    TooMany(String),
-    /// labd itself failed (500).
-    #[error("{0}")]
-    Internal(String),
-    /// What it needs is not reachable now, e.g. the store (503).
-    #[error("{0}")]
-    Unavailable(String),
-}
-
-impl ApiError {
-    /// The HTTP status of this error.
-    pub fn status(&self) -> u16 {
-        match self {
-            ApiError::Unauthorized | ApiError::NotMember(_) => 401,
-            ApiError::Forbidden(_) => 403,
-            ApiError::NotFound(_) => 404,
-            ApiError::BadRequest(_) => 400,
-            ApiError::Conflict(_) => 409,
-            ApiError::TooMany(_) => 429,
-            ApiError::Internal(_) => 500,
-            ApiError::Unavailable(_) => 503,
-        }
-    }
+    /// The operation's own refusal or failure.
+    #[error(transparent)]
+    Job(#[from] JobError),
 }
 
 /// Why a job's code or data could not be made ready.

@@ -39,6 +39,7 @@ pub mod devices;
 mod error;
 mod fake;
 mod gpu;
+mod jobs;
 pub mod keeper;
 mod lane;
 mod leases;
@@ -64,9 +65,10 @@ pub use daemon::{
     MAX_COMMAND_BYTES, MAX_DATASETS,
 };
 pub use devices::GpuDevices;
-pub use error::{ApiError, ClientError, InventoryError, LeaseError, PrepareError};
+pub use error::{ApiError, ClientError, InventoryError, JobError, LeaseError, PrepareError};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
+pub use jobs::Jobs;
 pub use keeper::{keep_log_if_asked, KEEP_LOG};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{Node, NodeConfig, NodeError, Submit};

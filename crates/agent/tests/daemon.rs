@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use labsync_agent::proto::SubmitRequest;
 use labsync_agent::{
-    ApiError, Caller, ConnLimits, Daemon, DaemonConfig, FakeGpus, GpuInfo, GpuInventory,
-    InventoryError, JobState, Secret,
+    Caller, ConnLimits, Daemon, DaemonConfig, FakeGpus, GpuInfo, GpuInventory, InventoryError,
+    JobError, JobState, Secret,
 };
 
 /// Fake GPUs that count how often they are read.
@@ -125,7 +125,7 @@ async fn listings_read_the_gpus_once_and_the_queue_is_capped_per_user() {
     }
     let over = d.submit(&me, bash("true", 1)).await.unwrap_err();
     assert!(
-        matches!(&over, ApiError::TooMany(m) if m.contains("max_queued_per_user")),
+        matches!(&over, JobError::Busy(m) if m.contains("max_queued_per_user")),
         "{over}"
     );
     // Wait until all five are queued behind the running job (prepared).
@@ -231,7 +231,7 @@ async fn a_priority_asked_of_a_single_labd_is_refused() {
     let mut req = bash("true", 0);
     req.priority = Some("deadline".into());
     let err = d.submit(&alice(), req).await.unwrap_err();
-    assert_eq!(err.status(), 400);
+    assert!(matches!(err, JobError::Invalid(_)), "{err}");
     assert!(
         err.to_string()
             .contains("--priority deadline: tiers order a cluster's queue"),
@@ -253,7 +253,7 @@ async fn requeue_fields_and_fake_holds_cannot_be_submitted() {
         let d = d.clone();
         async move {
             let err = d.submit(&alice(), req).await.unwrap_err();
-            assert_eq!(err.status(), 400, "{err}");
+            assert!(matches!(err, JobError::Invalid(_)), "{err}");
             assert!(err.to_string().contains(why), "{err}");
         }
     };
@@ -382,7 +382,7 @@ async fn stages_are_charged_to_their_user_against_the_share() {
     };
     let first = d.stage(order("alice", "101", &v1)).await.unwrap();
     match d.stage(order("alice", "102", &v2)).await {
-        Err(ApiError::Conflict(m)) => assert!(
+        Err(JobError::Conflict(m)) => assert!(
             m.contains("alice's jobs and stages on n1 hold 700.00 KB")
                 && m.contains("past alice's share of 1.00 MB (trees_per_user)"),
             "{m}"
@@ -409,11 +409,16 @@ async fn stages_are_charged_to_their_user_against_the_share() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn followers_of_a_fresh_job_see_its_first_line_without_a_tick() {
     let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::open(config(dir.path()), Arc::new(FakeGpus::new("1x11GiB", None).unwrap()))
-        .await
-        .unwrap();
+    let d = Daemon::open(
+        config(dir.path()),
+        Arc::new(FakeGpus::new("1x11GiB", None).unwrap()),
+    )
+    .await
+    .unwrap();
     let me = alice();
-    let id = (d.submit(&me, bash("sleep 0.5; echo first; sleep 30", 0)).await)
+    let id = (d
+        .submit(&me, bash("sleep 0.5; echo first; sleep 30", 0))
+        .await)
         .unwrap()
         .id;
     let t = std::time::Instant::now();
@@ -423,7 +428,10 @@ async fn followers_of_a_fresh_job_see_its_first_line_without_a_tick() {
             let mut offset = 0;
             let mut got = Vec::new();
             while !String::from_utf8_lossy(&got).contains("first") {
-                let r = d.log(&me, &id, offset, Duration::from_secs(20)).await.unwrap();
+                let r = d
+                    .log(&me, &id, offset, Duration::from_secs(20))
+                    .await
+                    .unwrap();
                 offset = r.next;
                 got.extend(r.bytes);
             }

@@ -17,7 +17,7 @@ use labsync_store::{PackId, SnapshotId};
 
 use crate::cluster::queue::{ClusterJobs, Placement};
 use crate::cluster::LabConfig;
-use crate::error::{ApiError, LeaseError};
+use crate::error::{JobError, LeaseError};
 use crate::proto::{
     CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
     Presence,
@@ -241,9 +241,9 @@ impl Coordinator {
         sender: &str,
         hb: Heartbeat,
         now: Millis,
-    ) -> Result<HeartbeatReply, ApiError> {
+    ) -> Result<HeartbeatReply, JobError> {
         if hb.node != sender {
-            return Err(ApiError::Forbidden(format!(
+            return Err(JobError::Forbidden(format!(
                 "{sender} sent a heartbeat for {}: a node speaks for itself only",
                 hb.node
             )));
@@ -251,7 +251,7 @@ impl Coordinator {
         let name: NodeName = hb
             .node
             .parse()
-            .map_err(|e: labsync_placer::BadNodeName| ApiError::BadRequest(e.to_string()))?;
+            .map_err(|e: labsync_placer::BadNodeName| JobError::Invalid(e.to_string()))?;
         let kill = self.ended_here(sender, &hb.jobs);
         let mut v = self.view.lock().expect("coordinator poisoned");
         let follows = v

@@ -14,16 +14,14 @@ use labsync_placer::{
 };
 use labsync_store::SnapshotId;
 
-use crate::client::{Client, Endpoint};
 use crate::cluster::queue::{ClusterJob, Placement};
 use crate::cluster::{now_ms, Coordinator, WarmOrder};
-use crate::daemon::{check_user_request, Caller, Daemon, LogRead};
-use crate::error::{ApiError, ClientError, LeaseError};
+use crate::daemon::{check_user_request, Caller, LogRead};
+use crate::error::{JobError, LeaseError};
 use crate::leases::{unix_now, JobState};
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
 
-/// How long a forwarded request may take beyond its own wait.
-const FORWARD: Duration = Duration::from_secs(10);
+use super::link::{Link, Reach, FORWARD};
 
 /// How often an unanswered dispatch is sent again.
 const RESEND: Duration = Duration::from_secs(2);
@@ -36,8 +34,8 @@ const PREFETCH_AGAIN: Duration = Duration::from_secs(600);
 /// it is told again (the node may not have heard).
 const PREEMPT_AGAIN: Duration = Duration::from_secs(60);
 
-fn db(e: impl std::fmt::Display) -> ApiError {
-    ApiError::Internal(e.to_string())
+fn db(e: impl std::fmt::Display) -> JobError {
+    JobError::Internal(e.to_string())
 }
 
 /// A snapshot and its packs with their sizes, read from the store's index.
@@ -48,13 +46,13 @@ pub(super) type Priced = (SnapshotId, Arc<Vec<(labsync_store::PackId, u64)>>);
 pub(super) const PRICED_LATELY: usize = 64;
 
 /// The snapshots a request reads (code first).
-pub(super) fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, ApiError> {
+pub(super) fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, JobError> {
     req.code
         .iter()
         .chain(req.data.iter().map(|d| &d.tree))
         .map(|t| {
             t.snapshot.parse().map_err(|_| {
-                ApiError::BadRequest(format!(
+                JobError::Invalid(format!(
                     "{}: {:?} is not a snapshot id",
                     t.label, t.snapshot
                 ))
@@ -77,10 +75,10 @@ impl Coordinator {
     /// from the store's index (once per snapshot: they are immutable).
     pub(super) async fn price(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         req: &SubmitRequest,
-    ) -> Result<Vec<SnapshotId>, ApiError> {
-        let (ids, fresh) = self.priced(d, req).await?;
+    ) -> Result<Vec<SnapshotId>, JobError> {
+        let (ids, fresh) = self.priced(r, req).await?;
         for (id, packs) in &fresh {
             self.learn(id, packs);
         }
@@ -93,9 +91,9 @@ impl Coordinator {
     /// grow the view every scheduling pass copies.
     pub(super) async fn priced(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         req: &SubmitRequest,
-    ) -> Result<(Vec<SnapshotId>, Vec<Priced>), ApiError> {
+    ) -> Result<(Vec<SnapshotId>, Vec<Priced>), JobError> {
         // Bounded for a ranking or an --explain as for a submission.
         crate::daemon::check_size(req)?;
         let ids = snapshots_of(req)?;
@@ -113,9 +111,9 @@ impl Coordinator {
             let packs = match seen {
                 Some(p) => p,
                 None => {
-                    let packs = labsync_store::snapshot_packs(d.repo()?, d.cache(), id)
+                    let packs = labsync_store::snapshot_packs(r.repo()?, r.cache(), id)
                         .await
-                        .map_err(|e| ApiError::Conflict(format!("snapshot {}: {e}", id.short())))?;
+                        .map_err(|e| JobError::Conflict(format!("snapshot {}: {e}", id.short())))?;
                     let packs = Arc::new(packs);
                     let mut lately = self.priced_lately.lock().expect("coordinator poisoned");
                     if lately.len() >= PRICED_LATELY {
@@ -143,22 +141,22 @@ impl Coordinator {
     }
 
     /// Where `req` would go now, and why not elsewhere (`labrun --explain`).
-    pub async fn explain(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<Ranking, ApiError> {
-        self.ranked(d, req, false).await
+    pub async fn explain(&self, r: &Reach, req: &SubmitRequest) -> Result<Ranking, JobError> {
+        self.ranked(r, req, false).await
     }
 
     /// [`Coordinator::explain`]; with `keep` (a submission, whose passes
     /// place it by them) the snapshots' pack lists stay in the view.
     async fn ranked(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         req: &SubmitRequest,
         keep: bool,
-    ) -> Result<Ranking, ApiError> {
+    ) -> Result<Ranking, JobError> {
         let (needs, fresh) = if keep {
-            (self.price(d, req).await?, Vec::new())
+            (self.price(r, req).await?, Vec::new())
         } else {
-            self.priced(d, req).await?
+            self.priced(r, req).await?
         };
         let now = now_ms() as u64;
         self.tick(now);
@@ -174,17 +172,17 @@ impl Coordinator {
     /// the cluster could ever run it as asked.
     pub async fn submit(
         self: &Arc<Self>,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         req: SubmitRequest,
-    ) -> Result<JobView, ApiError> {
+    ) -> Result<JobView, JobError> {
         check_user_request(&req)?;
         // A tier the user may not have is refused now, not at placing.
         self.members
             .tier_for(&caller.user, req.priority.as_deref(), now_ms() as u64)
-            .map_err(|e| ApiError::Forbidden(format!("--priority: {e}")))?;
+            .map_err(|e| JobError::Forbidden(format!("--priority: {e}")))?;
         if let Some(cap) = self.policy.user_gpu_cap.filter(|&c| req.gpus > c) {
-            return Err(ApiError::Conflict(format!(
+            return Err(JobError::Conflict(format!(
                 "asks for {} GPUs and the lab's cap is {cap} per user ([lab] \
                  max_gpus_per_user): it could never start",
                 req.gpus
@@ -192,14 +190,11 @@ impl Coordinator {
         }
         // Said before the store is read; counted again as the job is made.
         let queued = self.jobs.queued_of(&caller.user);
-        if queued >= d.max_queued_per_user() {
-            return Err(ApiError::TooMany(super::queue::too_many(
-                &caller.user,
-                queued,
-            )));
+        if queued >= r.max_queued_per_user() {
+            return Err(JobError::Busy(super::queue::too_many(&caller.user, queued)));
         }
-        self.check_labels(d, &req).await?;
-        let ranking = self.ranked(d, &req, true).await?;
+        self.check_labels(r, &req).await?;
+        let ranking = self.ranked(r, &req, true).await?;
         if !ranking.rows.is_empty()
             && ranking
                 .rows
@@ -214,7 +209,7 @@ impl Coordinator {
                     _ => None,
                 })
                 .collect();
-            return Err(ApiError::Conflict(format!(
+            return Err(JobError::Conflict(format!(
                 "no node of the cluster can run it: {}",
                 why.join("; ")
             )));
@@ -226,10 +221,10 @@ impl Coordinator {
                 req,
                 unix_now(),
                 floor,
-                d.max_queued_per_user(),
+                r.max_queued_per_user(),
             )
             .map_err(|e| match e {
-                LeaseError::TooMany(m) => ApiError::TooMany(m),
+                LeaseError::TooMany(m) => JobError::Busy(m),
                 e => db(e),
             })?;
         tracing::info!("job {} of {} queued in the cluster", job.id, job.user);
@@ -242,7 +237,7 @@ impl Coordinator {
     /// label, and the label a job says for a snapshot is the one used:
     /// unchecked, a user could make nodes fetch any dataset, or hold up
     /// another user's prefetch with a label that fails.
-    async fn check_labels(&self, d: &Arc<Daemon>, req: &SubmitRequest) -> Result<(), ApiError> {
+    async fn check_labels(&self, r: &Reach, req: &SubmitRequest) -> Result<(), JobError> {
         /// Checked labels kept at most (then forgotten and read again).
         const KEPT: usize = 100_000;
         for t in req.code.iter().chain(req.data.iter().map(|x| &x.tree)) {
@@ -261,13 +256,13 @@ impl Coordinator {
                 .ok()
                 .filter(|s: &labsync_store::RefSpec| s.version.is_some())
                 .ok_or_else(|| {
-                    ApiError::BadRequest(format!("{:?} is not a version (NAME@vN)", t.label))
+                    JobError::Invalid(format!("{:?} is not a version (NAME@vN)", t.label))
                 })?;
-            let rec = d.repo()?.resolve(&spec).await.map_err(|e| {
-                ApiError::BadRequest(format!("{}: {}", t.label, crate::blocking::chain(&e)))
+            let rec = r.repo()?.resolve(&spec).await.map_err(|e| {
+                JobError::Invalid(format!("{}: {}", t.label, crate::blocking::chain(&e)))
             })?;
             if rec.snapshot.to_string() != t.snapshot {
-                return Err(ApiError::BadRequest(format!(
+                return Err(JobError::Invalid(format!(
                     "{} is snapshot {}, not {}",
                     t.label,
                     rec.snapshot.short(),
@@ -286,7 +281,7 @@ impl Coordinator {
     /// One scheduling pass: dispatches sent again where unanswered, queued
     /// jobs placed in order, the records of jobs that ended on their nodes
     /// collected.
-    pub async fn schedule(self: &Arc<Self>, d: &Arc<Daemon>) {
+    pub async fn schedule(self: &Arc<Self>, r: &Reach) {
         let now = now_ms() as u64;
         self.tick(now);
         let live = self.jobs.live();
@@ -312,7 +307,7 @@ impl Coordinator {
         };
         for j in &live {
             match &j.placement {
-                Placement::Queued { .. } => match self.price(d, &j.req).await {
+                Placement::Queued { .. } => match self.price(r, &j.req).await {
                     Ok(needs) => queue.push(Queued {
                         id: j.id.clone(),
                         job: placer_job(&j.req, &needs),
@@ -348,7 +343,7 @@ impl Coordinator {
                 } => {
                     let due = unix_now().saturating_sub(*at) >= RESEND.as_secs();
                     if due && self.is_up(node) {
-                        self.send(d, j.clone());
+                        self.send(r, j.clone());
                     }
                 }
                 Placement::Dispatched { node, .. }
@@ -361,12 +356,12 @@ impl Coordinator {
                         x.preempted_at = unix_now();
                         true
                     });
-                    self.send_stop(d, node, &j.id, &for_job);
+                    self.send_stop(r, node, &j.id, &for_job);
                     if collect {
-                        self.collect_if_ended(d, j).await;
+                        self.collect_if_ended(r, j).await;
                     }
                 }
-                Placement::Dispatched { .. } if collect => self.collect_if_ended(d, j).await,
+                Placement::Dispatched { .. } if collect => self.collect_if_ended(r, j).await,
                 Placement::Dispatched { .. } => {}
             }
         }
@@ -398,7 +393,7 @@ impl Coordinator {
             (decisions, warms)
         };
         let (decisions, warms) = decisions;
-        self.send_prefetches(d, &live, warms);
+        self.send_prefetches(r, &live, warms);
         for dec in decisions {
             match dec {
                 Decision::Start { id, choice } => {
@@ -425,7 +420,7 @@ impl Coordinator {
                                 choice.gpus,
                                 choice.fetch_bytes
                             );
-                            self.send(d, j)
+                            self.send(r, j)
                         }
                         Ok(_) => {}
                         Err(e) => tracing::error!("cluster jobs: {e}"),
@@ -434,7 +429,7 @@ impl Coordinator {
                 Decision::Preempt {
                     id, why, victims, ..
                 } => {
-                    self.preempt(d, &id, &victims);
+                    self.preempt(r, &id, &victims);
                     self.set_why(&id, why);
                 }
                 Decision::Wait { id, why, .. } => self.set_why(&id, why),
@@ -450,7 +445,7 @@ impl Coordinator {
     /// Sends each node the data to warm for the jobs waiting (not pinned:
     /// it is cache like any other), at most once in [`PREFETCH_AGAIN`] per
     /// node and snapshot.
-    fn send_prefetches(self: &Arc<Self>, d: &Arc<Daemon>, live: &[ClusterJob], warms: Vec<Warm>) {
+    fn send_prefetches(self: &Arc<Self>, r: &Reach, live: &[ClusterJob], warms: Vec<Warm>) {
         if warms.is_empty() {
             return;
         }
@@ -488,15 +483,11 @@ impl Coordinator {
                 unpin: false,
                 pin: false,
             };
-            let (me, d) = (self.clone(), d.clone());
+            let link = self.link(r, &node);
             tokio::spawn(async move {
-                let r = if node == d.node_name() {
-                    d.warm(order).await.map_err(|e| e.to_string())
-                } else {
-                    match me.client_of(&d, &node) {
-                        Some(c) => c.warm(&order).await.map_err(|e| e.to_string()),
-                        None => Err(format!("{node} is unknown")),
-                    }
+                let r = match link {
+                    Some(l) => l.warm(&order).await,
+                    None => Err(unknown(&node)),
                 };
                 if let Err(e) = r {
                     tracing::warn!("prefetch on {node}: {e}");
@@ -581,31 +572,28 @@ impl Coordinator {
 
     /// Whether `node` is another node than `d`'s, which the coordinator
     /// has marked down (not merely not heard from since it started).
-    fn is_down(&self, d: &Daemon, node: &str) -> bool {
-        node != d.node_name() && self.health(node) == Some(false)
+    fn is_down(&self, r: &Reach, node: &str) -> bool {
+        node != r.name() && self.health(node) == Some(false)
     }
 
     fn is_up(&self, node: &str) -> bool {
         self.health(node) == Some(true)
     }
 
-    /// A client of `node`'s agent, from its last heartbeat.
-    pub(super) fn client_of(&self, d: &Arc<Daemon>, node: &str) -> Option<Client> {
+    /// `node`: this one in process, another at the address of its last
+    /// heartbeat.
+    pub(super) fn link(&self, r: &Reach, node: &str) -> Option<Link> {
         let addr = {
             let v = self.view.lock().expect("coordinator poisoned");
-            let name: NodeName = node.parse().ok()?;
-            v.members.get(&name)?.addr.clone()
+            let name: Option<NodeName> = node.parse().ok();
+            name.and_then(|n| v.members.get(&n).map(|m| m.addr.clone()))
         };
-        let ep: Endpoint = addr.parse().ok()?;
-        let cfg = d.cluster()?;
-        Some(
-            Client::for_cluster(ep, cfg.key.clone(), d.node_name(), node).with_tls(cfg.tls.clone()),
-        )
+        r.link(node, addr.as_deref())
     }
 
     /// Sends a dispatched job to its node (in the background; one at a
     /// time per job) and records the answer.
-    fn send(self: &Arc<Self>, d: &Arc<Daemon>, job: ClusterJob) {
+    fn send(self: &Arc<Self>, r: &Reach, job: ClusterJob) {
         let Placement::Dispatched { node, gpus, .. } = job.placement.clone() else {
             return;
         };
@@ -617,7 +605,7 @@ impl Coordinator {
         {
             return;
         }
-        let (me, d) = (self.clone(), d.clone());
+        let (me, link) = (self.clone(), self.link(r, &node));
         tokio::spawn(async move {
             let dispatch = Dispatch {
                 id: job.id.clone(),
@@ -625,23 +613,9 @@ impl Coordinator {
                 req: job.req.clone(),
                 gpus,
             };
-            let reply = if node == d.node_name() {
-                Ok(d.submit_placed(dispatch).await)
-            } else {
-                match me.client_of(&d, &node) {
-                    Some(c) => tokio::time::timeout(FORWARD, c.dispatch(&dispatch))
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(ClientError::Status {
-                                status: 504,
-                                message: format!("{node} did not answer"),
-                            })
-                        }),
-                    None => Err(ClientError::Status {
-                        status: 503,
-                        message: format!("{node} is unknown"),
-                    }),
-                }
+            let reply = match link {
+                Some(l) => l.dispatch(dispatch).await,
+                None => Err(unknown(&node)),
             };
             me.answered(&job, &node, reply);
             me.inflight
@@ -651,7 +625,7 @@ impl Coordinator {
         });
     }
 
-    fn answered(&self, job: &ClusterJob, node: &str, reply: Result<DispatchReply, ClientError>) {
+    fn answered(&self, job: &ClusterJob, node: &str, reply: Result<DispatchReply, JobError>) {
         let r = match reply {
             Ok(DispatchReply::Accepted { .. }) => {
                 self.jobs.update(&job.id, |j| match &mut j.placement {
@@ -731,7 +705,7 @@ impl Coordinator {
 
     /// A job dispatched and confirmed that its node's heartbeat no longer
     /// lists as active: its final record is fetched and kept here.
-    async fn collect_if_ended(&self, d: &Arc<Daemon>, j: &ClusterJob) {
+    async fn collect_if_ended(&self, r: &Reach, j: &ClusterJob) {
         let Placement::Dispatched { node, .. } = &j.placement else {
             return;
         };
@@ -752,7 +726,7 @@ impl Coordinator {
         }
         // Up, answering, and without a record of it: its state folder was
         // lost. The job cannot be running there.
-        if let Err(ClientError::Status { status: 404, .. }) = self.fetch(d, j).await {
+        if let Err(JobError::NotFound(_)) = self.fetch(r, j).await {
             self.end(
                 j,
                 format!("{node} has no record of it any more (its labd state was lost)"),
@@ -761,28 +735,13 @@ impl Coordinator {
     }
 
     /// The job's record from its node; kept here once it has ended.
-    async fn fetch(&self, d: &Arc<Daemon>, j: &ClusterJob) -> Result<JobView, ClientError> {
+    async fn fetch(&self, r: &Reach, j: &ClusterJob) -> Result<JobView, JobError> {
         let Placement::Dispatched { node, .. } = &j.placement else {
             return Ok(self.view_of(j));
         };
-        let view = if node == d.node_name() {
-            d.job(&j.id).await.map_err(|e| ClientError::Status {
-                status: e.status(),
-                message: e.to_string(),
-            })?
-        } else {
-            let c = self.client_of(d, node).ok_or_else(|| ClientError::Status {
-                status: 503,
-                message: format!("{node} is unknown"),
-            })?;
-            tokio::time::timeout(FORWARD, c.cluster_job(&j.id))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(ClientError::Status {
-                        status: 504,
-                        message: format!("{node} did not answer"),
-                    })
-                })?
+        let view = match self.link(r, node) {
+            Some(l) => l.job(&j.id).await?,
+            None => return Err(unknown(node)),
         };
         if view.ended() && !view.meta.outputs_pending {
             // Once: two fetches of one ended job charge (and requeue) it once.
@@ -888,7 +847,7 @@ impl Coordinator {
     }
 
     /// Every live job and those that ended in the last day.
-    pub fn jobs_view(&self) -> Result<Vec<JobView>, ApiError> {
+    pub fn jobs_view(&self) -> Result<Vec<JobView>, JobError> {
         let mut out: Vec<(u64, JobView)> = self
             .jobs
             .live()
@@ -903,20 +862,20 @@ impl Coordinator {
         Ok(out.into_iter().map(|(_, v)| v).collect())
     }
 
-    fn get(&self, id: &str) -> Result<ClusterJob, ApiError> {
+    fn get(&self, id: &str) -> Result<ClusterJob, JobError> {
         self.jobs
             .get(id)
             .map_err(db)?
-            .ok_or_else(|| ApiError::NotFound(format!("no job {id} in the cluster")))
+            .ok_or_else(|| JobError::NotFound(format!("no job {id} in the cluster")))
     }
 
     /// One job, asked of its node where it runs.
-    pub async fn job(&self, d: &Arc<Daemon>, id: &str) -> Result<JobView, ApiError> {
+    pub async fn job(&self, r: &Reach, id: &str) -> Result<JobView, JobError> {
         let j = self.get(id)?;
         match &j.placement {
             Placement::Dispatched {
                 confirmed: true, ..
-            } => match self.fetch(d, &j).await {
+            } => match self.fetch(r, &j).await {
                 Ok(v) => Ok(v),
                 Err(_) => Ok(self.view_of(&j)),
             },
@@ -928,38 +887,26 @@ impl Coordinator {
     /// row for it (as `labrun --explain` gives before submitting).
     pub async fn explain_job(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         id: &str,
-    ) -> Result<crate::proto::JobExplain, ApiError> {
+    ) -> Result<crate::proto::JobExplain, JobError> {
         let j = self.get(id)?;
         let ranking = match &j.placement {
-            Placement::Queued { .. } => Some(self.explain(d, &j.req).await?),
+            Placement::Queued { .. } => Some(self.explain(r, &j.req).await?),
             _ => None,
         };
         Ok(crate::proto::JobExplain {
-            job: self.job(d, id).await?,
+            job: self.job(r, id).await?,
             ranking,
         })
     }
 
-    fn own(caller: &Caller, j: &ClusterJob, what: &str) -> Result<(), ApiError> {
-        if caller.admin || caller.user == j.user {
-            Ok(())
-        } else {
-            Err(ApiError::Forbidden(format!(
-                "job {} is {}'s; only they or an admin may {what} it",
-                j.id, j.user
-            )))
-        }
+    fn own(caller: &Caller, j: &ClusterJob, what: &str) -> Result<(), JobError> {
+        crate::jobs::own(caller, &j.id, &j.user, what)
     }
 
     /// Kills a job: dropped from the queue, or killed on its node.
-    pub async fn kill(
-        &self,
-        d: &Arc<Daemon>,
-        caller: &Caller,
-        id: &str,
-    ) -> Result<JobView, ApiError> {
+    pub async fn kill(&self, r: &Reach, caller: &Caller, id: &str) -> Result<JobView, JobError> {
         let mut j = self.get(id)?;
         Self::own(caller, &j, "kill")?;
         if matches!(j.placement, Placement::Queued { .. }) {
@@ -976,9 +923,9 @@ impl Coordinator {
         }
         match &j.placement {
             Placement::Ended { .. } => {
-                Err(ApiError::Conflict(format!("job {id} has already ended")))
+                Err(JobError::Conflict(format!("job {id} has already ended")))
             }
-            Placement::Queued { .. } => Err(ApiError::Conflict(format!(
+            Placement::Queued { .. } => Err(JobError::Conflict(format!(
                 "job {id} was placed while it was killed; try again"
             ))),
             Placement::Dispatched { node, .. } => {
@@ -990,18 +937,18 @@ impl Coordinator {
                             x.preempted = None;
                             true
                         })
-                        .map_err(|e| ApiError::Internal(e.to_string()))?;
+                        .map_err(|e| JobError::Internal(e.to_string()))?;
                 }
                 if let Placement::Dispatched {
                     confirmed: false, ..
                 } = &j.placement
                 {
-                    return self.kill_unconfirmed(d, caller, id).await;
+                    return self.kill_unconfirmed(r, caller, id).await;
                 }
-                if self.is_down(d, node) {
+                if self.is_down(r, node) {
                     return self.kill_while_down(caller, id, node);
                 }
-                let view = self.kill_on(d, node, id, &caller.user).await?;
+                let view = self.kill_on(r, node, id, &caller.user).await?;
                 tracing::info!("job {id} killed by {} on {node}", caller.user);
                 Ok(view)
             }
@@ -1010,7 +957,7 @@ impl Coordinator {
 
     /// Ends job `id`, killed by `caller`, if it is still queued, in one
     /// step under the queue's lock; the job after (`None`: not live).
-    fn end_if_queued(&self, caller: &Caller, id: &str) -> Result<Option<ClusterJob>, ApiError> {
+    fn end_if_queued(&self, caller: &Caller, id: &str) -> Result<Option<ClusterJob>, JobError> {
         let reason = format!("killed by {} while queued", caller.user);
         let now = self
             .jobs
@@ -1021,7 +968,7 @@ impl Coordinator {
                 *x = self.ended(x, reason);
                 true
             })
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+            .map_err(|e| JobError::Internal(e.to_string()))?;
         if now
             .as_ref()
             .is_some_and(|x| matches!(x.placement, Placement::Ended { .. }))
@@ -1042,10 +989,10 @@ impl Coordinator {
     /// to try again, and the next dispatch's answer settles where it is.
     async fn kill_unconfirmed(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         id: &str,
-    ) -> Result<JobView, ApiError> {
+    ) -> Result<JobView, JobError> {
         struct Slot<'a>(&'a std::sync::Mutex<HashSet<String>>, &'a str);
         impl Drop for Slot<'_> {
             fn drop(&mut self) {
@@ -1060,7 +1007,7 @@ impl Coordinator {
             .insert(id.to_string())
         {
             if std::time::Instant::now() > deadline {
-                return Err(ApiError::Conflict(format!(
+                return Err(JobError::Conflict(format!(
                     "job {id} is being sent to its node; try again in a moment"
                 )));
             }
@@ -1070,22 +1017,22 @@ impl Coordinator {
         let j = self.get(id)?;
         match &j.placement {
             Placement::Ended { .. } => {
-                Err(ApiError::Conflict(format!("job {id} has already ended")))
+                Err(JobError::Conflict(format!("job {id} has already ended")))
             }
             // Its node answered that its GPUs were taken: queued again.
             Placement::Queued { .. } => match self.end_if_queued(caller, id)? {
                 Some(x) if matches!(x.placement, Placement::Ended { .. }) => Ok(self.view_of(&x)),
-                _ => Err(ApiError::Conflict(format!(
+                _ => Err(JobError::Conflict(format!(
                     "job {id} was placed while it was killed; try again"
                 ))),
             },
-            Placement::Dispatched { node, .. } if self.is_down(d, node) => {
+            Placement::Dispatched { node, .. } if self.is_down(r, node) => {
                 self.kill_while_down(caller, id, node)
             }
             Placement::Dispatched {
                 node, confirmed, ..
-            } => match self.kill_on(d, node, id, &caller.user).await {
-                Err(ApiError::NotFound(_)) if !confirmed => Err(ApiError::Conflict(format!(
+            } => match self.kill_on(r, node, id, &caller.user).await {
+                Err(JobError::NotFound(_)) if !confirmed => Err(JobError::Conflict(format!(
                     "job {id} is on its way to {node}, which does not have it yet; try again \
                      in a moment"
                 ))),
@@ -1105,13 +1052,13 @@ impl Coordinator {
     /// its heartbeat's answer tells it to kill it
     /// ([`super::Coordinator::heartbeat`]). Not ended if it moved on
     /// meanwhile.
-    fn kill_while_down(&self, caller: &Caller, id: &str, node: &str) -> Result<JobView, ApiError> {
+    fn kill_while_down(&self, caller: &Caller, id: &str, node: &str) -> Result<JobView, JobError> {
         let j = self.get(id)?;
         let mut view = self.view_of(&j);
         // Its node said it ended (its outputs being saved when it went
         // down): its own record comes back with the node.
         if view.ended() {
-            return Err(ApiError::Conflict(format!(
+            return Err(JobError::Conflict(format!(
                 "job {id} had already ended when {node} went down; its record comes back \
                  with {node}"
             )));
@@ -1139,9 +1086,9 @@ impl Coordinator {
                 ended = true;
                 true
             })
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+            .map_err(|e| JobError::Internal(e.to_string()))?;
         if !ended {
-            return Err(ApiError::Conflict(format!(
+            return Err(JobError::Conflict(format!(
                 "job {id} changed while it was killed; try again"
             )));
         }
@@ -1155,35 +1102,25 @@ impl Coordinator {
     /// its outputs pushed), on behalf of `by`.
     async fn kill_on(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         node: &str,
         id: &str,
         by: &str,
-    ) -> Result<JobView, ApiError> {
-        if node == d.node_name() {
-            let admin = Caller {
-                user: by.to_string(),
-                admin: true,
-            };
-            return d.kill(&admin, id).await;
+    ) -> Result<JobView, JobError> {
+        match self.link(r, node) {
+            Some(l) => l.kill(id, by).await,
+            None => Err(unknown(node)),
         }
-        let c = self
-            .client_of(d, node)
-            .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown; try again")))?;
-        tokio::time::timeout(FORWARD, c.cluster_kill(id))
-            .await
-            .map_err(|_| ApiError::Conflict(format!("{node} did not answer; try again")))?
-            .map_err(|e| forwarded(node, e))
     }
 
     /// Stops `victims` for job `id`: each is marked (passes count its
     /// GPUs as coming free, so no more jobs are stopped than needed), then
     /// its node is told to stop it, in the background.
-    fn preempt(self: &Arc<Self>, d: &Arc<Daemon>, id: &str, victims: &[String]) {
+    fn preempt(self: &Arc<Self>, r: &Reach, id: &str, victims: &[String]) {
         for v in victims {
             let reason = format!("preempted for {id}");
             let mut marked = None;
-            let r = self.jobs.update(v, |j| match (&j.placement, &j.preempted) {
+            let updated = self.jobs.update(v, |j| match (&j.placement, &j.preempted) {
                 (Placement::Dispatched { node, .. }, None) => {
                     marked = Some(node.clone());
                     j.preempted = Some(reason.clone());
@@ -1192,13 +1129,13 @@ impl Coordinator {
                 }
                 _ => false,
             });
-            if let Err(e) = r {
+            if let Err(e) = updated {
                 tracing::error!("cluster jobs: {e}");
                 continue;
             }
             let Some(node) = marked else { continue };
             tracing::info!("job {v} on {node} {reason}");
-            self.send_stop(d, &node, v, id);
+            self.send_stop(r, &node, v, id);
         }
     }
 
@@ -1206,22 +1143,13 @@ impl Coordinator {
     /// node that does not answer is told again by a later pass
     /// ([`PREEMPT_AGAIN`]); the mark stays, so the victim is never run
     /// twice at once and the job it makes way for keeps waiting for it.
-    fn send_stop(self: &Arc<Self>, d: &Arc<Daemon>, node: &str, victim: &str, for_job: &str) {
-        let (me, d) = (self.clone(), d.clone());
+    fn send_stop(self: &Arc<Self>, r: &Reach, node: &str, victim: &str, for_job: &str) {
+        let link = self.link(r, node);
         let (node, victim, for_job) = (node.to_string(), victim.to_string(), for_job.to_string());
         tokio::spawn(async move {
-            let r = if node == d.node_name() {
-                d.stop_for(&victim, &for_job)
-                    .await
-                    .map_err(|e| e.to_string())
-            } else {
-                match me.client_of(&d, &node) {
-                    Some(c) => tokio::time::timeout(FORWARD, c.cluster_preempt(&victim, &for_job))
-                        .await
-                        .map_err(|_| format!("{node} did not answer"))
-                        .and_then(|r| r.map_err(|e| e.to_string())),
-                    None => Err(format!("{node} is unknown")),
-                }
+            let r = match link {
+                Some(l) => l.stop_for(&victim, &for_job).await,
+                None => Err(unknown(&node)),
             };
             if let Err(e) = r {
                 tracing::warn!("preempting {victim} on {node}: {e}");
@@ -1252,12 +1180,12 @@ impl Coordinator {
     /// The job's log, from its node; a job not started has none yet.
     pub async fn log(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         id: &str,
         offset: u64,
         wait: Duration,
-    ) -> Result<LogRead, ApiError> {
+    ) -> Result<LogRead, JobError> {
         let wait = wait.min(Duration::from_secs(30));
         // A job that ran has its log on its node, ended or not (kept there
         // `work_keep_s`).
@@ -1287,28 +1215,10 @@ impl Coordinator {
             j = self.get(id)?;
         }
         match (&j.placement, ran_on(&j)) {
-            (_, Some(node)) => {
-                let admin = Caller {
-                    user: caller.user.clone(),
-                    admin: true,
-                };
-                if node == d.node_name() {
-                    return d.log(&admin, id, offset, wait).await;
-                }
-                let node = node.as_str();
-                let c = self
-                    .client_of(d, node)
-                    .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown")))?;
-                let piece = tokio::time::timeout(wait + FORWARD, c.cluster_log(id, offset, wait))
-                    .await
-                    .map_err(|_| ApiError::Conflict(format!("{node} did not answer")))?
-                    .map_err(|e| forwarded(node, e))?;
-                Ok(LogRead {
-                    bytes: piece.bytes.to_vec(),
-                    next: piece.next,
-                    done: piece.done,
-                })
-            }
+            (_, Some(node)) => match self.link(r, &node) {
+                Some(l) => l.log(id, &caller.user, offset, wait).await,
+                None => Err(unknown(&node)),
+            },
             (Placement::Ended { .. }, None) => Ok(LogRead {
                 bytes: Vec::new(),
                 next: offset,
@@ -1326,7 +1236,7 @@ impl Coordinator {
     }
 
     /// Ended jobs numbered below `before`, newest first.
-    pub fn history(&self, before: Option<u64>, limit: usize) -> Result<Vec<JobView>, ApiError> {
+    pub fn history(&self, before: Option<u64>, limit: usize) -> Result<Vec<JobView>, JobError> {
         let mut ended = self.jobs.ended().map_err(db)?;
         ended.retain(|j| before.is_none_or(|b| j.number() < b));
         ended.sort_by_key(|j| std::cmp::Reverse(j.number()));
@@ -1335,23 +1245,9 @@ impl Coordinator {
     }
 }
 
-/// A node's error answer, as the coordinator's.
-fn forwarded(node: &str, e: ClientError) -> ApiError {
-    match e {
-        ClientError::Status {
-            status: 404,
-            message,
-        } => ApiError::NotFound(message),
-        ClientError::Status {
-            status: 403,
-            message,
-        } => ApiError::Forbidden(message),
-        ClientError::Status {
-            status: 409,
-            message,
-        } => ApiError::Conflict(message),
-        other => ApiError::Conflict(format!("{node}: {other}")),
-    }
+/// `node` cannot be reached: not a member the coordinator has heard from.
+fn unknown(node: &str) -> JobError {
+    JobError::Conflict(format!("{node} is unknown; try again"))
 }
 
 /// The view the placer plans on: the agents' truth, with the GPUs promised

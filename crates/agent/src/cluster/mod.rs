@@ -8,6 +8,7 @@
 mod auth;
 mod coordinator;
 mod jobs;
+mod link;
 mod peers;
 mod queue;
 mod reporter;
@@ -22,6 +23,7 @@ pub use auth::{
     TO_COORDINATOR,
 };
 pub use coordinator::Coordinator;
+pub use link::Reach;
 pub use peers::{ClusterPeers, COUNTS_FILE};
 pub use queue::{ClusterJob, ClusterJobs, Placement, RECENT_SECS};
 pub use reporter::Reporter;

@@ -3,25 +3,21 @@
 //! script's stage request to the node the job was given, signed, with the
 //! user its token names.
 
-use std::sync::Arc;
-
 use labsync_placer::{rank, with_scheduler_gpus, Ranking};
 
 use crate::cluster::{now_ms, Coordinator};
-use crate::daemon::{Caller, Daemon};
-use crate::error::ApiError;
+use crate::daemon::Caller;
+use crate::error::JobError;
+
+use super::link::{Link, Reach};
 use crate::proto::{RankAsk, StageAsk, StageDone, StageOrder, Staged};
 
 impl Coordinator {
     /// Every node Slurm offers, ranked for `ask.req` with Slurm's GPUs and
     /// the caches as the agents report them.
-    pub async fn rank_for_scheduler(
-        &self,
-        d: &Arc<Daemon>,
-        ask: &RankAsk,
-    ) -> Result<Ranking, ApiError> {
+    pub async fn rank_for_scheduler(&self, r: &Reach, ask: &RankAsk) -> Result<Ranking, JobError> {
         check_nodes(&ask.nodes)?;
-        let (needs, fresh) = self.priced(d, &ask.req).await?;
+        let (needs, fresh) = self.priced(r, &ask.req).await?;
         let now = now_ms() as u64;
         self.tick(now);
         let view = with_scheduler_gpus(&self.planning_with(&fresh), &ask.nodes);
@@ -42,52 +38,44 @@ impl Coordinator {
     /// is this one).
     pub async fn stage(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         ask: StageAsk,
-    ) -> Result<Staged, ApiError> {
+    ) -> Result<Staged, JobError> {
         let node = ask.node.clone();
         let order = StageOrder {
             user: caller.user.clone(),
             ask,
         };
-        if node == d.node_name() {
-            return d.stage(order).await;
-        }
-        let c = self.member_client(d, &node)?;
-        c.stage(&order).await.map_err(|e| forwarded(&node, e))
+        self.member(r, &node)?.stage(order).await
     }
 
     /// Releases a stage of `caller`'s on its node.
     pub async fn stage_done(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         done: StageDone,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), JobError> {
         let done = StageDone {
             user: caller.user.clone(),
             ..done
         };
-        if done.node == d.node_name() {
-            return d.stage_done(done).await;
-        }
-        let c = self.member_client(d, &done.node)?;
-        c.stage_done(&done)
-            .await
-            .map_err(|e| forwarded(&done.node, e))
+        let node = done.node.clone();
+        self.member(r, &node)?.stage_done(done).await
     }
 
-    /// A signed client of `node`, which must be up.
-    fn member_client(&self, d: &Arc<Daemon>, node: &str) -> Result<crate::Client, ApiError> {
-        if !self.members_up(now_ms() as u64).iter().any(|m| m == node) {
-            return Err(ApiError::NotFound(format!(
+    /// `node`, which must be up (or be this one).
+    fn member(&self, r: &Reach, node: &str) -> Result<Link, JobError> {
+        let here = node == r.name();
+        if !here && !self.members_up(now_ms() as u64).iter().any(|m| m == node) {
+            return Err(JobError::NotFound(format!(
                 "no labd agent of node {node} is up in the cluster: a Slurm node stages \
                  through its own labd (node_name = \"{node}\" in its labd.toml)"
             )));
         }
-        self.client_of(d, node)
-            .ok_or_else(|| ApiError::Conflict(format!("{node} is unknown; try again")))
+        self.link(r, node)
+            .ok_or_else(|| JobError::Conflict(format!("{node} is unknown; try again")))
     }
 }
 
@@ -99,49 +87,32 @@ const MAX_GPUS: u32 = 1024;
 const MAX_ALL_GPUS: u64 = 65_536;
 
 /// A ranking's nodes as a user sent them: bounded, each once, free ≤ GPUs.
-fn check_nodes(nodes: &[labsync_placer::SchedulerNode]) -> Result<(), ApiError> {
+fn check_nodes(nodes: &[labsync_placer::SchedulerNode]) -> Result<(), JobError> {
     if nodes.len() > MAX_NODES {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "{} nodes to rank: at most {MAX_NODES}",
             nodes.len()
         )));
     }
     let all: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
     if all > MAX_ALL_GPUS {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "{all} GPUs in the nodes to rank: at most {MAX_ALL_GPUS} in all"
         )));
     }
     let mut seen = std::collections::HashSet::new();
     for n in nodes {
         if n.gpus > MAX_GPUS || n.free > n.gpus {
-            return Err(ApiError::BadRequest(format!(
+            return Err(JobError::Invalid(format!(
                 "node {}: {} GPUs, {} free: at most {MAX_GPUS}, and no more free than it has",
                 n.node, n.gpus, n.free
             )));
         }
         if !seen.insert(&n.node) {
-            return Err(ApiError::BadRequest(format!(
-                "node {} listed twice",
-                n.node
-            )));
+            return Err(JobError::Invalid(format!("node {} listed twice", n.node)));
         }
     }
     Ok(())
-}
-
-/// A node's refusal, passed on as the node said it.
-fn forwarded(node: &str, e: crate::ClientError) -> ApiError {
-    match e {
-        crate::ClientError::Status { status, message } => match status {
-            400 => ApiError::BadRequest(format!("{node}: {message}")),
-            403 => ApiError::Forbidden(format!("{node}: {message}")),
-            404 => ApiError::NotFound(format!("{node}: {message}")),
-            429 => ApiError::TooMany(format!("{node}: {message}")),
-            _ => ApiError::Conflict(format!("{node}: {message}")),
-        },
-        e => ApiError::Conflict(format!("{node}: {e}")),
-    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::{now_ms, Coordinator};
 use crate::daemon::{Caller, Daemon};
-use crate::error::ApiError;
+
+use super::link::{Link, Reach};
+use crate::error::JobError;
 
 /// What an admin asks of the coordinator.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,18 +111,18 @@ impl Warms {
 impl Daemon {
     /// Starts fetching and pinning `o` on this node (or unpins it); the
     /// fetch goes on in the background, its progress in the heartbeats.
-    pub async fn warm(self: &Arc<Self>, o: WarmOrder) -> Result<(), ApiError> {
+    pub async fn warm(self: &Arc<Self>, o: WarmOrder) -> Result<(), JobError> {
         let spec: RefSpec = o
             .label
             .parse()
-            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", o.label)))?;
+            .map_err(|e| JobError::Invalid(format!("{}: {e}", o.label)))?;
         let cache = self.cache().clone();
         let repo = self.repo()?.clone();
         if o.unpin {
             let snapshot = o.snapshot;
             return crate::blocking::off_runtime(move || cache.set_pinned(snapshot, false))
                 .await
-                .map_err(|e| ApiError::Conflict(e.to_string()));
+                .map_err(|e| JobError::Conflict(e.to_string()));
         }
         let entry = Arc::new(Mutex::new(Warming {
             label: o.label.clone(),
@@ -182,12 +184,12 @@ impl Coordinator {
     /// node that is up.
     pub async fn warm(
         &self,
-        d: &Arc<Daemon>,
+        r: &Reach,
         caller: &Caller,
         ask: WarmAsk,
-    ) -> Result<WarmAnswer, ApiError> {
+    ) -> Result<WarmAnswer, JobError> {
         if !caller.admin {
-            return Err(ApiError::Forbidden(format!(
+            return Err(JobError::Forbidden(format!(
                 "warming node caches pins data there: admins only ({} is not one)",
                 caller.user
             )));
@@ -195,12 +197,12 @@ impl Coordinator {
         let spec: RefSpec = ask
             .name
             .parse()
-            .map_err(|e| ApiError::BadRequest(format!("{}: {e}", ask.name)))?;
-        let rec = d
+            .map_err(|e| JobError::Invalid(format!("{}: {e}", ask.name)))?;
+        let rec = r
             .repo()?
             .resolve(&spec)
             .await
-            .map_err(|e| ApiError::NotFound(e.to_string()))?;
+            .map_err(|e| JobError::NotFound(e.to_string()))?;
         let members = self.members_up(now_ms() as u64);
         let nodes: Vec<String> = if ask.nodes.is_empty() {
             members
@@ -209,7 +211,7 @@ impl Coordinator {
                 .iter()
                 .map(|n| {
                     members.iter().find(|m| *m == n).cloned().ok_or_else(|| {
-                        ApiError::NotFound(format!("no node {n} is up in the cluster"))
+                        JobError::NotFound(format!("no node {n} is up in the cluster"))
                     })
                 })
                 .collect::<Result<_, _>>()?
@@ -222,15 +224,16 @@ impl Coordinator {
         };
         let mut sent = Vec::new();
         for name in nodes {
-            if name == d.node_name() {
-                d.warm(order.clone()).await?;
-            } else {
-                let c = self
-                    .client_of(d, &name)
-                    .ok_or_else(|| ApiError::Conflict(format!("{name} is unknown; try again")))?;
-                c.warm(&order)
+            let link = self
+                .link(r, &name)
+                .ok_or_else(|| JobError::Conflict(format!("{name} is unknown; try again")))?;
+            match link {
+                Link::Here(_) => link.warm(&order).await?,
+                // Said as the node said it, whatever it was.
+                Link::There { client, .. } => client
+                    .warm(&order)
                     .await
-                    .map_err(|e| ApiError::Conflict(format!("{name}: {e}")))?;
+                    .map_err(|e| JobError::Conflict(format!("{name}: {e}")))?,
             }
             sent.push(name);
         }

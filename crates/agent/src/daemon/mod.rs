@@ -27,7 +27,7 @@ use labsync_store::{NodeCache, Remote, Repo};
 use crate::api::ConnLimits;
 use crate::blocking::off_runtime;
 use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
-use crate::error::ApiError;
+use crate::error::JobError;
 use crate::gpu::GpuInventory;
 use crate::leases::JobState;
 use crate::node::{Node, NodeConfig, NodeError};
@@ -403,12 +403,13 @@ impl Daemon {
             return;
         };
         let mut shutdown = shutdown;
+        let reach = crate::cluster::Reach::new(self.clone());
         loop {
             tokio::select! {
                 _ = c.wait_for_work(self.cfg.tick.max(std::time::Duration::from_millis(100))) => {}
                 _ = shutdown.changed() => return,
             }
-            c.schedule(&self).await;
+            c.schedule(&reach).await;
             let keep = housekeeping::kept_for(self.cfg.history_keep, self.cfg.work_keep);
             c.prune_if_due(keep, housekeeping::PRUNE_EVERY).await;
         }
@@ -453,8 +454,8 @@ impl Daemon {
     }
 
     /// The store, or 503 while labd has not reached it since it started.
-    pub(crate) fn repo(&self) -> Result<&Repo, ApiError> {
-        self.store.get().map_err(ApiError::Unavailable)
+    pub(crate) fn repo(&self) -> Result<&Repo, JobError> {
+        self.store.get().map_err(JobError::Unavailable)
     }
 
     /// Jobs one user may have queued at once.

@@ -10,7 +10,7 @@ use super::logs::read_log;
 use super::Daemon;
 use crate::api::ConnLimits;
 use crate::blocking::{chain, off_runtime};
-use crate::error::{ApiError, PrepareError};
+use crate::error::{JobError, PrepareError};
 use crate::leases::{JobMeta, JobRecord, JobState};
 use crate::node::{NodeError, Submit};
 use crate::proto::{Dispatch, DispatchReply, Info, JobView, SubmitRequest, TreeRef};
@@ -61,27 +61,27 @@ pub struct LogRead {
     pub done: bool,
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
-    ApiError::Internal(e.to_string())
+fn internal(e: impl std::fmt::Display) -> JobError {
+    JobError::Internal(e.to_string())
 }
 
-impl From<NodeError> for ApiError {
+impl From<NodeError> for JobError {
     fn from(e: NodeError) -> Self {
         match e {
-            NodeError::Refused(m) => ApiError::Conflict(m),
-            NodeError::NoJob(id) => ApiError::NotFound(format!("no job {id}")),
-            NodeError::TooMany(m) => ApiError::TooMany(m),
-            NodeError::Stale(m) => ApiError::Conflict(m),
-            other => ApiError::Internal(other.to_string()),
+            NodeError::Refused(m) => JobError::Conflict(m),
+            NodeError::NoJob(id) => JobError::NotFound(format!("no job {id}")),
+            NodeError::TooMany(m) => JobError::Busy(m),
+            NodeError::Stale(m) => JobError::Conflict(m),
+            other => JobError::Internal(other.to_string()),
         }
     }
 }
 
 /// [`check_request`] for a user's own submission: what only the
 /// coordinator sets when it requeues a preempted job is refused.
-pub(crate) fn check_user_request(req: &SubmitRequest) -> Result<(), ApiError> {
+pub(crate) fn check_user_request(req: &SubmitRequest) -> Result<(), JobError> {
     if req.restarts != 0 || req.resume_from.is_some() {
-        return Err(ApiError::BadRequest(
+        return Err(JobError::Invalid(
             "restarts and resume_from are set by the coordinator when it requeues a preempted \
              job, not by a submission"
                 .into(),
@@ -105,20 +105,20 @@ pub const MAX_DATASETS: usize = 64;
 /// A request labd refuses before reserving anything: no command, one or
 /// an environment past [`MAX_COMMAND_BYTES`], an outputs folder outside
 /// the code, a data variable that is not one.
-pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), ApiError> {
+pub(crate) fn check_request(req: &SubmitRequest) -> Result<(), JobError> {
     if req.argv.is_empty() {
-        return Err(ApiError::BadRequest("no command to run".into()));
+        return Err(JobError::Invalid("no command to run".into()));
     }
     check_size(req)?;
     if let Some(s) = req.hold_s {
         if s == 0 || s > MAX_HOLD_S {
-            return Err(ApiError::BadRequest(format!(
+            return Err(JobError::Invalid(format!(
                 "--hold of {s} s: hold GPUs for 1 s to {} days",
                 MAX_HOLD_S / 86_400
             )));
         }
         if req.argv != ["sleep".to_string(), s.to_string()] {
-            return Err(ApiError::BadRequest(
+            return Err(JobError::Invalid(
                 "a hold runs no command of its own (its command is `sleep` for the hold's length)"
                     .into(),
             ));
@@ -142,15 +142,15 @@ pub fn variable_bytes((k, v): &(String, String)) -> usize {
 pub const MAX_LABEL_BYTES: usize = 1024;
 
 /// A tree a request names: a snapshot id, a label of a sane length.
-pub(crate) fn check_tree_ref(t: &crate::proto::TreeRef) -> Result<(), ApiError> {
+pub(crate) fn check_tree_ref(t: &crate::proto::TreeRef) -> Result<(), JobError> {
     if t.label.len() > MAX_LABEL_BYTES {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "a tree label of {} bytes: at most {MAX_LABEL_BYTES}",
             t.label.len()
         )));
     }
     if t.snapshot.parse::<labsync_store::SnapshotId>().is_err() {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "{:?}: {:?} is not a snapshot id",
             t.label, t.snapshot
         )));
@@ -163,15 +163,15 @@ pub(crate) fn check_tree_ref(t: &crate::proto::TreeRef) -> Result<(), ApiError> 
 /// carries bounded: all of them are kept with the job, listed and sent in
 /// heartbeats (one job with megabytes of outputs path made a node's
 /// heartbeat too large for the coordinator, which marked it down).
-pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
+pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), JobError> {
     if let Some(o) = &req.outputs {
-        check_outputs(o).map_err(ApiError::BadRequest)?;
+        check_outputs(o).map_err(JobError::Invalid)?;
     }
     for t in req.code.iter().chain(req.data.iter().map(|d| &d.tree)) {
         check_tree_ref(t)?;
     }
     let short = |what: &str, s: &Option<String>| match s {
-        Some(s) if s.len() > MAX_LABEL_BYTES => Err(ApiError::BadRequest(format!(
+        Some(s) if s.len() > MAX_LABEL_BYTES => Err(JobError::Invalid(format!(
             "{what} of {} bytes: at most {MAX_LABEL_BYTES}",
             s.len()
         ))),
@@ -182,14 +182,14 @@ pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
     let others = req.data.iter().map(|d| d.env.len()).sum::<usize>();
     let bytes = command_bytes(&req.argv, &req.env).saturating_add(others);
     if bytes > MAX_COMMAND_BYTES {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "the command and its environment take {bytes} bytes: at most {} KiB; put long \
              scripts in a file of the code, and leave large variables out of the environment",
             MAX_COMMAND_BYTES >> 10
         )));
     }
     if req.data.len() > MAX_DATASETS {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "{} datasets: at most {MAX_DATASETS} per job",
             req.data.len()
         )));
@@ -198,14 +198,14 @@ pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), ApiError> {
 }
 
 /// Each dataset's variable is `LABRUN_DATA_` and capitals, digits or `_`.
-pub(crate) fn check_data_vars(data: &[crate::proto::DataRef]) -> Result<(), ApiError> {
+pub(crate) fn check_data_vars(data: &[crate::proto::DataRef]) -> Result<(), JobError> {
     for d in data {
         let ok = d.env.starts_with("LABRUN_DATA_")
             && d.env
                 .bytes()
                 .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
         if !ok {
-            return Err(ApiError::BadRequest(format!(
+            return Err(JobError::Invalid(format!(
                 "data variable {:?} must be LABRUN_DATA_ and capitals, digits or _",
                 d.env
             )));
@@ -220,14 +220,15 @@ impl Daemon {
     pub async fn rank_for_scheduler(
         self: &Arc<Self>,
         ask: &crate::proto::RankAsk,
-    ) -> Result<labsync_placer::Ranking, ApiError> {
+    ) -> Result<labsync_placer::Ranking, JobError> {
         let co = self.coordinator.as_ref().ok_or_else(|| {
-            ApiError::Conflict(format!(
+            JobError::Conflict(format!(
                 "{} does not coordinate a cluster",
                 self.cfg.node_name
             ))
         })?;
-        co.rank_for_scheduler(self, ask).await
+        let reach = crate::cluster::Reach::new(self.clone());
+        co.rank_for_scheduler(&reach, ask).await
     }
 
     /// The caller a bearer token belongs to.
@@ -272,7 +273,7 @@ impl Daemon {
     }
 
     /// Every GPU and what it is.
-    pub async fn gpus(self: &Arc<Self>) -> Result<Vec<GpuStatus>, ApiError> {
+    pub async fn gpus(self: &Arc<Self>) -> Result<Vec<GpuStatus>, JobError> {
         let node = self.node.clone();
         Ok(off_runtime(move || node.gpus()).await?)
     }
@@ -317,14 +318,14 @@ impl Daemon {
     /// The jobs labd still has work with (see [`JobRecord::active`]), from
     /// memory: what a heartbeat carries, every second, with no read of the
     /// database's every record.
-    pub async fn active_jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
+    pub async fn active_jobs(self: &Arc<Self>) -> Result<Vec<JobView>, JobError> {
         let me = self.clone();
         off_runtime(move || Ok(me.views(me.node.active_jobs()?)?)).await
     }
 
     /// Active jobs and those that ended in the last day, oldest first: what
     /// `labrun ps` shows. Older ones come from [`Daemon::history`].
-    pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, ApiError> {
+    pub async fn jobs(self: &Arc<Self>) -> Result<Vec<JobView>, JobError> {
         let me = self.clone();
         off_runtime(move || {
             let day_ago = crate::leases::unix_now().saturating_sub(RECENT.as_secs());
@@ -346,7 +347,7 @@ impl Daemon {
         self: &Arc<Self>,
         before: Option<u64>,
         limit: usize,
-    ) -> Result<Vec<JobView>, ApiError> {
+    ) -> Result<Vec<JobView>, JobError> {
         let me = self.clone();
         off_runtime(move || {
             let mut jobs: Vec<(u64, JobRecord)> = me
@@ -364,14 +365,14 @@ impl Daemon {
         .await
     }
 
-    fn record(&self, id: &str) -> Result<JobRecord, ApiError> {
+    fn record(&self, id: &str) -> Result<JobRecord, JobError> {
         self.node
             .job(id)?
-            .ok_or_else(|| ApiError::NotFound(format!("no job {id} on {}", self.cfg.node_name)))
+            .ok_or_else(|| JobError::NotFound(format!("no job {id} on {}", self.cfg.node_name)))
     }
 
     /// One job.
-    pub async fn job(self: &Arc<Self>, id: &str) -> Result<JobView, ApiError> {
+    pub async fn job(self: &Arc<Self>, id: &str) -> Result<JobView, JobError> {
         let (me, id) = (self.clone(), id.to_string());
         off_runtime(move || {
             let rec = me.record(&id)?;
@@ -380,15 +381,8 @@ impl Daemon {
         .await
     }
 
-    fn own(&self, caller: &Caller, rec: &JobRecord, what: &str) -> Result<(), ApiError> {
-        if caller.admin || caller.user == rec.user {
-            Ok(())
-        } else {
-            Err(ApiError::Forbidden(format!(
-                "job {} is {}'s; only they or an admin may {what} it",
-                rec.id, rec.user
-            )))
-        }
+    fn own(&self, caller: &Caller, rec: &JobRecord, what: &str) -> Result<(), JobError> {
+        crate::jobs::own(caller, &rec.id, &rec.user, what)
     }
 
     /// Takes a job: records it, materialises its code and data in the
@@ -397,9 +391,9 @@ impl Daemon {
         self: &Arc<Self>,
         caller: &Caller,
         req: SubmitRequest,
-    ) -> Result<JobView, ApiError> {
+    ) -> Result<JobView, JobError> {
         if let Some(c) = self.cfg.cluster.as_ref().filter(|c| !c.coordinate) {
-            return Err(ApiError::Conflict(format!(
+            return Err(JobError::Conflict(format!(
                 "{} is a node of the cluster coordinated at {}: submit there \
                  (LABRUN_LABD={}), which places jobs over every node",
                 self.cfg.node_name, c.coordinator, c.coordinator
@@ -413,7 +407,7 @@ impl Daemon {
             self.repo()?;
         }
         if let Some(p) = &req.priority {
-            return Err(ApiError::BadRequest(format!(
+            return Err(JobError::Invalid(format!(
                 "--priority {p}: tiers order a cluster's queue, and this labd is not a cluster's \
                  coordinator (its jobs start first come, first served); leave --priority out"
             )));
@@ -440,17 +434,17 @@ impl Daemon {
             submit.cwd = work.clone();
             submit.meta.work = Some(work);
             me.prepare_in_background(id.clone(), req, submit);
-            Ok::<_, ApiError>(id)
+            Ok::<_, JobError>(id)
         })
         .await
-        .map_err(|e| ApiError::Internal(format!("submitting: {e}")))??;
+        .map_err(|e| JobError::Internal(format!("submitting: {e}")))??;
         self.job(&id).await
     }
 
     /// Takes a job the coordinator placed here: leases exactly its GPUs
     /// now, then materialises and queues it as [`Daemon::submit`] does.
     pub async fn submit_placed(self: &Arc<Self>, d: Dispatch) -> DispatchReply {
-        let refused = |e: ApiError| DispatchReply::Refused { why: e.to_string() };
+        let refused = |e: JobError| DispatchReply::Refused { why: e.to_string() };
         let reached = || match needs_store(&d.req) {
             true => self.repo().map(drop),
             false => Ok(()),
@@ -513,7 +507,7 @@ impl Daemon {
             Ok(Ok(false)) => {}
             Ok(Err(NodeError::Stale(why))) => return DispatchReply::Stale { why },
             Ok(Err(e)) => return refused(e.into()),
-            Err(e) => return refused(ApiError::Internal(format!("placing: {e}"))),
+            Err(e) => return refused(JobError::Internal(format!("placing: {e}"))),
         }
         match self.job(&d.id).await {
             Ok(job) => DispatchReply::Accepted { job: Box::new(job) },
@@ -523,7 +517,7 @@ impl Daemon {
 
     /// The Unix user (uid, gid) a caller's jobs run as: themselves when labd
     /// is root and runs jobs as their submitters, else labd's own (`None`).
-    pub(crate) async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, ApiError> {
+    pub(crate) async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, JobError> {
         if !(self.cfg.run_as_submitter && users::euid() == 0) {
             return Ok(None);
         }
@@ -531,7 +525,7 @@ impl Daemon {
         let name = caller.user.clone();
         let u = off_runtime(move || users::user_by_name(&name)).await;
         let u = u.ok_or_else(|| {
-            ApiError::Conflict(format!(
+            JobError::Conflict(format!(
                 "no Unix user {:?} on {}: labd runs jobs as the user who submits them",
                 caller.user, self.cfg.node_name
             ))
@@ -667,12 +661,12 @@ impl Daemon {
 
     /// Kills a job (or drops it from the queue); its GPUs are freed and its
     /// outputs pushed.
-    pub async fn kill(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
+    pub async fn kill(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<JobView, JobError> {
         let (me, job) = (self.clone(), id.to_string());
         let rec = off_runtime(move || me.record(&job)).await?;
         self.own(caller, &rec, "kill")?;
         if matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
-            return Err(ApiError::Conflict(format!("job {id} has already ended")));
+            return Err(JobError::Conflict(format!("job {id} has already ended")));
         }
         let (node, job, grace) = (self.node.clone(), id.to_string(), self.cfg.kill_grace);
         off_runtime(move || {
@@ -694,11 +688,11 @@ impl Daemon {
     /// killed in the background (SIGTERM, SIGKILL after the grace) and the
     /// answer comes at once. A job that ends by itself before the kill
     /// reaches it loses the mark: it is not run again.
-    pub async fn stop_for(self: &Arc<Self>, id: &str, for_job: &str) -> Result<(), ApiError> {
+    pub async fn stop_for(self: &Arc<Self>, id: &str, for_job: &str) -> Result<(), JobError> {
         let (me, job) = (self.clone(), id.to_string());
         let rec = off_runtime(move || me.record(&job)).await?;
         if matches!(rec.state, JobState::Exited { .. } | JobState::Failed { .. }) {
-            return Err(ApiError::Conflict(format!("job {id} has already ended")));
+            return Err(JobError::Conflict(format!("job {id} has already ended")));
         }
         let (node, job, reason) = (self.node.clone(), id.to_string(), for_job.to_string());
         off_runtime(move || node.update_meta(&job, |m| m.stopped_for = Some(reason))).await?;
@@ -725,7 +719,7 @@ impl Daemon {
         id: &str,
         offset: u64,
         wait: Duration,
-    ) -> Result<LogRead, ApiError> {
+    ) -> Result<LogRead, JobError> {
         let rec = self.record(id)?;
         self.own(caller, &rec, "read the log of")?;
         let path = self.node.log_path(id);
@@ -751,7 +745,7 @@ impl Daemon {
                 // Never an empty read: the follower would take it for the
                 // whole output, and say nothing was lost.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(ApiError::NotFound(format!(
+                    return Err(JobError::NotFound(format!(
                         "the output of job {id} is gone: its log was removed from {} \
                          (a job's folder and log are kept work_keep_s after it ended and its outputs were saved)",
                         self.node_name()

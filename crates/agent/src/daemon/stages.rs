@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blocking::off_runtime;
 use crate::daemon::{Caller, Daemon};
-use crate::error::ApiError;
+use crate::error::JobError;
 use crate::leases::unix_now;
 use crate::proto::{StageDone, StageOrder, Staged};
 use crate::trees::{check_outputs, make_workdir};
@@ -56,9 +56,9 @@ pub(crate) struct StageRecord {
 }
 
 /// A scheduler's job id: 1 to 20 digits (`SLURM_JOB_ID`).
-fn check_job_id(job: &str) -> Result<(), ApiError> {
+fn check_job_id(job: &str) -> Result<(), JobError> {
     if job.is_empty() || job.len() > 20 || !job.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(ApiError::BadRequest(format!(
+        return Err(JobError::Invalid(format!(
             "job id {job:?}: a scheduler's job id is digits (SLURM_JOB_ID)"
         )));
     }
@@ -66,10 +66,10 @@ fn check_job_id(job: &str) -> Result<(), ApiError> {
 }
 
 /// A stage's name as [`Staged::stage`] gives it: `<job>.<n>`, digits.
-fn check_stage_name(stage: &str) -> Result<(), ApiError> {
+fn check_stage_name(stage: &str) -> Result<(), JobError> {
     match stage.split_once('.') {
         Some((job, n)) if check_job_id(job).is_ok() && check_job_id(n).is_ok() => Ok(()),
-        _ => Err(ApiError::BadRequest(format!("no stage {stage:?}"))),
+        _ => Err(JobError::Invalid(format!("no stage {stage:?}"))),
     }
 }
 
@@ -453,7 +453,7 @@ impl Daemon {
         &self,
         check: &super::SlurmCheck,
         job: &str,
-    ) -> Result<std::process::Output, ApiError> {
+    ) -> Result<std::process::Output, JobError> {
         let mut cmd = tokio::process::Command::new("squeue");
         // `--local`: in a federation, squeue asks every cluster and drops
         // one that does not answer, this one included, without an error:
@@ -477,14 +477,14 @@ impl Daemon {
         tokio::time::timeout(check.timeout, cmd.output())
             .await
             .map_err(|_| {
-                ApiError::Conflict(format!(
+                JobError::Conflict(format!(
                     "cannot check Slurm job {job}: squeue did not answer within {} s \
                      (is slurmctld up?)",
                     check.timeout.as_secs()
                 ))
             })?
             .map_err(|e| {
-                ApiError::Conflict(format!(
+                JobError::Conflict(format!(
                     "cannot check Slurm job {job} with squeue on {}: {e}",
                     self.cfg.node_name
                 ))
@@ -497,7 +497,7 @@ impl Daemon {
         check: &super::SlurmCheck,
         job: &str,
         user: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), JobError> {
         let out = self.squeue_job(check, job).await?;
         let text = String::from_utf8_lossy(&out.stdout);
         let user = self.cfg.run_as_submitter.then_some(user);
@@ -510,7 +510,7 @@ impl Daemon {
             ))
         };
         match why {
-            Some(w) => Err(ApiError::Forbidden(format!(
+            Some(w) => Err(JobError::Forbidden(format!(
                 "{w}: a node stages only for the asker's Slurm job running there"
             ))),
             None => Ok(()),
@@ -524,15 +524,15 @@ impl Daemon {
 
     /// Stages `o` here: records it (its trees now count as in use), pulls
     /// the trees and builds the working folder as the user's.
-    pub async fn stage(self: &Arc<Self>, o: StageOrder) -> Result<Staged, ApiError> {
+    pub async fn stage(self: &Arc<Self>, o: StageOrder) -> Result<Staged, JobError> {
         let ask = &o.ask;
         check_job_id(&ask.job)?;
         if let Some(out) = &ask.outputs {
-            check_outputs(out).map_err(ApiError::BadRequest)?;
+            check_outputs(out).map_err(JobError::Invalid)?;
         }
         super::ops::check_data_vars(&ask.data)?;
         if ask.data.len() > super::ops::MAX_DATASETS {
-            return Err(ApiError::BadRequest(format!(
+            return Err(JobError::Invalid(format!(
                 "{} datasets: at most {} per job",
                 ask.data.len(),
                 super::ops::MAX_DATASETS
@@ -617,7 +617,7 @@ impl Daemon {
                 if let Err(x) = r {
                     tracing::warn!("stage {name}: {x}");
                 }
-                Err(ApiError::Conflict(format!(
+                Err(JobError::Conflict(format!(
                     "cannot stage job {} on {}: {}",
                     ask.job,
                     self.cfg.node_name,
@@ -628,12 +628,12 @@ impl Daemon {
     }
 
     /// Releases a stage of `user`'s (its job ended).
-    pub async fn stage_done(self: &Arc<Self>, d: StageDone) -> Result<(), ApiError> {
+    pub async fn stage_done(self: &Arc<Self>, d: StageDone) -> Result<(), JobError> {
         check_stage_name(&d.stage)?;
         self.release_stage(&d.user, &d.stage).await
     }
 
-    async fn release_stage(&self, user: &str, stage: &str) -> Result<(), ApiError> {
+    async fn release_stage(&self, user: &str, stage: &str) -> Result<(), JobError> {
         let dir = self.stages_dir().join(stage);
         let (user, stage) = (user.to_string(), stage.to_string());
         off_runtime(move || release_in(&dir, &user, &stage, unix_now())).await
@@ -646,10 +646,10 @@ impl Daemon {
 /// written. One at a time, so that requests at once cannot each count
 /// fewer than the cap. A folder whose record cannot be written is removed
 /// again.
-fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, String), ApiError> {
+fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, String), JobError> {
     let _one = records_lock();
     let recs =
-        records(dir).map_err(|e| ApiError::Internal(format!("cannot read the stages: {e}")))?;
+        records(dir).map_err(|e| JobError::Internal(format!("cannot read the stages: {e}")))?;
     let theirs = || {
         recs.iter()
             .filter_map(|(_, r)| r.as_ref())
@@ -658,7 +658,7 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
     let held = theirs().filter(|r| holds_trees(r, rec.at)).count();
     let user = &rec.user;
     if held >= STAGES_PER_USER {
-        return Err(ApiError::TooMany(format!(
+        return Err(JobError::Busy(format!(
             "{user} holds {held} stages on {node} not yet released (at most {STAGES_PER_USER}): \
              a stage is released when its job's step ends"
         )));
@@ -669,7 +669,7 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
         .flat_map(|r| r.trees.iter().map(String::as_str))
         .collect();
     if pinned.len() > STAGE_TREES_PER_USER {
-        return Err(ApiError::TooMany(format!(
+        return Err(JobError::Busy(format!(
             "{user}'s stages on {node} would hold {} different code and data trees (at most \
              {STAGE_TREES_PER_USER}): release stages whose jobs are done",
             pinned.len()
@@ -677,7 +677,7 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
     }
     let of_job = theirs().filter(|r| r.job == rec.job).count();
     if of_job >= STAGES_PER_JOB {
-        return Err(ApiError::TooMany(format!(
+        return Err(JobError::Busy(format!(
             "{user} has staged Slurm job {} {of_job} times on {node} (at most \
              {STAGES_PER_JOB}; a released stage's folder stays for work_keep)",
             rec.job
@@ -685,22 +685,22 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
     }
     let folders = theirs().count();
     if folders >= STAGE_FOLDERS_PER_USER {
-        return Err(ApiError::TooMany(format!(
+        return Err(JobError::Busy(format!(
             "{user} has {folders} stage folders on {node} (at most {STAGE_FOLDERS_PER_USER}; \
              a released stage's folder stays for work_keep)"
         )));
     }
     let (path, name) = new_stage_dir(dir, &rec.job)
-        .map_err(|e| ApiError::Internal(format!("cannot record the stage: {e}")))?
+        .map_err(|e| JobError::Internal(format!("cannot record the stage: {e}")))?
         .ok_or_else(|| {
-            ApiError::TooMany(format!(
+            JobError::Busy(format!(
                 "Slurm job {} has {NAMES_PER_JOB} stage folders on {node}",
                 rec.job
             ))
         })?;
     if let Err(e) = write_record(&path, rec) {
         let _ = std::fs::remove_dir_all(&path);
-        return Err(ApiError::Internal(format!("cannot record the stage: {e}")));
+        return Err(JobError::Internal(format!("cannot record the stage: {e}")));
     }
     Ok((path, name))
 }
@@ -741,14 +741,14 @@ fn held_by(dir: &Path, user: &str, now: u64) -> std::io::Result<usize> {
 
 /// Releases the stage in folder `dir` (named `stage`) for `user`, whose it
 /// must be.
-fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), ApiError> {
+fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), JobError> {
     let _one = records_lock();
     let rec: StageRecord = std::fs::read(dir.join("stage.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
-        .ok_or_else(|| ApiError::NotFound(format!("no stage {stage} here")))?;
+        .ok_or_else(|| JobError::NotFound(format!("no stage {stage} here")))?;
     if rec.user != user {
-        return Err(ApiError::Forbidden(format!(
+        return Err(JobError::Forbidden(format!(
             "stage {stage} is {}'s, not {user}'s",
             rec.user
         )));
@@ -759,7 +759,7 @@ fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), ApiEr
             ..rec
         };
         write_record(dir, &rec)
-            .map_err(|e| ApiError::Internal(format!("cannot release {stage}: {e}")))?;
+            .map_err(|e| JobError::Internal(format!("cannot release {stage}: {e}")))?;
     }
     Ok(())
 }
@@ -838,7 +838,7 @@ mod tests {
         }
         let over = new_stage(d, &record("alice", "999", 100), "gpu1").unwrap_err();
         assert!(
-            matches!(&over, ApiError::TooMany(m) if m.contains("not yet released")),
+            matches!(&over, JobError::Busy(m) if m.contains("not yet released")),
             "{over:?}"
         );
         // Another user is not held back by her.
@@ -855,7 +855,7 @@ mod tests {
         new_stage(d, &many(64, 60), "gpu1").unwrap();
         let over = new_stage(d, &many(1, 128), "gpu1").unwrap_err();
         assert!(
-            matches!(&over, ApiError::TooMany(m) if m.contains("129 different code and data trees")),
+            matches!(&over, JobError::Busy(m) if m.contains("129 different code and data trees")),
             "{over:?}"
         );
         // Staged, released and staged again: at most STAGES_PER_JOB
@@ -868,7 +868,7 @@ mod tests {
         release_in(&p, "bob", &name, 101).unwrap();
         let over = new_stage(d, &record("bob", "1008", 100), "gpu1").unwrap_err();
         assert!(
-            matches!(&over, ApiError::TooMany(m) if m.contains("staged Slurm job 1008 64 times")),
+            matches!(&over, JobError::Busy(m) if m.contains("staged Slurm job 1008 64 times")),
             "{over:?}"
         );
         // Bob's folders under that id do not stop Carol's stage of it.
@@ -883,7 +883,7 @@ mod tests {
         }
         let over = new_stage(d, &record("dave", "42", 200), "gpu1").unwrap_err();
         assert!(
-            matches!(&over, ApiError::TooMany(m) if m.contains("1024 stage folders")),
+            matches!(&over, JobError::Busy(m) if m.contains("1024 stage folders")),
             "{over:?}"
         );
     }
@@ -1071,12 +1071,12 @@ mod tests {
         // Bob cannot release Alice's stage (her trees stay held).
         assert!(matches!(
             release_in(&alice, "bob", &name, 200),
-            Err(ApiError::Forbidden(_))
+            Err(JobError::Forbidden(_))
         ));
         assert!(tree_in_stage(d, "s1", 200));
         assert!(matches!(
             release_in(&d.join("5.9"), "alice", "5.9", 200),
-            Err(ApiError::NotFound(_))
+            Err(JobError::NotFound(_))
         ));
         release_in(&alice, "alice", &name, 200).unwrap();
         assert_eq!(held_by(d, "alice", 300).unwrap(), 0);
