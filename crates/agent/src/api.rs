@@ -776,6 +776,13 @@ pub async fn serve(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop_rx.clone()));
     tokio::spawn(daemon.clone().run_coordinator(stop_rx.clone()));
+    if let Some(r) = daemon
+        .slurm_rerank()
+        .filter(|_| daemon.coordinator().is_some())
+    {
+        let rerank = crate::slurm::rerank::run(daemon.clone(), r.clone(), stop_rx.clone());
+        tokio::spawn(rerank);
+    }
     if let Some(cfg) = daemon.cluster() {
         let reporter = crate::cluster::Reporter::new(
             daemon.clone(),

@@ -182,7 +182,11 @@ impl Cgroups {
     /// this labd (a hash of its state folder). Every job gets `limits`,
     /// where a hierarchy can hold them ([`Cgroups::unheld`] says which
     /// cannot). The error says why there is no cgroup, for labd's log.
-    pub fn open(labd: &str, limits: JobLimits) -> Result<Cgroups, String> {
+    pub fn open(labd: &str, limits: JobLimits) -> Result<Cgroups, crate::SetupError> {
+        Cgroups::find(labd, limits).map_err(crate::SetupError::Cgroups)
+    }
+
+    fn find(labd: &str, limits: JobLimits) -> Result<Cgroups, String> {
         let mounts = std::fs::read_to_string("/proc/self/mounts")
             .map_err(|e| format!("cannot read /proc/self/mounts: {e}"))?;
         let mut tried = Vec::new();
@@ -388,7 +392,11 @@ impl Cgroups {
     /// device program where the jobs' cgroup is v2 and one can be attached
     /// (tried on a cgroup made for it), else with the v1 `devices`
     /// hierarchy. Says how, or why it cannot.
-    pub fn confine(&mut self, gpus: GpuDevices) -> Result<&'static str, String> {
+    pub fn confine(&mut self, gpus: GpuDevices) -> Result<&'static str, crate::SetupError> {
+        self.confine_by(gpus).map_err(crate::SetupError::Cgroups)
+    }
+
+    fn confine_by(&mut self, gpus: GpuDevices) -> Result<&'static str, String> {
         let mut why = Vec::new();
         if self.flavor == Flavor::V2 {
             let probe = self.base.join(format!("probe-{}", std::process::id()));

@@ -46,11 +46,12 @@ impl GpuDevices {
     }
 
     /// The device numbers of a character device node, from its `rdev`.
-    pub fn of_node(path: &Path) -> Result<(u32, u32), String> {
+    pub fn of_node(path: &Path) -> Result<(u32, u32), crate::SetupError> {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let said = crate::SetupError::Devices;
+        let m = std::fs::metadata(path).map_err(|e| said(format!("{}: {e}", path.display())))?;
         if !m.file_type().is_char_device() {
-            return Err(format!("{} is no character device", path.display()));
+            return Err(said(format!("{} is no character device", path.display())));
         }
         let rdev = m.rdev();
         Ok((libc::major(rdev), libc::minor(rdev)))

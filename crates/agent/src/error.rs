@@ -37,7 +37,7 @@ pub enum LeaseError {
 
 /// Why an operation of labd (on jobs, trees, stages, warming) was refused
 /// or failed, as its caller can act on it. Only the HTTP layer
-/// ([`crate::api`]) turns it into a status code.
+/// (`api.rs`) turns it into a status code.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum JobError {
@@ -80,6 +80,29 @@ pub enum ApiError {
     /// The operation's own refusal or failure.
     #[error(transparent)]
     Job(#[from] JobError),
+}
+
+/// Why a part of labd cannot be set up as configured: said at its start
+/// (or by `labsync`, for the store's folder) with what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// A TLS certificate, key or CA file.
+    #[error("{0}")]
+    Tls(String),
+    /// The cluster secret.
+    #[error("{0}")]
+    Secret(String),
+    /// No cgroup hierarchy labd can use, or no way to keep jobs from GPUs
+    /// in the one it has.
+    #[error("{0}")]
+    Cgroups(String),
+    /// The GPUs' device nodes.
+    #[error("{0}")]
+    Devices(String),
+    /// The store's folder is not safe for a labd that runs as root.
+    #[error("{0}")]
+    UnsafeStore(String),
 }
 
 /// Why a job's code or data could not be made ready.

@@ -190,16 +190,21 @@ impl GpuInventory for FakeGpus {
         format!("fake {}", self.spec)
     }
 
-    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+    fn devices(&self) -> Result<Option<GpuDevices>, crate::SetupError> {
         let Some(dev) = &self.dev else {
-            return Err("the fake GPUs have no device nodes (fake_gpus_dev)".into());
+            return Err(crate::SetupError::Devices(
+                "the fake GPUs have no device nodes (fake_gpus_dev)".into(),
+            ));
         };
         let mut major = None;
         let mut minors = std::collections::BTreeMap::new();
         for i in 0..self.sizes.len() as u32 {
             let (ma, mi) = GpuDevices::of_node(&dev.join(format!("nvidia{i}")))?;
             if *major.get_or_insert(ma) != ma {
-                return Err(format!("{}: the fake GPUs' majors differ", dev.display()));
+                return Err(crate::SetupError::Devices(format!(
+                    "{}: the fake GPUs' majors differ",
+                    dev.display()
+                )));
             }
             minors.insert(i, mi);
         }

@@ -52,7 +52,7 @@ pub trait GpuInventory: Send + Sync + 'static {
     /// The GPUs' character devices, for keeping each job from the cards
     /// it did not lease ([`crate::devices`]); `None` without GPUs; the
     /// error says why they are not known. Blocks like [`GpuInventory::read`].
-    fn devices(&self) -> Result<Option<GpuDevices>, String>;
+    fn devices(&self) -> Result<Option<GpuDevices>, crate::SetupError>;
 }
 
 /// The inventory of a node without GPUs (no NVML library).
@@ -68,7 +68,7 @@ impl GpuInventory for NoGpus {
         "none (no NVML library on this node)".into()
     }
 
-    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+    fn devices(&self) -> Result<Option<GpuDevices>, crate::SetupError> {
         Ok(None)
     }
 }
@@ -149,19 +149,21 @@ impl GpuInventory for Nvml {
 
     /// Each card's minor from NVML; the major from `/dev/nvidiactl`, the
     /// driver's control device, which every CUDA program opens.
-    fn devices(&self) -> Result<Option<GpuDevices>, String> {
+    fn devices(&self) -> Result<Option<GpuDevices>, crate::SetupError> {
         let (major, _) = GpuDevices::of_node(std::path::Path::new("/dev/nvidiactl"))?;
         let n = self
             .nvml
             .device_count()
-            .map_err(|e| format!("device count: {e}"))?;
+            .map_err(|e| crate::SetupError::Devices(format!("device count: {e}")))?;
         let mut minors = std::collections::BTreeMap::new();
         for index in 0..n {
             let minor = self
                 .nvml
                 .device_by_index(index)
                 .and_then(|d| d.minor_number())
-                .map_err(|e| format!("minor number of GPU {index}: {e}"))?;
+                .map_err(|e| {
+                    crate::SetupError::Devices(format!("minor number of GPU {index}: {e}"))
+                })?;
             minors.insert(index, minor);
         }
         Ok(Some(GpuDevices { major, minors }))

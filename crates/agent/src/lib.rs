@@ -48,6 +48,7 @@ pub mod proto;
 pub mod rlimits;
 mod runner;
 mod secret;
+pub mod slurm;
 mod status;
 mod store_guard;
 pub mod tls;
@@ -65,7 +66,9 @@ pub use daemon::{
     MAX_COMMAND_BYTES, MAX_DATASETS,
 };
 pub use devices::GpuDevices;
-pub use error::{ApiError, ClientError, InventoryError, JobError, LeaseError, PrepareError};
+pub use error::{
+    ApiError, ClientError, InventoryError, JobError, LeaseError, PrepareError, SetupError,
+};
 pub use fake::FakeGpus;
 pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use jobs::Jobs;

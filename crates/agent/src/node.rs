@@ -145,11 +145,17 @@ fn confine_jobs(
     });
     let devices = rx
         .recv_timeout(deadline.max(Duration::from_secs(5)))
-        .unwrap_or_else(|_| Err("the GPU inventory did not answer at start".into()));
+        .unwrap_or_else(|_| {
+            Err(crate::SetupError::Devices(
+                "the GPU inventory did not answer at start".into(),
+            ))
+        });
     let confined = match (devices, cgroups) {
         (Ok(None), _) => return "no GPUs on this node".into(),
         (Err(why), _) => Err(why),
-        (Ok(_), None) => Err("jobs run without cgroups".into()),
+        (Ok(_), None) => Err(crate::SetupError::Cgroups(
+            "jobs run without cgroups".into(),
+        )),
         (Ok(Some(gpus)), Some(cg)) => cg.confine(gpus),
     };
     match confined {
@@ -261,6 +267,48 @@ pub enum NodeError {
     /// A placement made on a view of the GPUs that is out of date.
     #[error("{0}")]
     Stale(String),
+}
+
+/// Job `id`'s environment on `gpus`: the submitter's, less what labd
+/// sets, and then labd's. Set after (and instead of) the submitter's own:
+/// NVML numbers GPUs in PCI bus order, CUDA by default fastest first, so
+/// without PCI_BUS_ID a job on a mixed node would use GPUs it did not
+/// lease.
+fn job_env(env: &[(String, String)], id: &str, gpus: &[u32]) -> Vec<(String, String)> {
+    let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    let mut env: Vec<(String, String)> = env
+        .iter()
+        .filter(|(k, _)| !JOB_VARS.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
+    env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
+    env.push(("LABRUN_JOB_ID".into(), id.to_string()));
+    env
+}
+
+/// What one pass of [`Node::schedule`] has learnt so far.
+#[derive(Default)]
+struct Pass {
+    /// Free GPUs a job that waits could use: kept for it, so a job behind
+    /// passes it only on GPUs it could not use, or none (a stream of small
+    /// jobs never starves a large one).
+    kept: HashSet<u32>,
+    /// The GPUs and their leases, read once per pass and again only after
+    /// a job took some: read per queued job, a pass over a queue of a
+    /// thousand behind busy GPUs made a thousand inventory reads, and labd
+    /// answered submissions in seconds (`bench/labd-load.sh`).
+    seen: Option<(Vec<GpuStatus>, BTreeMap<u32, String>)>,
+}
+
+/// What a queued job gets in a pass.
+enum Take {
+    /// These GPUs (none for a job without), leased to it: it starts.
+    Gpus(Vec<u32>),
+    /// Nothing now: it stays queued.
+    Wait,
+    /// Nothing ever, for this reason: it is failed.
+    Never(String),
 }
 
 struct Inner {
@@ -636,174 +684,195 @@ impl Node {
     pub fn schedule(&self) -> Result<Vec<String>, NodeError> {
         let mut inner = self.inner.lock().expect("node poisoned");
         let mut started = Vec::new();
-        // Free GPUs a job that waits could use: kept for it, so a job
-        // behind passes it only on GPUs it could not use, or none (a
-        // stream of small jobs never starves a large one).
-        let mut kept: HashSet<u32> = HashSet::new();
-        // The GPUs and their leases, read once per pass and again only
-        // after a job took some: read per queued job, a pass over a queue
-        // of a thousand behind busy GPUs made a thousand inventory reads,
-        // and labd answered submissions in seconds (`bench/labd-load.sh`).
-        let mut seen: Option<(Vec<GpuStatus>, BTreeMap<u32, String>)> = None;
+        let mut pass = Pass::default();
         let mut at = 0;
         while let Some((id, q)) = inner.queue.get(at) {
-            let (wanted, min_free) = (q.gpus, q.min_free_bytes);
-            let gpus = if wanted == 0 {
-                if self.cpu_jobs_of(&q.user) >= self.cfg.max_cpu_jobs_per_user {
+            let gpus = match self.gpus_for(id, q, &mut pass)? {
+                Take::Gpus(gpus) => gpus,
+                Take::Wait => {
                     at += 1;
                     continue;
                 }
-                Vec::new()
-            } else {
-                let id = id.clone();
-                if seen.is_none() {
-                    seen = Some((self.gpus()?, self.state.all()?));
-                }
-                let (status, leases) = seen.as_ref().expect("read above");
-                // Accepted while the inventory did not answer, or asking
-                // more than a card can free: failed with the reason, so it
-                // does not block the queue.
-                if let Some(why) = never_fits(status, wanted, min_free) {
-                    inner.queue.remove(at);
-                    self.state.finish(&id, JobState::Failed { reason: why })?;
+                Take::Never(reason) => {
+                    let (id, _) = inner.queue.remove(at).expect("read above");
+                    self.state.finish(&id, JobState::Failed { reason })?;
                     continue;
-                }
-                // GPUs already leased to it (a job placed here by the
-                // coordinator holds them from its dispatch) come first.
-                let mut free: Vec<u32> = leases
-                    .iter()
-                    .filter(|(_, holder)| **holder == id)
-                    .map(|(g, _)| *g)
-                    .collect();
-                free.extend(
-                    free_gpus(status, min_free)
-                        .into_iter()
-                        .filter(|g| !kept.contains(g)),
-                );
-                // Fewer than it wants: no lease could be taken (one is
-                // taken among these only), so none is tried.
-                let taken = match free.len() >= wanted as usize {
-                    true => self.state.acquire(&id, wanted as usize, &free)?,
-                    false => None,
-                };
-                match taken {
-                    Some(g) => {
-                        seen = None;
-                        g
-                    }
-                    None => {
-                        kept.extend(could_serve(status, min_free));
-                        at += 1;
-                        continue;
-                    }
                 }
             };
             let (id, s) = inner.queue.remove(at).expect("read above");
-            let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
-            // Set after (and instead of) the submitter's own: NVML numbers
-            // GPUs in PCI bus order, CUDA by default fastest first, so
-            // without PCI_BUS_ID a job on a mixed node would use GPUs it
-            // did not lease.
-            let mut env: Vec<(String, String)> = s
-                .env
-                .iter()
-                .filter(|(k, _)| !JOB_VARS.contains(&k.as_str()))
-                .cloned()
-                .collect();
-            env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
-            env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
-            env.push(("LABRUN_JOB_ID".into(), id.clone()));
-            let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
-            let cgroups = match self
-                .cgroups
-                .as_ref()
-                .map(|c| (c, c.create(&id, uid, &gpus)))
-            {
-                None => Vec::new(),
-                Some((_, Ok(procs))) => procs,
-                // The node says its jobs are confined to their GPUs: this
-                // one would not be, so it does not run.
-                Some((c, Err(e))) if c.confines() => {
-                    c.remove(&id);
-                    let reason = format!("{e}; the job was not started");
-                    tracing::warn!("job {id}: {reason}");
-                    self.state.finish(&id, JobState::Failed { reason })?;
-                    continue;
-                }
-                Some((c, Err(e))) => {
-                    c.remove(&id);
-                    tracing::warn!("job {id} runs without a cgroup: {e}");
-                    Vec::new()
-                }
-            };
-            let spec = JobSpec {
-                argv: s.argv.clone(),
-                cwd: s.cwd.clone(),
-                env,
-                log: self.log_path(&id),
-                user: s.run_as,
-                cgroups,
-                rlimits: self.login_limits(s.run_as),
-                keeper: self.cfg.log_keeper.as_ref().map(|exe| runner::KeeperSpec {
-                    exe: exe.clone(),
-                    cgroup: self.cgroups.as_ref().map(Cgroups::keepers),
-                }),
-            };
-            match runner::spawn(&spec) {
-                Ok(mut st) => {
-                    let sid = st.sid();
-                    // Our child, unwaited: its pid cannot change hands yet.
-                    let start = runner::start_ticks(sid);
-                    let keeper = st
-                        .keeper
-                        .as_ref()
-                        .map(|k| (k.id(), runner::start_ticks(k.id())));
-                    let recorded = self.state.update(&id, |r| {
-                        r.gpus = gpus;
-                        r.state = JobState::Running { sid, start };
-                        r.started_at = Some(unix_now());
-                        r.meta.preparing = None;
-                        r.meta.log_keeper = keeper;
-                        r.queued = None;
-                    });
-                    if let Err(e) = recorded {
-                        // A job the database does not know runs would hold
-                        // its GPUs unseen: it is stopped, its lease freed,
-                        // and it stays queued to start again.
-                        self.kill_job(&id, (sid, start), Duration::ZERO);
-                        // Never a blocking wait under the queue's lock (a
-                        // leader stuck in the kernel would hang labd).
-                        let _ = st.child.try_wait();
-                        if let Some(mut k) = st.keeper {
-                            let _ = k.kill();
-                            let _ = k.try_wait();
-                        }
-                        // If this fails too, the lease is the job's own and
-                        // acquire gives it back to it when it starts again.
-                        let _ = self.state.release(&id);
-                        inner.queue.insert(at, (id, s));
-                        return Err(e.into());
-                    }
-                    inner.children.insert(id.clone(), st.child);
-                    if let Some(k) = st.keeper {
-                        inner.keepers.insert(id.clone(), k);
-                    }
-                    started.push(id);
-                }
-                Err(source) => {
-                    if let Some(cg) = &self.cgroups {
-                        cg.remove(&id);
-                    }
-                    let reason = format!(
-                        "cannot start {} in {}: {source}",
-                        s.argv.first().map_or("", String::as_str),
-                        s.cwd.display()
-                    );
-                    self.state.finish(&id, JobState::Failed { reason })?;
-                }
+            if let Some(id) = self.start(&mut inner, at, id, s, gpus)? {
+                started.push(id);
             }
         }
         Ok(started)
+    }
+
+    /// The GPUs queued job `id` (`q`) takes now, leased to it; or why not.
+    fn gpus_for(&self, id: &str, q: &Submit, pass: &mut Pass) -> Result<Take, NodeError> {
+        let (wanted, min_free) = (q.gpus, q.min_free_bytes);
+        if wanted == 0 {
+            return Ok(
+                match self.cpu_jobs_of(&q.user) >= self.cfg.max_cpu_jobs_per_user {
+                    true => Take::Wait,
+                    false => Take::Gpus(Vec::new()),
+                },
+            );
+        }
+        if pass.seen.is_none() {
+            pass.seen = Some((self.gpus()?, self.state.all()?));
+        }
+        let (status, leases) = pass.seen.as_ref().expect("read above");
+        // Accepted while the inventory did not answer, or asking more than
+        // a card can free: failed with the reason, so it does not block
+        // the queue.
+        if let Some(why) = never_fits(status, wanted, min_free) {
+            return Ok(Take::Never(why));
+        }
+        // GPUs already leased to it (a job placed here by the coordinator
+        // holds them from its dispatch) come first.
+        let mut free: Vec<u32> = leases
+            .iter()
+            .filter(|(_, holder)| holder.as_str() == id)
+            .map(|(g, _)| *g)
+            .collect();
+        free.extend(
+            free_gpus(status, min_free)
+                .into_iter()
+                .filter(|g| !pass.kept.contains(g)),
+        );
+        // Fewer than it wants: no lease could be taken (one is taken among
+        // these only), so none is tried.
+        let taken = match free.len() >= wanted as usize {
+            true => self.state.acquire(id, wanted as usize, &free)?,
+            false => None,
+        };
+        Ok(match taken {
+            Some(gpus) => {
+                pass.seen = None;
+                Take::Gpus(gpus)
+            }
+            None => {
+                pass.kept.extend(could_serve(status, min_free));
+                Take::Wait
+            }
+        })
+    }
+
+    /// The cgroup files job `id` (run as `uid`, on `gpus`) is started
+    /// into: none where the node has no cgroups, or this one could not be
+    /// made and the node does not promise confinement. `None` when it must
+    /// not run (recorded as failed).
+    fn cgroup_for(
+        &self,
+        id: &str,
+        uid: u32,
+        gpus: &[u32],
+    ) -> Result<Option<Vec<std::fs::File>>, NodeError> {
+        let Some(c) = self.cgroups.as_ref() else {
+            return Ok(Some(Vec::new()));
+        };
+        match c.create(id, uid, gpus) {
+            Ok(procs) => Ok(Some(procs)),
+            // The node says its jobs are confined to their GPUs: this one
+            // would not be, so it does not run.
+            Err(e) if c.confines() => {
+                c.remove(id);
+                let reason = format!("{e}; the job was not started");
+                tracing::warn!("job {id}: {reason}");
+                self.state.finish(id, JobState::Failed { reason })?;
+                Ok(None)
+            }
+            Err(e) => {
+                c.remove(id);
+                tracing::warn!("job {id} runs without a cgroup: {e}");
+                Ok(Some(Vec::new()))
+            }
+        }
+    }
+
+    /// Starts job `id` (`s`, out of the queue at `at`) on `gpus`, leased
+    /// to it: its cgroup, its process, its record. `None` when it failed
+    /// to start (recorded so); a record that cannot be written puts it
+    /// back in the queue, stopped.
+    fn start(
+        &self,
+        inner: &mut Inner,
+        at: usize,
+        id: String,
+        s: Submit,
+        gpus: Vec<u32>,
+    ) -> Result<Option<String>, NodeError> {
+        let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+        let Some(cgroups) = self.cgroup_for(&id, uid, &gpus)? else {
+            return Ok(None);
+        };
+        let spec = JobSpec {
+            argv: s.argv.clone(),
+            cwd: s.cwd.clone(),
+            env: job_env(&s.env, &id, &gpus),
+            log: self.log_path(&id),
+            user: s.run_as,
+            cgroups,
+            rlimits: self.login_limits(s.run_as),
+            keeper: self.cfg.log_keeper.as_ref().map(|exe| runner::KeeperSpec {
+                exe: exe.clone(),
+                cgroup: self.cgroups.as_ref().map(Cgroups::keepers),
+            }),
+        };
+        match runner::spawn(&spec) {
+            Ok(mut st) => {
+                let sid = st.sid();
+                // Our child, unwaited: its pid cannot change hands yet.
+                let start = runner::start_ticks(sid);
+                let keeper = st
+                    .keeper
+                    .as_ref()
+                    .map(|k| (k.id(), runner::start_ticks(k.id())));
+                let recorded = self.state.update(&id, |r| {
+                    r.gpus = gpus;
+                    r.state = JobState::Running { sid, start };
+                    r.started_at = Some(unix_now());
+                    r.meta.preparing = None;
+                    r.meta.log_keeper = keeper;
+                    r.queued = None;
+                });
+                if let Err(e) = recorded {
+                    // A job the database does not know runs would hold
+                    // its GPUs unseen: it is stopped, its lease freed,
+                    // and it stays queued to start again.
+                    self.kill_job(&id, (sid, start), Duration::ZERO);
+                    // Never a blocking wait under the queue's lock (a
+                    // leader stuck in the kernel would hang labd).
+                    let _ = st.child.try_wait();
+                    if let Some(mut k) = st.keeper {
+                        let _ = k.kill();
+                        let _ = k.try_wait();
+                    }
+                    // If this fails too, the lease is the job's own and
+                    // acquire gives it back to it when it starts again.
+                    let _ = self.state.release(&id);
+                    inner.queue.insert(at, (id, s));
+                    return Err(e.into());
+                }
+                inner.children.insert(id.clone(), st.child);
+                if let Some(k) = st.keeper {
+                    inner.keepers.insert(id.clone(), k);
+                }
+                Ok(Some(id))
+            }
+            Err(source) => {
+                if let Some(cg) = &self.cgroups {
+                    cg.remove(&id);
+                }
+                let reason = format!(
+                    "cannot start {} in {}: {source}",
+                    s.argv.first().map_or("", String::as_str),
+                    s.cwd.display()
+                );
+                self.state.finish(&id, JobState::Failed { reason })?;
+                Ok(None)
+            }
+        }
     }
 
     /// The limits of a login of `run_as` ([`crate::rlimits`]); none (labd's
@@ -1383,7 +1452,7 @@ mod tests {
             fn describe(&self) -> String {
                 self.0.describe()
             }
-            fn devices(&self) -> Result<Option<crate::GpuDevices>, String> {
+            fn devices(&self) -> Result<Option<crate::GpuDevices>, crate::SetupError> {
                 self.0.devices()
             }
         }

@@ -17,7 +17,11 @@ use std::path::{Path, PathBuf};
 /// holds nothing but folders and plain files (root's, not writable by
 /// others; folders without a default ACL). `Err` says what is wrong and
 /// what to do.
-pub fn check_root_store(root: &Path) -> Result<(), String> {
+pub fn check_root_store(root: &Path) -> Result<(), crate::SetupError> {
+    check(root).map_err(crate::SetupError::UnsafeStore)
+}
+
+fn check(root: &Path) -> Result<(), String> {
     let canon = root
         .canonicalize()
         .map_err(|e| format!("{}: {e}", root.display()))?;
@@ -163,7 +167,7 @@ mod tests {
         set_mode(&s.join("packs"), 0o775);
         check_root_store(&s).unwrap();
         std::os::unix::fs::chown(s.join("packs"), None, Some(100)).unwrap();
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("packs is writable by others (mode 775)"), "{e}");
         assert!(e.contains("s3://"), "{e}");
         set_mode(&s.join("packs"), 0o755);
@@ -171,18 +175,18 @@ mod tests {
 
         // A folder another user made.
         std::os::unix::fs::chown(s.join("refs/div2k"), Some(65534), None).unwrap();
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("div2k belongs to uid 65534"), "{e}");
         std::os::unix::fs::chown(s.join("refs/div2k"), Some(0), None).unwrap();
 
         // A file of another user's, or writable by others.
         let file = s.join("refs/div2k/1");
         std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("refs/div2k/1 belongs to uid 65534"), "{e}");
         std::os::unix::fs::chown(&file, Some(0), None).unwrap();
         set_mode(&file, 0o666);
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("1 is writable by others (mode 666)"), "{e}");
         set_mode(&file, 0o644);
 
@@ -197,7 +201,7 @@ mod tests {
         let name = "system.posix_acl_default";
         let flags = rustix::fs::XattrFlags::empty();
         if rustix::fs::lsetxattr(s.join("packs"), name, &acl, flags).is_ok() {
-            let e = check_root_store(&s).unwrap_err();
+            let e = check_root_store(&s).unwrap_err().to_string();
             assert!(e.contains("packs has a default ACL"), "{e}");
             rustix::fs::lremovexattr(s.join("packs"), name).unwrap();
         } else {
@@ -207,7 +211,7 @@ mod tests {
 
         // A symlink planted in it, and a FIFO.
         std::os::unix::fs::symlink("/etc/cron.d", s.join("packs/40")).unwrap();
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("packs/40 is a symlink"), "{e}");
         std::fs::remove_file(s.join("packs/40")).unwrap();
         let fifo = s.join("refs/div2k/2");
@@ -216,7 +220,7 @@ mod tests {
             .status()
             .unwrap()
             .success());
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("neither a file nor a folder"), "{e}");
         std::fs::remove_file(&fifo).unwrap();
         check_root_store(&s).unwrap();
@@ -224,7 +228,7 @@ mod tests {
         // The folder above it writable by others: the store could be
         // swapped; with the sticky bit (as /tmp) it cannot.
         set_mode(dir.path(), 0o777);
-        let e = check_root_store(&s).unwrap_err();
+        let e = check_root_store(&s).unwrap_err().to_string();
         assert!(e.contains("is writable by others (mode 777)"), "{e}");
         set_mode(dir.path(), 0o1777);
         check_root_store(&s).unwrap();

@@ -8,6 +8,7 @@
 //! still decided by the cluster secret and the users' tokens: TLS keeps them,
 //! and everything else on the wire, from being read or changed on the way.
 
+use crate::error::SetupError;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -41,7 +42,11 @@ fn certificates(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>,
 
 /// A server's configuration: its certificate chain (`cert`, PEM, its own
 /// certificate first) and private key (`key`, PEM: PKCS#8, PKCS#1 or SEC1).
-pub fn server(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
+pub fn server(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, SetupError> {
+    server_config(cert, key).map_err(SetupError::Tls)
+}
+
+fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
     let chain = certificates("certificate", cert)?;
     let pem = read("key", key)?;
     let key_der = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
@@ -68,7 +73,11 @@ pub fn server(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
 
 /// A client's configuration: trusts the certificates in `ca` (PEM), or the
 /// system's roots without one.
-pub fn client(ca: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
+pub fn client(ca: Option<&Path>) -> Result<Arc<ClientConfig>, SetupError> {
+    client_config(ca).map_err(SetupError::Tls)
+}
+
+fn client_config(ca: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
     let mut roots = rustls::RootCertStore::empty();
     match ca {
         Some(path) => {
@@ -104,8 +113,8 @@ pub fn client(ca: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
 }
 
 /// The system roots' client, made once per process.
-pub(crate) fn system_client() -> Result<Arc<ClientConfig>, String> {
-    static SYSTEM: OnceLock<Result<Arc<ClientConfig>, String>> = OnceLock::new();
+pub(crate) fn system_client() -> Result<Arc<ClientConfig>, SetupError> {
+    static SYSTEM: OnceLock<Result<Arc<ClientConfig>, SetupError>> = OnceLock::new();
     SYSTEM.get_or_init(|| client(None)).clone()
 }
 
@@ -144,13 +153,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").unwrap();
-        let e = client(Some(&empty)).unwrap_err();
+        let e = client(Some(&empty)).unwrap_err().to_string();
         assert!(
             e.contains("empty.pem") && e.contains("no certificate"),
             "{e}"
         );
         let missing = dir.path().join("missing.pem");
-        let e = server(&missing, &missing).unwrap_err();
+        let e = server(&missing, &missing).unwrap_err().to_string();
         assert!(e.contains("cannot read the TLS certificate"), "{e}");
 
         // A certificate with another certificate's key.
@@ -159,12 +168,12 @@ mod tests {
         let (cert, key) = (dir.path().join("a.pem"), dir.path().join("b.key"));
         std::fs::write(&cert, a.cert.pem()).unwrap();
         std::fs::write(&key, b.signing_key.serialize_pem()).unwrap();
-        let e = server(&cert, &key).unwrap_err();
+        let e = server(&cert, &key).unwrap_err().to_string();
         assert!(e.contains("do not go together"), "{e}");
         std::fs::write(&key, a.signing_key.serialize_pem()).unwrap();
         server(&cert, &key).unwrap();
         std::fs::write(&key, "junk").unwrap();
-        let e = server(&cert, &key).unwrap_err();
+        let e = server(&cert, &key).unwrap_err().to_string();
         assert!(e.contains("no private key"), "{e}");
     }
 }

@@ -552,7 +552,11 @@ pub fn remove_job_folder(dir: &Path) -> std::io::Result<()> {
 pub const MAX_OUTPUTS_BYTES: usize = 4096;
 
 /// Checks an `--outputs` path: relative, inside the working folder.
-pub fn check_outputs(path: &str) -> Result<(), String> {
+pub fn check_outputs(path: &str) -> Result<(), crate::JobError> {
+    outputs_inside(path).map_err(crate::JobError::Invalid)
+}
+
+fn outputs_inside(path: &str) -> Result<(), String> {
     if path.len() > MAX_OUTPUTS_BYTES {
         return Err(format!(
             "--outputs of {} bytes: at most {MAX_OUTPUTS_BYTES} (a path's limit)",
@@ -620,7 +624,7 @@ fn build_workdir(
         link_children(code, work, &mut made)?;
     }
     if let Some(out) = outputs {
-        check_outputs(out).map_err(|e| PrepareError::Outputs(out.into(), e))?;
+        check_outputs(out).map_err(|e| PrepareError::Outputs(out.into(), e.to_string()))?;
         let mut dir = work.to_path_buf();
         for c in Path::new(out).components() {
             let Component::Normal(name) = c else { continue };
@@ -854,7 +858,10 @@ mod tests {
         assert!(check_outputs("../x").is_err() && check_outputs("/x").is_err());
         // `x////…` is `x` to Path, and megabytes of it were taken.
         let long = format!("x{}", "/".repeat(MAX_OUTPUTS_BYTES));
-        assert!(check_outputs(&long).unwrap_err().contains("at most 4096"));
+        assert!(check_outputs(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 4096"));
         assert!(check_outputs(&long[..MAX_OUTPUTS_BYTES]).is_ok());
         remove_tree(&code).unwrap();
         assert!(!code.exists());

@@ -26,7 +26,7 @@ impl GpuInventory for Counting {
     fn describe(&self) -> String {
         self.inner.describe()
     }
-    fn devices(&self) -> Result<Option<labsync_agent::GpuDevices>, String> {
+    fn devices(&self) -> Result<Option<labsync_agent::GpuDevices>, labsync_agent::SetupError> {
         self.inner.devices()
     }
 }
@@ -64,6 +64,7 @@ fn config(dir: &Path) -> DaemonConfig {
         trees_per_user: None,
         cluster: None,
         slurm_check: None,
+        slurm_rerank: None,
     }
 }
 

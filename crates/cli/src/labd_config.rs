@@ -51,8 +51,6 @@ pub struct LabdSettings {
     pub inventory: Arc<dyn GpuInventory>,
     /// TLS on its TCP listener (`[tls]`).
     pub tls: Option<Arc<ServerConfig>>,
-    /// Re-ranking of pending Slurm jobs (`[slurm]`, the coordinator).
-    pub slurm: Option<SlurmRerank>,
 }
 
 /// labd's config file.
@@ -153,19 +151,6 @@ struct SlurmFile {
     /// Check with Slurm (`scontrol show job`) that a stage is for the
     /// asker's job running on this node (default true).
     check_jobs: Option<bool>,
-}
-
-/// The coordinator's re-ranking of pending Slurm jobs (`[slurm]`).
-#[derive(Clone, Debug)]
-pub struct SlurmRerank {
-    /// Time between passes.
-    pub every: Duration,
-    /// Longest wait for one Slurm command.
-    pub timeout: Duration,
-    /// Only this partition's nodes.
-    pub partition: Option<String>,
-    /// slurm.conf for Slurm's commands.
-    pub conf: Option<PathBuf>,
 }
 
 /// `[tls]` of labd's config file.
@@ -319,7 +304,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
             timeout: Duration::from_secs(f.as_ref().and_then(|f| f.timeout_s).unwrap_or(10).max(1)),
         }),
     };
-    let slurm = match slurm_file {
+    config.slurm_rerank = match slurm_file {
         Some(f) if f.rerank_s.unwrap_or(0) > 0 => {
             if !coordinates {
                 // One labd.toml may be deployed to every node.
@@ -329,7 +314,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
                 );
                 None
             } else {
-                Some(SlurmRerank {
+                Some(labsync_agent::slurm::rerank::Rerank {
                     every: Duration::from_secs(f.rerank_s.unwrap_or(30)),
                     timeout: Duration::from_secs(f.timeout_s.unwrap_or(10).max(1)),
                     partition: f.partition,
@@ -344,7 +329,6 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         listen,
         inventory,
         tls: tls.map(|t| t.server),
-        slurm,
     })
 }
 
@@ -469,6 +453,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
             .map_or_else(LoginLimits::default, LoginLimits::new),
         cluster: None,
         slurm_check: None,
+        slurm_rerank: None,
     })
 }
 

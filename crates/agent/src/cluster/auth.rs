@@ -123,14 +123,14 @@ pub enum AuthError {
 
 impl ClusterKey {
     /// The key of a secret; refuses a short one.
-    pub fn new(secret: &Secret) -> Result<ClusterKey, String> {
+    pub fn new(secret: &Secret) -> Result<ClusterKey, crate::SetupError> {
         let s = secret.expose().trim();
         if s.len() < MIN_SECRET {
-            return Err(format!(
+            return Err(crate::SetupError::Secret(format!(
                 "the cluster secret has {} characters; use at least {MIN_SECRET} random ones \
                  (e.g. openssl rand -hex 32), the same on every node",
                 s.len()
-            ));
+            )));
         }
         Ok(ClusterKey {
             key: blake3::derive_key("labsync 2026-12 cluster request signing v2", s.as_bytes()),
@@ -572,7 +572,9 @@ mod tests {
 
     #[test]
     fn short_secrets_are_refused_and_keys_never_print() {
-        let e = ClusterKey::new(&Secret::new("short")).unwrap_err();
+        let e = ClusterKey::new(&Secret::new("short"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at least 32"), "{e}");
         let k = key(&"x".repeat(32));
         assert_eq!(format!("{k:?}"), "ClusterKey(<redacted>)");

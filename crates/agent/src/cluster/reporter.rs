@@ -139,7 +139,7 @@ impl Reporter {
     }
 
     /// One heartbeat. Errors are the caller's to log.
-    pub async fn beat(&mut self) -> Result<(), String> {
+    pub(crate) async fn beat(&mut self) -> Result<(), String> {
         self.refresh().await;
         let gpus = self.daemon.gpus().await.map_err(|e| e.to_string())?;
         // Without their commands: the coordinator has each job's own, and

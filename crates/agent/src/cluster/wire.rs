@@ -112,7 +112,10 @@ fn send_file(socket: &std::net::TcpStream, file: &std::fs::File, len: u64) -> io
 /// from [`crate::client::answer_buffer`]: what hyper read past the answer's
 /// head first, then straight from the socket. More than `len` bytes, or
 /// fewer before the peer closes, is an error.
-pub async fn receive(upgraded: hyper::upgrade::Upgraded, len: usize) -> Result<Bytes, String> {
+pub(crate) async fn receive(
+    upgraded: hyper::upgrade::Upgraded,
+    len: usize,
+) -> Result<Bytes, String> {
     use tokio::io::AsyncReadExt;
     let parts = upgraded
         .downcast::<TokioIo<TcpStream>>()

@@ -114,6 +114,9 @@ pub struct DaemonConfig {
     /// How a stage's Slurm job is checked with Slurm before anything is
     /// staged for it (`[slurm]`); `None`: not checked.
     pub slurm_check: Option<SlurmCheck>,
+    /// The coordinator re-ranks pending Slurm jobs (`[slurm] rerank_s`):
+    /// run beside the ticker ([`crate::slurm::rerank`]).
+    pub slurm_rerank: Option<crate::slurm::rerank::Rerank>,
 }
 
 /// Checking a stage's job with Slurm (`squeue`): it must be
@@ -503,7 +506,12 @@ impl Daemon {
         self.cfg.cluster.as_ref()
     }
 
-    /// The cluster view, on the coordinator.
+    /// How pending Slurm jobs are re-ranked, on a coordinator that does.
+    pub(crate) fn slurm_rerank(&self) -> Option<&crate::slurm::rerank::Rerank> {
+        self.cfg.slurm_rerank.as_ref()
+    }
+
+    /// The coordinator, when this labd is one.
     pub(crate) fn coordinator(&self) -> Option<&Arc<Coordinator>> {
         self.coordinator.as_ref()
     }
@@ -598,7 +606,7 @@ async fn open_store(
     if let Some(root) = remote.local_path("").filter(|_| crate::euid() == 0) {
         off_runtime(move || crate::store_guard::check_root_store(&root))
             .await
-            .map_err(|e| StoreOpen::Fatal(DaemonError::Open(e)))?;
+            .map_err(|e| StoreOpen::Fatal(DaemonError::Open(e.to_string())))?;
     }
     // labd lives long and pushes jobs' outputs again and again: it keeps
     // the index between pushes and reads only what is new.

@@ -165,7 +165,7 @@ pub(crate) fn check_tree_ref(t: &crate::proto::TreeRef) -> Result<(), JobError> 
 /// heartbeat too large for the coordinator, which marked it down).
 pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), JobError> {
     if let Some(o) = &req.outputs {
-        check_outputs(o).map_err(JobError::Invalid)?;
+        check_outputs(o)?;
     }
     for t in req.code.iter().chain(req.data.iter().map(|d| &d.tree)) {
         check_tree_ref(t)?;

@@ -152,19 +152,6 @@ fn runs_here(answer: Result<&str, &str>, job: &str, node: &str) -> bool {
         .is_some_and(|j| j.state == "RUNNING" && j.batch_host == node)
 }
 
-/// Whether environment variable `k` changes what `squeue` lists or how it
-/// reads its arguments: its `SQUEUE_*` defaults (users, accounts,
-/// partitions, QOS, names, clusters of a federation…), `SLURM_CLUSTERS`,
-/// `SLURM_JWT` (squeue would ask as that token's user, to whom a job may
-/// be hidden: "Invalid job id", read as gone) and `POSIXLY_CORRECT`.
-/// labd's environment (a systemd unit's, an admin's shell) must not hide a
-/// job from the check, which would then refuse the job's stages, or
-/// release them while it runs.
-fn squeue_filter(k: &std::ffi::OsStr) -> bool {
-    let k = k.as_encoded_bytes();
-    k.starts_with(b"SQUEUE_") || matches!(k, b"SLURM_CLUSTERS" | b"SLURM_JWT" | b"POSIXLY_CORRECT")
-}
-
 /// Stages a user may hold unreleased on one node at once.
 pub const STAGES_PER_USER: usize = 64;
 
@@ -454,7 +441,6 @@ impl Daemon {
         check: &super::SlurmCheck,
         job: &str,
     ) -> Result<std::process::Output, JobError> {
-        let mut cmd = tokio::process::Command::new("squeue");
         // `--local`: in a federation, squeue asks every cluster and drops
         // one that does not answer, this one included, without an error:
         // a job of this node would then be "Invalid job id", and its stage
@@ -462,32 +448,28 @@ impl Daemon {
         // one that knows it.
         // Each option one argument (`--jobs=ID`): with POSIXLY_CORRECT set,
         // getopt would stop at a separate one.
-        let (jobs, format) = (format!("--jobs={job}"), format!("--format={JOB_FORMAT}"));
-        cmd.args(["--noheader", "--local", "--states=all", &jobs, &format])
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true);
-        for (k, _) in std::env::vars_os() {
-            if squeue_filter(&k) {
-                cmd.env_remove(k);
-            }
-        }
-        if let Some(c) = &check.conf {
-            cmd.env("SLURM_CONF", c);
-        }
-        tokio::time::timeout(check.timeout, cmd.output())
+        let args = [
+            "--noheader".to_string(),
+            "--local".to_string(),
+            "--states=all".to_string(),
+            format!("--jobs={job}"),
+            format!("--format={JOB_FORMAT}"),
+        ];
+        let slurm = crate::slurm::Slurm::for_labd(check.timeout, check.conf.clone());
+        slurm
+            .output("squeue", &args, None)
             .await
-            .map_err(|_| {
-                JobError::Conflict(format!(
+            .map_err(|e| match e {
+                crate::slurm::SlurmError::Timeout { .. } => JobError::Conflict(format!(
                     "cannot check Slurm job {job}: squeue did not answer within {} s \
-                     (is slurmctld up?)",
+                 (is slurmctld up?)",
                     check.timeout.as_secs()
-                ))
-            })?
-            .map_err(|e| {
-                JobError::Conflict(format!(
-                    "cannot check Slurm job {job} with squeue on {}: {e}",
-                    self.cfg.node_name
-                ))
+                )),
+                e => JobError::Conflict(format!(
+                    "cannot check Slurm job {job} with squeue on {}: {}",
+                    self.cfg.node_name,
+                    crate::blocking::chain(&e)
+                )),
             })
     }
 
@@ -528,7 +510,7 @@ impl Daemon {
         let ask = &o.ask;
         check_job_id(&ask.job)?;
         if let Some(out) = &ask.outputs {
-            check_outputs(out).map_err(JobError::Invalid)?;
+            check_outputs(out)?;
         }
         super::ops::check_data_vars(&ask.data)?;
         if ask.data.len() > super::ops::MAX_DATASETS {
@@ -1043,10 +1025,10 @@ mod tests {
             "SLURM_JWT",
             "POSIXLY_CORRECT",
         ] {
-            assert!(squeue_filter(OsStr::new(k)), "{k}");
+            assert!(crate::slurm::hides_jobs(OsStr::new(k)), "{k}");
         }
         for k in ["SLURM_CONF", "PATH", "HOME", "SQUEUE", "MY_SQUEUE_USERS"] {
-            assert!(!squeue_filter(OsStr::new(k)), "{k}");
+            assert!(!crate::slurm::hides_jobs(OsStr::new(k)), "{k}");
         }
     }
 

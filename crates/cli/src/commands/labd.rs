@@ -68,7 +68,6 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
         listen,
         inventory,
         tls,
-        slurm,
     } = s;
     tracing::info!(
         "labd {} on {}: store {}, cache {}, GPUs: {}",
@@ -80,9 +79,6 @@ pub async fn labd(s: LabdSettings) -> Result<ExitCode> {
     );
     let daemon = Daemon::open(cfg, inventory).await?;
     let listener = bind(&listen, euid() == 0, tls.as_ref()).await?;
-    if let Some(r) = slurm {
-        tokio::spawn(crate::slurm::rerank::run(daemon.clone(), r));
-    }
     tracing::info!("listening on {listen}");
     let lost = Arc::new(AtomicBool::new(false));
     let shutdown = {

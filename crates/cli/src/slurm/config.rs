@@ -37,7 +37,9 @@ pub async fn slurm_config(nodes: &[String], timeout: std::time::Duration) -> Res
     let list: Vec<(String, Vec<String>)> = if nodes.is_empty() {
         let slurm = Slurm::new(timeout);
         let found: Vec<NodeInfo> = slurm.nodes(None).await.map_err(|e| {
-            e.context("cannot ask Slurm for its nodes; name them instead: labd slurm-config --nodes gpu1,gpu2")
+            anyhow::Error::new(e).context(
+                "cannot ask Slurm for its nodes; name them instead: labd slurm-config --nodes gpu1,gpu2",
+            )
         })?;
         if found.is_empty() {
             bail!("Slurm lists no nodes; name them: labd slurm-config --nodes gpu1,gpu2");

@@ -87,19 +87,7 @@ pub fn comment(req: &SubmitRequest) -> String {
     format!("{COMMENT}{}:{}", req.gpus, snaps.join(","))
 }
 
-/// How labsync's comments start.
-pub const COMMENT: &str = "labsync:v1:";
-
-/// The GPUs and snapshots of a job whose comment [`comment`] wrote.
-pub fn parse_comment(c: &str) -> Option<(u32, Vec<String>)> {
-    let (gpus, snaps) = c.strip_prefix(COMMENT)?.split_once(':')?;
-    let snaps: Vec<String> = snaps
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect();
-    Some((gpus.parse().ok()?, snaps))
-}
+pub use labsync_agent::slurm::{parse_comment, COMMENT};
 
 /// sbatch's arguments (the script comes on stdin).
 pub fn sbatch_args(

@@ -4,20 +4,34 @@
 //! with Slurm's GPUs and the caches as they are now, and where the nodes
 //! to prefer changed, `scontrol update JobId=… Prefer=…` says so. A job
 //! that waits while an admin warms its data somewhere then starts there.
+//! It runs inside labd, started beside the ticker, until labd stops.
 //!
 //! As at submission, only nodes that can start the job now are preferred:
 //! a job no node can take keeps the preference it has.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use labsync_agent::proto::{RankAsk, SubmitRequest, TreeRef};
-use labsync_agent::Daemon;
 use labsync_placer::preferred;
 
-use super::submit::parse_comment;
-use super::{feature_of, Slurm};
-use crate::labd_config::SlurmRerank;
+use super::{feature_of, has_own_feature, job_id, parse_comment, Slurm, SlurmError};
+use crate::daemon::Daemon;
+use crate::proto::{DataRef, RankAsk, SubmitRequest, TreeRef};
+
+/// How the coordinator re-ranks pending Slurm jobs (`[slurm]`).
+#[derive(Clone, Debug)]
+pub struct Rerank {
+    /// Time between passes.
+    pub every: Duration,
+    /// Longest wait for one Slurm command.
+    pub timeout: Duration,
+    /// Only this partition's nodes.
+    pub partition: Option<String>,
+    /// slurm.conf for Slurm's commands.
+    pub conf: Option<PathBuf>,
+}
 
 /// Whether `out`, squeue's `%k` for one job asked alone, is a single line
 /// that reads as the comment labrun writes for (`gpus`, `snaps`).
@@ -29,12 +43,27 @@ fn own_comment(out: &str, gpus: u32, snaps: &[String]) -> bool {
     }
 }
 
-/// Runs the re-ranking until labd stops.
-pub async fn run(daemon: Arc<Daemon>, cfg: SlurmRerank) {
-    let slurm = Slurm {
-        timeout: cfg.timeout,
-        conf: cfg.conf.clone(),
-    };
+/// The pending jobs labrun submitted, in what `squeue -h -t PENDING -o
+/// %i|%k` printed: each one's id, GPUs and snapshots. Lines of other jobs
+/// (another comment, or none) are skipped.
+pub fn pending(out: &str) -> Vec<(String, u32, Vec<String>)> {
+    out.lines()
+        .filter_map(|l| {
+            let (id, comment) = l.split_once('|')?;
+            let (gpus, snaps) = parse_comment(comment.trim())?;
+            let id = job_id(id.trim())?.to_string();
+            Some((id, gpus, snaps))
+        })
+        .collect()
+}
+
+/// Runs the re-ranking until `shutdown`.
+pub async fn run(
+    daemon: Arc<Daemon>,
+    cfg: Rerank,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let slurm = Slurm::for_labd(cfg.timeout, cfg.conf.clone());
     tracing::info!(
         "re-ranking labsync's pending Slurm jobs every {} s",
         cfg.every.as_secs()
@@ -42,9 +71,15 @@ pub async fn run(daemon: Arc<Daemon>, cfg: SlurmRerank) {
     // What each job was last told to prefer, so unchanged ones are left alone.
     let mut told: HashMap<String, String> = HashMap::new();
     loop {
-        tokio::time::sleep(cfg.every).await;
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.every) => {}
+            _ = shutdown.changed() => return,
+        }
         if let Err(e) = pass(&daemon, &slurm, &cfg, &mut told).await {
-            tracing::warn!("re-ranking pending Slurm jobs: {e:#}");
+            tracing::warn!(
+                "re-ranking pending Slurm jobs: {}",
+                crate::blocking::chain(&e)
+            );
         }
     }
 }
@@ -53,24 +88,19 @@ pub async fn run(daemon: Arc<Daemon>, cfg: SlurmRerank) {
 async fn pass(
     daemon: &Arc<Daemon>,
     slurm: &Slurm,
-    cfg: &SlurmRerank,
+    cfg: &Rerank,
     told: &mut HashMap<String, String>,
-) -> anyhow::Result<()> {
+) -> Result<(), SlurmError> {
     let args = ["-h", "-t", "PENDING", "-o", "%i|%k"].map(str::to_string);
-    let out = slurm.run("squeue", &args, None).await?;
-    let pending: Vec<(String, u32, Vec<String>)> = out
-        .lines()
-        .filter_map(|l| {
-            let (id, comment) = l.split_once('|')?;
-            let (gpus, snaps) = parse_comment(comment.trim())?;
-            let id = super::slurm_id(id.trim()).ok()?;
-            Some((id, gpus, snaps))
-        })
-        .collect();
+    let pending = pending(&slurm.run("squeue", &args, None).await?);
     told.retain(|id, _| pending.iter().any(|(p, _, _)| p == id));
     if pending.is_empty() {
         return Ok(());
     }
+    // The preference is the coordinator's own tie (`[lab] tie_s`).
+    let Some(tie) = daemon.coordinator().map(|c| c.tie_secs()) else {
+        return Ok(());
+    };
     let nodes = slurm.nodes(cfg.partition.as_deref()).await?;
     let offered: Vec<_> = nodes.iter().filter_map(|n| n.scheduler_node()).collect();
     for (id, gpus, snaps) in pending {
@@ -82,7 +112,7 @@ async fn pass(
             gpus,
             code: snaps.first().map(tree),
             data: (snaps.iter().skip(1))
-                .map(|s| labsync_agent::proto::DataRef {
+                .map(|s| DataRef {
                     env: "LABRUN_DATA_X".into(),
                     tree: tree(s),
                 })
@@ -100,10 +130,10 @@ async fn pass(
                 continue;
             }
         };
-        let prefer: Vec<String> = preferred(&ranking, 2.0)
+        let prefer: Vec<String> = preferred(&ranking, tie)
             .into_iter()
             .map(|n| n.to_string())
-            .filter(|n| super::has_own_feature(&nodes, n))
+            .filter(|n| has_own_feature(&nodes, n))
             .map(|n| feature_of(&n))
             .collect();
         if prefer.is_empty() {
@@ -132,7 +162,10 @@ async fn pass(
                 continue;
             }
             Err(e) => {
-                tracing::warn!("cannot check pending Slurm job {id}: {e:#}");
+                tracing::warn!(
+                    "cannot check pending Slurm job {id}: {}",
+                    crate::blocking::chain(&e)
+                );
                 continue;
             }
         }
@@ -146,7 +179,10 @@ async fn pass(
                 tracing::info!("pending Slurm job {id} now prefers {list}");
                 told.insert(id, list);
             }
-            Err(e) => tracing::warn!("cannot re-rank Slurm job {id}: {e:#}"),
+            Err(e) => {
+                let e = crate::blocking::chain(&e);
+                tracing::warn!("cannot re-rank Slurm job {id}: {e}")
+            }
         }
     }
     Ok(())
@@ -172,5 +208,26 @@ mod tests {
             &snaps
         ));
         assert!(!own_comment("", 2, &snaps));
+    }
+
+    /// `squeue -h -t PENDING -o %i|%k` as Slurm 22.05 prints it: labrun's
+    /// jobs, another user's job without a comment, and one whose comment
+    /// only looks like labrun's.
+    #[test]
+    fn pending_jobs_are_read_from_squeue() {
+        let out = "41|labsync:v1:1:aa11,bb22\n42|(null)\n43|nightly build\n\
+                   44|labsync:v1:x:aa11\nx;rm|labsync:v1:1:aa11\n45|labsync:v1:0:\n";
+        assert_eq!(
+            pending(out),
+            vec![
+                (
+                    "41".to_string(),
+                    1,
+                    vec!["aa11".to_string(), "bb22".to_string()]
+                ),
+                ("45".to_string(), 0, vec![]),
+            ]
+        );
+        assert!(pending("").is_empty());
     }
 }
