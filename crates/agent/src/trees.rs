@@ -180,13 +180,29 @@ impl Trees {
                 .await
                 .map_err(PrepareError::io("remove", &dest))?;
         }
-        let spec: RefSpec = tree.label.parse()?;
         let tmp = self.root.join(format!(".tmp-{}", tree.snapshot));
+        let got = self.pull_beside(repo, cache, tree, snapshot, &tmp).await?;
+        self.name_durably(&tree.snapshot, &tmp, &dest, got.bytes_written)
+            .await?;
+        Ok(dest)
+    }
+
+    /// Pulls `tree` into `tmp` (emptied first); the cache's copies of the
+    /// packs are written after, beside the job.
+    async fn pull_beside(
+        &self,
+        repo: &Repo,
+        cache: &NodeCache,
+        tree: &TreeRef,
+        snapshot: SnapshotId,
+        tmp: &Path,
+    ) -> Result<labsync_store::PullOutcome, PrepareError> {
+        let spec: RefSpec = tree.label.parse()?;
         if tmp.exists() {
-            let t = tmp.clone();
+            let t = tmp.to_path_buf();
             off_runtime(move || remove_tree(&t))
                 .await
-                .map_err(PrepareError::io("remove", &tmp))?;
+                .map_err(PrepareError::io("remove", tmp))?;
         }
         // Read-only to all as it is written: no second walk, and no path
         // that PATH_MAX would stop.
@@ -199,16 +215,8 @@ impl Trees {
         // The job waits for its files, not for the cache's copies of the
         // packs they came from: those are written after.
         let writes = CacheWrites::new();
-        let pulled = pull_writing_behind(
-            repo,
-            cache,
-            &spec,
-            &tmp,
-            opts,
-            Arc::new(NoProgress),
-            &writes,
-        )
-        .await;
+        let pulled =
+            pull_writing_behind(repo, cache, &spec, tmp, opts, Arc::new(NoProgress), &writes).await;
         let (c, label, started) = (cache.clone(), tree.label.clone(), std::time::Instant::now());
         tokio::spawn(async move {
             let done = writes.finish().await;
@@ -241,11 +249,22 @@ impl Trees {
             got.packs_fetched,
             got.bytes_fetched
         );
-        // Every file's data was synced before its rename (by the pull);
-        // its folders and names are too before the tree gets its name, and
-        // that name before the record says so: after a power cut the tree
-        // is whole, or absent and made again.
-        let (t, d, root) = (tmp.clone(), dest.clone(), self.root.clone());
+        Ok(got)
+    }
+
+    /// Names the pulled tree `tmp` as `dest`, read-only, and records it.
+    /// Every file's data was synced before its rename (by the pull);
+    /// its folders and names are too before the tree gets its name, and
+    /// that name before the record says so: after a power cut the tree is
+    /// whole, or absent and made again.
+    async fn name_durably(
+        &self,
+        snapshot: &str,
+        tmp: &Path,
+        dest: &Path,
+        bytes: u64,
+    ) -> Result<(), PrepareError> {
+        let (t, d, root) = (tmp.to_path_buf(), dest.to_path_buf(), self.root.clone());
         off_runtime(move || {
             set_mode(&t, |m| m & 0o1777 & !0o222 | 0o555)?;
             sync_file_system(&t)?;
@@ -253,14 +272,14 @@ impl Trees {
             std::fs::File::open(&root)?.sync_all()
         })
         .await
-        .map_err(PrepareError::io("make read-only and sync", &dest))?;
+        .map_err(PrepareError::io("make read-only and sync", dest))?;
         let rec = TreeRecord {
-            bytes: got.bytes_written,
+            bytes,
             used_at: unix_now(),
             durable: true,
         };
-        self.write_record(&tree.snapshot, &rec);
-        Ok(dest)
+        self.write_record(snapshot, &rec);
+        Ok(())
     }
 
     /// Whether the materialised tree at `dest` can be handed out: one known

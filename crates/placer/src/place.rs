@@ -267,70 +267,14 @@ pub fn rank(cluster: &Cluster, job: &Job, now: Millis, policy: &Policy) -> Ranki
                 .count() as u32
         })
         .collect();
-    let mut rows: Vec<Row> = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, node)| {
-            let (gpu_wait, gpus_free, gpus_fit, at_start, gpus) =
-                gpu_wait(node.gpus.as_slice(), job, now);
-            let (mut from_peers, mut from_store) = (0, 0);
-            for (k, &p) in packs.iter().enumerate() {
-                if !cluster.has(i, p) {
-                    if holders[k] > 0 {
-                        from_peers += cluster.pack_size(p);
-                    } else {
-                        from_store += cluster.pack_size(p);
-                    }
-                }
-            }
-            let fetch_secs = from_peers as f64 / node.rates.peer.max(1.0)
-                + from_store as f64 / node.rates.store.max(1.0);
-            let start_secs = match node.health {
-                crate::Health::Up => gpu_wait.secs().map(|w| w.max(fetch_secs)),
-                crate::Health::Down { .. } => None,
-            };
-            let verdict = match (&node.health, &gpu_wait) {
-                (crate::Health::Down { since }, _) => Verdict::Down { since: *since },
-                (_, GpuWait::Never { .. }) => Verdict::Never,
-                (_, GpuWait::Unknown { .. }) => Verdict::Busy,
-                _ => Verdict::Later { by_secs: 0.0 },
-            };
-            Row {
-                node: node.name().clone(),
-                gpus_free,
-                gpus_fit,
-                gpu_wait,
-                missing_bytes: from_peers + from_store,
-                from_peers,
-                from_store,
-                fetch_secs,
-                start_secs,
-                verdict,
-                idle_left: at_start.saturating_sub(job.gpus),
-                gpus,
-            }
-        })
+    let mut rows: Vec<Row> = (nodes.iter().enumerate())
+        .map(|(i, node)| row(cluster, i, node, job, &packs, &holders, now))
         .collect();
-
     let earliest = rows
         .iter()
         .filter_map(|r| r.start_secs)
         .fold(f64::INFINITY, f64::min);
-    let tie_key = |r: &Row| (r.idle_left, r.missing_bytes);
-    let chosen = rows
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| {
-            r.start_secs
-                .is_some_and(|s| s <= earliest + policy.tie_secs)
-        })
-        .min_by(|(_, a), (_, b)| {
-            tie_key(a)
-                .cmp(&tie_key(b))
-                .then(a.start_secs.partial_cmp(&b.start_secs).expect("finite"))
-                .then(a.node.cmp(&b.node))
-        })
-        .map(|(i, _)| i);
+    let chosen = choose(&rows, earliest, policy);
     let choice = chosen.map(|c| {
         let r = &rows[c];
         Choice {
@@ -342,33 +286,7 @@ pub fn rank(cluster: &Cluster, job: &Job, now: Millis, policy: &Policy) -> Ranki
         }
     });
     if let Some(c) = chosen {
-        let (won_start, won_key) = (rows[c].start_secs.unwrap_or(0.0), tie_key(&rows[c]));
-        for (i, r) in rows.iter_mut().enumerate() {
-            let Some(s) = r.start_secs else { continue };
-            r.verdict = if i == c {
-                Verdict::Chosen
-            } else if s > earliest + policy.tie_secs {
-                Verdict::Later {
-                    by_secs: s - won_start,
-                }
-            } else {
-                let why = if r.idle_left != won_key.0 {
-                    format!(
-                        "ties on start; would leave {} GPU(s) idle there against {}",
-                        r.idle_left, won_key.0
-                    )
-                } else if r.missing_bytes != won_key.1 {
-                    format!(
-                        "ties on start and fit; would move {} against {}",
-                        bytes(r.missing_bytes),
-                        bytes(won_key.1)
-                    )
-                } else {
-                    "ties on start, fit and bytes; the earlier start or name wins".to_string()
-                };
-                Verdict::TieLost { why }
-            };
-        }
+        give_verdicts(&mut rows, c, earliest, policy);
     }
     let order = |r: &Row| match r.verdict {
         Verdict::Chosen => 0,
@@ -391,6 +309,112 @@ pub fn rank(cluster: &Cluster, job: &Job, now: Millis, policy: &Policy) -> Ranki
         choice,
         rows,
         unpriced,
+    }
+}
+
+/// Node `i`'s row for `job`: when its GPUs free, what it would fetch from
+/// peers (`holders`: how many up nodes hold each of `packs`) and from the
+/// store, and so when the job would start there.
+fn row(
+    cluster: &Cluster,
+    i: usize,
+    node: &crate::NodeView,
+    job: &Job,
+    packs: &[u32],
+    holders: &[u32],
+    now: Millis,
+) -> Row {
+    let (gpu_wait, gpus_free, gpus_fit, at_start, gpus) = gpu_wait(node.gpus.as_slice(), job, now);
+    let (mut from_peers, mut from_store) = (0, 0);
+    for (k, &p) in packs.iter().enumerate() {
+        if !cluster.has(i, p) {
+            if holders[k] > 0 {
+                from_peers += cluster.pack_size(p);
+            } else {
+                from_store += cluster.pack_size(p);
+            }
+        }
+    }
+    let fetch_secs = from_peers as f64 / node.rates.peer.max(1.0)
+        + from_store as f64 / node.rates.store.max(1.0);
+    let start_secs = match node.health {
+        crate::Health::Up => gpu_wait.secs().map(|w| w.max(fetch_secs)),
+        crate::Health::Down { .. } => None,
+    };
+    let verdict = match (&node.health, &gpu_wait) {
+        (crate::Health::Down { since }, _) => Verdict::Down { since: *since },
+        (_, GpuWait::Never { .. }) => Verdict::Never,
+        (_, GpuWait::Unknown { .. }) => Verdict::Busy,
+        _ => Verdict::Later { by_secs: 0.0 },
+    };
+    Row {
+        node: node.name().clone(),
+        gpus_free,
+        gpus_fit,
+        gpu_wait,
+        missing_bytes: from_peers + from_store,
+        from_peers,
+        from_store,
+        fetch_secs,
+        start_secs,
+        verdict,
+        idle_left: at_start.saturating_sub(job.gpus),
+        gpus,
+    }
+}
+
+/// The key ties are broken on: GPUs left idle, then bytes to move.
+fn tie_key(r: &Row) -> (u32, u64) {
+    (r.idle_left, r.missing_bytes)
+}
+
+/// The row chosen among those starting within the tie of the `earliest`:
+/// the fewest GPUs left idle, then the fewest bytes, then the earlier
+/// start, then the name.
+fn choose(rows: &[Row], earliest: f64, policy: &Policy) -> Option<usize> {
+    rows.iter()
+        .enumerate()
+        .filter(|(_, r)| {
+            r.start_secs
+                .is_some_and(|s| s <= earliest + policy.tie_secs)
+        })
+        .min_by(|(_, a), (_, b)| {
+            tie_key(a)
+                .cmp(&tie_key(b))
+                .then(a.start_secs.partial_cmp(&b.start_secs).expect("finite"))
+                .then(a.node.cmp(&b.node))
+        })
+        .map(|(i, _)| i)
+}
+
+/// Says of each row that could start why it was not row `c`, the chosen.
+fn give_verdicts(rows: &mut [Row], c: usize, earliest: f64, policy: &Policy) {
+    let (won_start, won_key) = (rows[c].start_secs.unwrap_or(0.0), tie_key(&rows[c]));
+    for (i, r) in rows.iter_mut().enumerate() {
+        let Some(s) = r.start_secs else { continue };
+        r.verdict = if i == c {
+            Verdict::Chosen
+        } else if s > earliest + policy.tie_secs {
+            Verdict::Later {
+                by_secs: s - won_start,
+            }
+        } else {
+            let why = if r.idle_left != won_key.0 {
+                format!(
+                    "ties on start; would leave {} GPU(s) idle there against {}",
+                    r.idle_left, won_key.0
+                )
+            } else if r.missing_bytes != won_key.1 {
+                format!(
+                    "ties on start and fit; would move {} against {}",
+                    bytes(r.missing_bytes),
+                    bytes(won_key.1)
+                )
+            } else {
+                "ties on start, fit and bytes; the earlier start or name wins".to_string()
+            };
+            Verdict::TieLost { why }
+        };
     }
 }
 

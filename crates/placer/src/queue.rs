@@ -352,9 +352,50 @@ fn preempt<'p>(
     }
     let mut best: Option<Freed<'p>> = None;
     for (i, node) in cluster.nodes().iter().enumerate() {
-        if !node.is_up() {
+        let Some(freed) = freed_on(i, node, pass, q, claimed) else {
             continue;
+        };
+        if best
+            .as_ref()
+            .is_none_or(|(t, f, ..)| (freed.0, freed.1) < (*t, *f))
+        {
+            best = Some(freed);
         }
+    }
+    let (told, _, i, victims, gpus) = best?;
+    if victims.is_empty() {
+        return None;
+    }
+    let node = cluster.nodes()[i].name().clone();
+    for r in &victims {
+        claimed.insert(r.id.as_str());
+    }
+    // Its GPUs are spoken for: later jobs of the pass do not take the free
+    // ones it counted on.
+    for g in cluster.nodes_mut()[i].gpus.iter_mut() {
+        if gpus.contains(&g.index) {
+            g.slot = Slot::Busy { until: None };
+            g.memory_free = 0;
+        }
+    }
+    Some(stop_or_wait(pass, q, node, told, &victims, ahead))
+}
+
+/// What stopping `victims` on node `i` would free for `q`: the GPUs free
+/// there, then those of jobs stopping already, of the lowest tiers, of the
+/// smallest. `None` when that is not enough (or the node is not up).
+fn freed_on<'p>(
+    i: usize,
+    node: &crate::NodeView,
+    pass: &Pass<'p>,
+    q: &Queued,
+    claimed: &HashSet<&'p str>,
+) -> Option<Freed<'p>> {
+    let job = &q.job;
+    if !node.is_up() {
+        return None;
+    }
+    {
         let fits = |index: u32| {
             node.gpus
                 .iter()
@@ -400,33 +441,25 @@ fn preempt<'p>(
             victims.push(r);
         }
         if gpus.len() < job.gpus as usize {
-            continue;
+            return None;
         }
         let told = victims.iter().filter(|r| !r.stopping).count();
         let freed: u32 = victims.iter().map(|r| r.gpus.len() as u32).sum();
-        if best
-            .as_ref()
-            .is_none_or(|(t, f, ..)| (told, freed) < (*t, *f))
-        {
-            best = Some((told, freed, i, victims, gpus));
-        }
+        Some((told, freed, i, victims, gpus))
     }
-    let (told, _, i, victims, gpus) = best?;
-    if victims.is_empty() {
-        return None;
-    }
-    let node = cluster.nodes()[i].name().clone();
-    for r in &victims {
-        claimed.insert(r.id.as_str());
-    }
-    // Its GPUs are spoken for: later jobs of the pass do not take the free
-    // ones it counted on.
-    for g in cluster.nodes_mut()[i].gpus.iter_mut() {
-        if gpus.contains(&g.index) {
-            g.slot = Slot::Busy { until: None };
-            g.memory_free = 0;
-        }
-    }
+}
+
+/// The decision for `q` once `victims` on `node` are chosen: wait for
+/// those stopping already (`told` is 0), or stop the others.
+fn stop_or_wait(
+    pass: &Pass,
+    q: &Queued,
+    node: crate::NodeName,
+    told: usize,
+    victims: &[&Running],
+    ahead: &[u32],
+) -> Decision {
+    let job = &q.job;
     let names: Vec<String> = victims
         .iter()
         .map(|r| format!("{} ({}, {})", r.id, r.user, pass.ladder.name(r.tier)))
@@ -437,7 +470,7 @@ fn preempt<'p>(
         .map(|r| r.id.clone())
         .collect();
     if told == 0 {
-        return Some(Decision::Wait {
+        return Decision::Wait {
             id: q.id.clone(),
             why: format!(
                 "{}; waits for {} to stop on {node} (preempted){}",
@@ -446,9 +479,9 @@ fn preempt<'p>(
                 ahead_of(ahead, q.tier, pass.ladder)
             ),
             likely: Some(node),
-        });
+        };
     }
-    Some(Decision::Preempt {
+    Decision::Preempt {
         id: q.id.clone(),
         why: format!(
             "{}; stops preemptible {} on {node}",
@@ -461,7 +494,7 @@ fn preempt<'p>(
             .filter(|r| !r.stopping)
             .map(|r| r.id.clone())
             .collect(),
-    })
+    }
 }
 
 /// Marks a start in the view: the GPUs busy until the job's expected end,

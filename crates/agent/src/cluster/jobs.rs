@@ -8,10 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use labsync_placer::{
-    plan, prefetch, rank, Decision, Job, NodeName, PackKey, Pass, Queued, Ranking, Running, Slot,
-    SnapshotKey, Tier, Warm,
-};
+use labsync_placer::{rank, Choice, Job, NodeName, PackKey, Ranking, Slot, SnapshotKey, Warm};
 use labsync_store::SnapshotId;
 
 use crate::cluster::queue::{ClusterJob, Placement};
@@ -22,17 +19,11 @@ use crate::leases::{unix_now, JobState};
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
 
 use super::link::{Link, Reach, FORWARD};
-
-/// How often an unanswered dispatch is sent again.
-const RESEND: Duration = Duration::from_secs(2);
+use super::pass::{pass, Action, Inputs};
 
 /// The same snapshot is prefetched on the same node again after this long
 /// at the soonest (a fetch under way, or data evicted since).
 const PREFETCH_AGAIN: Duration = Duration::from_secs(600);
-
-/// A preempted job still running this long after its node was told to stop
-/// it is told again (the node may not have heard).
-const PREEMPT_AGAIN: Duration = Duration::from_secs(60);
 
 fn db(e: impl std::fmt::Display) -> JobError {
     JobError::Internal(e.to_string())
@@ -280,165 +271,146 @@ impl Coordinator {
 
     /// One scheduling pass: dispatches sent again where unanswered, queued
     /// jobs placed in order, the records of jobs that ended on their nodes
-    /// collected.
+    /// collected. What to do is decided by `cluster/pass.rs` (pure), from what
+    /// is read here; this carries it out.
     pub async fn schedule(self: &Arc<Self>, r: &Reach) {
         let now = now_ms() as u64;
         self.tick(now);
         let live = self.jobs.live();
         self.forget_promises(&live);
-        // Ended jobs are looked for once a second, not every pass.
-        let collect = {
-            let mut last = self.collected.lock().expect("coordinator poisoned");
-            let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
-            if due {
-                *last = Some(std::time::Instant::now());
-            }
-            due
-        };
-        let mut queue = Vec::new();
-        let mut running = Vec::new();
-        // Jobs their nodes report ended, still saving their outputs: no
-        // longer holding GPUs (not counted for the cap, never preempted).
-        let ended_on_nodes: HashSet<String> = {
-            let v = self.view.lock().expect("coordinator poisoned");
-            (v.members.values())
-                .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
-                .collect()
-        };
+        let collect = self.collect_due();
+        let mut needs = HashMap::new();
         for j in &live {
-            match &j.placement {
-                Placement::Queued { .. } => match self.price(r, &j.req).await {
-                    Ok(needs) => queue.push(Queued {
-                        id: j.id.clone(),
-                        job: placer_job(&j.req, &needs),
-                        user: j.user.clone(),
-                        tier: self.tier_of(j, now),
-                        submitted: j.submitted_at.saturating_mul(1000),
-                        preemptible: j.req.preemptible,
-                    }),
-                    Err(e) => self.end(j, format!("cannot read what it runs on: {e}")),
-                },
-                Placement::Dispatched { node, gpus, .. } if !ended_on_nodes.contains(&j.id) => {
-                    if let Ok(node) = node.parse() {
-                        running.push(Running {
-                            id: j.id.clone(),
-                            user: j.user.clone(),
-                            tier: self.tier_of(j, now),
-                            node,
-                            gpus: gpus.clone(),
-                            preemptible: j.req.preemptible,
-                            stopping: j.preempted.is_some(),
-                        });
-                    }
-                }
-                Placement::Dispatched { .. } | Placement::Ended { .. } => {}
-            }
-            match &j.placement {
-                Placement::Queued { .. } | Placement::Ended { .. } => {}
-                Placement::Dispatched {
-                    confirmed: false,
-                    at,
-                    node,
-                    ..
-                } => {
-                    let due = unix_now().saturating_sub(*at) >= RESEND.as_secs();
-                    if due && self.is_up(node) {
-                        self.send(r, j.clone());
-                    }
-                }
-                Placement::Dispatched { node, .. }
-                    if j.preempted.is_some()
-                        && unix_now().saturating_sub(j.preempted_at) >= PREEMPT_AGAIN.as_secs() =>
-                {
-                    let for_job = j.preempted.as_deref().unwrap_or_default();
-                    let for_job = for_job.trim_start_matches("preempted for ").to_string();
-                    let _ = self.jobs.update(&j.id, |x| {
-                        x.preempted_at = unix_now();
-                        true
-                    });
-                    self.send_stop(r, node, &j.id, &for_job);
-                    if collect {
-                        self.collect_if_ended(r, j).await;
-                    }
-                }
-                Placement::Dispatched { .. } if collect => self.collect_if_ended(r, j).await,
-                Placement::Dispatched { .. } => {}
+            if matches!(j.placement, Placement::Queued { .. }) {
+                let priced = self.price(r, &j.req).await.map_err(|e| e.to_string());
+                needs.insert(j.id.clone(), priced);
             }
         }
-        if queue.is_empty() {
-            return;
-        }
-        let decisions = {
+        let (ended_on_nodes, up) = {
+            let v = self.view.lock().expect("coordinator poisoned");
+            let ended: HashSet<String> = (v.members.values())
+                .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
+                .collect();
+            let up = (v.cluster.nodes().iter())
+                .filter(|n| n.is_up())
+                .map(|n| n.name().to_string())
+                .collect::<HashSet<String>>();
+            (ended, up)
+        };
+        let actions = {
             let mut v = self.view.lock().expect("coordinator poisoned");
             let mut scratch = v.planning();
             let usage = self.usage.lock().expect("coordinator poisoned");
-            let pass = Pass {
-                queue: &queue,
-                running: &running,
+            let inputs = Inputs {
+                jobs: &live,
+                needs: &needs,
+                ended_on_nodes: &ended_on_nodes,
+                up: &up,
+                members: &self.members,
                 usage: &usage,
-                ladder: &self.members.ladder,
-                now,
+                policy: &self.policy,
+                now_ms: now,
+                collect,
             };
-            let decisions = plan(&mut scratch, &pass, &self.policy);
-            for dec in &decisions {
-                if let Decision::Start { id, choice } = dec {
+            let actions = pass(&mut scratch, &inputs);
+            // The GPUs of each dispatch are promised before it is sent.
+            for a in &actions {
+                if let Action::Dispatch { id, choice } = a {
                     let promised = v.promised.entry(choice.node.clone()).or_default();
                     for g in &choice.gpus {
                         promised.insert(*g, id.clone());
                     }
                 }
             }
-            // While jobs wait, their data goes where they likely start.
-            let warms = prefetch(&scratch, &queue, &decisions, now, &self.policy);
-            (decisions, warms)
+            actions
         };
-        let (decisions, warms) = decisions;
-        self.send_prefetches(r, &live, warms);
-        for dec in decisions {
-            match dec {
-                Decision::Start { id, choice } => {
-                    let mut placing = false;
-                    let placed = self.jobs.update(&id, |j| {
-                        // Killed (or placed) since the plan was made: left.
-                        if !matches!(j.placement, Placement::Queued { .. }) {
-                            return false;
-                        }
-                        placing = true;
-                        j.placement = Placement::Dispatched {
-                            node: choice.node.to_string(),
-                            gpus: choice.gpus.clone(),
-                            at: unix_now(),
-                            confirmed: false,
-                        };
-                        true
-                    });
-                    match placed {
-                        Ok(Some(j)) if placing => {
-                            tracing::info!(
-                                "job {id} placed on {} GPU(s) {:?}, {} to fetch",
-                                choice.node,
-                                choice.gpus,
-                                choice.fetch_bytes
-                            );
-                            self.send(r, j)
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::error!("cluster jobs: {e}"),
-                    }
-                }
-                Decision::Preempt {
-                    id, why, victims, ..
-                } => {
-                    self.preempt(r, &id, &victims);
-                    self.set_why(&id, why);
-                }
-                Decision::Wait { id, why, .. } => self.set_why(&id, why),
-                Decision::Never { id, why } => {
-                    if let Ok(Some(j)) = self.jobs.get(&id) {
-                        self.end(&j, format!("no node of the cluster can run it: {why}"));
-                    }
+        let by_id: HashMap<&str, &ClusterJob> = live.iter().map(|j| (j.id.as_str(), j)).collect();
+        for a in actions {
+            self.carry_out(r, a, &by_id, &live).await;
+        }
+    }
+
+    /// Whether ended jobs are looked for in this pass: once a second, not
+    /// every pass.
+    fn collect_due(&self) -> bool {
+        let mut last = self.collected.lock().expect("coordinator poisoned");
+        let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        if due {
+            *last = Some(std::time::Instant::now());
+        }
+        due
+    }
+
+    /// Carries out one action of a pass over `live` (`by_id`).
+    async fn carry_out(
+        self: &Arc<Self>,
+        r: &Reach,
+        a: Action,
+        by_id: &HashMap<&str, &ClusterJob>,
+        live: &[ClusterJob],
+    ) {
+        match a {
+            Action::End { id, why } => match self.jobs.get(&id) {
+                Ok(Some(j)) => self.end(&j, why),
+                Ok(None) => {}
+                Err(e) => tracing::error!("cluster jobs: {e}"),
+            },
+            Action::Resend { id } => {
+                if let Some(j) = by_id.get(id.as_str()) {
+                    self.send(r, (*j).clone());
                 }
             }
+            Action::StopAgain { id, node, for_job } => {
+                let _ = self.jobs.update(&id, |x| {
+                    x.preempted_at = unix_now();
+                    true
+                });
+                self.send_stop(r, &node, &id, &for_job);
+            }
+            Action::Collect { id } => {
+                if let Some(j) = by_id.get(id.as_str()) {
+                    self.collect_if_ended(r, j).await;
+                }
+            }
+            Action::Prefetch(warms) => self.send_prefetches(r, live, warms),
+            Action::Dispatch { id, choice } => self.dispatch(r, &id, &choice),
+            Action::Preempt { id, victims, why } => {
+                self.preempt(r, &id, &victims);
+                self.set_why(&id, why);
+            }
+            Action::SetWhy { id, why } => self.set_why(&id, why),
+        }
+    }
+
+    /// Records queued job `id` as dispatched to `choice` and sends it; a
+    /// job killed (or placed) since the plan was made is left alone.
+    fn dispatch(self: &Arc<Self>, r: &Reach, id: &str, choice: &Choice) {
+        let mut placing = false;
+        let placed = self.jobs.update(id, |j| {
+            if !matches!(j.placement, Placement::Queued { .. }) {
+                return false;
+            }
+            placing = true;
+            j.placement = Placement::Dispatched {
+                node: choice.node.to_string(),
+                gpus: choice.gpus.clone(),
+                at: unix_now(),
+                confirmed: false,
+            };
+            true
+        });
+        match placed {
+            Ok(Some(j)) if placing => {
+                tracing::info!(
+                    "job {id} placed on {} GPU(s) {:?}, {} to fetch",
+                    choice.node,
+                    choice.gpus,
+                    choice.fetch_bytes
+                );
+                self.send(r, j)
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!("cluster jobs: {e}"),
         }
     }
 
@@ -511,15 +483,6 @@ impl Coordinator {
         }
     }
 
-    /// The tier `j` runs at now: the one it asked for while the user may
-    /// have it (a deadline grant lapses by itself), else the user's own.
-    fn tier_of(&self, j: &ClusterJob, now: u64) -> Tier {
-        self.members
-            .tier_for(&j.user, j.req.priority.as_deref(), now)
-            .or_else(|_| self.members.tier_for(&j.user, None, now))
-            .unwrap_or(self.members.ladder.lowest())
-    }
-
     /// Charges a job that ran to its user's fair-share usage: its GPUs
     /// times how long it ran.
     fn charge(&self, j: &ClusterJob, view: &JobView) {
@@ -574,10 +537,6 @@ impl Coordinator {
     /// has marked down (not merely not heard from since it started).
     fn is_down(&self, r: &Reach, node: &str) -> bool {
         node != r.name() && self.health(node) == Some(false)
-    }
-
-    fn is_up(&self, node: &str) -> bool {
-        self.health(node) == Some(true)
     }
 
     /// `node`: this one in process, another at the address of its last
@@ -1141,7 +1100,7 @@ impl Coordinator {
 
     /// Tells `node` to stop `victim` for `for_job` (in the background). A
     /// node that does not answer is told again by a later pass
-    /// ([`PREEMPT_AGAIN`]); the mark stays, so the victim is never run
+    /// ([`super::pass::PREEMPT_AGAIN`]); the mark stays, so the victim is never run
     /// twice at once and the job it makes way for keeps waiting for it.
     fn send_stop(self: &Arc<Self>, r: &Reach, node: &str, victim: &str, for_job: &str) {
         let link = self.link(r, node);

@@ -9,6 +9,7 @@ mod auth;
 mod coordinator;
 mod jobs;
 mod link;
+mod pass;
 mod peers;
 mod queue;
 mod reporter;

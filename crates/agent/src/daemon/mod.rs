@@ -207,79 +207,15 @@ impl Daemon {
             file: lock_state_dir(&cfg.state_dir)?,
         });
         let inventory_name = inventory.describe();
-        let node_cfg = NodeConfig {
-            state_dir: cfg.state_dir.clone(),
-            foreign_limit: cfg.foreign_limit,
-            inventory_deadline: cfg.inventory_deadline,
-            max_queued_per_user: cfg.max_queued_per_user,
-            max_cpu_jobs_per_user: cfg.max_cpu_jobs_per_user,
-            limits: cfg.job_limits,
-            login_limits: cfg.login_limits.clone(),
-            log_keeper: cfg.log_keeper.clone(),
-        };
-        let node = off_runtime(move || Node::open(node_cfg, inventory))
-            .await
-            .map_err(|e| open_error("the job state", &e))?;
-        let store = Arc::new(StoreLink::new(&cfg.store));
-        let mut highest = None;
-        let reached = match open_store(&cfg.store, &cfg.store_options).await {
-            Ok((repo, n)) => {
-                highest = n;
-                let _ = store.repo.set(repo);
-                true
-            }
-            Err(StoreOpen::Fatal(e)) => return Err(e),
-            Err(StoreOpen::NotYet(why)) => {
-                tracing::warn!(
-                    "store {} not reachable ({why}): labd starts without it and keeps trying; \
-                     the jobs it has run, are killed and logged as usual, new jobs are refused \
-                     and outputs are saved once it answers",
-                    cfg.store
-                );
-                *store.why.lock().expect("store poisoned") = why;
-                false
-            }
-        };
+        let node = open_node(&cfg, inventory).await?;
+        let (store, highest) = connect_store(&cfg).await?;
+        let reached = store.repo.get().is_some();
         if let Some(n) = highest {
             node.ids_above(n);
         }
-        let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
-            .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
-        // In a cluster, packs come from peers that hold them first.
-        let peers = cfg.cluster.as_ref().map(|c| {
-            Arc::new(ClusterPeers::new(
-                &cfg.node_name,
-                c.key.clone(),
-                c.tls.clone(),
-                c.coordinator.clone(),
-                &cfg.cache_dir,
-            ))
-        });
-        let cache = match &peers {
-            Some(p) => cache.with_peers(p.clone()),
-            None => cache,
-        };
+        let (cache, peers) = open_cache(&cfg)?;
         let trees = Trees::new(&cache).map_err(|e| open_error("the shared trees", &e))?;
-        // Once per node, beside the start: the walk goes through users'
-        // folders, where a look can block (a FUSE mount of theirs).
-        let state_dir = cfg.state_dir.clone();
-        let _ = std::thread::Builder::new()
-            .name("labd-setid".into())
-            .spawn(
-                move || match crate::trees::strip_old_setid_copies(&state_dir) {
-                    Ok(0) => {}
-                    Ok(n) => tracing::warn!(
-                        "{n} entries of the working folders under {} could not be looked at for \
-                     setuid copies",
-                        state_dir.display()
-                    ),
-                    // Tried again at the next start.
-                    Err(e) => tracing::error!(
-                    "cannot strip setuid bits from old copies in the working folders under {}: {e}",
-                    state_dir.display()
-                ),
-                },
-            );
+        strip_setid_beside(cfg.state_dir.clone());
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
         set_modes(&cfg.state_dir, &jobs_dir)?;
@@ -288,17 +224,7 @@ impl Daemon {
             .iter()
             .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
             .collect();
-        let coordinator = match cfg.cluster.as_ref().filter(|c| c.coordinate) {
-            Some(c) => {
-                let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir, &c.lab)
-                    .map_err(|e| open_error("the cluster's jobs", &e))?;
-                if let Some(n) = highest {
-                    co.ids_above(n);
-                }
-                Some(Arc::new(co))
-            }
-            None => None,
-        };
+        let coordinator = open_coordinator(&cfg, highest)?;
         let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
         let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
         if !reached {
@@ -580,6 +506,109 @@ fn lock_state_dir(state_dir: &Path) -> Result<File, DaemonError> {
     }
     let _ = std::fs::write(state_dir.join("labd.pid"), std::process::id().to_string());
     Ok(lock)
+}
+
+/// Step 1 of [`Daemon::open`]: the job engine over its records and GPUs.
+async fn open_node(
+    cfg: &DaemonConfig,
+    inventory: Arc<dyn GpuInventory>,
+) -> Result<Node, DaemonError> {
+    let node_cfg = NodeConfig {
+        state_dir: cfg.state_dir.clone(),
+        foreign_limit: cfg.foreign_limit,
+        inventory_deadline: cfg.inventory_deadline,
+        max_queued_per_user: cfg.max_queued_per_user,
+        max_cpu_jobs_per_user: cfg.max_cpu_jobs_per_user,
+        limits: cfg.job_limits,
+        login_limits: cfg.login_limits.clone(),
+        log_keeper: cfg.log_keeper.clone(),
+    };
+    off_runtime(move || Node::open(node_cfg, inventory))
+        .await
+        .map_err(|e| open_error("the job state", &e))
+}
+
+/// Step 2: the store, reached now or not (labd then starts without it
+/// and keeps trying), and the highest job number it holds.
+async fn connect_store(cfg: &DaemonConfig) -> Result<(Arc<StoreLink>, Option<u64>), DaemonError> {
+    let store = Arc::new(StoreLink::new(&cfg.store));
+    match open_store(&cfg.store, &cfg.store_options).await {
+        Ok((repo, highest)) => {
+            let _ = store.repo.set(repo);
+            Ok((store, highest))
+        }
+        Err(StoreOpen::Fatal(e)) => Err(e),
+        Err(StoreOpen::NotYet(why)) => {
+            tracing::warn!(
+                "store {} not reachable ({why}): labd starts without it and keeps trying; \
+                 the jobs it has run, are killed and logged as usual, new jobs are refused \
+                 and outputs are saved once it answers",
+                cfg.store
+            );
+            *store.why.lock().expect("store poisoned") = why;
+            Ok((store, None))
+        }
+    }
+}
+
+/// Step 3: the node cache; in a cluster, packs come from peers that hold
+/// them first.
+fn open_cache(cfg: &DaemonConfig) -> Result<(NodeCache, Option<Arc<ClusterPeers>>), DaemonError> {
+    let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
+        .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
+    let peers = cfg.cluster.as_ref().map(|c| {
+        Arc::new(ClusterPeers::new(
+            &cfg.node_name,
+            c.key.clone(),
+            c.tls.clone(),
+            c.coordinator.clone(),
+            &cfg.cache_dir,
+        ))
+    });
+    Ok(match &peers {
+        Some(p) => (cache.with_peers(p.clone()), peers),
+        None => (cache, None),
+    })
+}
+
+/// Strips the setuid bits of old copies in the working folders, once per
+/// start, beside it: the walk goes through users' folders, where a look
+/// can block (a FUSE mount of theirs).
+fn strip_setid_beside(state_dir: PathBuf) {
+    let _ = std::thread::Builder::new()
+        .name("labd-setid".into())
+        .spawn(
+            move || match crate::trees::strip_old_setid_copies(&state_dir) {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(
+                    "{n} entries of the working folders under {} could not be looked at for \
+                     setuid copies",
+                    state_dir.display()
+                ),
+                // Tried again at the next start.
+                Err(e) => tracing::error!(
+                    "cannot strip setuid bits from old copies in the working folders under {}: {e}",
+                    state_dir.display()
+                ),
+            },
+        );
+}
+
+/// The cluster's coordinator, when this labd is one, numbering its jobs
+/// above `highest`.
+fn open_coordinator(
+    cfg: &DaemonConfig,
+    highest: Option<u64>,
+) -> Result<Option<Arc<Coordinator>>, DaemonError> {
+    let Some(c) = cfg.cluster.as_ref().filter(|c| c.coordinate) else {
+        return Ok(None);
+    };
+    let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir, &c.lab)
+        .map_err(|e| open_error("the cluster's jobs", &e))?;
+    if let Some(n) = highest {
+        co.ids_above(n);
+    }
+    Ok(Some(Arc::new(co)))
 }
 
 /// Why the store could not be opened: `Fatal` for what no wait mends (a

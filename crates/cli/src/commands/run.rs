@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use labsync_agent::proto::{DataRef, Info, SubmitRequest, TreeRef};
+use labsync_agent::proto::{DataRef, Info, JobView, SubmitRequest, TreeRef};
 use labsync_agent::Client;
 use labsync_store::{push, NodeCache, PushOptions, RefSpec, Remote, Repo};
 
@@ -135,17 +135,7 @@ pub async fn run(
             name_part(&code)
         )
     });
-    // The code push and the stored datasets' lookups (a round trip or more
-    // each to the store) go at once; a local folder's push comes after the
-    // code's, so two progress bars never share the terminal.
-    let code_push = push_tree(&repo, s, &code, code_name, &info.user, quiet);
-    let (code_ref, data) = if a.data.iter().any(|d| Path::new(d).is_dir()) {
-        let code_ref = code_push.await?;
-        (code_ref, data_refs(&repo, s, &info, &a.data, quiet).await?)
-    } else {
-        let (c, d) = tokio::join!(code_push, data_refs(&repo, s, &info, &a.data, quiet));
-        (c?, d?)
-    };
+    let (code_ref, data) = push_inputs(&repo, s, &info, &code, code_name, &a.data, quiet).await?;
     let req = SubmitRequest {
         argv,
         env,
@@ -171,11 +161,7 @@ pub async fn run(
     }
     if a.explain {
         let ranking = client.explain(&req).await.map_err(explain)?;
-        if json {
-            println!("{}", serde_json::to_string_pretty(&ranking)?);
-        } else {
-            print!("{}", ranking_table(&ranking, gpus));
-        }
+        print_ranking(&ranking, gpus, json)?;
         return Ok(ExitCode::SUCCESS);
     }
     let job = client.submit(&req).await.map_err(explain)?;
@@ -184,21 +170,58 @@ pub async fn run(
         return Ok(ExitCode::SUCCESS);
     }
     if !quiet {
-        let place = match (&job.node, info.coordinator) {
-            (Some(n), _) => n.clone(),
-            (None, true) => format!("the cluster of {}", info.node),
-            (None, false) => info.node.clone(),
-        };
-        eprintln!(
-            "labrun: job {} on {} ({}, {} GPU{})",
-            job.id,
-            place,
-            code_ref.label,
-            gpus,
-            if gpus == 1 { "" } else { "s" }
-        );
+        say_where(&job, &info, &code_ref.label, gpus);
     }
     follow(client, &job.id, quiet, true).await
+}
+
+/// Pushes the code and names the data. The code push and the stored
+/// datasets' lookups (a round trip or more each to the store) go at once;
+/// a local folder's push comes after the code's, so two progress bars
+/// never share the terminal.
+async fn push_inputs(
+    repo: &Repo,
+    s: &Settings,
+    info: &Info,
+    code: &Path,
+    code_name: String,
+    data: &[String],
+    quiet: bool,
+) -> Result<(TreeRef, Vec<DataRef>)> {
+    let code_push = push_tree(repo, s, code, code_name, &info.user, quiet);
+    if data.iter().any(|d| Path::new(d).is_dir()) {
+        let code_ref = code_push.await?;
+        Ok((code_ref, data_refs(repo, s, info, data, quiet).await?))
+    } else {
+        let (c, d) = tokio::join!(code_push, data_refs(repo, s, info, data, quiet));
+        Ok((c?, d?))
+    }
+}
+
+/// `labrun --explain`'s answer: the placer's table, or its JSON.
+fn print_ranking(ranking: &labsync_placer::Ranking, gpus: u32, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(ranking)?);
+    } else {
+        print!("{}", ranking_table(ranking, gpus));
+    }
+    Ok(())
+}
+
+/// Where the job went, on stderr: its node, or the cluster's queue.
+fn say_where(job: &JobView, info: &Info, code: &str, gpus: u32) {
+    let place = match (&job.node, info.coordinator) {
+        (Some(n), _) => n.clone(),
+        (None, true) => format!("the cluster of {}", info.node),
+        (None, false) => info.node.clone(),
+    };
+    eprintln!(
+        "labrun: job {} on {} ({code}, {} GPU{})",
+        job.id,
+        place,
+        gpus,
+        if gpus == 1 { "" } else { "s" }
+    );
 }
 
 /// `labrun --hold 2h`: leases GPUs with no command, waits until they are
