@@ -695,30 +695,6 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         })
 }
 
-/// What one peer, and everyone together, may hold open. A local user
-/// without a token can still connect to a shared labd's socket, so these
-/// hold before any authentication.
-#[derive(Clone, Copy, Debug)]
-pub struct ConnLimits {
-    /// Connections open at once, all peers together.
-    pub max: usize,
-    /// Connections open at once from one Unix user (socket) or address (TCP).
-    pub per_peer: usize,
-    /// A connection that has not sent a whole request head this long after
-    /// it opened or after its last answer is closed.
-    pub header_timeout: Duration,
-}
-
-impl Default for ConnLimits {
-    fn default() -> Self {
-        ConnLimits {
-            max: 1024,
-            per_peer: 128,
-            header_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
 /// Who is at the other end of a connection, for the per-peer cap.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Peer {
@@ -754,6 +730,32 @@ struct Slot {
     _all: tokio::sync::OwnedSemaphorePermit,
 }
 
+impl Slot {
+    /// A place for a connection from `peer`, within both caps; `None` past
+    /// either. Counted only once granted: refused peers leave no entry
+    /// behind.
+    fn take(
+        all: &Arc<tokio::sync::Semaphore>,
+        open: &Arc<std::sync::Mutex<std::collections::HashMap<Peer, usize>>>,
+        peer: &Peer,
+        per_peer: usize,
+    ) -> Option<Slot> {
+        let mut o = open.lock().expect("labd poisoned");
+        let held = o.get(peer).copied().unwrap_or(0);
+        match all.clone().try_acquire_owned() {
+            Ok(permit) if held < per_peer => {
+                o.insert(peer.clone(), held + 1);
+                Some(Slot {
+                    peer: peer.clone(),
+                    open: open.clone(),
+                    _all: permit,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut open = self.open.lock().expect("labd poisoned");
@@ -766,6 +768,36 @@ impl Drop for Slot {
     }
 }
 
+/// Starts labd's loops until `stop`: the ticker (returned, to be waited
+/// for), the coordinator's passes and its re-ranking of pending Slurm jobs,
+/// a cluster node's heartbeats.
+fn start_loops(
+    daemon: &Arc<Daemon>,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let ticker = tokio::spawn(daemon.clone().run_ticker(stop.clone()));
+    tokio::spawn(daemon.clone().run_coordinator(stop.clone()));
+    let rerank = daemon
+        .slurm_rerank()
+        .filter(|_| daemon.coordinator().is_some());
+    if let Some(r) = rerank {
+        tokio::spawn(crate::slurm::rerank::run(
+            daemon.clone(),
+            r.clone(),
+            stop.clone(),
+        ));
+    }
+    if let Some(cfg) = daemon.cluster() {
+        let reporter = crate::cluster::Reporter::new(
+            daemon.clone(),
+            cfg.clone(),
+            daemon.coordinator().cloned(),
+        );
+        tokio::spawn(reporter.run(stop.clone()));
+    }
+    ticker
+}
+
 /// Serves the API on `listener` and runs the ticker until `shutdown` resolves.
 pub async fn serve(
     daemon: Arc<Daemon>,
@@ -774,23 +806,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let limits = daemon.conn_limits();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let ticker = tokio::spawn(daemon.clone().run_ticker(stop_rx.clone()));
-    tokio::spawn(daemon.clone().run_coordinator(stop_rx.clone()));
-    if let Some(r) = daemon
-        .slurm_rerank()
-        .filter(|_| daemon.coordinator().is_some())
-    {
-        let rerank = crate::slurm::rerank::run(daemon.clone(), r.clone(), stop_rx.clone());
-        tokio::spawn(rerank);
-    }
-    if let Some(cfg) = daemon.cluster() {
-        let reporter = crate::cluster::Reporter::new(
-            daemon.clone(),
-            cfg.clone(),
-            daemon.coordinator().cloned(),
-        );
-        tokio::spawn(reporter.run(stop_rx.clone()));
-    }
+    let ticker = start_loops(&daemon, &stop_rx);
     // Past the caps, room for the cluster's own signed requests only.
     let lane = daemon
         .cluster()
@@ -827,23 +843,7 @@ pub async fn serve(
             }
         };
         while conns.try_join_next().is_some() {}
-        let slot = {
-            let mut o = open.lock().expect("labd poisoned");
-            // Counted only once granted: refused peers leave no entry behind.
-            let held = o.get(&peer).copied().unwrap_or(0);
-            match all.clone().try_acquire_owned() {
-                Ok(permit) if held < limits.per_peer => {
-                    o.insert(peer.clone(), held + 1);
-                    Some(Slot {
-                        peer: peer.clone(),
-                        open: open.clone(),
-                        _all: permit,
-                    })
-                }
-                _ => None,
-            }
-        };
-        let Some(slot) = slot else {
+        let Some(slot) = Slot::take(&all, &open, &peer, limits.per_peer) else {
             if let Some((place, evicted)) = lane.as_ref().and_then(|(l, _)| l.admit()) {
                 let d = lane
                     .as_ref()

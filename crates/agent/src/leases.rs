@@ -530,7 +530,7 @@ impl Leases {
                     continue;
                 }
                 jobs.remove(id.as_str()).map_err(|e| self.err(e))?;
-                highest = highest.max(crate::node::job_number(id).unwrap_or(0));
+                highest = highest.max(job_number(id).unwrap_or(0));
                 pruned += 1;
             }
             meta.insert(PRUNED_MAX, highest).map_err(|e| self.err(e))?;
@@ -634,6 +634,18 @@ impl Leases {
         }
         Ok(out)
     }
+}
+
+/// Job numbers are below this: no node runs that many jobs, but a store
+/// ref anyone can write may say so.
+pub const JOB_NUMBERS: u64 = 1_000_000_000_000;
+
+/// `n` of a job id `j{n}`; numbers from [`JOB_NUMBERS`] on are not ids.
+pub fn job_number(id: &str) -> Option<u64> {
+    id.strip_prefix('j')?
+        .parse()
+        .ok()
+        .filter(|&n| n < JOB_NUMBERS)
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@
 
 mod api;
 mod blocking;
+mod buffers;
 mod cgroup;
 mod client;
 pub mod cluster;
@@ -56,14 +57,14 @@ mod trees;
 mod users;
 mod watchdog;
 
-pub use api::{router, serve, ConnLimits, Listener};
+pub use api::{router, serve, Listener};
 pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
 pub use daemon::shares::human_bytes;
 pub use daemon::{
-    command_bytes, variable_bytes, Caller, Daemon, DaemonConfig, DaemonError, LogRead, SlurmCheck,
-    MAX_COMMAND_BYTES, MAX_DATASETS,
+    command_bytes, variable_bytes, Caller, ConnLimits, Daemon, DaemonConfig, DaemonError, LogRead,
+    SlurmCheck, MAX_COMMAND_BYTES, MAX_DATASETS,
 };
 pub use devices::GpuDevices;
 pub use error::{

@@ -74,17 +74,7 @@ fn could_serve(status: &[GpuStatus], min_free: u64) -> HashSet<u32> {
         .collect()
 }
 
-/// Job numbers are below this: no node runs that many jobs, but a store
-/// ref anyone can write may say so.
-pub const JOB_NUMBERS: u64 = 1_000_000_000_000;
-
-/// `n` of a job id `j{n}`; numbers from [`JOB_NUMBERS`] on are not ids.
-pub fn job_number(id: &str) -> Option<u64> {
-    id.strip_prefix('j')?
-        .parse()
-        .ok()
-        .filter(|&n| n < JOB_NUMBERS)
-}
+pub use crate::leases::{job_number, JOB_NUMBERS};
 
 /// The highest job number outputs in the store may make new ids start
 /// above. A lab member can push `runs/j<N>` for any `N`: one near
@@ -287,6 +277,31 @@ fn job_env(env: &[(String, String)], id: &str, gpus: &[u32]) -> Vec<(String, Str
     env
 }
 
+/// The number of the next job: above every job the database knows and
+/// every folder and log on disk. Ids are never reused, even when the
+/// database is lost: a second `j1` would find the first one's folder and
+/// log, and push its outputs over `runs/j1`. So the folders count too.
+fn next_job_number(state: &Leases, state_dir: &std::path::Path) -> Result<u64, NodeError> {
+    let in_db = state.jobs()?.into_iter().map(|j| j.id);
+    let on_disk = ["jobs", "logs"].into_iter().flat_map(|d| {
+        std::fs::read_dir(state_dir.join(d))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.strip_suffix(".log").unwrap_or(&name).to_string()
+            })
+    });
+    Ok(in_db
+        .chain(on_disk)
+        .filter_map(|id| job_number(&id))
+        .chain([state.pruned_max()?])
+        .max()
+        .unwrap_or(0)
+        + 1)
+}
+
 /// What one pass of [`Node::schedule`] has learnt so far.
 #[derive(Default)]
 struct Pass {
@@ -362,27 +377,7 @@ impl Node {
                 cg.remove(id);
             }
         }
-        // Ids are never reused, even when the database is lost: a second
-        // `j1` would find the first one's folder and log, and push its
-        // outputs over `runs/j1`. So the folders count too.
-        let in_db = state.jobs()?.into_iter().map(|j| j.id);
-        let on_disk = ["jobs", "logs"].into_iter().flat_map(|d| {
-            std::fs::read_dir(cfg.state_dir.join(d))
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    name.strip_suffix(".log").unwrap_or(&name).to_string()
-                })
-        });
-        let next = in_db
-            .chain(on_disk)
-            .filter_map(|id| job_number(&id))
-            .chain([state.pruned_max()?])
-            .max()
-            .unwrap_or(0)
-            + 1;
+        let next = next_job_number(&state, &cfg.state_dir)?;
         let dog = Watchdog::new(inventory, cfg.inventory_deadline);
         // Learn the GPU set now, so a later hang can still list them as unknown.
         let known = match dog.poll() {

@@ -17,7 +17,7 @@
 //! | POST | `/v1/cluster/jobs/{id}/preempt` | [`PreemptOrder`] → `{}`: stop a preemptible job to requeue it (signed) |
 //! | GET | `/v1/jobs/{id}/explain` | → [`JobExplain`]: the job, and per node why not there (queued, in a cluster) |
 //! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
-//! | POST | `/v1/warm` | [`crate::cluster::WarmAsk`] → [`crate::cluster::WarmAnswer`] (the coordinator; admins) |
+//! | POST | `/v1/warm` | [`WarmAsk`] → [`WarmAnswer`] (the coordinator; admins) |
 //! | POST | `/v1/cluster/rank` | [`RankAsk`] → [`labsync_placer::Ranking`]: nodes ranked with Slurm's GPUs (the coordinator) |
 //! | POST | `/v1/stage` | [`StageAsk`] → [`Staged`]: a Slurm job's code and data on its node, answered once there (the coordinator) |
 //! | POST | `/v1/stage/done` | [`StageDone`] → `{}`: the Slurm job ended (the coordinator) |
@@ -30,7 +30,7 @@
 //! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
 //! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer); over plain TCP, with `Upgrade: labsync-pack`, `101` and then the bytes by `sendfile` (`cluster::wire`) |
 //! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
-//! | POST | `/v1/cluster/warm` | [`crate::cluster::WarmOrder`] → `{}` (the coordinator to an agent) |
+//! | POST | `/v1/cluster/warm` | [`WarmOrder`] → `{}` (the coordinator to an agent) |
 //! | POST | `/v1/cluster/locate` | `[PackId]` → [`Located`] (to the coordinator: who holds what) |
 //! | POST | `/v1/cluster/stage` | [`StageOrder`] → [`Staged`] (the coordinator to an agent) |
 //! | POST | `/v1/cluster/stage/done` | [`StageDone`] → `{}` (the coordinator to an agent) |
@@ -256,7 +256,7 @@ pub struct CacheSummary {
     pub fetched: FetchCounts,
     /// Warms under way (or failed), with their progress.
     #[serde(default)]
-    pub warming: Vec<crate::cluster::Warming>,
+    pub warming: Vec<Warming>,
 }
 
 /// Bytes of packs a node fetched into its cache, by source (labd keeps
@@ -448,7 +448,7 @@ pub struct NodeStatus {
     pub fetched: FetchCounts,
     /// Warms under way there (or failed).
     #[serde(default)]
-    pub warming: Vec<crate::cluster::Warming>,
+    pub warming: Vec<Warming>,
     /// Every snapshot cached anywhere in the cluster, with how much of it
     /// this node has (a dataset that shares packs with a cached one is
     /// partly present), where anything is.
@@ -562,4 +562,60 @@ pub struct StageDone {
     /// Who asks; set by the coordinator (a user's own is ignored).
     #[serde(default)]
     pub user: String,
+}
+
+/// What an admin asks of the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmAsk {
+    /// `NAME` or `NAME@vN`.
+    pub name: String,
+    /// The nodes; empty: every node that is up.
+    pub nodes: Vec<String>,
+    /// Release the pin instead.
+    pub unpin: bool,
+}
+
+/// What the coordinator sends each node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmOrder {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot (the node checks the label still names it).
+    pub snapshot: labsync_store::SnapshotId,
+    /// Release the pin instead.
+    pub unpin: bool,
+    /// Pin it once fetched (an admin's warm); a prefetch for queued jobs
+    /// does not.
+    #[serde(default = "yes")]
+    pub pin: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The coordinator's answer: which version, sent to which nodes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmAnswer {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot.
+    pub snapshot: labsync_store::SnapshotId,
+    /// The nodes that took the order.
+    pub nodes: Vec<String>,
+}
+
+/// A warm under way on a node, as its heartbeat shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Warming {
+    /// `NAME@vN`.
+    pub label: String,
+    /// Its snapshot.
+    pub snapshot: Option<labsync_store::SnapshotId>,
+    /// Bytes fetched so far.
+    pub done_bytes: u64,
+    /// Bytes to fetch (known once the missing packs are counted).
+    pub total_bytes: Option<u64>,
+    /// Why it failed, when it did (shown until the next warm of it).
+    pub error: Option<String>,
 }

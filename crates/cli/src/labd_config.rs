@@ -295,16 +295,31 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         }
         None => Arc::from(detect()),
     };
+    (config.slurm_check, config.slurm_rerank) = slurm_settings(slurm_file, coordinates);
+    Ok(LabdSettings {
+        config,
+        listen,
+        inventory,
+        tls: tls.map(|t| t.server),
+    })
+}
+
+/// `[slurm]`: how stages are checked with Slurm, and how a coordinator
+/// (`coordinates`) re-ranks pending Slurm jobs.
+fn slurm_settings(
+    slurm_file: Option<SlurmFile>,
+    coordinates: bool,
+) -> (Option<SlurmCheck>, Option<labsync_agent::slurm::Rerank>) {
     // Stages are for Slurm jobs only: each is checked with Slurm unless
     // the admin says otherwise.
-    config.slurm_check = match &slurm_file {
+    let check = match &slurm_file {
         Some(f) if f.check_jobs == Some(false) => None,
         f => Some(SlurmCheck {
             conf: f.as_ref().and_then(|f| f.conf.clone()),
             timeout: Duration::from_secs(f.as_ref().and_then(|f| f.timeout_s).unwrap_or(10).max(1)),
         }),
     };
-    config.slurm_rerank = match slurm_file {
+    let rerank = match slurm_file {
         Some(f) if f.rerank_s.unwrap_or(0) > 0 => {
             if !coordinates {
                 // One labd.toml may be deployed to every node.
@@ -314,7 +329,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
                 );
                 None
             } else {
-                Some(labsync_agent::slurm::rerank::Rerank {
+                Some(labsync_agent::slurm::Rerank {
                     every: Duration::from_secs(f.rerank_s.unwrap_or(30)),
                     timeout: Duration::from_secs(f.timeout_s.unwrap_or(10).max(1)),
                     partition: f.partition,
@@ -324,12 +339,7 @@ pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
         }
         _ => None,
     };
-    Ok(LabdSettings {
-        config,
-        listen,
-        inventory,
-        tls: tls.map(|t| t.server),
-    })
+    (check, rerank)
 }
 
 /// Parses the config file, refusing one others could change (or read, when

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::cluster::{Cluster, Millis, NodeName, Slot};
 use crate::lab::{span, Ladder, Tier, Usage};
-use crate::place::{rank, Choice, GpuWait, Job, Policy, Verdict};
+use crate::place::{rank, Choice, GpuWait, Job, Policy, Ranking, Verdict};
 
 /// A job waiting in the queue.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -237,67 +237,74 @@ fn decide<'p>(
         }
     }
     match ranking.choice {
-        Some(choice) => {
-            let holders: Vec<String> = pass
-                .running
-                .iter()
-                .filter(|r| r.node == choice.node)
-                .map(|r| format!("{}, {}", r.id, r.user))
-                .collect();
-            let by = if holders.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", holders.join("; "))
-            };
-            Decision::Wait {
-                id,
-                why: format!(
-                    "{}; {} frees in ~{}{by}{}",
-                    needs(&q.job),
-                    choice.node,
-                    span(choice.start_secs.ceil() as u64),
-                    ahead_of(ahead, q.tier, pass.ladder)
-                ),
-                likely: Some(choice.node),
+        Some(choice) => waits_for(pass, q, id, choice, ahead),
+        None => no_start(pass, q, id, &ranking, ahead),
+    }
+}
+
+/// `q` waits for `choice`'s node to free, whose holders are named.
+fn waits_for(pass: &Pass, q: &Queued, id: String, choice: Choice, ahead: &[u32]) -> Decision {
+    let holders: Vec<String> = pass
+        .running
+        .iter()
+        .filter(|r| r.node == choice.node)
+        .map(|r| format!("{}, {}", r.id, r.user))
+        .collect();
+    let by = if holders.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", holders.join("; "))
+    };
+    Decision::Wait {
+        id,
+        why: format!(
+            "{}; {} frees in ~{}{by}{}",
+            needs(&q.job),
+            choice.node,
+            span(choice.start_secs.ceil() as u64),
+            ahead_of(ahead, q.tier, pass.ladder)
+        ),
+        likely: Some(choice.node),
+    }
+}
+
+/// `q` has no start estimate anywhere: never, if no node could ever run
+/// it (down nodes count with the GPUs they last reported); else it waits,
+/// each node saying why.
+fn no_start(pass: &Pass, q: &Queued, id: String, ranking: &Ranking, ahead: &[u32]) -> Decision {
+    let never = !ranking.rows.is_empty()
+        && ranking
+            .rows
+            .iter()
+            .all(|r| matches!(r.gpu_wait, GpuWait::Never { .. }));
+    let why = ranking
+        .rows
+        .iter()
+        .map(|r| match (&r.verdict, &r.gpu_wait) {
+            (Verdict::Down { .. }, _) => format!("{}: down", r.node),
+            (_, GpuWait::Never { why } | GpuWait::Unknown { why }) => {
+                format!("{}: {why}", r.node)
             }
-        }
-        None => {
-            // Down nodes count with the GPUs they last reported.
-            let never = !ranking.rows.is_empty()
-                && ranking
-                    .rows
-                    .iter()
-                    .all(|r| matches!(r.gpu_wait, GpuWait::Never { .. }));
-            let why = ranking
-                .rows
-                .iter()
-                .map(|r| match (&r.verdict, &r.gpu_wait) {
-                    (Verdict::Down { .. }, _) => format!("{}: down", r.node),
-                    (_, GpuWait::Never { why } | GpuWait::Unknown { why }) => {
-                        format!("{}: {why}", r.node)
-                    }
-                    _ => format!("{}: no start estimate", r.node),
-                })
-                .collect::<Vec<_>>()
-                .join("; ");
-            let why = if ranking.rows.is_empty() {
-                "no node has joined the cluster".to_string()
-            } else {
-                why
-            };
-            if never {
-                Decision::Never { id, why }
-            } else {
-                Decision::Wait {
-                    id,
-                    why: format!(
-                        "{}; {why}{}",
-                        needs(&q.job),
-                        ahead_of(ahead, q.tier, pass.ladder)
-                    ),
-                    likely: None,
-                }
-            }
+            _ => format!("{}: no start estimate", r.node),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    let why = if ranking.rows.is_empty() {
+        "no node has joined the cluster".to_string()
+    } else {
+        why
+    };
+    if never {
+        Decision::Never { id, why }
+    } else {
+        Decision::Wait {
+            id,
+            why: format!(
+                "{}; {why}{}",
+                needs(&q.job),
+                ahead_of(ahead, q.tier, pass.ladder)
+            ),
+            likely: None,
         }
     }
 }

@@ -280,6 +280,24 @@ impl Signed {
     }
 }
 
+/// The time a request is signed with: the clock, but never the same
+/// millisecond twice in this process, so no two requests it signs are
+/// alike and a receiver can refuse one it has seen ([`ClusterKey`]
+/// remembers signatures).
+pub fn signing_ms() -> i64 {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    static LAST: AtomicI64 = AtomicI64::new(0);
+    let now = super::now_ms();
+    let mut last = LAST.load(Ordering::Relaxed);
+    loop {
+        let t = now.max(last + 1);
+        match LAST.compare_exchange_weak(last, t, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return t,
+            Err(seen) => last = seen,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;

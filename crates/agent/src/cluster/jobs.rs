@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use labsync_placer::{rank, Choice, Job, NodeName, PackKey, Ranking, Slot, SnapshotKey, Warm};
+use labsync_placer::{rank, Choice, NodeName, PackKey, Ranking, Slot, SnapshotKey, Warm};
 use labsync_store::SnapshotId;
 
 use crate::cluster::queue::{ClusterJob, Placement};
@@ -19,7 +19,7 @@ use crate::leases::{unix_now, JobState};
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
 
 use super::link::{Link, Reach, FORWARD};
-use super::pass::{pass, Action, Inputs};
+use super::pass::{pass, placer_job, Action, Inputs};
 
 /// The same snapshot is prefetched on the same node again after this long
 /// at the soonest (a fetch under way, or data evicted since).
@@ -50,15 +50,6 @@ pub(super) fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, JobEr
             })
         })
         .collect()
-}
-
-pub(super) fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
-    Job {
-        gpus: req.gpus,
-        gpu_mem: req.gpu_mem,
-        needs: needs.iter().map(|s| SnapshotKey(*s.as_bytes())).collect(),
-        expected_secs: None,
-    }
 }
 
 impl Coordinator {

@@ -5,7 +5,7 @@
 //! A cluster is set up by config alone: every node names the coordinator's
 //! address and holds the cluster secret; one node says it coordinates.
 
-mod auth;
+pub(crate) mod auth;
 mod coordinator;
 mod jobs;
 mod link;
@@ -20,8 +20,8 @@ pub(crate) mod wire;
 use std::time::Duration;
 
 pub use auth::{
-    AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW, TIME, TO,
-    TO_COORDINATOR,
+    signing_ms, AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW,
+    TIME, TO, TO_COORDINATOR,
 };
 pub use coordinator::Coordinator;
 pub use link::Reach;
@@ -83,22 +83,4 @@ pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// The time a request is signed with: the clock, but never the same
-/// millisecond twice in this process, so no two requests it signs are
-/// alike and a receiver can refuse one it has seen ([`ClusterKey`]
-/// remembers signatures).
-pub fn signing_ms() -> i64 {
-    use std::sync::atomic::{AtomicI64, Ordering};
-    static LAST: AtomicI64 = AtomicI64::new(0);
-    let now = now_ms();
-    let mut last = LAST.load(Ordering::Relaxed);
-    loop {
-        let t = now.max(last + 1);
-        match LAST.compare_exchange_weak(last, t, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => return t,
-            Err(seen) => last = seen,
-        }
-    }
 }

@@ -9,12 +9,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use labsync_placer::{
-    plan, prefetch, Choice, Decision, Members, Pass, Policy, Queued, Running, Tier, Usage, Warm,
+    plan, prefetch, Choice, Decision, Job, Members, Pass, Policy, Queued, Running, SnapshotKey,
+    Tier, Usage, Warm,
 };
 use labsync_store::SnapshotId;
 
-use super::jobs::placer_job;
 use super::queue::{ClusterJob, Placement};
+use crate::proto::SubmitRequest;
 
 /// How often an unanswered dispatch is sent again.
 pub(super) const RESEND: Duration = Duration::from_secs(2);
@@ -100,6 +101,16 @@ pub(super) struct Inputs<'a> {
     pub now_ms: u64,
     /// Whether dispatched jobs are asked after this pass (once a second).
     pub collect: bool,
+}
+
+/// The placer's view of `req`, which reads `needs`.
+pub(super) fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
+    Job {
+        gpus: req.gpus,
+        gpu_mem: req.gpu_mem,
+        needs: needs.iter().map(|s| SnapshotKey(*s.as_bytes())).collect(),
+        expected_secs: None,
+    }
 }
 
 /// The tier `j` runs at `now`: the one it asked for while the user may
@@ -226,7 +237,6 @@ mod tests {
     use labsync_placer::{Cluster, Gpu, Health, Ladder, Member, NodeName, PackKey, SnapshotKey};
 
     use super::*;
-    use crate::proto::SubmitRequest;
 
     const GIB: u64 = 1 << 30;
     const NOW_S: u64 = 1_000_000;

@@ -23,7 +23,7 @@ impl Coordinator {
         let view = with_scheduler_gpus(&self.planning_with(&fresh), &ask.nodes);
         Ok(rank(
             &view,
-            &super::jobs::placer_job(&ask.req, &needs),
+            &super::pass::placer_job(&ask.req, &needs),
             now,
             &self.policy,
         ))

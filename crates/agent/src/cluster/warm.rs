@@ -4,70 +4,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use labsync_store::{Progress, RefSpec, SnapshotId};
-use serde::{Deserialize, Serialize};
+use labsync_store::{Progress, RefSpec};
 
 use crate::cluster::{now_ms, Coordinator};
 use crate::daemon::{Caller, Daemon};
 
 use super::link::{Link, Reach};
 use crate::error::JobError;
-
-/// What an admin asks of the coordinator.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WarmAsk {
-    /// `NAME` or `NAME@vN`.
-    pub name: String,
-    /// The nodes; empty: every node that is up.
-    pub nodes: Vec<String>,
-    /// Release the pin instead.
-    pub unpin: bool,
-}
-
-/// What the coordinator sends each node.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WarmOrder {
-    /// `NAME@vN`.
-    pub label: String,
-    /// Its snapshot (the node checks the label still names it).
-    pub snapshot: SnapshotId,
-    /// Release the pin instead.
-    pub unpin: bool,
-    /// Pin it once fetched (an admin's warm); a prefetch for queued jobs
-    /// does not.
-    #[serde(default = "yes")]
-    pub pin: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// The coordinator's answer: which version, sent to which nodes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WarmAnswer {
-    /// `NAME@vN`.
-    pub label: String,
-    /// Its snapshot.
-    pub snapshot: SnapshotId,
-    /// The nodes that took the order.
-    pub nodes: Vec<String>,
-}
-
-/// A warm under way on a node, as its heartbeat shows it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Warming {
-    /// `NAME@vN`.
-    pub label: String,
-    /// Its snapshot.
-    pub snapshot: Option<SnapshotId>,
-    /// Bytes fetched so far.
-    pub done_bytes: u64,
-    /// Bytes to fetch (known once the missing packs are counted).
-    pub total_bytes: Option<u64>,
-    /// Why it failed, when it did (shown until the next warm of it).
-    pub error: Option<String>,
-}
+pub use crate::proto::{WarmAnswer, WarmAsk, WarmOrder, Warming};
 
 /// Counts a warm's fetch into its [`Warming`] entry.
 struct Meter(Arc<Mutex<Warming>>);

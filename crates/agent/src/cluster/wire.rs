@@ -109,7 +109,7 @@ fn send_file(socket: &std::net::TcpStream, file: &std::fs::File, len: u64) -> io
 }
 
 /// Reads the `len` bytes of a pack after a `101` answer into a buffer
-/// from [`crate::client::answer_buffer`]: what hyper read past the answer's
+/// from [`crate::buffers::answer_buffer`]: what hyper read past the answer's
 /// head first, then straight from the socket. More than `len` bytes, or
 /// fewer before the peer closes, is an error.
 pub(crate) async fn receive(
@@ -125,7 +125,7 @@ pub(crate) async fn receive(
             "the peer sent more than the {len} bytes it announced"
         ));
     }
-    let (mut buf, start) = crate::client::answer_buffer(len);
+    let (mut buf, start) = crate::buffers::answer_buffer(len);
     buf.extend_from_slice(&parts.read_buf);
     let mut socket = parts.io.into_inner();
     while buf.len() - start < len {

@@ -143,85 +143,100 @@ impl Daemon {
                 }
             }
         };
-        let due = {
-            let mut idle = self.hold_idle.lock().expect("holds poisoned");
-            let mut seen: HashMap<String, Option<u64>> = HashMap::new();
-            for j in &holds {
-                let since = if busy(&j.gpus, &reading) {
-                    None
-                } else {
-                    Some(idle.get(&j.id).copied().flatten().unwrap_or(now))
-                };
-                seen.insert(j.id.clone(), since);
-            }
-            // Holds no longer running are forgotten.
-            *idle = seen;
-            let as_placer: Vec<Hold> = holds
-                .iter()
-                .map(|j| Hold {
-                    id: j.id.clone(),
-                    user: j.user.clone(),
-                    node: self
-                        .cfg
-                        .node_name
-                        .parse()
-                        .unwrap_or_else(|_| "node".parse().expect("a valid name")),
-                    gpus: j.gpus.clone(),
-                    idle_since: idle.get(&j.id).copied().flatten(),
-                })
-                .collect();
-            let policy = Policy {
-                idle_hold_secs: self.cfg.idle_hold.as_secs(),
-                ..Policy::default()
-            };
-            idle_holds(&as_placer, now, &policy)
-        };
+        let due = self.idle_now(&holds, &reading, now);
         for (id, why) in due {
-            let (node, grace, log) = (
-                self.node.clone(),
-                self.cfg.kill_grace,
-                self.node.log_path(&id),
-            );
-            let Some(j) = holds.iter().find(|j| j.id == id) else {
-                continue;
-            };
-            let holder = j.meta.run_as.map_or_else(crate::euid, |(uid, _)| uid);
-            let (gpus, user, reading) = (j.gpus.clone(), j.user.clone(), reading.clone());
-            let reason = why.clone();
-            let done = off_runtime(move || {
-                node.update_meta(&id, |m| m.released = Some(reason.clone()))?;
-                // What the holder runs on those GPUs under the hold ends
-                // with it (else it keeps them from the next job); told
-                // first, in the log its holder may be following.
-                let theirs = holders_processes(holder, &gpus, &reading);
-                if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
-                    let _ = writeln!(f, "labd: {reason}");
-                    if !theirs.is_empty() {
-                        let named: Vec<String> = theirs
-                            .iter()
-                            .map(|(p, _, c)| format!("{p} ({c})"))
-                            .collect();
-                        let _ = writeln!(
-                            f,
-                            "labd: ending {} process(es) of {user} on the GPU(s) given back: {}",
-                            theirs.len(),
-                            named.join(", ")
-                        );
-                    }
-                }
-                node.kill(&id, grace)?;
-                let procs: Vec<(u32, u64)> = theirs.iter().map(|(p, s, _)| (*p, *s)).collect();
-                crate::runner::kill_processes(&procs, grace);
-                Ok::<_, NodeError>((id, theirs.len()))
-            })
-            .await;
-            match done {
-                Ok((id, 0)) => tracing::info!("hold {id} {why}"),
-                Ok((id, n)) => {
-                    tracing::info!("hold {id} {why}; {n} process(es) of its holder ended")
-                }
-                Err(e) => tracing::error!("releasing an idle hold: {e}"),
+            if let Some(j) = holds.iter().find(|j| j.id == id) {
+                self.release_hold(j, why, &reading).await;
             }
+        }
+    }
+
+    /// The holds among `holds` idle long enough to give back (with why),
+    /// their idle times kept from the last reading to this one.
+    fn idle_now(
+        &self,
+        holds: &[&JobRecord],
+        reading: &[GpuStatus],
+        now: u64,
+    ) -> Vec<(String, String)> {
+        let mut idle = self.hold_idle.lock().expect("holds poisoned");
+        let mut seen: HashMap<String, Option<u64>> = HashMap::new();
+        for j in holds {
+            let since = if busy(&j.gpus, reading) {
+                None
+            } else {
+                Some(idle.get(&j.id).copied().flatten().unwrap_or(now))
+            };
+            seen.insert(j.id.clone(), since);
+        }
+        // Holds no longer running are forgotten.
+        *idle = seen;
+        let as_placer: Vec<Hold> = holds
+            .iter()
+            .map(|j| Hold {
+                id: j.id.clone(),
+                user: j.user.clone(),
+                node: self
+                    .cfg
+                    .node_name
+                    .parse()
+                    .unwrap_or_else(|_| "node".parse().expect("a valid name")),
+                gpus: j.gpus.clone(),
+                idle_since: idle.get(&j.id).copied().flatten(),
+            })
+            .collect();
+        let policy = Policy {
+            idle_hold_secs: self.cfg.idle_hold.as_secs(),
+            ..Policy::default()
+        };
+        idle_holds(&as_placer, now, &policy)
+    }
+
+    /// Gives back hold `j`, idle for `why`: says so in its record and log,
+    /// ends it, and ends what its holder runs on its GPUs.
+    async fn release_hold(&self, j: &JobRecord, why: String, reading: &[GpuStatus]) {
+        let id = j.id.clone();
+        let (node, grace, log) = (
+            self.node.clone(),
+            self.cfg.kill_grace,
+            self.node.log_path(&id),
+        );
+        let holder = j.meta.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+        let (gpus, user, reading) = (j.gpus.clone(), j.user.clone(), reading.to_vec());
+        let reason = why.clone();
+        let done = off_runtime(move || {
+            node.update_meta(&id, |m| m.released = Some(reason.clone()))?;
+            // What the holder runs on those GPUs under the hold ends
+            // with it (else it keeps them from the next job); told
+            // first, in the log its holder may be following.
+            let theirs = holders_processes(holder, &gpus, &reading);
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
+                let _ = writeln!(f, "labd: {reason}");
+                if !theirs.is_empty() {
+                    let named: Vec<String> = theirs
+                        .iter()
+                        .map(|(p, _, c)| format!("{p} ({c})"))
+                        .collect();
+                    let _ = writeln!(
+                        f,
+                        "labd: ending {} process(es) of {user} on the GPU(s) given back: {}",
+                        theirs.len(),
+                        named.join(", ")
+                    );
+                }
+            }
+            node.kill(&id, grace)?;
+            let procs: Vec<(u32, u64)> = theirs.iter().map(|(p, s, _)| (*p, *s)).collect();
+            crate::runner::kill_processes(&procs, grace);
+            Ok::<_, NodeError>((id, theirs.len()))
+        })
+        .await;
+        match done {
+            Ok((id, 0)) => tracing::info!("hold {id} {why}"),
+            Ok((id, n)) => {
+                tracing::info!("hold {id} {why}; {n} process(es) of its holder ended")
+            }
+            Err(e) => tracing::error!("releasing an idle hold: {e}"),
         }
     }
 }

@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use labsync_store::{NodeCache, Remote, Repo};
 
-use crate::api::ConnLimits;
 use crate::blocking::off_runtime;
 use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
 use crate::error::JobError;
@@ -38,6 +37,30 @@ use housekeeping::Housekeeping;
 use logs::JobLogs;
 pub use ops::{Caller, LogRead};
 use outputs::{OutputsConfig, OutputsSaver};
+
+/// What one peer, and everyone together, may hold open. A local user
+/// without a token can still connect to a shared labd's socket, so these
+/// hold before any authentication.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    /// Connections open at once, all peers together.
+    pub max: usize,
+    /// Connections open at once from one Unix user (socket) or address (TCP).
+    pub per_peer: usize,
+    /// A connection that has not sent a whole request head this long after
+    /// it opened or after its last answer is closed.
+    pub header_timeout: Duration,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max: 1024,
+            per_peer: 128,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
+}
 
 /// Everything labd is told (the binary resolves files, flags and defaults).
 /// Its `Debug` shows no token and no store credential.
@@ -116,7 +139,7 @@ pub struct DaemonConfig {
     pub slurm_check: Option<SlurmCheck>,
     /// The coordinator re-ranks pending Slurm jobs (`[slurm] rerank_s`):
     /// run beside the ticker ([`crate::slurm::rerank`]).
-    pub slurm_rerank: Option<crate::slurm::rerank::Rerank>,
+    pub slurm_rerank: Option<crate::slurm::Rerank>,
 }
 
 /// Checking a stage's job with Slurm (`squeue`): it must be
@@ -433,7 +456,7 @@ impl Daemon {
     }
 
     /// How pending Slurm jobs are re-ranked, on a coordinator that does.
-    pub(crate) fn slurm_rerank(&self) -> Option<&crate::slurm::rerank::Rerank> {
+    pub(crate) fn slurm_rerank(&self) -> Option<&crate::slurm::Rerank> {
         self.cfg.slurm_rerank.as_ref()
     }
 

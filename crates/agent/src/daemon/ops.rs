@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::logs::read_log;
+use super::ConnLimits;
 use super::Daemon;
-use crate::api::ConnLimits;
 use crate::blocking::{chain, off_runtime};
 use crate::error::{JobError, PrepareError};
 use crate::leases::{JobMeta, JobRecord, JobState};

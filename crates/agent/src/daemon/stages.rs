@@ -24,7 +24,7 @@ use crate::blocking::off_runtime;
 use crate::daemon::{Caller, Daemon};
 use crate::error::JobError;
 use crate::leases::unix_now;
-use crate::proto::{StageDone, StageOrder, Staged};
+use crate::proto::{StageAsk, StageDone, StageOrder, Staged, TreeRef};
 use crate::trees::{check_outputs, make_workdir};
 
 /// A stage never released (its job's script was killed before it could
@@ -150,6 +150,32 @@ fn runs_here(answer: Result<&str, &str>, job: &str, node: &str) -> bool {
         .ok()
         .and_then(|out| job_line(out, job))
         .is_some_and(|j| j.state == "RUNNING" && j.batch_host == node)
+}
+
+/// The trees a stage asks for (code first), once the ask is found sound:
+/// a job id Slurm could have given, outputs inside the work folder, data
+/// variables that are ones, at most [`super::ops::MAX_DATASETS`] datasets,
+/// tree refs spelt as labsync writes them.
+fn check_stage_ask(ask: &StageAsk) -> Result<Vec<&TreeRef>, JobError> {
+    check_job_id(&ask.job)?;
+    if let Some(out) = &ask.outputs {
+        check_outputs(out)?;
+    }
+    super::ops::check_data_vars(&ask.data)?;
+    if ask.data.len() > super::ops::MAX_DATASETS {
+        return Err(JobError::Invalid(format!(
+            "{} datasets: at most {} per job",
+            ask.data.len(),
+            super::ops::MAX_DATASETS
+        )));
+    }
+    let trees: Vec<&TreeRef> = (ask.code.iter())
+        .chain(ask.data.iter().map(|d| &d.tree))
+        .collect();
+    for t in &trees {
+        super::ops::check_tree_ref(t)?;
+    }
+    Ok(trees)
 }
 
 /// Stages a user may hold unreleased on one node at once.
@@ -508,26 +534,7 @@ impl Daemon {
     /// the trees and builds the working folder as the user's.
     pub async fn stage(self: &Arc<Self>, o: StageOrder) -> Result<Staged, JobError> {
         let ask = &o.ask;
-        check_job_id(&ask.job)?;
-        if let Some(out) = &ask.outputs {
-            check_outputs(out)?;
-        }
-        super::ops::check_data_vars(&ask.data)?;
-        if ask.data.len() > super::ops::MAX_DATASETS {
-            return Err(JobError::Invalid(format!(
-                "{} datasets: at most {} per job",
-                ask.data.len(),
-                super::ops::MAX_DATASETS
-            )));
-        }
-        let trees: Vec<_> = ask
-            .code
-            .iter()
-            .chain(ask.data.iter().map(|d| &d.tree))
-            .collect();
-        for t in &trees {
-            super::ops::check_tree_ref(t)?;
-        }
+        let trees = check_stage_ask(ask)?;
         let caller = Caller {
             user: o.user.clone(),
             admin: false,

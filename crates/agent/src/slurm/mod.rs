@@ -58,6 +58,19 @@ pub enum SlurmError {
     },
 }
 
+/// How the coordinator re-ranks pending Slurm jobs (`[slurm]`).
+#[derive(Clone, Debug)]
+pub struct Rerank {
+    /// Time between passes.
+    pub every: Duration,
+    /// Longest wait for one Slurm command.
+    pub timeout: Duration,
+    /// Only this partition's nodes.
+    pub partition: Option<String>,
+    /// slurm.conf for Slurm's commands.
+    pub conf: Option<std::path::PathBuf>,
+}
+
 /// The feature each node carries so that jobs can prefer it:
 /// `lsn_<node>`.
 pub fn feature_of(node: &str) -> String {

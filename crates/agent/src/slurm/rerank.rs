@@ -10,28 +10,13 @@
 //! a job no node can take keeps the preference it has.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use labsync_placer::preferred;
 
-use super::{feature_of, has_own_feature, job_id, parse_comment, Slurm, SlurmError};
+use super::{feature_of, has_own_feature, job_id, parse_comment, Rerank, Slurm, SlurmError};
 use crate::daemon::Daemon;
 use crate::proto::{DataRef, RankAsk, SubmitRequest, TreeRef};
-
-/// How the coordinator re-ranks pending Slurm jobs (`[slurm]`).
-#[derive(Clone, Debug)]
-pub struct Rerank {
-    /// Time between passes.
-    pub every: Duration,
-    /// Longest wait for one Slurm command.
-    pub timeout: Duration,
-    /// Only this partition's nodes.
-    pub partition: Option<String>,
-    /// slurm.conf for Slurm's commands.
-    pub conf: Option<PathBuf>,
-}
 
 /// Whether `out`, squeue's `%k` for one job asked alone, is a single line
 /// that reads as the comment labrun writes for (`gpus`, `snaps`).
@@ -55,6 +40,26 @@ pub fn pending(out: &str) -> Vec<(String, u32, Vec<String>)> {
             Some((id, gpus, snaps))
         })
         .collect()
+}
+
+/// The request a pending job's comment stands for: its GPUs, its code and
+/// data snapshots (labels are not needed to rank).
+fn request(gpus: u32, snaps: &[String]) -> SubmitRequest {
+    let tree = |s: &String| TreeRef {
+        label: s.clone(),
+        snapshot: s.clone(),
+    };
+    SubmitRequest {
+        gpus,
+        code: snaps.first().map(tree),
+        data: (snaps.iter().skip(1))
+            .map(|s| DataRef {
+                env: "LABRUN_DATA_X".into(),
+                tree: tree(s),
+            })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 /// Runs the re-ranking until `shutdown`.
@@ -104,23 +109,8 @@ async fn pass(
     let nodes = slurm.nodes(cfg.partition.as_deref()).await?;
     let offered: Vec<_> = nodes.iter().filter_map(|n| n.scheduler_node()).collect();
     for (id, gpus, snaps) in pending {
-        let tree = |s: &String| TreeRef {
-            label: s.clone(),
-            snapshot: s.clone(),
-        };
-        let req = SubmitRequest {
-            gpus,
-            code: snaps.first().map(tree),
-            data: (snaps.iter().skip(1))
-                .map(|s| DataRef {
-                    env: "LABRUN_DATA_X".into(),
-                    tree: tree(s),
-                })
-                .collect(),
-            ..Default::default()
-        };
         let ask = RankAsk {
-            req,
+            req: request(gpus, &snaps),
             nodes: offered.clone(),
         };
         let ranking = match daemon.rank_for_scheduler(&ask).await {

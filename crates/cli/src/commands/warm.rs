@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use labsync_agent::cluster::WarmAsk;
+use labsync_agent::cluster::{WarmAnswer, WarmAsk};
 use serde_json::json;
 
 use super::{explain_client, Printer};
@@ -33,6 +33,32 @@ enum Stand {
     Fetching(u64, Option<u64>),
     Done,
     Failed(String),
+}
+
+/// Where node `n` stands in warming `ans`.
+fn stand_of(n: &labsync_agent::proto::NodeStatus, ans: &WarmAnswer) -> Stand {
+    let warming = n.warming.iter().find(|w| w.label == ans.label);
+    let present = n.data.iter().find(|d| d.snapshot == ans.snapshot);
+    match (warming, present) {
+        (Some(w), _) if w.error.is_some() => Stand::Failed(w.error.clone().unwrap_or_default()),
+        (Some(w), _) => Stand::Fetching(w.done_bytes, w.total_bytes),
+        (None, Some(p)) if p.pinned && p.present_bytes == p.total_bytes => Stand::Done,
+        _ => Stand::Fetching(0, None),
+    }
+}
+
+/// Says where node `name` stands now, when it moved.
+fn say_stand(printer: &Printer, name: &str, label: &str, stand: &Stand) {
+    match stand {
+        Stand::Done => printer.info(&format!("{name}: {label} cached and pinned")),
+        Stand::Failed(e) => printer.info(&format!("{name}: FAILED: {e}")),
+        Stand::Fetching(done, Some(total)) => printer.info(&format!(
+            "{name}: {} of {} fetched",
+            human_bytes(*done),
+            human_bytes(*total)
+        )),
+        Stand::Fetching(..) => {}
+    }
 }
 
 /// Sends the order, then follows it on every node.
@@ -78,29 +104,9 @@ pub async fn warm(s: &Settings, printer: &Printer, a: WarmArgs) -> Result<ExitCo
             let Some(n) = st.nodes.iter().find(|n| &n.name == name) else {
                 continue;
             };
-            let warming = n.warming.iter().find(|w| w.label == ans.label);
-            let present = n.data.iter().find(|d| d.snapshot == ans.snapshot);
-            let stand = match (warming, present) {
-                (Some(w), _) if w.error.is_some() => {
-                    Stand::Failed(w.error.clone().unwrap_or_default())
-                }
-                (Some(w), _) => Stand::Fetching(w.done_bytes, w.total_bytes),
-                (None, Some(p)) if p.pinned && p.present_bytes == p.total_bytes => Stand::Done,
-                _ => Stand::Fetching(0, None),
-            };
+            let stand = stand_of(n, &ans);
             if last.get(name) != Some(&stand) {
-                match &stand {
-                    Stand::Done => {
-                        printer.info(&format!("{name}: {} cached and pinned", ans.label))
-                    }
-                    Stand::Failed(e) => printer.info(&format!("{name}: FAILED: {e}")),
-                    Stand::Fetching(done, Some(total)) => printer.info(&format!(
-                        "{name}: {} of {} fetched",
-                        human_bytes(*done),
-                        human_bytes(*total)
-                    )),
-                    Stand::Fetching(..) => {}
-                }
+                say_stand(printer, name, &ans.label, &stand);
             }
             stands.insert(name.clone(), stand);
         }

@@ -175,17 +175,10 @@ fn with_features(prefer: Vec<String>, nodes: &[super::NodeInfo], quiet: bool) ->
         .collect()
 }
 
-/// Submits `req` to Slurm; follows it unless detached. `info` is the
-/// coordinator's.
-pub async fn submit(
-    s: &Settings,
-    client: &Client,
-    info: &Info,
-    req: SubmitRequest,
-    run: SlurmRun,
-    quiet: bool,
-    json: bool,
-) -> Result<ExitCode> {
+/// What `labrun --backend slurm` needs before it asks Slurm anything: a
+/// coordinator at a network address (the job's step asks it to stage),
+/// and none of labd's own flags.
+fn check_submit(client: &Client, info: &Info, req: &SubmitRequest) -> Result<()> {
     if !info.coordinator {
         bail!(
             "the Slurm backend ranks Slurm's nodes by what their labd agents have cached and \
@@ -208,6 +201,21 @@ pub async fn submit(
              (a GPU type in its GRES, its QOS and preemption)"
         );
     }
+    Ok(())
+}
+
+/// Submits `req` to Slurm; follows it unless detached. `info` is the
+/// coordinator's.
+pub async fn submit(
+    s: &Settings,
+    client: &Client,
+    info: &Info,
+    req: SubmitRequest,
+    run: SlurmRun,
+    quiet: bool,
+    json: bool,
+) -> Result<ExitCode> {
+    check_submit(client, info, &req)?;
     let slurm = Slurm::new(s.slurm.timeout);
     let nodes = slurm.nodes(s.slurm.partition.as_deref()).await?;
     if nodes.is_empty() {
