@@ -15,8 +15,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::cache::Fresh;
-use crate::id::PackId;
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+use crate::id::{ChunkId, PackId};
+use crate::pack::PackEntry;
+use std::borrow::Cow;
 
 /// Bytes of fetched packs kept in memory for the files still to write, by
 /// every pull of the process together. Past it a pack goes to the cache
@@ -272,6 +276,33 @@ impl Drop for Arrivals {
     fn drop(&mut self) {
         let held = self.state.get_mut().map_or(0, |s| s.fresh_bytes);
         give_back(held);
+    }
+}
+
+/// A pack just fetched whole into memory.
+pub(crate) struct Fresh {
+    /// All of it.
+    pub(crate) bytes: Bytes,
+    /// Its entries by chunk, when every chunk was checked against its id
+    /// as it arrived (from a peer); `None` when nothing was checked yet.
+    pub(crate) verified: Option<HashMap<ChunkId, PackEntry>>,
+}
+
+impl Fresh {
+    /// The plain bytes of the chunk `entry` (the index's) locates, checked
+    /// against its id unless the pack's own verified entry for that chunk
+    /// is the very same: then it was checked on arrival.
+    pub(crate) fn plain(&self, pack: &PackId, entry: &PackEntry) -> Result<Cow<'_, [u8]>> {
+        let stored = usize::try_from(entry.offset)
+            .ok()
+            .and_then(|o| self.bytes.get(o..o.checked_add(entry.stored_len as usize)?))
+            .ok_or_else(|| Error::corrupt(format!("pack {pack}"), "entry past the end"))?;
+        let checked = (self.verified.as_ref()).is_some_and(|v| v.get(&entry.id) == Some(entry));
+        if checked {
+            entry.decompress(stored, pack)
+        } else {
+            entry.decode(stored, pack)
+        }
     }
 }
 

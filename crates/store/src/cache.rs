@@ -11,7 +11,6 @@
 //! Every chunk read from a cached pack is verified against its id before use,
 //! so a corrupt cache costs a re-fetch, never a corrupt file.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -22,10 +21,11 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::arrive::Arrivals;
+pub(crate) use crate::arrive::Fresh;
 use crate::behind::CacheWrites;
 use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_name, write_atomic, write_atomic_direct};
-use crate::id::{ChunkId, PackId, SnapshotId};
+use crate::id::{PackId, SnapshotId};
 use crate::index::IndexPack;
 use crate::pack::PackEntry;
 use crate::pack::MAX_PACK_BYTES;
@@ -835,33 +835,6 @@ fn verified_entries(bytes: &[u8], id: &PackId) -> Result<Vec<PackEntry>> {
     Ok(entries)
 }
 
-/// A pack just fetched whole into memory.
-pub(crate) struct Fresh {
-    /// All of it.
-    pub(crate) bytes: Bytes,
-    /// Its entries by chunk, when every chunk was checked against its id
-    /// as it arrived (from a peer); `None` when nothing was checked yet.
-    pub(crate) verified: Option<HashMap<ChunkId, PackEntry>>,
-}
-
-impl Fresh {
-    /// The plain bytes of the chunk `entry` (the index's) locates, checked
-    /// against its id unless the pack's own verified entry for that chunk
-    /// is the very same: then it was checked on arrival.
-    pub(crate) fn plain(&self, pack: &PackId, entry: &PackEntry) -> Result<Cow<'_, [u8]>> {
-        let stored = usize::try_from(entry.offset)
-            .ok()
-            .and_then(|o| self.bytes.get(o..o.checked_add(entry.stored_len as usize)?))
-            .ok_or_else(|| Error::corrupt(format!("pack {pack}"), "entry past the end"))?;
-        let checked = (self.verified.as_ref()).is_some_and(|v| v.get(&entry.id) == Some(entry));
-        if checked {
-            entry.decompress(stored, pack)
-        } else {
-            entry.decode(stored, pack)
-        }
-    }
-}
-
 /// Keeps open file handles on cached packs for one materialising thread.
 ///
 /// Large chunks are read with `O_DIRECT` into the caller's reused buffer: a
@@ -998,6 +971,7 @@ impl<'a> PackReader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::id::ChunkId;
     use crate::pack::PackBuilder;
 
     /// A pack checked on arrival is trusted only where the index's entry is

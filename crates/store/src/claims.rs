@@ -60,56 +60,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{PutMode, PutOptions, PutPayload};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::http::{random_fraction, status_of};
+use crate::http::random_fraction;
 use crate::remote::Remote;
 
-/// What the store's server does with a conditional create
-/// (`If-None-Match: *`), as probed when the store was created.
-///
-/// On a server, a key that must not exist (a version, the config) is
-/// created under a short-lived claim, `claims/<hash of key>.<nonce>`: the
-/// claim is written, the claims on that key are listed, and only a writer
-/// alone with its claim writes the key (with `If-None-Match: *` where the
-/// server honours it). This needs no conditional write, and holds where one
-/// is honoured but not atomic. The README's store section says more.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ConditionalWrites {
-    /// A second create of a key fails: versions are numbered by it.
-    Honoured,
-    /// The header is ignored (a second create overwrites): labsync claims
-    /// keys instead.
-    Ignored,
-    /// Conditional writes are refused (`501` or another 4xx): labsync
-    /// claims keys instead.
-    Refused,
-}
-
-impl ConditionalWrites {
-    /// How keys that must not exist are created on a server, in words.
-    pub fn scheme(self) -> &'static str {
-        match self {
-            ConditionalWrites::Honoured => {
-                "a claim (claims/<key>.<nonce>, listed before the write), then a conditional \
-                 create (If-None-Match: *)"
-            }
-            _ => "a claim (claims/<key>.<nonce>, listed before the write), then a plain write",
-        }
-    }
-}
-
-impl std::fmt::Display for ConditionalWrites {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ConditionalWrites::Honoured => "honoured",
-            ConditionalWrites::Ignored => "ignored",
-            ConditionalWrites::Refused => "refused",
-        })
-    }
-}
+use crate::remote::is_refusal;
+pub use crate::remote::ConditionalWrites;
 
 /// A claim older than ours by this much is left by a writer that crashed.
 /// Far above [`WRITE_DEADLINE`] plus the longest one request can take once
@@ -150,20 +108,6 @@ pub(crate) fn nonce() -> String {
         random_fraction()
     );
     blake3::hash(seed.as_bytes()).to_hex()[..32].to_string()
-}
-
-/// True for an error that says the server does not do conditional writes:
-/// `501`, or a 4xx other than the ones that mean something else (denied,
-/// missing, exists, busy).
-pub(crate) fn is_refusal(e: &object_store::Error) -> bool {
-    if matches!(e, object_store::Error::NotImplemented { .. }) {
-        return true;
-    }
-    match status_of(e) {
-        Some(501) => true,
-        Some(s) => (400..500).contains(&s) && ![401, 403, 404, 409, 412, 429].contains(&s),
-        None => false,
-    }
 }
 
 impl Remote {

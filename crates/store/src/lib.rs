@@ -52,6 +52,7 @@ pub mod reuse;
 mod seen;
 mod snapshot;
 mod verify;
+mod version;
 
 pub use at::{empty_tree_as, remove_tree};
 pub use behind::{CacheWrites, CacheWritten, BEHIND_MAX_MIB};

@@ -20,7 +20,6 @@ use object_store::path::Path;
 use object_store::prefix::PrefixStore;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use crate::claims::ConditionalWrites;
 use crate::error::{Error, Result};
 use crate::http::Unnamable;
 
@@ -348,7 +347,7 @@ impl Remote {
                 Ok(true)
             }
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
-            Err(e) if crate::claims::is_refusal(&e) => Err(Error::Refused {
+            Err(e) if is_refusal(&e) => Err(Error::Refused {
                 op: "create",
                 key: key.to_string(),
                 detail: crate::http::summary(&e),
@@ -915,6 +914,65 @@ fn writeback_hint(f: &std::fs::File) {
 
 #[cfg(not(target_os = "linux"))]
 fn writeback_hint(_: &std::fs::File) {}
+
+/// What the store's server does with a conditional create
+/// (`If-None-Match: *`), as probed when the store was created.
+///
+/// On a server, a key that must not exist (a version, the config) is
+/// created under a short-lived claim, `claims/<hash of key>.<nonce>`: the
+/// claim is written, the claims on that key are listed, and only a writer
+/// alone with its claim writes the key (with `If-None-Match: *` where the
+/// server honours it). This needs no conditional write, and holds where one
+/// is honoured but not atomic. The README's store section says more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConditionalWrites {
+    /// A second create of a key fails: versions are numbered by it.
+    Honoured,
+    /// The header is ignored (a second create overwrites): labsync claims
+    /// keys instead.
+    Ignored,
+    /// Conditional writes are refused (`501` or another 4xx): labsync
+    /// claims keys instead.
+    Refused,
+}
+
+impl ConditionalWrites {
+    /// How keys that must not exist are created on a server, in words.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            ConditionalWrites::Honoured => {
+                "a claim (claims/<key>.<nonce>, listed before the write), then a conditional \
+                 create (If-None-Match: *)"
+            }
+            _ => "a claim (claims/<key>.<nonce>, listed before the write), then a plain write",
+        }
+    }
+}
+
+impl std::fmt::Display for ConditionalWrites {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConditionalWrites::Honoured => "honoured",
+            ConditionalWrites::Ignored => "ignored",
+            ConditionalWrites::Refused => "refused",
+        })
+    }
+}
+
+/// True for an error that says the server does not do conditional writes:
+/// `501`, or a 4xx other than the ones that mean something else (denied,
+/// missing, exists, busy).
+pub(crate) fn is_refusal(e: &object_store::Error) -> bool {
+    if matches!(e, object_store::Error::NotImplemented { .. }) {
+        return true;
+    }
+    match crate::http::status_of(e) {
+        Some(501) => true,
+        Some(s) => (400..500).contains(&s) && ![401, 403, 404, 409, 412, 429].contains(&s),
+        None => false,
+    }
+}
 
 #[cfg(test)]
 mod tests {

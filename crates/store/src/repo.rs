@@ -15,6 +15,8 @@ use crate::index::{self, Index, IndexPack};
 use crate::pack::{self, PackEntry};
 use crate::remote::Remote;
 use crate::snapshot::{self, Entry, SnapshotObject};
+pub(crate) use crate::version::version_key;
+pub use crate::version::VersionRecord;
 
 /// Version of the store layout this code reads and writes.
 pub const FORMAT: u32 = 1;
@@ -115,48 +117,6 @@ impl StoreConfig {
             )));
         }
         Ok(())
-    }
-}
-
-/// A name's version: what `refs/<name>/@/<n>` holds.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VersionRecord {
-    /// The name, e.g. `div2k` or `runs/42`.
-    pub name: String,
-    /// 1, 2, 3, …
-    pub version: u64,
-    /// The tree.
-    pub snapshot: SnapshotId,
-    /// When it was pushed, seconds since the Unix epoch.
-    pub time: i64,
-    /// Who pushed it.
-    pub user: String,
-    /// From which machine.
-    pub host: String,
-    /// Files in the tree.
-    pub files: u64,
-    /// Logical size: sum of file sizes.
-    pub bytes: u64,
-    /// Stored size of the tree's distinct chunks (compressed).
-    pub stored_bytes: u64,
-    /// Bytes this push added to the store.
-    pub new_bytes: u64,
-    /// Paths added since the previous version.
-    pub added: u64,
-    /// Paths removed since the previous version.
-    pub removed: u64,
-    /// Paths modified since the previous version.
-    pub modified: u64,
-    /// Set by `labsync forget`: the version is no longer a gc root and is not
-    /// listed, but its number stays taken so versions never repeat.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub forgotten: bool,
-}
-
-impl VersionRecord {
-    /// `name@vN`.
-    pub fn label(&self) -> String {
-        format!("{}@v{}", self.name, self.version)
     }
 }
 
@@ -267,10 +227,6 @@ pub(crate) fn snapshot_key(id: &SnapshotId) -> String {
 
 fn version_prefix(name: &str) -> String {
     format!("refs/{name}/@/")
-}
-
-pub(crate) fn version_key(name: &str, v: u64) -> String {
-    format!("refs/{name}/@/{v:010}")
 }
 
 pub(crate) fn now_secs() -> i64 {

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::id::SnapshotId;
-use crate::repo::{version_key, VersionRecord};
+use crate::version::{version_key, VersionRecord};
 
 /// The most of a memory file read (a million versions and more).
 const MAX_SEEN_BYTES: u64 = 128 << 20;

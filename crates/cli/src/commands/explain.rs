@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use labsync_agent::Client;
 
-use super::explain as client_error;
+use super::explain_client as client_error;
 use super::job_words::state_words;
 use super::run::ranking_table;
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use labsync_agent::{Client, ClientError, JobState};
 
-use super::explain;
+use super::explain_client;
 use super::job_words::state_words;
 
 /// Streams a job's log until it ends; returns its exit code.
@@ -27,7 +27,7 @@ pub(super) async fn follow(
     loop {
         tokio::select! {
             piece = client.log(id, offset, Duration::from_secs(1)) => {
-                let piece = piece.map_err(explain)?;
+                let piece = piece.map_err(explain_client)?;
                 out.write_all(&piece.bytes)?;
                 out.flush()?;
                 offset = piece.next;
@@ -36,7 +36,7 @@ pub(super) async fn follow(
                 }
                 if piece.bytes.is_empty() && checked.elapsed() > Duration::from_millis(900) {
                     checked = Instant::now();
-                    let j = client.job(id).await.map_err(explain)?;
+                    let j = client.job(id).await.map_err(explain_client)?;
                     if j.why != last_why && !quiet {
                         if let Some(w) = &j.why {
                             eprintln!("labrun: {id} {w}");
@@ -54,12 +54,12 @@ pub(super) async fn follow(
                         eprintln!("labrun: killing {id}");
                         match client.kill(id).await {
                             Ok(_) | Err(ClientError::Status { status: 409, .. }) => {}
-                            Err(e) => return Err(explain(e)),
+                            Err(e) => return Err(explain_client(e)),
                         }
                     }
                     _ => {
                         first_ctrl_c = Some(Instant::now());
-                        let j = client.job(id).await.map_err(explain)?;
+                        let j = client.job(id).await.map_err(explain_client)?;
                         eprintln!(
                             "labrun: {id} is {}; Ctrl-C again within 1 s kills it. \
                              Otherwise it keeps running (`labrun logs -f {id}` reattaches).",
@@ -70,7 +70,7 @@ pub(super) async fn follow(
             }
         }
     }
-    let j = client.job(id).await.map_err(explain)?;
+    let j = client.job(id).await.map_err(explain_client)?;
     if !quiet {
         if let Some(saved) = &j.meta.outputs_saved {
             eprintln!("labrun: outputs saved as {saved} (labsync pull {saved} DEST)");
@@ -105,7 +105,7 @@ pub async fn logs(client: &Client, id: &str, follow_on: bool) -> Result<ExitCode
         let p = client
             .log(id, offset, Duration::ZERO)
             .await
-            .map_err(explain)?;
+            .map_err(explain_client)?;
         out.write_all(&p.bytes)?;
         offset = p.next;
         if p.bytes.is_empty() {

@@ -167,7 +167,3 @@ fn threads(n: Option<usize>) -> usize {
 pub(crate) fn explain_client(e: labsync_agent::ClientError) -> anyhow::Error {
     anyhow::Error::new(e)
 }
-
-fn explain(e: labsync_agent::ClientError) -> anyhow::Error {
-    anyhow::Error::new(e)
-}

@@ -6,17 +6,17 @@ use anyhow::Result;
 use labsync_agent::proto::JobView;
 use labsync_agent::Client;
 
-use super::explain;
+use super::explain_client;
 use super::job_words::{runtime, state_words};
 
 /// Lists your jobs (`all`: everyone's): live ones, and those that ended in the last day.
 pub async fn ps(client: &Client, json: bool, all: bool) -> Result<ExitCode> {
-    let info = client.info().await.map_err(explain)?;
+    let info = client.info().await.map_err(explain_client)?;
     let me = info.user.clone();
     let jobs: Vec<JobView> = client
         .jobs()
         .await
-        .map_err(explain)?
+        .map_err(explain_client)?
         .into_iter()
         .filter(|j| all || j.user == me)
         // Live jobs, and those that ended in the last day.

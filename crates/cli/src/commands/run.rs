@@ -11,7 +11,7 @@ use labsync_agent::proto::{DataRef, Info, JobView, SubmitRequest, TreeRef};
 use labsync_agent::Client;
 use labsync_store::{push, NodeCache, PushOptions, RefSpec, Remote, Repo};
 
-use super::explain;
+use super::explain_client;
 use super::logs::follow;
 use crate::local::{hostname, parse_duration, LocalLabd};
 use crate::progress::Bar;
@@ -86,7 +86,7 @@ pub async fn run(
     a: RunRequest,
 ) -> Result<ExitCode> {
     let client = labd.client;
-    let info = client.info().await.map_err(explain)?;
+    let info = client.info().await.map_err(explain_client)?;
     let slurm = s.backend == crate::Backend::Slurm;
     if slurm && a.hold.is_some() {
         bail!("--hold leases labd's GPUs; under Slurm, hold GPUs with salloc --gres=gpu:N");
@@ -111,7 +111,7 @@ pub async fn run(
         Some(n) => n,
         // A cluster's nodes have GPUs; the coordinator's own may not.
         None if info.coordinator => 1,
-        None => u32::from(!client.gpus().await.map_err(explain)?.is_empty()),
+        None => u32::from(!client.gpus().await.map_err(explain_client)?.is_empty()),
     };
     if a.explain && !info.coordinator && !slurm {
         bail!(
@@ -160,11 +160,11 @@ pub async fn run(
         return crate::slurm::submit::submit(s, client, &info, req, run, quiet, json).await;
     }
     if a.explain {
-        let ranking = client.explain(&req).await.map_err(explain)?;
+        let ranking = client.explain(&req).await.map_err(explain_client)?;
         print_ranking(&ranking, gpus, json)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let job = client.submit(&req).await.map_err(explain)?;
+    let job = client.submit(&req).await.map_err(explain_client)?;
     if a.detach {
         println!("{}", job.id);
         return Ok(ExitCode::SUCCESS);
@@ -253,7 +253,7 @@ async fn hold(
         hold_s: Some(secs),
         ..Default::default()
     };
-    let job = client.submit(&req).await.map_err(explain)?;
+    let job = client.submit(&req).await.map_err(explain_client)?;
     if a.detach {
         println!("{}", job.id);
         return Ok(ExitCode::SUCCESS);
@@ -262,7 +262,7 @@ async fn hold(
         eprintln!("labrun: hold {} queued; waiting for {gpus} GPU(s)…", job.id);
     }
     let job = loop {
-        let j = client.job(&job.id).await.map_err(explain)?;
+        let j = client.job(&job.id).await.map_err(explain_client)?;
         match j.state {
             labsync_agent::JobState::Running { .. } => break j,
             _ if j.ended() => bail!("hold {} ended before it started: {:?}", j.id, j.state),

@@ -10,13 +10,13 @@ use anyhow::Result;
 use labsync_agent::proto::{JobView, NodeHealth, NodeStatus};
 use labsync_agent::{Client, ForeignProcess, GpuState, GpuStatus, JobState};
 
-use super::explain;
+use super::explain_client;
 
 /// Prints the node's (or the cluster's) GPUs and jobs.
 pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
-    let info = client.info().await.map_err(explain)?;
+    let info = client.info().await.map_err(explain_client)?;
     if info.coordinator {
-        let cluster = client.cluster_status().await.map_err(explain)?;
+        let cluster = client.cluster_status().await.map_err(explain_client)?;
         if json {
             println!("{}", serde_json::to_string_pretty(&cluster)?);
             return Ok(ExitCode::SUCCESS);
@@ -37,8 +37,8 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let gpus = client.gpus().await.map_err(explain)?;
-    let jobs = client.jobs().await.map_err(explain)?;
+    let gpus = client.gpus().await.map_err(explain_client)?;
+    let jobs = client.jobs().await.map_err(explain_client)?;
     if json {
         println!(
             "{}",

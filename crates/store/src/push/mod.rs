@@ -18,6 +18,7 @@ mod beneath;
 mod commit;
 mod files_cache;
 mod prefetch;
+mod queue;
 mod read;
 mod scan;
 mod stream;

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use rustix::fs::{Advice, OFlags};
 
 use super::beneath::Beneath;
-use super::read::Jobs;
+use super::queue::Jobs;
 
 /// Reads (or `statx` calls) in flight on a cold tree: prefetcher threads
 /// here, and as many scan listers. Of 1, 4, 16 and 64 parallel `cat`s, 16

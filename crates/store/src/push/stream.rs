@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use super::beneath::Beneath;
 use super::files_cache::{self, CacheReader, CacheWriter, CachedFile, FilesCacheFile, Planned};
-use super::read::BufferPool;
+use super::queue::BufferPool;
 use super::read::{self, FileRead, Front, Jobs, Pipeline, ReadResult, ReadSettings};
 use super::scan::{LinkGroups, Listers, Scanned, StopListers, Walk};
 use super::{prefetch, tree};

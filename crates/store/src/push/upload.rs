@@ -2,7 +2,7 @@
 //! one task that keeps two uploads in flight and indexes every 32 packs
 //! (or 64 Ki chunks).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -10,7 +10,8 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::read::BufferPool;
+pub(super) use super::queue::upload_stopped;
+use super::queue::BufferPool;
 use crate::error::{Error, Result};
 use crate::index::IndexPack;
 use crate::pack::SealedPack;
@@ -99,14 +100,6 @@ impl Uploads {
             path: root.to_path_buf(),
             source: std::io::Error::other(e),
         })?
-    }
-}
-
-pub(super) fn upload_stopped() -> Error {
-    Error::Io {
-        op: "hand a pack to the uploader (it stopped)",
-        path: PathBuf::new(),
-        source: std::io::Error::other("upload failed"),
     }
 }
 
