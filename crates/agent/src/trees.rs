@@ -21,7 +21,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use labsync_store::{
-    pull_writing_behind, CacheWrites, NoProgress, NodeCache, PullOptions, RefSpec, Repo, SnapshotId,
+    CacheWrites, NoProgress, NodeCache, Pull, PullOptions, RefSpec, Repo, SnapshotId,
 };
 
 use serde::{Deserialize, Serialize};
@@ -215,8 +215,12 @@ impl Trees {
         // The job waits for its files, not for the cache's copies of the
         // packs they came from: those are written after.
         let writes = CacheWrites::new();
-        let pulled =
-            pull_writing_behind(repo, cache, &spec, tmp, opts, Arc::new(NoProgress), &writes).await;
+        let pulled = Pull::new(repo, cache, &spec, tmp)
+            .options(opts)
+            .progress(Arc::new(NoProgress))
+            .writing_behind(&writes)
+            .run()
+            .await;
         let (c, label, started) = (cache.clone(), tree.label.clone(), std::time::Instant::now());
         tokio::spawn(async move {
             let done = writes.finish().await;

@@ -13,7 +13,7 @@
 //! ```no_run
 //! # async fn demo() -> labsync_store::Result<()> {
 //! use std::sync::Arc;
-//! use labsync_store::{push, pull, NodeCache, NoProgress, PushOptions, Remote, Repo};
+//! use labsync_store::{push, NodeCache, NoProgress, Pull, PushOptions, Remote, Repo};
 //!
 //! let repo = Repo::open(Remote::open("file:///tmp/store", &[])?, None).await?;
 //! let cache = NodeCache::open("/tmp/cache".as_ref(), 10 << 30)?;
@@ -23,7 +23,8 @@
 //! };
 //! let pushed = push(&repo, "./div2k".as_ref(), &opts, Arc::new(NoProgress)).await?;
 //! println!("{}", pushed.record.label());
-//! pull(&repo, &cache, &"div2k".parse()?, "/scratch/div2k".as_ref(), 2, Arc::new(NoProgress)).await?;
+//! let spec = "div2k".parse()?;
+//! Pull::new(&repo, &cache, &spec, "/scratch/div2k".as_ref()).threads(2).run().await?;
 //! # Ok(()) }
 //! ```
 #![deny(missing_docs)]
@@ -69,9 +70,7 @@ pub use pack::{
     MAX_TREE_CHUNK,
 };
 pub use progress::{NoProgress, Progress};
-pub use pull::{
-    pull, pull_with, pull_writing_behind, snapshot_packs, warm, PullOptions, PullOutcome,
-};
+pub use pull::{snapshot_packs, warm, Pull, PullOptions, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{

@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use labsync_store::{
-    gc, pull, push, verify, ChunkId, Codec, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
-    PackBuilder, PullOutcome, PushOptions, Remote, Repo, SnapshotObject, VersionRecord, FLAG_LZ4,
-    FLAG_ZSTD,
+    gc, push, verify, ChunkId, Codec, Entry, Error, IndexPack, Kind, NoProgress, NodeCache,
+    PackBuilder, Pull, PullOutcome, PushOptions, Remote, Repo, SnapshotObject, VersionRecord,
+    FLAG_LZ4, FLAG_ZSTD,
 };
 use support::{assert_same_tree, random_bytes, write_tree, S3Server};
 
@@ -79,16 +79,12 @@ impl Env {
     /// Pulls `spec` into `root/dest` with the shared cache and checks it equals `src`.
     async fn pull_matches(&self, spec: &str, src: &Path, dest: &str) {
         let out = self.root.join(dest);
-        pull(
-            &self.repo,
-            &self.cache,
-            &spec.parse().unwrap(),
-            &out,
-            2,
-            np(),
-        )
-        .await
-        .unwrap();
+        Pull::new(&self.repo, &self.cache, &spec.parse().unwrap(), &out)
+            .threads(2)
+            .progress(np())
+            .run()
+            .await
+            .unwrap();
         assert_same_tree(src, &out);
     }
 
@@ -101,20 +97,20 @@ impl Env {
             expect: None,
         };
         let spec = spec.parse().unwrap();
-        labsync_store::pull_with(&self.repo, &self.cache, &spec, out, opts, np()).await
+        labsync_store::Pull::new(&self.repo, &self.cache, &spec, out)
+            .options(opts)
+            .progress(np())
+            .run()
+            .await
     }
 
     /// Pulls `spec` into `out` with the shared cache.
     async fn pull_into(&self, spec: &str, out: &Path) -> labsync_store::Result<PullOutcome> {
-        pull(
-            &self.repo,
-            &self.cache,
-            &spec.parse().unwrap(),
-            out,
-            2,
-            np(),
-        )
-        .await
+        Pull::new(&self.repo, &self.cache, &spec.parse().unwrap(), out)
+            .threads(2)
+            .progress(np())
+            .run()
+            .await
     }
 
     fn fresh_cache(&self, name: &str) -> NodeCache {
@@ -134,16 +130,12 @@ async fn check_round_trip(env: &Env) {
     assert!(r.created);
     assert_eq!(r.record.label(), "ds@v1");
     let dest = env.root.join("out");
-    let p = pull(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &dest,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
+    let p = Pull::new(&env.repo, &env.cache, &"ds".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
+        .await
+        .unwrap();
     assert!(p.files_written > 5);
     assert_same_tree(&src, &dest);
 }
@@ -188,16 +180,12 @@ async fn check_small_change_stores_little(env: &Env) {
     env.pull_matches("ds@v2", &src, "out2").await;
     // The old version is still intact.
     let v1 = env.root.join("out1");
-    pull(
-        &env.repo,
-        &env.cache,
-        &"ds@v1".parse().unwrap(),
-        &v1,
-        2,
-        np(),
-    )
-    .await
-    .unwrap();
+    Pull::new(&env.repo, &env.cache, &"ds@v1".parse().unwrap(), &v1)
+        .threads(2)
+        .progress(np())
+        .run()
+        .await
+        .unwrap();
     assert_ne!(
         std::fs::read(v1.join("big.bin")).unwrap(),
         std::fs::read(src.join("big.bin")).unwrap()
@@ -271,16 +259,12 @@ async fn check_corrupt_chunk_is_never_materialised(env: &Env) {
 
     let cache = env.fresh_cache("corrupt-cache");
     let dest = env.root.join("corrupt-out");
-    let err = pull(
-        &env.repo,
-        &cache,
-        &"victim".parse().unwrap(),
-        &dest,
-        2,
-        np(),
-    )
-    .await
-    .unwrap_err();
+    let err = Pull::new(&env.repo, &cache, &"victim".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(
         err.to_string().contains(&pack.to_string()),
@@ -321,14 +305,15 @@ async fn check_rebuild_index(env: &Env) {
     let (packs, chunks) = env.repo.rebuild_index().await.unwrap();
     assert!(packs > 0 && chunks > 0);
     let dest = env.root.join("after-rebuild");
-    pull(
+    Pull::new(
         &env.repo,
         &env.fresh_cache("rebuild-cache"),
         &"ds".parse().unwrap(),
         &dest,
-        2,
-        np(),
     )
+    .threads(2)
+    .progress(np())
+    .run()
     .await
     .unwrap();
     assert_same_tree(&env.root.join("src"), &dest);
@@ -393,16 +378,12 @@ async fn check_malicious_snapshots_are_refused(env: &Env) {
     for (name, entries) in cases {
         let rec = plant_snapshot(&env.repo, name, &entries).await;
         let dest = env.root.join(format!("evil-{name}"));
-        let err = pull(
-            &env.repo,
-            &env.cache,
-            &name.parse().unwrap(),
-            &dest,
-            2,
-            np(),
-        )
-        .await
-        .unwrap_err();
+        let err = Pull::new(&env.repo, &env.cache, &name.parse().unwrap(), &dest)
+            .threads(2)
+            .progress(np())
+            .run()
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::UnsafePath { .. }), "{name}: {err}");
         assert!(!env.root.join("escaped").exists() && !Path::new("/tmp/escaped").exists());
         assert!(rec.version == 1);
@@ -461,7 +442,10 @@ async fn plant_snapshot(repo: &Repo, name: &str, entries: &[Entry]) -> VersionRe
 async fn check_interrupted_pull_resumes(env: &Env) {
     let dest = env.root.join("resume");
     let cache = env.fresh_cache("resume-cache");
-    let first = pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+    let first = Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     // Simulate an interruption: some files never got renamed into place.
@@ -472,7 +456,10 @@ async fn check_interrupted_pull_resumes(env: &Env) {
             removed += 1;
         }
     }
-    let again = pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+    let again = Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_eq!(again.files_written, removed);
@@ -763,7 +750,10 @@ async fn cache_evicts_lru_whole_snapshots_but_never_pinned() {
     cache.set_pinned(a.snapshot, true).unwrap();
     for name in ["b", "c"] {
         let dest = env.root.join(format!("o{name}"));
-        pull(&env.repo, &cache, &name.parse().unwrap(), &dest, 2, np())
+        Pull::new(&env.repo, &cache, &name.parse().unwrap(), &dest)
+            .threads(2)
+            .progress(np())
+            .run()
             .await
             .unwrap();
     }
@@ -872,7 +862,10 @@ async fn corrupt_node_cache_is_refetched_not_materialised() {
         std::fs::write(&p, b).unwrap();
     }
     let out = env.root.join("out");
-    pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+    Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &out);
@@ -950,14 +943,15 @@ async fn forget_then_gc_frees_only_the_forgotten_versions_data() {
         .await
         .unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
-    pull(
+    Pull::new(
         &env.repo,
         &env.cache,
         &"ds".parse().unwrap(),
         &env.root.join("out"),
-        2,
-        np(),
     )
+    .threads(2)
+    .progress(np())
+    .run()
     .await
     .unwrap();
     assert_same_tree(&src, &env.root.join("out"));
@@ -1018,7 +1012,10 @@ async fn pull_refuses_a_directory_in_place_of_a_file() {
     let out = env.root.join("out");
     std::fs::create_dir_all(out.join("model.pt")).unwrap();
     std::fs::write(out.join("model.pt/keep"), b"mine").unwrap();
-    let err = pull(&env.repo, &env.cache, &"ds".parse().unwrap(), &out, 2, np())
+    let err = Pull::new(&env.repo, &env.cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap_err();
     assert!(
@@ -1069,7 +1066,12 @@ async fn settle_keeps_the_last_whole_copy_of_a_file_being_written() {
         let (repo, cache) = (env.repo.clone(), env.cache.clone());
         let spec: labsync_store::RefSpec = format!("runs/j1@{v}").parse().unwrap();
         async move {
-            pull(&repo, &cache, &spec, &out, 2, np()).await.unwrap();
+            Pull::new(&repo, &cache, &spec, &out)
+                .threads(2)
+                .progress(np())
+                .run()
+                .await
+                .unwrap();
             out
         }
     };
@@ -1160,16 +1162,12 @@ async fn setuid_and_setgid_bits_never_pass_through_the_store() {
     plant_snapshot(&env.repo, "evil-su", &[folder, file]).await;
     let out = env.root.join("evil-out");
     let warnings = Arc::new(Warnings::default());
-    pull(
-        &env.repo,
-        &env.cache,
-        &"evil-su".parse().unwrap(),
-        &out,
-        2,
-        warnings.clone(),
-    )
-    .await
-    .unwrap();
+    Pull::new(&env.repo, &env.cache, &"evil-su".parse().unwrap(), &out)
+        .threads(2)
+        .progress(warnings.clone())
+        .run()
+        .await
+        .unwrap();
     assert_eq!(mode(&out.join("d/su")), 0o755);
     assert_eq!(mode(&out.join("d")), 0o777);
     let w = warnings.0.lock().unwrap().join("\n");
@@ -1205,7 +1203,10 @@ async fn a_pull_survives_power_loss() {
         .unwrap();
     let (cache_dir, dest) = (fs.path.join("cache"), fs.path.join("out"));
     let cache = NodeCache::open(&cache_dir, 1 << 30).unwrap();
-    pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+    Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &dest);
@@ -1213,7 +1214,10 @@ async fn a_pull_survives_power_loss() {
 
     fs.lose_power();
     let cache = NodeCache::open(&cache_dir, 1 << 30).unwrap();
-    let again = pull(&env.repo, &cache, &"ds".parse().unwrap(), &dest, 2, np())
+    let again = Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &dest);
@@ -1294,7 +1298,10 @@ async fn a_planted_index_entry_is_not_trusted_by_a_push() {
     );
     let fresh = env.fresh_cache("bob");
     let dest = env.root.join("restored");
-    pull(&env.repo, &fresh, &"div2k".parse().unwrap(), &dest, 2, np())
+    Pull::new(&env.repo, &fresh, &"div2k".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&common, &dest);
@@ -1502,7 +1509,10 @@ async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
     std::fs::write(&filler, vec![7u8; 4 << 20]).unwrap();
     let cache = NodeCache::open(&fs.path.join("cache"), 1 << 30).unwrap();
     let out = env.root.join("out");
-    let err = pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+    let err = Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap_err();
     assert!(
@@ -1512,7 +1522,10 @@ async fn pull_onto_a_full_disk_says_so_and_succeeds_once_space_is_freed() {
     let report = verify(&env.repo, &cache, None, false, np()).await.unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     std::fs::remove_file(&filler).unwrap();
-    pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+    Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &out);
@@ -1563,16 +1576,12 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
 
     let warnings = Arc::new(Warnings::default());
     let out = env.root.join("out");
-    pull(
-        &env.repo,
-        &env.cache,
-        &"ds".parse().unwrap(),
-        &out,
-        2,
-        warnings.clone(),
-    )
-    .await
-    .unwrap();
+    Pull::new(&env.repo, &env.cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(warnings.clone())
+        .run()
+        .await
+        .unwrap();
     assert_same_tree(&src, &out);
     let said = warnings.0.lock().unwrap().join("\n");
     assert!(
@@ -1585,15 +1594,11 @@ async fn an_index_that_disagrees_with_the_packs_is_found_and_repaired() {
     let cache = cache_with_good_peers(&env, &dir.path().join("store"));
     let writes = labsync_store::CacheWrites::new();
     let (out, spec) = (env.root.join("out-behind"), "ds".parse().unwrap());
-    let behind = labsync_store::pull_writing_behind(
-        &env.repo,
-        &cache,
-        &spec,
-        &out,
-        PLAIN_PULL,
-        np(),
-        &writes,
-    );
+    let behind = labsync_store::Pull::new(&env.repo, &cache, &spec, &out)
+        .options(PLAIN_PULL)
+        .progress(np())
+        .writing_behind(&writes)
+        .run();
     tokio::time::timeout(std::time::Duration::from_secs(60), behind)
         .await
         .expect("the pull does not wait for its own end")
@@ -1899,7 +1904,13 @@ async fn a_pull_expecting_a_snapshot_refuses_a_name_that_moved() {
             expect: Some(snapshot),
         };
         let spec = "ds".parse().unwrap();
-        async move { labsync_store::pull_with(repo, cache, &spec, out, opts, np()).await }
+        async move {
+            labsync_store::Pull::new(repo, cache, &spec, out)
+                .options(opts)
+                .progress(np())
+                .run()
+                .await
+        }
     };
     let stale = env.root.join("stale");
     let err = pull_expecting(v1.snapshot, &stale).await.unwrap_err();
@@ -1940,7 +1951,10 @@ async fn a_local_store_on_another_file_system_pulls_into_copies() {
         .unwrap();
     let cache = env.fresh_cache("node-cache");
     let out = env.root.join("out");
-    let got = pull(&env.repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+    let got = Pull::new(&env.repo, &cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &out);
@@ -2252,7 +2266,10 @@ async fn packs_come_from_peers_verified_and_from_the_store_when_no_peer_has_a_go
             .unwrap()
             .with_peers(peers.clone());
         let dest = env.root.join(format!("out-{offer_good}"));
-        let got = pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np())
+        let got = Pull::new(&env.repo, &cache, &"data".parse().unwrap(), &dest)
+            .threads(2)
+            .progress(np())
+            .run()
             .await
             .unwrap();
         assert_same_tree(&src, &dest);
@@ -2329,10 +2346,13 @@ async fn a_pull_writing_behind_leaves_the_cache_whole_after_it() {
     let dest = env.root.join("out");
     let opts = PLAIN_PULL;
     let spec = "data".parse().unwrap();
-    let got =
-        labsync_store::pull_writing_behind(&env.repo, &cache, &spec, &dest, opts, np(), &writes)
-            .await
-            .unwrap();
+    let got = labsync_store::Pull::new(&env.repo, &cache, &spec, &dest)
+        .options(opts)
+        .progress(np())
+        .writing_behind(&writes)
+        .run()
+        .await
+        .unwrap();
     assert_same_tree(&src, &dest);
     assert!(got.packs_fetched > 0);
     let done = writes.finish().await;
@@ -2346,7 +2366,10 @@ async fn a_pull_writing_behind_leaves_the_cache_whole_after_it() {
     let (packs, _, corrupt) = cache.verify(None, np().as_ref()).unwrap();
     assert_eq!(packs, got.packs_fetched);
     assert!(corrupt.is_empty(), "{corrupt:?}");
-    let again = pull(&env.repo, &cache, &spec, &env.root.join("out2"), 2, np())
+    let again = Pull::new(&env.repo, &cache, &spec, &env.root.join("out2"))
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_eq!(again.packs_fetched, 0);
@@ -2375,7 +2398,10 @@ async fn a_pack_the_store_lost_fails_the_pull_by_name_and_nothing_waits_for_it()
     let dest = env.root.join("out");
     let pulled = tokio::time::timeout(
         std::time::Duration::from_secs(60),
-        pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np()),
+        Pull::new(&env.repo, &cache, &"data".parse().unwrap(), &dest)
+            .threads(2)
+            .progress(np())
+            .run(),
     )
     .await
     .expect("the pull ends");
@@ -2383,7 +2409,10 @@ async fn a_pack_the_store_lost_fails_the_pull_by_name_and_nothing_waits_for_it()
     let name = lost.file_name().unwrap().to_str().unwrap();
     assert!(err.contains(name), "{err}");
     std::fs::rename(&kept, lost).unwrap();
-    pull(&env.repo, &cache, &"data".parse().unwrap(), &dest, 2, np())
+    Pull::new(&env.repo, &cache, &"data".parse().unwrap(), &dest)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_same_tree(&src, &dest);
@@ -2450,7 +2479,10 @@ fn a_pull_given_up_leaves_no_writer_waiting() {
                 .with_peers(Arc::new(SilentPeer));
             let dest = env.root.join("out");
             let spec = "data".parse().unwrap();
-            let pulling = pull(&env.repo, &cache, &spec, &dest, 2, np());
+            let pulling = Pull::new(&env.repo, &cache, &spec, &dest)
+                .threads(2)
+                .progress(np())
+                .run();
             let given_up = tokio::time::timeout(std::time::Duration::from_millis(300), pulling);
             assert!(given_up.await.is_err(), "the silent peer holds the pull");
         });

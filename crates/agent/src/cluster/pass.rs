@@ -148,8 +148,8 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
                 None => {}
             },
             Placement::Dispatched { node, gpus, .. } if !inputs.ended_on_nodes.contains(&j.id) => {
-                if let Ok(node) = node.parse() {
-                    running.push(Running {
+                match node.parse() {
+                    Ok(node) => running.push(Running {
                         id: j.id.clone(),
                         user: j.user.clone(),
                         tier: tier_of(inputs.members, j, now),
@@ -157,7 +157,17 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
                         gpus: gpus.clone(),
                         preemptible: j.req.preemptible,
                         stopping: j.preempted.is_some(),
-                    });
+                    }),
+                    // No node has such a name (names are checked when a
+                    // node joins): said and ended, not dropped from the
+                    // placer's view while it counts against nothing.
+                    Err(e) => {
+                        actions.push(Action::End {
+                            id: j.id.clone(),
+                            why: format!("its record names node {node:?}, which is no node: {e}"),
+                        });
+                        continue;
+                    }
                 }
             }
             Placement::Dispatched { .. } | Placement::Ended { .. } => {}
@@ -419,6 +429,19 @@ mod tests {
                 Action::Collect { id: "j1".into() },
                 Action::Collect { id: "j2".into() },
             ]
+        );
+    }
+
+    #[test]
+    fn a_job_on_a_node_name_that_does_not_parse_is_ended_not_dropped() {
+        let mut c = Cluster::new();
+        node(&mut c, "a", 1, 0);
+        let bad = dispatched("j1", "no/such node", NOW_S - 100, true);
+        let got = State::of(&c, vec![bad]).pass(&mut c);
+        assert!(
+            matches!(&got[..], [Action::End { id, why }]
+                if id == "j1" && why.contains("\"no/such node\", which is no node")),
+            "{got:?}"
         );
     }
 

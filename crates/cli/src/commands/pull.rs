@@ -32,7 +32,11 @@ pub async fn pull(
         expect: None,
     };
     let progress = ctx.printer.progress();
-    let r = store::pull_with(&repo, &cache, &spec, &dest, opts, progress).await?;
+    let r = store::Pull::new(&repo, &cache, &spec, &dest)
+        .options(opts)
+        .progress(progress)
+        .run()
+        .await?;
     ctx.printer.out(
         || text(&r, &dest),
         json!({"command": "pull", "dest": dest, "result": r}),

@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_leaf};
 use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::{Index, IndexPack};
-use crate::progress::Progress;
+use crate::progress::{NoProgress, Progress};
 use crate::repo::{RefSpec, Repo, VersionRecord};
 use crate::snapshot::Kind;
 
@@ -102,52 +102,89 @@ fn complete(tree: &Tree, e: Item<'_>) -> bool {
     })
 }
 
-/// Pulls `spec` into `dest` with `threads` writers; what the destination
-/// holds beyond the version stays (and is counted).
-pub async fn pull(
-    repo: &Repo,
-    cache: &NodeCache,
-    spec: &RefSpec,
-    dest: &Path,
-    threads: usize,
-    progress: Arc<dyn Progress>,
-) -> Result<PullOutcome> {
-    let opts = PullOptions {
-        threads,
-        delete: false,
-        shared: false,
-        expect: None,
-    };
-    pull_with(repo, cache, spec, dest, opts, progress).await
-}
-
-/// Pulls `spec` into `dest`: plan, fetch packs, write verified files, sweep
-/// what the version does not hold, finish.
-pub async fn pull_with(
-    repo: &Repo,
-    cache: &NodeCache,
-    spec: &RefSpec,
-    dest: &Path,
+/// A pull of `spec` into `dest`: plan, fetch packs, write verified files,
+/// sweep what the version does not hold (with [`PullOptions::delete`]),
+/// rename them in once durable. The one way to pull:
+///
+/// ```no_run
+/// # async fn f(repo: &labsync_store::Repo, cache: &labsync_store::NodeCache) -> labsync_store::Result<()> {
+/// let spec = "div2k@v3".parse()?;
+/// let got = labsync_store::Pull::new(repo, cache, &spec, "/data/div2k".as_ref())
+///     .threads(8)
+///     .run()
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct Pull<'a> {
+    repo: &'a Repo,
+    cache: &'a NodeCache,
+    spec: &'a RefSpec,
+    dest: &'a Path,
     opts: PullOptions,
     progress: Arc<dyn Progress>,
-) -> Result<PullOutcome> {
-    pull_inner(repo, cache, spec, dest, opts, progress, None).await
+    behind: Option<&'a CacheWrites>,
 }
 
-/// [`pull_with`], returning once the files are written: the node cache's
-/// copies of packs fetched from peers are written after, by `writes`
-/// ([`CacheWrites::finish`] waits for them), so a job does not wait for
-/// copies it does not read.
-pub async fn pull_writing_behind(
-    repo: &Repo,
-    cache: &NodeCache,
-    spec: &RefSpec,
-    dest: &Path,
-    opts: PullOptions,
-    progress: Arc<dyn Progress>,
-    writes: &CacheWrites,
-) -> Result<PullOutcome> {
-    pull_inner(repo, cache, spec, dest, opts, progress, Some(writes)).await
+impl<'a> Pull<'a> {
+    /// `spec` into `dest`, with 4 writers, keeping what the destination
+    /// holds beyond the version (and counting it), silently.
+    pub fn new(repo: &'a Repo, cache: &'a NodeCache, spec: &'a RefSpec, dest: &'a Path) -> Self {
+        Pull {
+            repo,
+            cache,
+            spec,
+            dest,
+            opts: PullOptions {
+                threads: 4,
+                delete: false,
+                shared: false,
+                expect: None,
+            },
+            progress: Arc::new(NoProgress),
+            behind: None,
+        }
+    }
+
+    /// With `n` writers.
+    pub fn threads(mut self, n: usize) -> Self {
+        self.opts.threads = n;
+        self
+    }
+
+    /// With all of these options.
+    pub fn options(mut self, opts: PullOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Saying how it goes to `progress`.
+    pub fn progress(mut self, progress: Arc<dyn Progress>) -> Self {
+        self.progress = progress;
+        self
+    }
+
+    /// Returning once the files are written: the node cache's copies of
+    /// packs fetched from peers are written after, by `writes`
+    /// ([`CacheWrites::finish`] waits for them), so a job does not wait for
+    /// copies it does not read.
+    pub fn writing_behind(mut self, writes: &'a CacheWrites) -> Self {
+        self.behind = Some(writes);
+        self
+    }
+
+    /// Runs it.
+    pub async fn run(self) -> Result<PullOutcome> {
+        pull_inner(
+            self.repo,
+            self.cache,
+            self.spec,
+            self.dest,
+            self.opts,
+            self.progress,
+            self.behind,
+        )
+        .await
+    }
 }
 
 async fn pull_inner(

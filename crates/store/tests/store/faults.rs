@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use labsync_store::{pull, push, verify, NoProgress, NodeCache, PushOptions, Remote, Repo};
+use labsync_store::{push, verify, NoProgress, NodeCache, Pull, PushOptions, Remote, Repo};
 use rand::{Rng, SeedableRng};
 
 use crate::support::{random_bytes, same_tree};
@@ -99,7 +99,12 @@ async fn restore_fails(root: &Path, versions: &[(String, PathBuf)]) -> Option<St
     for (i, (spec, src)) in versions.iter().enumerate() {
         let dest = dir.path().join(format!("out{i}"));
         let spec = spec.parse().unwrap();
-        if let Err(e) = pull(&repo, &cache, &spec, &dest, 2, Arc::new(NoProgress)).await {
+        if let Err(e) = Pull::new(&repo, &cache, &spec, &dest)
+            .threads(2)
+            .progress(Arc::new(NoProgress))
+            .run()
+            .await
+        {
             return Some(format!("pull {spec}: {e}"));
         }
         if !same_tree(src, &dest) {

@@ -14,7 +14,7 @@ use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use labsync_store::{pull_with, push, NoProgress, NodeCache, PullOptions, Remote, Repo};
+use labsync_store::{push, NoProgress, NodeCache, Pull, PullOptions, Remote, Repo};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -278,16 +278,12 @@ async fn generated_trees_round_trip() {
                 shared: false,
                 expect: None,
             };
-            pull_with(
-                repo,
-                cache,
-                &spec.parse().unwrap(),
-                &dest,
-                opts,
-                Arc::new(NoProgress),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("pull {spec} into {}: {e}", dest.display()))
+            Pull::new(repo, cache, &spec.parse().unwrap(), &dest)
+                .options(opts)
+                .progress(Arc::new(NoProgress))
+                .run()
+                .await
+                .unwrap_or_else(|e| panic!("pull {spec} into {}: {e}", dest.display()))
         }
     };
     for seed in 0..TREES {

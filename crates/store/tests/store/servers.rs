@@ -317,7 +317,10 @@ async fn a_late_write_over_a_new_version_is_found_and_the_push_goes_next() {
     assert_eq!(snaps[2], (3, mine.record.snapshot));
     let cache = NodeCache::open(&dir.path().join("cache"), 1 << 30).unwrap();
     let out = dir.path().join("out");
-    labsync_store::pull(&repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+    labsync_store::Pull::new(&repo, &cache, &"ds".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_eq!(
@@ -521,7 +524,10 @@ async fn a_push_while_gc_lists_the_packs_keeps_its_chunks_indexed() {
     let report = verify(&repo, &cache, None, true, np()).await.unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     let out = dir.path().join("c-out");
-    labsync_store::pull(&repo, &cache, &"c".parse().unwrap(), &out, 2, np())
+    labsync_store::Pull::new(&repo, &cache, &"c".parse().unwrap(), &out)
+        .threads(2)
+        .progress(np())
+        .run()
         .await
         .unwrap();
     assert_eq!(
@@ -604,7 +610,10 @@ async fn a_key_no_command_can_name_stops_no_listing() {
         assert_eq!(pushed.record.version, 2);
         let cache = NodeCache::open(&dir.path().join(format!("cache{k}")), 1 << 30).unwrap();
         let out = dir.path().join(format!("out{k}"));
-        labsync_store::pull(&repo, &cache, &"ds".parse().unwrap(), &out, 2, np())
+        labsync_store::Pull::new(&repo, &cache, &"ds".parse().unwrap(), &out)
+            .threads(2)
+            .progress(np())
+            .run()
             .await
             .unwrap();
         assert_eq!(std::fs::read(out.join("g")).unwrap(), b"more");
