@@ -19,7 +19,9 @@ use crate::daemon::{Caller, Daemon};
 use crate::error::{ApiError, JobError};
 use crate::jobs::Jobs;
 use crate::lane::{Lane, Place, LANE_HEAD_TIMEOUT, LANE_PLACES};
-use crate::proto::{Dispatch, ErrorBody, Heartbeat, SubmitRequest, DONE, NEXT_OFFSET};
+use crate::proto::routes::*;
+use crate::proto::{AnswerOf, RequestOf};
+use crate::proto::{ErrorBody, DONE, NEXT_OFFSET};
 
 /// A bound listener: the local default is a Unix socket, a cluster node listens on TCP.
 pub enum Listener {
@@ -124,11 +126,11 @@ async fn health() -> &'static str {
     "ok"
 }
 
-async fn info(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+async fn info(State(d): D, h: HeaderMap) -> Result<Json<AnswerOf<GetInfo>>, ApiError> {
     Ok(Json(d.info(&caller(&d, &h)?)))
 }
 
-async fn gpus(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+async fn gpus(State(d): D, h: HeaderMap) -> Result<Json<AnswerOf<GetGpus>>, ApiError> {
     caller(&d, &h)?;
     Ok(Json(d.gpus().await?))
 }
@@ -148,7 +150,7 @@ async fn jobs(
     State(jobs): J,
     _: Authed,
     Query(q): Query<JobsQuery>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<ListJobs>>, ApiError> {
     Ok(Json(if q.history || q.before.is_some() {
         jobs.history(q.before, q.limit.unwrap_or(100)).await?
     } else {
@@ -159,8 +161,8 @@ async fn jobs(
 async fn submit(
     State(jobs): J,
     Authed(c): Authed,
-    Json(req): Json<SubmitRequest>,
-) -> Result<impl IntoResponse, ApiError> {
+    Json(req): Json<RequestOf<SubmitJob>>,
+) -> Result<(StatusCode, Json<AnswerOf<SubmitJob>>), ApiError> {
     Ok((StatusCode::CREATED, Json(jobs.submit(&c, req).await?)))
 }
 
@@ -168,7 +170,7 @@ async fn job(
     State(jobs): J,
     _: Authed,
     Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<GetJob>>, ApiError> {
     Ok(Json(jobs.job(&id).await?))
 }
 
@@ -177,7 +179,7 @@ async fn job_explain(
     State(jobs): J,
     _: Authed,
     Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<ExplainJob>>, ApiError> {
     Ok(Json(jobs.explain(&id).await?))
 }
 
@@ -185,7 +187,7 @@ async fn kill(
     State(jobs): J,
     Authed(c): Authed,
     Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<KillJob>>, ApiError> {
     Ok(Json(jobs.kill(&c, &id).await?))
 }
 
@@ -231,7 +233,10 @@ fn coordinator<'a>(
 }
 
 /// The coordinator's view of every node, for users.
-async fn cluster_status(State(d): D, h: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+async fn cluster_status(
+    State(d): D,
+    h: HeaderMap,
+) -> Result<Json<AnswerOf<GetClusterStatus>>, ApiError> {
     caller(&d, &h)?;
     let (c, _) = coordinator(&d, "the cluster's status")?;
     Ok(Json(c.status(now_ms() as u64)))
@@ -360,8 +365,8 @@ where
 async fn pack_corrupt(
     State(d): D,
     Path(id): Path<String>,
-    Signed { from, body }: Signed<crate::proto::CorruptCopy>,
-) -> Result<impl IntoResponse, ApiError> {
+    Signed { from, body }: Signed<RequestOf<ReportCorrupt>>,
+) -> Result<Json<AnswerOf<ReportCorrupt>>, ApiError> {
     let id: labsync_store::PackId = id
         .parse()
         .map_err(|_| JobError::Invalid(format!("{id:?} is not a pack id")))?;
@@ -390,8 +395,8 @@ async fn pack_corrupt(
 /// An agent's heartbeat, on the coordinator.
 async fn heartbeat(
     State(d): D,
-    Signed { from, body }: Signed<Heartbeat>,
-) -> Result<impl IntoResponse, ApiError> {
+    Signed { from, body }: Signed<RequestOf<SendHeartbeat>>,
+) -> Result<Json<AnswerOf<SendHeartbeat>>, ApiError> {
     let c = d.coordinator().ok_or_else(|| {
         JobError::Conflict(format!(
             "{} is not the coordinator: check `coordinator` in {from}'s [cluster] config",
@@ -484,8 +489,8 @@ async fn pack(
 async fn explain(
     State(d): D,
     _: Authed,
-    Json(req): Json<SubmitRequest>,
-) -> Result<impl IntoResponse, ApiError> {
+    Json(req): Json<RequestOf<ExplainRequest>>,
+) -> Result<Json<AnswerOf<ExplainRequest>>, ApiError> {
     let (co, r) = coordinator(&d, "--explain")?;
     Ok(Json(co.explain(&r, &req).await?))
 }
@@ -494,8 +499,8 @@ async fn explain(
 async fn rank(
     State(d): D,
     _: Authed,
-    Json(ask): Json<crate::proto::RankAsk>,
-) -> Result<impl IntoResponse, ApiError> {
+    Json(ask): Json<RequestOf<RankNodes>>,
+) -> Result<Json<AnswerOf<RankNodes>>, ApiError> {
     let (co, r) = coordinator(&d, "ranking nodes for Slurm")?;
     Ok(Json(co.rank_for_scheduler(&r, &ask).await?))
 }
@@ -506,7 +511,7 @@ async fn rank(
 async fn stage_ask(
     State(d): D,
     req: axum::extract::Request,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<AskStage>>, ApiError> {
     let (parts, body) = req.into_parts();
     let c = caller(&d, &parts.headers)?;
     let bytes = tokio::time::timeout(REQUEST_TIMEOUT, axum::body::to_bytes(body, 1 << 20))
@@ -523,7 +528,7 @@ async fn stage_ask(
 async fn stage_done_ask(
     State(d): D,
     Authed(c): Authed,
-    Json(done): Json<crate::proto::StageDone>,
+    Json(done): Json<RequestOf<AskStageDone>>,
 ) -> Result<impl IntoResponse, ApiError> {
     let (co, r) = coordinator(&d, "releasing a Slurm job's stage")?;
     co.stage_done(&r, &c, done).await?;
@@ -535,11 +540,11 @@ async fn stage_done_ask(
 async fn stage_order(
     State(d): D,
     req: axum::extract::Request,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<OrderStage>>, ApiError> {
     use axum::extract::FromRequest;
     let signed = tokio::time::timeout(
         REQUEST_TIMEOUT,
-        Signed::<crate::proto::StageOrder>::from_request(req, &d),
+        Signed::<RequestOf<OrderStage>>::from_request(req, &d),
     )
     .await
     .map_err(|_| JobError::Invalid("request took too long; closed".into()))??;
@@ -549,7 +554,7 @@ async fn stage_order(
 /// The coordinator's release of a stage, on a node.
 async fn stage_done_order(
     State(d): D,
-    Signed { body, .. }: Signed<crate::proto::StageDone>,
+    Signed { body, .. }: Signed<RequestOf<OrderStageDone>>,
 ) -> Result<impl IntoResponse, ApiError> {
     d.stage_done(body).await?;
     Ok(Json(serde_json::json!({})))
@@ -559,8 +564,8 @@ async fn stage_done_order(
 async fn warm_ask(
     State(d): D,
     Authed(c): Authed,
-    Json(ask): Json<crate::cluster::WarmAsk>,
-) -> Result<impl IntoResponse, ApiError> {
+    Json(ask): Json<RequestOf<AskWarm>>,
+) -> Result<Json<AnswerOf<AskWarm>>, ApiError> {
     let (co, r) = coordinator(&d, "labsync warm")?;
     Ok(Json(co.warm(&r, &c, ask).await?))
 }
@@ -568,7 +573,7 @@ async fn warm_ask(
 /// The coordinator's warm order, on a node.
 async fn warm_order(
     State(d): D,
-    Signed { body, .. }: Signed<crate::cluster::WarmOrder>,
+    Signed { body, .. }: Signed<RequestOf<OrderWarm>>,
 ) -> Result<impl IntoResponse, ApiError> {
     d.warm(body).await?;
     Ok(Json(serde_json::json!({})))
@@ -577,8 +582,8 @@ async fn warm_order(
 /// Who holds which packs, on the coordinator.
 async fn locate(
     State(d): D,
-    Signed { from, body }: Signed<Vec<labsync_store::PackId>>,
-) -> Result<impl IntoResponse, ApiError> {
+    Signed { from, body }: Signed<RequestOf<LocatePacks>>,
+) -> Result<Json<AnswerOf<LocatePacks>>, ApiError> {
     let (co, _) = coordinator(&d, "locating packs")?;
     Ok(Json(co.locate(&from, &body)))
 }
@@ -586,8 +591,8 @@ async fn locate(
 /// A job the coordinator placed here.
 async fn dispatch(
     State(d): D,
-    Signed { body, .. }: Signed<Dispatch>,
-) -> Result<impl IntoResponse, ApiError> {
+    Signed { body, .. }: Signed<RequestOf<DispatchJob>>,
+) -> Result<Json<AnswerOf<DispatchJob>>, ApiError> {
     Ok(Json(d.submit_placed(body).await))
 }
 
@@ -603,7 +608,7 @@ async fn placed_job(
     State(d): D,
     _: FromMember,
     Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<PlacedJob>>, ApiError> {
     Ok(Json(d.job(&id).await?))
 }
 
@@ -611,7 +616,7 @@ async fn placed_kill(
     State(d): D,
     FromMember(from): FromMember,
     Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Json<AnswerOf<PlacedKill>>, ApiError> {
     Ok(Json(d.kill(&for_coordinator(from), &id).await?))
 }
 
@@ -619,7 +624,7 @@ async fn placed_kill(
 async fn placed_preempt(
     State(d): D,
     Path(id): Path<String>,
-    Signed { body, .. }: Signed<crate::proto::PreemptOrder>,
+    Signed { body, .. }: Signed<RequestOf<PlacedPreempt>>,
 ) -> Result<impl IntoResponse, ApiError> {
     d.stop_for(&id, &body.for_job).await?;
     Ok(Json(serde_json::json!({})))
@@ -654,45 +659,70 @@ async fn time_limit(
         .map_err(|_| JobError::Invalid("request took too long; closed".into()).into())
 }
 
-/// The API's routes over `daemon`.
+/// The API's routes over `daemon`, each where [`crate::proto::routes`]
+/// says it is.
 pub fn router(daemon: Arc<Daemon>) -> Router {
-    Router::new()
-        .route("/v1/health", get(health))
-        .route("/v1/info", get(info))
-        .route("/v1/gpus", get(gpus))
-        .route("/v1/jobs", get(jobs).post(submit))
-        .route("/v1/jobs/{id}", get(job))
-        .route("/v1/jobs/{id}/log", get(log))
-        .route("/v1/jobs/{id}/kill", post(kill))
-        .route("/v1/jobs/{id}/explain", get(job_explain))
-        .route("/v1/cluster/status", get(cluster_status))
-        .route("/v1/cluster/heartbeat", post(heartbeat))
-        .route("/v1/cluster/packs/{id}", get(pack))
-        .route("/v1/cluster/packs/{id}/corrupt", post(pack_corrupt))
-        .route("/v1/cluster/explain", post(explain))
-        .route("/v1/cluster/rank", post(rank))
-        .route("/v1/stage/done", post(stage_done_ask))
-        .route("/v1/cluster/stage/done", post(stage_done_order))
-        .route("/v1/warm", post(warm_ask))
-        .route("/v1/cluster/warm", post(warm_order))
-        .route("/v1/cluster/locate", post(locate))
-        .route("/v1/cluster/jobs", post(dispatch))
-        .route("/v1/cluster/jobs/{id}", get(placed_job))
-        .route("/v1/cluster/jobs/{id}/log", get(placed_log))
-        .route("/v1/cluster/jobs/{id}/kill", post(placed_kill))
-        .route("/v1/cluster/jobs/{id}/preempt", post(placed_preempt))
+    let timed = Routes(Router::new())
+        .at::<Health, _, _>(health)
+        .at::<GetInfo, _, _>(info)
+        .at::<GetGpus, _, _>(gpus)
+        .at::<ListJobs, _, _>(jobs)
+        .at::<SubmitJob, _, _>(submit)
+        .at::<GetJob, _, _>(job)
+        .at::<JobLog, _, _>(log)
+        .at::<KillJob, _, _>(kill)
+        .at::<ExplainJob, _, _>(job_explain)
+        .at::<GetClusterStatus, _, _>(cluster_status)
+        .at::<SendHeartbeat, _, _>(heartbeat)
+        .at::<GetPack, _, _>(pack)
+        .at::<ReportCorrupt, _, _>(pack_corrupt)
+        .at::<ExplainRequest, _, _>(explain)
+        .at::<RankNodes, _, _>(rank)
+        .at::<AskStageDone, _, _>(stage_done_ask)
+        .at::<OrderStageDone, _, _>(stage_done_order)
+        .at::<AskWarm, _, _>(warm_ask)
+        .at::<OrderWarm, _, _>(warm_order)
+        .at::<LocatePacks, _, _>(locate)
+        .at::<DispatchJob, _, _>(dispatch)
+        .at::<PlacedJob, _, _>(placed_job)
+        .at::<PlacedLog, _, _>(placed_log)
+        .at::<PlacedKill, _, _>(placed_kill)
+        .at::<PlacedPreempt, _, _>(placed_preempt)
+        .0;
+    // Staging answers once the data is there: minutes for a big dataset.
+    // Its handlers bound the body's arrival themselves.
+    let untimed = Routes(Router::new())
+        .at::<AskStage, _, _>(stage_ask)
+        .at::<OrderStage, _, _>(stage_order)
+        .0;
+    timed
         .layer(axum::middleware::from_fn(time_limit))
-        // Staging answers once the data is there: minutes for a big
-        // dataset. Its handlers bound the body's arrival themselves.
-        .merge(
-            Router::new()
-                .route("/v1/stage", post(stage_ask))
-                .route("/v1/cluster/stage", post(stage_order)),
-        )
+        .merge(untimed)
         .with_state(App {
             jobs: Arc::new(Jobs::of(&daemon)),
             daemon,
         })
+}
+
+/// A router being built from the route table.
+struct Routes(Router<App>);
+
+impl Routes {
+    /// Route `R` served by `handler`, with the method and path the table
+    /// gives it.
+    fn at<R, H, T>(self, handler: H) -> Routes
+    where
+        R: crate::proto::Route,
+        H: axum::handler::Handler<T, App>,
+        T: 'static,
+    {
+        use crate::proto::Verb;
+        let method = match R::VERB {
+            Verb::Get => get(handler),
+            Verb::Post => post(handler),
+        };
+        Routes(self.0.route(R::PATH, method))
+    }
 }
 
 /// Who is at the other end of a connection, for the per-peer cap.

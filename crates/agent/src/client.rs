@@ -11,9 +11,10 @@ use hyper::header;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
-use crate::cluster::auth::{signing_ms, ClusterKey, Route};
+use crate::cluster::auth::{signing_ms, ClusterKey, Route as Signing};
 use crate::cluster::wire;
 use crate::error::ClientError;
+use crate::proto::{path_of, routes, AnswerOf, RequestOf, Route, Verb};
 use crate::proto::{
     ClusterStatus, Dispatch, DispatchReply, ErrorBody, Heartbeat, HeartbeatReply, Info, JobView,
     SubmitRequest, DONE, NEXT_OFFSET,
@@ -179,7 +180,7 @@ impl Client {
         let body = body.unwrap_or_default();
         if let Some((key, from, to)) = &self.signer {
             let method = req.method_ref().map_or("GET", |m| m.as_str()).to_string();
-            let route = Route {
+            let route = Signing {
                 method: &method,
                 path,
                 from,
@@ -295,26 +296,57 @@ impl Client {
         serde_json::from_slice(resp.body()).map_err(|e| self.protocol(e))
     }
 
+    /// Asks route `R` (its `{id}` filled with `id`) with `body`, and reads
+    /// its JSON answer: the method, path and types are the table's
+    /// ([`crate::proto::routes`]).
+    async fn call<R: Route>(
+        &self,
+        id: &str,
+        body: Option<&RequestOf<R>>,
+    ) -> Result<AnswerOf<R>, ClientError>
+    where
+        RequestOf<R>: serde::Serialize,
+        AnswerOf<R>: DeserializeOwned,
+    {
+        let body = body.map(|b| serde_json::to_vec(b).expect("requests serialise"));
+        self.json(method_of::<R>(), &path_of::<R>(id), body).await
+    }
+
+    /// Asks route `R`, which answers `{}`.
+    async fn order<R: Route<Answer = ()>>(
+        &self,
+        id: &str,
+        body: &RequestOf<R>,
+    ) -> Result<(), ClientError>
+    where
+        RequestOf<R>: serde::Serialize,
+    {
+        let body = serde_json::to_vec(body).expect("requests serialise");
+        let _: serde_json::Value =
+            (self.json(method_of::<R>(), &path_of::<R>(id), Some(body))).await?;
+        Ok(())
+    }
+
     /// True when labd answers its health check (no token needed).
     pub async fn healthy(&self) -> bool {
-        self.exchange(hyper::Method::GET, "/v1/health", None)
+        (self.exchange(method_of::<routes::Health>(), routes::Health::PATH, None))
             .await
             .is_ok()
     }
 
     /// Who we are to labd, and its store.
     pub async fn info(&self) -> Result<Info, ClientError> {
-        self.json(hyper::Method::GET, "/v1/info", None).await
+        self.call::<routes::GetInfo>("", None).await
     }
 
     /// Every GPU of the node.
     pub async fn gpus(&self) -> Result<Vec<GpuStatus>, ClientError> {
-        self.json(hyper::Method::GET, "/v1/gpus", None).await
+        self.call::<routes::GetGpus>("", None).await
     }
 
     /// Every active job, and those that ended in the last day.
     pub async fn jobs(&self) -> Result<Vec<JobView>, ClientError> {
-        self.json(hyper::Method::GET, "/v1/jobs", None).await
+        self.call::<routes::ListJobs>("", None).await
     }
 
     /// One page of older jobs: ended, numbered below `before` (all without
@@ -324,75 +356,63 @@ impl Client {
         before: Option<u64>,
         limit: usize,
     ) -> Result<Vec<JobView>, ClientError> {
-        let mut path = format!("/v1/jobs?history=true&limit={limit}");
+        type R = routes::ListJobs;
+        let mut path = format!("{}?history=true&limit={limit}", R::PATH);
         if let Some(b) = before {
             path += &format!("&before={b}");
         }
-        self.json(hyper::Method::GET, &path, None).await
+        self.json(method_of::<R>(), &path, None).await
     }
 
     /// One job.
     pub async fn job(&self, id: &str) -> Result<JobView, ClientError> {
-        self.json(hyper::Method::GET, &format!("/v1/jobs/{id}"), None)
-            .await
+        self.call::<routes::GetJob>(id, None).await
     }
 
     /// Submits a job.
     pub async fn submit(&self, req: &SubmitRequest) -> Result<JobView, ClientError> {
-        let body = serde_json::to_vec(req).expect("request serialises");
-        self.json(hyper::Method::POST, "/v1/jobs", Some(body)).await
+        self.call::<routes::SubmitJob>("", Some(req)).await
     }
 
     /// Kills a job.
     pub async fn kill(&self, id: &str) -> Result<JobView, ClientError> {
-        self.json(hyper::Method::POST, &format!("/v1/jobs/{id}/kill"), None)
-            .await
+        self.call::<routes::KillJob>(id, None).await
     }
 
     /// Every node of the cluster (asked of the coordinator).
     pub async fn cluster_status(&self) -> Result<ClusterStatus, ClientError> {
-        self.json(hyper::Method::GET, "/v1/cluster/status", None)
-            .await
+        self.call::<routes::GetClusterStatus>("", None).await
     }
 
     /// Sends a heartbeat to the coordinator (a cluster client).
     pub async fn heartbeat(&self, hb: &Heartbeat) -> Result<HeartbeatReply, ClientError> {
-        let body = serde_json::to_vec(hb).expect("heartbeat serialises");
-        self.json(hyper::Method::POST, "/v1/cluster/heartbeat", Some(body))
-            .await
+        self.call::<routes::SendHeartbeat>("", Some(hb)).await
     }
 
     /// A pack from a peer's cache (a cluster client). Unverified: the
     /// caller checks it against its id.
     pub async fn pack(&self, id: &labsync_store::PackId) -> Result<Bytes, ClientError> {
-        let path = format!("/v1/cluster/packs/{id}");
-        let resp =
-            (self.exchange_as(hyper::Method::GET, &path, None, Some(wire::PROTOCOL))).await?;
+        type R = routes::GetPack;
+        let path = path_of::<R>(&id.to_string());
+        let upgrade = Some(wire::PROTOCOL);
+        let resp = (self.exchange_as(method_of::<R>(), &path, None, upgrade)).await?;
         Ok(resp.into_body())
     }
 
-    /// `POST /v1/cluster/packs/{id}/corrupt`: tells the node that served
-    /// pack `id` that its copy was corrupt (`why`); it checks its copy
-    /// again and drops it if so.
+    /// Tells the node that served pack `id` that its copy was corrupt
+    /// (`why`); it checks its copy again and drops it if so.
     pub async fn report_corrupt(
         &self,
         id: &labsync_store::PackId,
         why: &str,
     ) -> Result<crate::proto::CorruptChecked, ClientError> {
-        let body = serde_json::to_vec(&crate::proto::CorruptCopy { why: why.into() })
-            .expect("report serialises");
-        self.json(
-            hyper::Method::POST,
-            &format!("/v1/cluster/packs/{id}/corrupt"),
-            Some(body),
-        )
-        .await
+        let report = crate::proto::CorruptCopy { why: why.into() };
+        (self.call::<routes::ReportCorrupt>(&id.to_string(), Some(&report))).await
     }
 
-    /// `GET /v1/jobs/{id}/explain`: why job `id` waits, per node.
+    /// Why job `id` waits, per node.
     pub async fn explain_job(&self, id: &str) -> Result<crate::proto::JobExplain, ClientError> {
-        self.json(hyper::Method::GET, &format!("/v1/jobs/{id}/explain"), None)
-            .await
+        self.call::<routes::ExplainJob>(id, None).await
     }
 
     /// Where a job would go and why (`labrun --explain`; the coordinator).
@@ -400,9 +420,7 @@ impl Client {
         &self,
         req: &SubmitRequest,
     ) -> Result<labsync_placer::Ranking, ClientError> {
-        let body = serde_json::to_vec(req).expect("request serialises");
-        self.json(hyper::Method::POST, "/v1/cluster/explain", Some(body))
-            .await
+        self.call::<routes::ExplainRequest>("", Some(req)).await
     }
 
     /// The nodes ranked for a job with the GPUs as Slurm reports them
@@ -411,9 +429,7 @@ impl Client {
         &self,
         ask: &crate::proto::RankAsk,
     ) -> Result<labsync_placer::Ranking, ClientError> {
-        let body = serde_json::to_vec(ask).expect("ask serialises");
-        self.json(hyper::Method::POST, "/v1/cluster/rank", Some(body))
-            .await
+        self.call::<routes::RankNodes>("", Some(ask)).await
     }
 
     /// Stages a Slurm job's code and data on its node (its batch script,
@@ -422,17 +438,12 @@ impl Client {
         &self,
         ask: &crate::proto::StageAsk,
     ) -> Result<crate::proto::Staged, ClientError> {
-        let body = serde_json::to_vec(ask).expect("ask serialises");
-        self.json(hyper::Method::POST, "/v1/stage", Some(body))
-            .await
+        self.call::<routes::AskStage>("", Some(ask)).await
     }
 
     /// Releases a stage (the Slurm job ended; the coordinator).
     pub async fn stage_done_ask(&self, done: &crate::proto::StageDone) -> Result<(), ClientError> {
-        let body = serde_json::to_vec(done).expect("done serialises");
-        self.exchange(hyper::Method::POST, "/v1/stage/done", Some(body))
-            .await
-            .map(drop)
+        self.order::<routes::AskStageDone>("", done).await
     }
 
     /// Orders a node to stage (a cluster client).
@@ -440,17 +451,12 @@ impl Client {
         &self,
         order: &crate::proto::StageOrder,
     ) -> Result<crate::proto::Staged, ClientError> {
-        let body = serde_json::to_vec(order).expect("order serialises");
-        self.json(hyper::Method::POST, "/v1/cluster/stage", Some(body))
-            .await
+        self.call::<routes::OrderStage>("", Some(order)).await
     }
 
     /// Releases a stage on its node (a cluster client).
     pub async fn stage_done(&self, done: &crate::proto::StageDone) -> Result<(), ClientError> {
-        let body = serde_json::to_vec(done).expect("done serialises");
-        self.exchange(hyper::Method::POST, "/v1/cluster/stage/done", Some(body))
-            .await
-            .map(drop)
+        self.order::<routes::OrderStageDone>("", done).await
     }
 
     /// Has the coordinator warm (or unpin) a version on nodes (admins).
@@ -458,16 +464,12 @@ impl Client {
         &self,
         ask: &crate::proto::WarmAsk,
     ) -> Result<crate::proto::WarmAnswer, ClientError> {
-        let body = serde_json::to_vec(ask).expect("ask serialises");
-        self.json(hyper::Method::POST, "/v1/warm", Some(body)).await
+        self.call::<routes::AskWarm>("", Some(ask)).await
     }
 
     /// Orders a node to warm (or unpin) a version (a cluster client).
     pub async fn warm(&self, order: &crate::proto::WarmOrder) -> Result<(), ClientError> {
-        let body = serde_json::to_vec(order).expect("order serialises");
-        self.exchange(hyper::Method::POST, "/v1/cluster/warm", Some(body))
-            .await
-            .map(drop)
+        self.order::<routes::OrderWarm>("", order).await
     }
 
     /// Who holds which packs (asked of the coordinator; a cluster client).
@@ -475,49 +477,32 @@ impl Client {
         &self,
         packs: &[labsync_store::PackId],
     ) -> Result<crate::proto::Located, ClientError> {
-        let body = serde_json::to_vec(packs).expect("ids serialise");
-        self.json(hyper::Method::POST, "/v1/cluster/locate", Some(body))
+        self.call::<routes::LocatePacks>("", Some(&packs.to_vec()))
             .await
     }
 
     /// Sends a placed job to its node's agent (a cluster client).
     pub async fn dispatch(&self, d: &Dispatch) -> Result<DispatchReply, ClientError> {
-        let body = serde_json::to_vec(d).expect("dispatch serialises");
-        self.json(hyper::Method::POST, "/v1/cluster/jobs", Some(body))
-            .await
+        self.call::<routes::DispatchJob>("", Some(d)).await
     }
 
     /// A job's record on the node that runs it (a cluster client).
     pub async fn cluster_job(&self, id: &str) -> Result<JobView, ClientError> {
-        self.json(hyper::Method::GET, &format!("/v1/cluster/jobs/{id}"), None)
-            .await
+        self.call::<routes::PlacedJob>(id, None).await
     }
 
     /// Stops a preemptible job on the node that runs it, for `for_job`
     /// (a cluster client; answered once SIGTERM is on its way).
     pub async fn cluster_preempt(&self, id: &str, for_job: &str) -> Result<(), ClientError> {
-        let body = serde_json::to_vec(&crate::proto::PreemptOrder {
+        let order = crate::proto::PreemptOrder {
             for_job: for_job.to_string(),
-        })
-        .expect("order serialises");
-        let _: serde_json::Value = self
-            .json(
-                hyper::Method::POST,
-                &format!("/v1/cluster/jobs/{id}/preempt"),
-                Some(body),
-            )
-            .await?;
-        Ok(())
+        };
+        self.order::<routes::PlacedPreempt>(id, &order).await
     }
 
     /// Kills a job on the node that runs it (a cluster client).
     pub async fn cluster_kill(&self, id: &str) -> Result<JobView, ClientError> {
-        self.json(
-            hyper::Method::POST,
-            &format!("/v1/cluster/jobs/{id}/kill"),
-            None,
-        )
-        .await
+        self.call::<routes::PlacedKill>(id, None).await
     }
 
     /// A job's log on the node that runs it (a cluster client).
@@ -527,7 +512,7 @@ impl Client {
         offset: u64,
         wait: Duration,
     ) -> Result<LogPiece, ClientError> {
-        self.log_at("/v1/cluster/jobs", id, offset, wait).await
+        self.log_at::<routes::PlacedLog>(id, offset, wait).await
     }
 
     /// The job's log from `offset`, waiting up to `wait` for something new.
@@ -537,21 +522,22 @@ impl Client {
         offset: u64,
         wait: Duration,
     ) -> Result<LogPiece, ClientError> {
-        self.log_at("/v1/jobs", id, offset, wait).await
+        self.log_at::<routes::JobLog>(id, offset, wait).await
     }
 
-    async fn log_at(
+    /// A log piece from route `R` ([`routes::JobLog`] or [`routes::PlacedLog`]).
+    async fn log_at<R: Route>(
         &self,
-        base: &str,
         id: &str,
         offset: u64,
         wait: Duration,
     ) -> Result<LogPiece, ClientError> {
         let path = format!(
-            "{base}/{id}/log?offset={offset}&wait_ms={}",
+            "{}?offset={offset}&wait_ms={}",
+            path_of::<R>(id),
             wait.as_millis()
         );
-        let resp = self.exchange(hyper::Method::GET, &path, None).await?;
+        let resp = self.exchange(method_of::<R>(), &path, None).await?;
         let header = |name: &str| {
             resp.headers()
                 .get(name)
@@ -597,6 +583,14 @@ async fn collect(mut body: hyper::body::Incoming, length: Option<usize>) -> Resu
         }
     }
     Ok(labsync_store::reuse::recycled(buf, start))
+}
+
+/// The HTTP method of route `R`.
+fn method_of<R: Route>() -> hyper::Method {
+    match R::VERB {
+        Verb::Get => hyper::Method::GET,
+        Verb::Post => hyper::Method::POST,
+    }
 }
 
 #[cfg(test)]

@@ -3,40 +3,11 @@
 //! Every path is under `/v1/`; all but `/v1/health` need
 //! `Authorization: Bearer <token>`.
 //!
-//! | method | path | body → answer |
-//! |---|---|---|
-//! | GET | `/v1/health` | → `ok` |
-//! | GET | `/v1/info` | → [`Info`] |
-//! | GET | `/v1/gpus` | → `[GpuStatus]` |
-//! | POST | `/v1/jobs` | [`SubmitRequest`] → [`JobView`] |
-//! | GET | `/v1/jobs` | → `[JobView]`: everyone's active jobs and those that ended in the last day |
-//! | GET | `/v1/jobs?history=true&before=N&limit=M` | → `[JobView]`: ended jobs numbered below `jN`, newest first, `M` ≤ 1000 (default 100) |
-//! | GET | `/v1/jobs/{id}` | → [`JobView`] |
-//! | GET | `/v1/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes from `N`; headers [`NEXT_OFFSET`], [`DONE`] |
-//! | POST | `/v1/jobs/{id}/kill` | → [`JobView`] |
-//! | POST | `/v1/cluster/jobs/{id}/preempt` | [`PreemptOrder`] → `{}`: stop a preemptible job to requeue it (signed) |
-//! | GET | `/v1/jobs/{id}/explain` | → [`JobExplain`]: the job, and per node why not there (queued, in a cluster) |
-//! | GET | `/v1/cluster/status` | → [`ClusterStatus`] (the coordinator only) |
-//! | POST | `/v1/warm` | [`WarmAsk`] → [`WarmAnswer`] (the coordinator; admins) |
-//! | POST | `/v1/cluster/rank` | [`RankAsk`] → [`labsync_placer::Ranking`]: nodes ranked with Slurm's GPUs (the coordinator) |
-//! | POST | `/v1/stage` | [`StageAsk`] → [`Staged`]: a Slurm job's code and data on its node, answered once there (the coordinator) |
-//! | POST | `/v1/stage/done` | [`StageDone`] → `{}`: the Slurm job ended (the coordinator) |
-//!
-//! Between the nodes of a cluster, signed with the cluster secret
-//! ([`crate::cluster`]), never with a user's token:
-//!
-//! | method | path | body → answer |
-//! |---|---|---|
-//! | POST | `/v1/cluster/heartbeat` | [`Heartbeat`] → [`HeartbeatReply`] (to the coordinator) |
-//! | GET | `/v1/cluster/packs/{id}` | → the pack's bytes, from this node's cache (peer transfer); over plain TCP, with `Upgrade: labsync-pack`, `101` and then the bytes by `sendfile` (`cluster::wire`) |
-//! | POST | `/v1/cluster/jobs` | [`Dispatch`] → [`DispatchReply`] (the coordinator to an agent) |
-//! | POST | `/v1/cluster/warm` | [`WarmOrder`] → `{}` (the coordinator to an agent) |
-//! | POST | `/v1/cluster/locate` | `[PackId]` → [`Located`] (to the coordinator: who holds what) |
-//! | POST | `/v1/cluster/stage` | [`StageOrder`] → [`Staged`] (the coordinator to an agent) |
-//! | POST | `/v1/cluster/stage/done` | [`StageDone`] → `{}` (the coordinator to an agent) |
-//! | GET | `/v1/cluster/jobs/{id}` | → [`JobView`] |
-//! | GET | `/v1/cluster/jobs/{id}/log?offset=N&wait_ms=M` | → log bytes, as `/v1/jobs/{id}/log` |
-//! | POST | `/v1/cluster/jobs/{id}/kill` | → [`JobView`] |
+//! Every route is written once, in [`routes`]: its method, path, what is
+//! sent and what comes back. labd's router and the [`crate::Client`] both
+//! read it. Routes under `/v1/cluster/` (but `status`, `explain` and `rank`)
+//! are between the nodes of a cluster, signed with the cluster secret
+//! ([`crate::cluster`]), never with a user's token.
 //!
 //! Users ask the coordinator (`/v1/jobs…` as on one node); it checks who
 //! may do what and forwards to the node that runs the job.
@@ -618,4 +589,134 @@ pub struct Warming {
     pub total_bytes: Option<u64>,
     /// Why it failed, when it did (shown until the next warm of it).
     pub error: Option<String>,
+}
+
+/// How a route is asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    /// `GET`.
+    Get,
+    /// `POST`.
+    Post,
+}
+
+/// One route of labd's API: the router serves it and the client asks it
+/// from this one definition.
+pub trait Route {
+    /// How it is asked.
+    const VERB: Verb;
+    /// Its path; `{id}` stands for a job's or a pack's id.
+    const PATH: &'static str;
+    /// What is sent: JSON, or `()` for nothing.
+    type Request;
+    /// What comes back: JSON, `()` for `{}`, or bytes where said.
+    type Answer;
+}
+
+/// The path of route `R` for `id` (the `{id}` in it filled in).
+pub fn path_of<R: Route>(id: &str) -> String {
+    R::PATH.replace("{id}", id)
+}
+
+/// What route `R` is sent.
+pub type RequestOf<R> = <R as Route>::Request;
+
+/// What route `R` answers.
+pub type AnswerOf<R> = <R as Route>::Answer;
+
+macro_rules! routes {
+    ($($(#[$doc:meta])* $name:ident: $verb:ident $path:literal, $req:ty => $ans:ty;)*) => {
+        $(
+            $(#[$doc])*
+            #[doc = concat!("\n\n`", stringify!($verb), " ", $path, "`: `", stringify!($req), "` → `", stringify!($ans), "`.")]
+            #[derive(Clone, Copy, Debug)]
+            pub struct $name;
+
+            impl super::Route for $name {
+                const VERB: super::Verb = super::Verb::$verb;
+                const PATH: &'static str = $path;
+                type Request = $req;
+                type Answer = $ans;
+            }
+        )*
+
+        /// Every route's method and path, in the order the router adds them.
+        pub const ALL: &[(super::Verb, &str)] = &[$((super::Verb::$verb, $path)),*];
+    };
+}
+
+/// labd's routes. All but [`routes::Health`] need `Authorization: Bearer
+/// <token>` (a user's) or the cluster's signature (between nodes).
+pub mod routes {
+    use labsync_placer::Ranking;
+    use labsync_store::PackId;
+
+    use super::{
+        ClusterStatus, CorruptChecked, CorruptCopy, Dispatch, DispatchReply, Heartbeat,
+        HeartbeatReply, Info, JobExplain, JobView, Located, PreemptOrder, RankAsk, StageAsk,
+        StageDone, StageOrder, Staged, SubmitRequest, WarmAnswer, WarmAsk, WarmOrder,
+    };
+    use crate::status::GpuStatus;
+
+    routes! {
+        /// Whether labd answers (no token needed); the answer is `ok`.
+        Health: Get "/v1/health", () => String;
+        /// `labrun`'s first question.
+        GetInfo: Get "/v1/info", () => Info;
+        /// Every GPU and what it is.
+        GetGpus: Get "/v1/gpus", () => Vec<GpuStatus>;
+        /// Everyone's active jobs and those that ended in the last day; with
+        /// `?history=true&before=N&limit=M`, ended jobs numbered below `jN`,
+        /// newest first, `M` ≤ 1000 (default 100).
+        ListJobs: Get "/v1/jobs", () => Vec<JobView>;
+        /// A job submitted.
+        SubmitJob: Post "/v1/jobs", SubmitRequest => JobView;
+        /// One job.
+        GetJob: Get "/v1/jobs/{id}", () => JobView;
+        /// A job's log from `?offset=N`, waiting `&wait_ms=M` for new bytes;
+        /// the bytes, with the headers [`super::NEXT_OFFSET`] and [`super::DONE`].
+        JobLog: Get "/v1/jobs/{id}/log", () => Vec<u8>;
+        /// A job killed (or dropped from the queue).
+        KillJob: Post "/v1/jobs/{id}/kill", () => JobView;
+        /// The job, and per node why not there (queued, in a cluster).
+        ExplainJob: Get "/v1/jobs/{id}/explain", () => JobExplain;
+        /// Every node, on the coordinator.
+        GetClusterStatus: Get "/v1/cluster/status", () => ClusterStatus;
+        /// An agent's heartbeat, to the coordinator (signed).
+        SendHeartbeat: Post "/v1/cluster/heartbeat", Heartbeat => HeartbeatReply;
+        /// A pack's bytes from a node's cache (signed); over plain TCP, with
+        /// `Upgrade: labsync-pack`, `101` and then the bytes by `sendfile`.
+        GetPack: Get "/v1/cluster/packs/{id}", () => Vec<u8>;
+        /// A peer found the copy of a pack it got from here corrupt (signed).
+        ReportCorrupt: Post "/v1/cluster/packs/{id}/corrupt", CorruptCopy => CorruptChecked;
+        /// Where a job would go, and why not elsewhere (`labrun --explain`).
+        ExplainRequest: Post "/v1/cluster/explain", SubmitRequest => Ranking;
+        /// Nodes ranked with Slurm's GPUs, on the coordinator.
+        RankNodes: Post "/v1/cluster/rank", RankAsk => Ranking;
+        /// A Slurm job's code and data on its node, answered once there
+        /// (to the coordinator; untimed).
+        AskStage: Post "/v1/stage", StageAsk => Staged;
+        /// A Slurm job ended: its stage released (to the coordinator).
+        AskStageDone: Post "/v1/stage/done", StageDone => ();
+        /// An admin's warm, to the coordinator.
+        AskWarm: Post "/v1/warm", WarmAsk => WarmAnswer;
+        /// The coordinator's warm order, to a node (signed).
+        OrderWarm: Post "/v1/cluster/warm", WarmOrder => ();
+        /// Who holds which packs, asked of the coordinator (signed).
+        LocatePacks: Post "/v1/cluster/locate", Vec<PackId> => Located;
+        /// A job the coordinator placed, to its node (signed).
+        DispatchJob: Post "/v1/cluster/jobs", Dispatch => DispatchReply;
+        /// A placed job's record, from its node (signed).
+        PlacedJob: Get "/v1/cluster/jobs/{id}", () => JobView;
+        /// A placed job's log, as [`JobLog`] (signed).
+        PlacedLog: Get "/v1/cluster/jobs/{id}/log", () => Vec<u8>;
+        /// A placed job killed for the user the coordinator checked (signed).
+        PlacedKill: Post "/v1/cluster/jobs/{id}/kill", () => JobView;
+        /// A preemptible job stopped to be requeued (signed).
+        PlacedPreempt: Post "/v1/cluster/jobs/{id}/preempt", PreemptOrder => ();
+        /// The coordinator's stage order, to a node (signed; untimed).
+        OrderStage: Post "/v1/cluster/stage", StageOrder => Staged;
+        /// The coordinator's release of a stage, to a node (signed).
+        OrderStageDone: Post "/v1/cluster/stage/done", StageDone => ();
+    }
 }

@@ -445,3 +445,53 @@ async fn followers_of_a_fresh_job_see_its_first_line_without_a_tick() {
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     d.kill(&me, &id).await.unwrap();
 }
+
+/// Issue 42, point 7: every route of the table (`proto::routes`) is served
+/// where it says, with its method: without a token each answers 200
+/// (health) or 401, never the router's 404 or 405; a path the table does
+/// not hold is 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_of_the_table_is_served_with_its_method() {
+    use labsync_agent::proto::{routes, Verb};
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+    let d = Daemon::open(config(dir.path()), inv).await.unwrap();
+    let sock = dir.path().join("labd.sock");
+    let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(labsync_agent::serve(
+        d,
+        labsync_agent::Listener::Unix(listener),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let status = |verb: &str, path: &str| {
+        let sock = sock.clone();
+        let head = format!(
+            "{verb} {path} HTTP/1.1\r\nHost: labd\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        tokio::task::spawn_blocking(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+            s.write_all(head.as_bytes()).unwrap();
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            answer.split_whitespace().nth(1).unwrap_or("").to_string()
+        })
+    };
+    assert!(routes::ALL.len() >= 27, "{}", routes::ALL.len());
+    for (verb, path) in routes::ALL {
+        let verb = match verb {
+            Verb::Get => "GET",
+            Verb::Post => "POST",
+        };
+        let path = path.replace("{id}", "j1");
+        let got = status(verb, &path).await.unwrap();
+        assert!(got == "200" || got == "401", "{verb} {path}: {got}");
+    }
+    assert_eq!(status("GET", "/v1/nope").await.unwrap(), "404");
+    assert_eq!(status("DELETE", "/v1/jobs").await.unwrap(), "405");
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
+}
