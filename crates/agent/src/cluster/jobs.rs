@@ -277,26 +277,17 @@ impl Coordinator {
                 needs.insert(j.id.clone(), priced);
             }
         }
-        let (ended_on_nodes, up) = {
-            let v = self.view.lock().expect("coordinator poisoned");
-            let ended: HashSet<String> = (v.members.values())
-                .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
-                .collect();
-            let up = (v.cluster.nodes().iter())
-                .filter(|n| n.is_up())
-                .map(|n| n.name().to_string())
-                .collect::<HashSet<String>>();
-            (ended, up)
-        };
         let actions = {
             let mut v = self.view.lock().expect("coordinator poisoned");
+            let ended_on_nodes: HashSet<String> = (v.members.values())
+                .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
+                .collect();
             let mut scratch = v.planning();
             let usage = self.usage.lock().expect("coordinator poisoned");
             let inputs = Inputs {
                 jobs: &live,
                 needs: &needs,
                 ended_on_nodes: &ended_on_nodes,
-                up: &up,
                 members: &self.members,
                 usage: &usage,
                 policy: &self.policy,

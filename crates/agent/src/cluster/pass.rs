@@ -89,8 +89,6 @@ pub(super) struct Inputs<'a> {
     /// Jobs their nodes report ended, still saving their outputs: no
     /// longer holding GPUs (not counted for the cap, never preempted).
     pub ended_on_nodes: &'a HashSet<String>,
-    /// The nodes up now.
-    pub up: &'a HashSet<String>,
     /// Who stands in which tier.
     pub members: &'a Members,
     /// Fair-share usage.
@@ -126,6 +124,10 @@ pub(super) fn tier_of(members: &Members, j: &ClusterJob, now: u64) -> Tier {
 /// as the placer plans on it) and `inputs`.
 pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> Vec<Action> {
     let (now, now_s) = (inputs.now_ms, inputs.now_ms / 1000);
+    let up: HashSet<String> = (planning.nodes().iter())
+        .filter(|n| n.is_up())
+        .map(|n| n.name().to_string())
+        .collect();
     let mut actions = Vec::new();
     let mut queue = Vec::new();
     let mut running = Vec::new();
@@ -172,7 +174,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
             }
             Placement::Dispatched { .. } | Placement::Ended { .. } => {}
         }
-        actions.extend(follow_up(j, inputs, now_s));
+        actions.extend(follow_up(j, inputs, &up, now_s));
     }
     if queue.is_empty() {
         return actions;
@@ -206,7 +208,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
 
 /// What a dispatched job needs this pass: its dispatch sent again, its
 /// stop told again, a look at whether it ended.
-fn follow_up(j: &ClusterJob, inputs: &Inputs, now_s: u64) -> Vec<Action> {
+fn follow_up(j: &ClusterJob, inputs: &Inputs, up: &HashSet<String>, now_s: u64) -> Vec<Action> {
     let Placement::Dispatched {
         node,
         confirmed,
@@ -222,7 +224,7 @@ fn follow_up(j: &ClusterJob, inputs: &Inputs, now_s: u64) -> Vec<Action> {
     };
     if !confirmed {
         let due = now_s.saturating_sub(*at) >= RESEND.as_secs();
-        return match due && inputs.up.contains(node) {
+        return match due && up.contains(node) {
             true => vec![Action::Resend { id: j.id.clone() }],
             false => Vec::new(),
         };
@@ -297,30 +299,24 @@ mod tests {
         job(id, "bob", 1, placement)
     }
 
-    /// The state of a pass: the jobs, their prices (none read), every
-    /// node of `c` up, nobody's usage.
+    /// The state of a pass: the jobs, their prices (none read), nobody's
+    /// usage; the nodes up are the cluster's.
     struct State {
         jobs: Vec<ClusterJob>,
         needs: HashMap<String, Result<Vec<SnapshotId>, String>>,
-        up: HashSet<String>,
         members: Members,
         collect: bool,
     }
 
     impl State {
-        fn of(c: &Cluster, jobs: Vec<ClusterJob>) -> State {
+        fn of(jobs: Vec<ClusterJob>) -> State {
             let needs = (jobs.iter())
                 .filter(|j| matches!(j.placement, Placement::Queued { .. }))
                 .map(|j| (j.id.clone(), Ok(Vec::new())))
                 .collect();
-            let up = (c.nodes().iter())
-                .filter(|x| x.is_up())
-                .map(|x| x.name().to_string())
-                .collect();
             State {
                 jobs,
                 needs,
-                up,
                 members: Members::default(),
                 collect: false,
             }
@@ -332,7 +328,6 @@ mod tests {
                 jobs: &self.jobs,
                 needs: &self.needs,
                 ended_on_nodes: &HashSet::new(),
-                up: &self.up,
                 members: &self.members,
                 usage: &usage,
                 policy: &Policy::default(),
@@ -347,7 +342,7 @@ mod tests {
     fn a_queued_job_that_fits_is_dispatched_and_one_that_waits_says_why() {
         let mut c = Cluster::new();
         node(&mut c, "a", 1, 1);
-        let s = State::of(&c, vec![queued("j1", 1), queued("j2", 1)]);
+        let s = State::of(vec![queued("j1", 1), queued("j2", 1)]);
         let got = s.pass(&mut c);
         assert!(
             matches!(&got[0], Action::Dispatch { id, choice }
@@ -365,7 +360,7 @@ mod tests {
     fn a_job_no_node_can_run_or_that_cannot_be_priced_is_ended() {
         let mut c = Cluster::new();
         node(&mut c, "a", 2, 0);
-        let mut s = State::of(&c, vec![queued("j1", 8), queued("j2", 1)]);
+        let mut s = State::of(vec![queued("j1", 8), queued("j2", 1)]);
         s.needs
             .insert("j2".into(), Err("snapshot 1a2b: not in the index".into()));
         let got = s.pass(&mut c);
@@ -400,7 +395,7 @@ mod tests {
             // Answered.
             dispatched("j4", "a", due, true),
         ];
-        let got = State::of(&c, jobs).pass(&mut c);
+        let got = State::of(jobs).pass(&mut c);
         assert_eq!(got, [Action::Resend { id: "j1".into() }]);
     }
 
@@ -414,7 +409,7 @@ mod tests {
         let mut told = dispatched("j2", "a", NOW_S - 100, true);
         told.preempted = Some("preempted for j9".into());
         told.preempted_at = NOW_S - 1;
-        let mut s = State::of(&c, vec![stopping, told]);
+        let mut s = State::of(vec![stopping, told]);
         let again = Action::StopAgain {
             id: "j1".into(),
             node: "a".into(),
@@ -437,7 +432,7 @@ mod tests {
         let mut c = Cluster::new();
         node(&mut c, "a", 1, 0);
         let bad = dispatched("j1", "no/such node", NOW_S - 100, true);
-        let got = State::of(&c, vec![bad]).pass(&mut c);
+        let got = State::of(vec![bad]).pass(&mut c);
         assert!(
             matches!(&got[..], [Action::End { id, why }]
                 if id == "j1" && why.contains("\"no/such node\", which is no node")),
@@ -451,7 +446,7 @@ mod tests {
         node(&mut c, "a", 0, 1);
         let mut victim = dispatched("j1", "a", NOW_S - 100, true);
         victim.req.preemptible = true;
-        let mut s = State::of(&c, vec![victim, queued("j2", 1)]);
+        let mut s = State::of(vec![victim, queued("j2", 1)]);
         let ladder = Ladder::default();
         let lead = Member {
             tier: ladder.tier("lead").unwrap(),
@@ -475,7 +470,7 @@ mod tests {
         node(&mut c, "a", 0, 1);
         let data = SnapshotId::from_bytes([7; 32]);
         c.add_snapshot(SnapshotKey(*data.as_bytes()), [(PackKey([7; 32]), GIB)]);
-        let mut s = State::of(&c, vec![queued("j1", 1)]);
+        let mut s = State::of(vec![queued("j1", 1)]);
         s.needs.insert("j1".into(), Ok(vec![data]));
         let got = s.pass(&mut c);
         let Action::Prefetch(w) = &got[0] else {
