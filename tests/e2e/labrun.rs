@@ -1858,7 +1858,10 @@ fn data_is_read_only_and_shared_between_jobs() {
 }
 
 /// Materialised trees are bounded: above `trees_max`, a tree no active job
-/// uses is removed; one in use stays.
+/// uses is removed; one in use stays. (That an eviction pass runs while
+/// the job does and keeps its tree is shown on a paused clock, with no
+/// wait, by `a_tree_in_use_outlives_an_eviction_pass_on_a_paused_clock`
+/// in `crates/agent/tests/daemon.rs`; this one slept 6 s for it.)
 #[test]
 fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
     // No share per user: one tree is past any share of a 1K budget.
@@ -1882,26 +1885,17 @@ fn unused_trees_are_evicted_above_the_cap_but_never_in_use() {
             })
             .unwrap_or(0)
     };
-    let id = n.detach(
-        ALICE,
-        &[
-            "--data",
-            "div2k",
-            "--",
-            "bash",
-            "-c",
-            "sleep 7; wc -c < $LABRUN_DATA/0001.png",
-        ],
+    let release = n.path("release");
+    let script = format!(
+        "while [ ! -e {} ]; do sleep 0.05; done; wc -c < $LABRUN_DATA/0001.png",
+        release.display()
     );
+    let id = n.detach(ALICE, &["--data", "div2k", "--", "bash", "-c", &script]);
     wait_until("the job to run", 20, || {
         matches!(n.job(&id).state, JobState::Running { .. })
     });
-    std::thread::sleep(Duration::from_secs(6));
-    assert_eq!(
-        data_trees(),
-        1,
-        "in use: kept over the cap (an eviction pass has run)"
-    );
+    assert_eq!(data_trees(), 1, "in use: kept over the cap");
+    std::fs::write(&release, "").unwrap();
     wait_until("the job to end", 20, || n.ended(&id));
     assert_eq!(n.ok(ALICE, &["logs", &id]).trim(), "300000");
     wait_until("the unused data tree to go", 20, || data_trees() == 0);

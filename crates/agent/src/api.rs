@@ -239,7 +239,7 @@ async fn cluster_status(
 ) -> Result<Json<AnswerOf<GetClusterStatus>>, ApiError> {
     caller(&d, &h)?;
     let (c, _) = coordinator(&d, "the cluster's status")?;
-    Ok(Json(c.status(now_ms() as u64)))
+    Ok(Json(c.status(c.now_ms())))
 }
 
 /// The node that signed a request between nodes; a user's token, another
@@ -403,7 +403,7 @@ async fn heartbeat(
             d.node_name()
         ))
     })?;
-    Ok(Json(c.heartbeat(&from, body, now_ms() as u64)?))
+    Ok(Json(c.heartbeat(&from, body, c.now_ms())?))
 }
 
 /// A pack from this node's cache, for a peer (which verifies it), sent as

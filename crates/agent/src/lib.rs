@@ -34,6 +34,7 @@ mod blocking;
 mod buffers;
 mod cgroup;
 mod client;
+mod clock;
 pub mod cluster;
 mod daemon;
 pub mod devices;
@@ -61,6 +62,7 @@ pub use api::{router, serve, Listener};
 pub use blocking::off_runtime;
 pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
+pub use clock::{Clock, Hand};
 pub use daemon::shares::human_bytes;
 pub use daemon::{
     command_bytes, variable_bytes, Caller, ConnLimits, Daemon, DaemonConfig, DaemonError, LogRead,

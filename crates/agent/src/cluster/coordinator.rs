@@ -15,6 +15,7 @@ use labsync_placer::{
 };
 use labsync_store::{PackId, SnapshotId};
 
+use crate::clock::Clock;
 use crate::cluster::queue::{ClusterJobs, Placement};
 use crate::cluster::LabConfig;
 use crate::error::{JobError, LeaseError};
@@ -90,6 +91,9 @@ pub struct Coordinator {
     /// Version labels (`NAME@vN`, which never move) checked against the
     /// store: label → snapshot id.
     pub(super) checked_labels: Mutex<HashMap<String, String>>,
+    /// What the coordinator reads the time from (down-after, prices,
+    /// prunes).
+    pub(super) clock: Clock,
 }
 
 /// The placer's slot for a GPU as the agent classified it.
@@ -150,7 +154,18 @@ impl Coordinator {
             ending: Mutex::new(()),
             prefetched: Mutex::new(HashMap::new()),
             checked_labels: Mutex::new(HashMap::new()),
+            clock: Clock::system(),
         })
+    }
+
+    /// The same coordinator, reading the time from `clock`.
+    pub fn with_clock(self, clock: Clock) -> Coordinator {
+        Coordinator { clock, ..self }
+    }
+
+    /// Now, Unix ms, by its clock.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.unix_ms()
     }
 
     /// Forgets the cluster's jobs that ended more than `keep` ago, once
@@ -158,13 +173,13 @@ impl Coordinator {
     pub async fn prune_if_due(self: &std::sync::Arc<Self>, keep: Duration, every: Duration) {
         {
             let mut at = self.pruned_at.lock().expect("coordinator poisoned");
-            if at.is_some_and(|t| t.elapsed() < every) {
+            if at.is_some_and(|t| self.clock.since(t) < every) {
                 return;
             }
-            *at = Some(std::time::Instant::now());
+            *at = Some(self.clock.instant());
         }
         let me = self.clone();
-        let before = crate::leases::unix_now().saturating_sub(keep.as_secs());
+        let before = self.clock.unix_secs().saturating_sub(keep.as_secs());
         match crate::off_runtime(move || me.jobs.prune_ended(before)).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(

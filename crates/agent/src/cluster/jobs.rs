@@ -12,10 +12,10 @@ use labsync_placer::{rank, Choice, NodeName, PackKey, Ranking, Slot, SnapshotKey
 use labsync_store::SnapshotId;
 
 use crate::cluster::queue::{ClusterJob, Placement};
-use crate::cluster::{now_ms, Coordinator, WarmOrder};
+use crate::cluster::{Coordinator, WarmOrder};
 use crate::daemon::{check_user_request, Caller, LogRead};
 use crate::error::{JobError, LeaseError};
-use crate::leases::{unix_now, JobState};
+use crate::leases::JobState;
 use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
 
 use super::link::{Link, Reach, FORWARD};
@@ -140,7 +140,7 @@ impl Coordinator {
         } else {
             self.priced(r, req).await?
         };
-        let now = now_ms() as u64;
+        let now = self.now_ms();
         self.tick(now);
         Ok(rank(
             &self.planning_with(&fresh),
@@ -161,7 +161,7 @@ impl Coordinator {
         check_user_request(&req)?;
         // A tier the user may not have is refused now, not at placing.
         self.members
-            .tier_for(&caller.user, req.priority.as_deref(), now_ms() as u64)
+            .tier_for(&caller.user, req.priority.as_deref(), self.now_ms())
             .map_err(|e| JobError::Forbidden(format!("--priority: {e}")))?;
         if let Some(cap) = self.policy.user_gpu_cap.filter(|&c| req.gpus > c) {
             return Err(JobError::Conflict(format!(
@@ -201,7 +201,7 @@ impl Coordinator {
             .create_queued(
                 &caller.user,
                 req,
-                unix_now(),
+                self.clock.unix_secs(),
                 floor,
                 r.max_queued_per_user(),
             )
@@ -265,7 +265,7 @@ impl Coordinator {
     /// collected. What to do is decided by `cluster/pass.rs` (pure), from what
     /// is read here; this carries it out.
     pub async fn schedule(self: &Arc<Self>, r: &Reach) {
-        let now = now_ms() as u64;
+        let now = self.now_ms();
         self.tick(now);
         let live = self.jobs.live();
         self.forget_promises(&live);
@@ -316,9 +316,9 @@ impl Coordinator {
     /// every pass.
     fn collect_due(&self) -> bool {
         let mut last = self.collected.lock().expect("coordinator poisoned");
-        let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        let due = last.is_none_or(|t| self.clock.since(t) >= Duration::from_secs(1));
         if due {
-            *last = Some(std::time::Instant::now());
+            *last = Some(self.clock.instant());
         }
         due
     }
@@ -344,7 +344,7 @@ impl Coordinator {
             }
             Action::StopAgain { id, node, for_job } => {
                 let _ = self.jobs.update(&id, |x| {
-                    x.preempted_at = unix_now();
+                    x.preempted_at = self.clock.unix_secs();
                     true
                 });
                 self.send_stop(r, &node, &id, &for_job);
@@ -376,7 +376,7 @@ impl Coordinator {
             j.placement = Placement::Dispatched {
                 node: choice.node.to_string(),
                 gpus: choice.gpus.clone(),
-                at: unix_now(),
+                at: self.clock.unix_secs(),
                 confirmed: false,
             };
             true
@@ -412,7 +412,7 @@ impl Coordinator {
                 }
             }
         }
-        let now = std::time::Instant::now();
+        let now = self.clock.instant();
         for w in warms {
             let Some((label, snapshot)) = labels.get(&w.snapshot).cloned() else {
                 continue;
@@ -420,7 +420,7 @@ impl Coordinator {
             let node = w.node.to_string();
             {
                 let mut sent = self.prefetched.lock().expect("coordinator poisoned");
-                sent.retain(|_, at| now.duration_since(*at) < PREFETCH_AGAIN);
+                sent.retain(|_, at| now.saturating_duration_since(*at) < PREFETCH_AGAIN);
                 if sent.contains_key(&(node.clone(), snapshot)) {
                     continue;
                 }
@@ -475,7 +475,7 @@ impl Coordinator {
         if gpu_secs <= 0.0 {
             return;
         }
-        let now = now_ms() as u64;
+        let now = self.now_ms();
         let (v, at) = {
             let mut u = self.usage.lock().expect("coordinator poisoned");
             u.add(&j.user, gpu_secs, now);
@@ -498,7 +498,7 @@ impl Coordinator {
     fn ended(&self, j: &ClusterJob, reason: String) -> ClusterJob {
         let mut view = self.synthesized(j, None);
         view.state = JobState::Failed { reason };
-        view.ended_at = Some(unix_now());
+        view.ended_at = Some(self.clock.unix_secs());
         view.meta.outputs_pending = false;
         let mut ended = j.clone();
         ended.placement = Placement::Ended {
@@ -777,7 +777,7 @@ impl Coordinator {
                     }
                 };
                 if let Some(since) = down {
-                    let ago = (now_ms() as u64).saturating_sub(since) / 1000;
+                    let ago = self.now_ms().saturating_sub(since) / 1000;
                     view.why = Some(format!(
                         "node {node} down since {ago} s ago: shown as last reported"
                     ));
@@ -795,7 +795,10 @@ impl Coordinator {
             .iter()
             .map(|j| (j.number(), self.view_of(j)))
             .collect();
-        let day_ago = unix_now().saturating_sub(super::queue::RECENT_SECS);
+        let day_ago = self
+            .clock
+            .unix_secs()
+            .saturating_sub(super::queue::RECENT_SECS);
         for j in self.jobs.ended_since(day_ago) {
             out.push((j.number(), self.view_of(&j)));
         }
@@ -1012,7 +1015,7 @@ impl Coordinator {
         };
         view.why = None;
         view.node = Some(node.to_string());
-        view.ended_at = Some(unix_now());
+        view.ended_at = Some(self.clock.unix_secs());
         view.meta.outputs_pending = false;
         let mut ended = false;
         self.jobs
@@ -1065,7 +1068,7 @@ impl Coordinator {
                 (Placement::Dispatched { node, .. }, None) => {
                     marked = Some(node.clone());
                     j.preempted = Some(reason.clone());
-                    j.preempted_at = unix_now();
+                    j.preempted_at = self.clock.unix_secs();
                     true
                 }
                 _ => false,

@@ -10,7 +10,7 @@ use labsync_store::{NodeCache, PackId, SnapshotId};
 
 use crate::blocking::off_runtime;
 use crate::client::Client;
-use crate::cluster::{now_ms, ClusterConfig, Coordinator};
+use crate::cluster::{ClusterConfig, Coordinator};
 use crate::daemon::{Caller, Daemon};
 use crate::proto::{CacheSummary, CachedTree, Heartbeat, InventoryDelta};
 
@@ -173,7 +173,7 @@ impl Reporter {
         };
         let reply = match &self.local {
             Some(c) => c
-                .heartbeat(&hb.node.clone(), hb, now_ms() as u64)
+                .heartbeat(&hb.node.clone(), hb, c.now_ms())
                 .map_err(|e| e.to_string())?,
             None => {
                 let client = Client::for_cluster(
@@ -206,13 +206,14 @@ impl Reporter {
     /// Kills, in the background, the jobs the coordinator ended while this
     /// node was down (their owner killed them meanwhile).
     fn kill_ended(&mut self, ids: Vec<String>) {
+        let clock = self.daemon.clock().clone();
         self.killing
-            .retain(|id, at| ids.contains(id) && at.elapsed() < KILL_AGAIN);
+            .retain(|id, at| ids.contains(id) && clock.since(*at) < KILL_AGAIN);
         for id in ids {
             if self.killing.contains_key(&id) {
                 continue;
             }
-            self.killing.insert(id.clone(), Instant::now());
+            self.killing.insert(id.clone(), clock.instant());
             let daemon = self.daemon.clone();
             tokio::spawn(async move {
                 let by = Caller {

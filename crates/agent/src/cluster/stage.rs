@@ -5,7 +5,7 @@
 
 use labsync_placer::{rank, with_scheduler_gpus, Ranking};
 
-use crate::cluster::{now_ms, Coordinator};
+use crate::cluster::Coordinator;
 use crate::daemon::Caller;
 use crate::error::JobError;
 
@@ -18,7 +18,7 @@ impl Coordinator {
     pub async fn rank_for_scheduler(&self, r: &Reach, ask: &RankAsk) -> Result<Ranking, JobError> {
         check_nodes(&ask.nodes)?;
         let (needs, fresh) = self.priced(r, &ask.req).await?;
-        let now = now_ms() as u64;
+        let now = self.now_ms();
         self.tick(now);
         let view = with_scheduler_gpus(&self.planning_with(&fresh), &ask.nodes);
         Ok(rank(
@@ -68,7 +68,7 @@ impl Coordinator {
     /// `node`, which must be up (or be this one).
     fn member(&self, r: &Reach, node: &str) -> Result<Link, JobError> {
         let here = node == r.name();
-        if !here && !self.members_up(now_ms() as u64).iter().any(|m| m == node) {
+        if !here && !self.members_up(self.now_ms()).iter().any(|m| m == node) {
             return Err(JobError::NotFound(format!(
                 "no labd agent of node {node} is up in the cluster: a Slurm node stages \
                  through its own labd (node_name = \"{node}\" in its labd.toml)"

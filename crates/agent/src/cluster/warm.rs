@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use labsync_store::{Progress, RefSpec};
 
-use crate::cluster::{now_ms, Coordinator};
+use crate::cluster::Coordinator;
 use crate::daemon::{Caller, Daemon};
 
 use super::link::{Link, Reach};
@@ -147,7 +147,7 @@ impl Coordinator {
             .resolve(&spec)
             .await
             .map_err(|e| JobError::NotFound(e.to_string()))?;
-        let members = self.members_up(now_ms() as u64);
+        let members = self.members_up(self.now_ms());
         let nodes: Vec<String> = if ask.nodes.is_empty() {
             members
         } else {

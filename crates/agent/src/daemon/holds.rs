@@ -10,7 +10,6 @@ use labsync_placer::{idle_holds, Hold, Policy};
 
 use super::Daemon;
 use crate::blocking::off_runtime;
-use crate::cluster::now_ms;
 use crate::leases::{JobRecord, JobState};
 use crate::node::NodeError;
 use crate::status::GpuStatus;
@@ -127,12 +126,12 @@ impl Daemon {
         }
         {
             let mut last = self.hold_checked.lock().expect("holds poisoned");
-            if last.is_some_and(|t| t.elapsed() < check_every(self.cfg.idle_hold)) {
+            if last.is_some_and(|t| self.clock.since(t) < check_every(self.cfg.idle_hold)) {
                 return;
             }
-            *last = Some(std::time::Instant::now());
+            *last = Some(self.clock.instant());
         }
-        let now = now_ms() as u64;
+        let now = self.clock.unix_ms();
         let reading = {
             let node = self.node.clone();
             match off_runtime(move || node.gpus()).await {

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::blocking::off_runtime;
+use crate::clock::Clock;
 use crate::node::Node;
 use crate::trees::Trees;
 
@@ -74,33 +75,48 @@ pub(crate) struct Housekeeping {
     running: AtomicBool,
     /// Folders whose removal failed: how often, and when last.
     failed: Mutex<HashMap<PathBuf, (u32, Instant)>>,
+    /// What its passes are timed by.
+    clock: Clock,
+}
+
+/// What housekeeping keeps within bounds, and for how long.
+pub(crate) struct Kept {
+    /// Cap on the shared trees, bytes.
+    pub trees_max: u64,
+    /// The jobs' folders (`<state>/jobs/<id>`).
+    pub jobs_dir: PathBuf,
+    /// The stages of jobs Slurm runs (`<state>/slurm`).
+    pub stages_dir: PathBuf,
+    /// How long an ended job's folder stays.
+    pub work_keep: Duration,
+    /// How long an ended job's record stays (at least [`kept_for`]).
+    pub history_keep: Duration,
 }
 
 impl Housekeeping {
-    #[allow(clippy::too_many_arguments)]
+    /// Housekeeping of `trees` and the folders of `kept`, for the jobs of
+    /// `node`, while labd holds `lock`, its passes timed by `clock`.
     pub fn new(
         lock: Arc<super::StateLock>,
         node: Arc<Node>,
         trees: Arc<Trees>,
-        trees_max: u64,
-        jobs_dir: PathBuf,
-        stages_dir: PathBuf,
-        work_keep: Duration,
-        history_keep: Duration,
+        kept: Kept,
+        clock: Clock,
     ) -> Housekeeping {
         Housekeeping {
             lock,
             node,
             trees,
-            trees_max,
-            jobs_dir,
-            stages_dir,
-            work_keep,
-            history_keep: kept_for(history_keep, work_keep),
+            trees_max: kept.trees_max,
+            jobs_dir: kept.jobs_dir,
+            stages_dir: kept.stages_dir,
+            work_keep: kept.work_keep,
+            history_keep: kept_for(kept.history_keep, kept.work_keep),
             pruned_at: Mutex::new(None),
-            ran_at: Mutex::new(Instant::now()),
+            ran_at: Mutex::new(clock.instant()),
             running: AtomicBool::new(false),
             failed: Mutex::new(HashMap::new()),
+            clock,
         }
     }
 
@@ -108,9 +124,9 @@ impl Housekeeping {
     pub fn start_if_due(self: &Arc<Self>) {
         let due = {
             let mut at = self.ran_at.lock().expect("labd poisoned");
-            let due = at.elapsed() >= EVERY;
+            let due = self.clock.since(*at) >= EVERY;
             if due {
-                *at = Instant::now();
+                *at = self.clock.instant();
             }
             due
         };
@@ -134,6 +150,7 @@ impl Housekeeping {
             }
             let node = me.node.clone();
             let stages = me.stages_dir.clone();
+            let now = me.clock.unix_secs();
             // Asked under the tree's lock, so read afresh each time: a
             // stage recorded a moment ago holds its trees.
             let in_use = move |snap: &str| {
@@ -141,7 +158,7 @@ impl Housekeeping {
                 !node
                     .active_where(|j| j.meta.trees.iter().any(|t| t == snap))
                     .is_empty()
-                    || stages::tree_in_stage(&stages, snap, crate::leases::unix_now())
+                    || stages::tree_in_stage(&stages, snap, now)
             };
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
@@ -159,12 +176,15 @@ impl Housekeeping {
     fn prune_records(&self) {
         {
             let mut at = self.pruned_at.lock().expect("labd poisoned");
-            if at.is_some_and(|t| t.elapsed() < PRUNE_EVERY) {
+            if at.is_some_and(|t| self.clock.since(t) < PRUNE_EVERY) {
                 return;
             }
-            *at = Some(Instant::now());
+            *at = Some(self.clock.instant());
         }
-        let before = crate::leases::unix_now().saturating_sub(self.history_keep.as_secs());
+        let before = self
+            .clock
+            .unix_secs()
+            .saturating_sub(self.history_keep.as_secs());
         match self.node.prune_ended(before) {
             Ok(0) => {}
             Ok(n) => tracing::info!(
@@ -180,7 +200,7 @@ impl Housekeeping {
         let failed = self.failed.lock().expect("labd poisoned");
         failed
             .get(dir)
-            .is_none_or(|(n, at)| retry_due(*n, at.elapsed()))
+            .is_none_or(|(n, at)| retry_due(*n, self.clock.since(*at)))
     }
 
     /// Removes a job's or stage's folder, remembering a failure.
@@ -193,7 +213,7 @@ impl Housekeeping {
             }
             Err(_) => {
                 let n = failed.get(dir).map_or(0, |(n, _)| *n);
-                failed.insert(dir.to_path_buf(), (n + 1, Instant::now()));
+                failed.insert(dir.to_path_buf(), (n + 1, self.clock.instant()));
             }
         }
         done
@@ -206,7 +226,7 @@ impl Housekeeping {
         let Ok(rd) = std::fs::read_dir(&self.jobs_dir) else {
             return;
         };
-        let now = crate::leases::unix_now();
+        let now = self.clock.unix_secs();
         for e in rd.flatten() {
             let id = e.file_name().to_string_lossy().into_owned();
             let old = match self.node.job(&id) {
@@ -240,7 +260,7 @@ impl Housekeeping {
     /// or never released within [`stages::STAGE_TTL`], and those left
     /// without a record for an hour (a crash between making and recording).
     fn sweep_stages(&self) {
-        let now = crate::leases::unix_now();
+        let now = self.clock.unix_secs();
         let Ok(recs) = stages::records(&self.stages_dir) else {
             return;
         };
@@ -250,7 +270,12 @@ impl Housekeeping {
                 Some(r) => stages::expired(r, now, self.work_keep),
                 None => std::fs::symlink_metadata(&path)
                     .and_then(|m| m.modified())
-                    .is_ok_and(|t| t.elapsed().is_ok_and(|e| e.as_secs() > 3600)),
+                    .is_ok_and(|t| {
+                        let at = t
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs());
+                        now.saturating_sub(at) > 3600
+                    }),
             };
             if !gone || !self.may_try(&path) {
                 continue;

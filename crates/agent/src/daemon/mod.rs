@@ -25,6 +25,7 @@ use std::time::Duration;
 use labsync_store::{NodeCache, Remote, Repo};
 
 use crate::blocking::off_runtime;
+use crate::clock::Clock;
 use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
 use crate::error::JobError;
 use crate::gpu::GpuInventory;
@@ -217,6 +218,8 @@ pub struct Daemon {
     stages_checked: std::sync::Mutex<Option<std::time::Instant>>,
     stages_checking: std::sync::atomic::AtomicBool,
     lock: Arc<StateLock>,
+    /// What its loops read the time from.
+    clock: Clock,
 }
 
 impl Daemon {
@@ -224,6 +227,17 @@ impl Daemon {
     pub async fn open(
         cfg: DaemonConfig,
         inventory: Arc<dyn GpuInventory>,
+    ) -> Result<Arc<Daemon>, DaemonError> {
+        Daemon::open_with_clock(cfg, inventory, Clock::system()).await
+    }
+
+    /// [`Daemon::open`], its loops reading the time from `clock` (a test's
+    /// [`Clock::manual`]: what must not happen for seconds is shown without
+    /// waiting them).
+    pub async fn open_with_clock(
+        cfg: DaemonConfig,
+        inventory: Arc<dyn GpuInventory>,
+        clock: Clock,
     ) -> Result<Arc<Daemon>, DaemonError> {
         let lock = Arc::new(StateLock {
             path: cfg.state_dir.join("labd.lock"),
@@ -247,7 +261,7 @@ impl Daemon {
             .iter()
             .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
             .collect();
-        let coordinator = open_coordinator(&cfg, highest)?;
+        let coordinator = open_coordinator(&cfg, highest, &clock)?;
         let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
         let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
         if !reached {
@@ -274,11 +288,14 @@ impl Daemon {
             lock.clone(),
             node.clone(),
             trees.clone(),
-            cfg.trees_max,
-            jobs_dir,
-            cfg.state_dir.join("slurm"),
-            cfg.work_keep,
-            cfg.history_keep,
+            housekeeping::Kept {
+                trees_max: cfg.trees_max,
+                jobs_dir,
+                stages_dir: cfg.state_dir.join("slurm"),
+                work_keep: cfg.work_keep,
+                history_keep: cfg.history_keep,
+            },
+            clock.clone(),
         );
         Ok(Arc::new(Daemon {
             node,
@@ -299,6 +316,7 @@ impl Daemon {
             stages_checked: Default::default(),
             stages_checking: Default::default(),
             lock,
+            clock,
             cfg,
         }))
     }
@@ -398,6 +416,11 @@ impl Daemon {
                 running.join(", ")
             )
         })
+    }
+
+    /// What its loops read the time from.
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// This node's name.
@@ -622,11 +645,13 @@ fn strip_setid_beside(state_dir: PathBuf) {
 fn open_coordinator(
     cfg: &DaemonConfig,
     highest: Option<u64>,
+    clock: &Clock,
 ) -> Result<Option<Arc<Coordinator>>, DaemonError> {
     let Some(c) = cfg.cluster.as_ref().filter(|c| c.coordinate) else {
         return Ok(None);
     };
     let co = Coordinator::new(&cfg.node_name, c.down_after, &cfg.state_dir, &c.lab)
+        .map(|co| co.with_clock(clock.clone()))
         .map_err(|e| open_error("the cluster's jobs", &e))?;
     if let Some(n) = highest {
         co.ids_above(n);

@@ -373,10 +373,10 @@ impl Daemon {
         }
         {
             let mut at = self.stages_checked.lock().expect("labd poisoned");
-            if at.is_some_and(|t| t.elapsed() < STAGE_CHECK_EVERY) {
+            if at.is_some_and(|t| self.clock.since(t) < STAGE_CHECK_EVERY) {
                 return;
             }
-            *at = Some(std::time::Instant::now());
+            *at = Some(self.clock.instant());
         }
         if self
             .stages_checking
