@@ -5,6 +5,7 @@
 //! transactions: racing submissions can never be handed the same GPU, and a
 //! job's end and the release of its GPUs are one atomic step.
 
+use labsync_store::RunAs;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -112,7 +113,7 @@ pub struct QueuedSpec {
     /// Free memory each GPU must have.
     pub min_free_bytes: u64,
     /// Run as uid/gid.
-    pub run_as: Option<(u32, u32)>,
+    pub run_as: Option<RunAs>,
 }
 
 /// The parts of a job labd (not the engine) keeps: what it runs on and where
@@ -152,7 +153,7 @@ pub struct JobMeta {
     pub trees: Vec<String>,
     /// The uid/gid it runs as, when not labd's own: its outputs are read as them.
     #[serde(default)]
-    pub run_as: Option<(u32, u32)>,
+    pub run_as: Option<RunAs>,
     /// A hold (`labrun --hold`) of this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_s: Option<u64>,

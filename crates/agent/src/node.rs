@@ -2,6 +2,7 @@
 //! leases, and the job runner. Synchronous (it forks, scans `/proc` and
 //! waits on children); labd's async API calls it off the runtime.
 
+use labsync_store::RunAs;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::process::Child;
@@ -224,7 +225,7 @@ pub struct Submit {
     /// Free memory each GPU must have, bytes.
     pub min_free_bytes: u64,
     /// Run as this uid/gid.
-    pub run_as: Option<(u32, u32)>,
+    pub run_as: Option<RunAs>,
     /// What labd records beside the engine's state.
     pub meta: JobMeta,
 }
@@ -797,7 +798,7 @@ impl Node {
         s: Submit,
         gpus: Vec<u32>,
     ) -> Result<Option<String>, NodeError> {
-        let uid = s.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+        let uid = s.run_as.map_or_else(crate::euid, |r| r.uid);
         let Some(cgroups) = self.cgroup_for(&id, uid, &gpus)? else {
             return Ok(None);
         };
@@ -872,8 +873,8 @@ impl Node {
 
     /// The limits of a login of `run_as` ([`crate::rlimits`]); none (labd's
     /// own) for a job run as labd's user.
-    fn login_limits(&self, run_as: Option<(u32, u32)>) -> Vec<crate::rlimits::Rlimit> {
-        let Some((uid, gid)) = run_as else {
+    fn login_limits(&self, run_as: Option<RunAs>) -> Vec<crate::rlimits::Rlimit> {
+        let Some(RunAs { uid, gid }) = run_as else {
             return Vec::new();
         };
         let name = crate::users::user_by_uid(uid).map_or_else(String::new, |u| u.name);

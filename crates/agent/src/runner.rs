@@ -7,6 +7,7 @@
 //! first and SIGKILL after a grace period, until none is left; GPU processes
 //! of the session are the job's own, never "foreign".
 
+use labsync_store::RunAs;
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
@@ -31,7 +32,7 @@ pub struct JobSpec {
     /// The keeper its output goes through ([`crate::keeper`]).
     pub keeper: Option<KeeperSpec>,
     /// Run as this uid/gid (labd running as root runs a job as its submitter).
-    pub user: Option<(u32, u32)>,
+    pub user: Option<RunAs>,
     /// The `cgroup.procs` of the job's cgroups ([`crate::Cgroups::create`]):
     /// the job's first process moves itself into each before it runs
     /// anything, so everything it starts is inside.
@@ -109,7 +110,7 @@ pub fn spawn(spec: &JobSpec) -> std::io::Result<Started> {
         // `Command::current_dir` would enter it as root, before any
         // pre-exec step, and a job would start inside a folder its user
         // could not enter.
-        Some((uid, gid)) => become_user(&mut cmd, uid, gid, &spec.cwd)?,
+        Some(RunAs { uid, gid }) => become_user(&mut cmd, uid, gid, &spec.cwd)?,
         None => {
             cmd.current_dir(&spec.cwd);
         }
@@ -414,7 +415,10 @@ mod tests {
         mode(&closed, 0o700);
         let as_nobody = |cwd: &Path| JobSpec {
             cwd: cwd.to_path_buf(),
-            user: Some((65534, 65534)),
+            user: Some(RunAs {
+                uid: 65534,
+                gid: 65534,
+            }),
             ..spec(dir.path(), "echo in $(pwd) as $(id -u)")
         };
         let mut s = spawn(&as_nobody(&open)).unwrap();

@@ -15,6 +15,7 @@
 //! removes the least recently used trees that no active job uses until the
 //! rest fit the budget.
 
+use labsync_store::RunAs;
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
@@ -563,7 +564,13 @@ pub fn remove_job_folder(dir: &Path) -> std::io::Result<()> {
     let work = dir.join("work");
     if let Ok(md) = std::fs::symlink_metadata(&work) {
         if md.is_dir() && md.uid() != crate::euid() {
-            labsync_store::empty_tree_as(&work, Some((md.uid(), md.gid())))?;
+            labsync_store::empty_tree_as(
+                &work,
+                Some(RunAs {
+                    uid: md.uid(),
+                    gid: md.gid(),
+                }),
+            )?;
             std::fs::remove_dir(&work)?;
         }
     }
@@ -614,7 +621,7 @@ pub fn make_workdir(
     code: Option<&Path>,
     work: &Path,
     outputs: Option<&str>,
-    owner: Option<(u32, u32)>,
+    owner: Option<RunAs>,
 ) -> Result<(), PrepareError> {
     build_workdir(code, work, outputs, owner, &|| {})
 }
@@ -625,7 +632,7 @@ fn build_workdir(
     code: Option<&Path>,
     work: &Path,
     outputs: Option<&str>,
-    owner: Option<(u32, u32)>,
+    owner: Option<RunAs>,
     before_hand_over: &dyn Fn(),
 ) -> Result<(), PrepareError> {
     use std::os::unix::fs::DirBuilderExt;
@@ -684,7 +691,7 @@ fn build_workdir(
         }
     }
     before_hand_over();
-    if let Some((uid, gid)) = owner {
+    if let Some(RunAs { uid, gid }) = owner {
         for (d, f) in own.iter().rev() {
             std::os::unix::fs::fchown(f, Some(uid), Some(gid))
                 .map_err(PrepareError::io("hand over", d))?;
@@ -1097,7 +1104,10 @@ mod tests {
         std::fs::create_dir(&victim).unwrap();
         std::fs::write(victim.join("secret"), "root's").unwrap();
         let work = dir.path().join("job/work");
-        let nobody = Some((65534, 65534));
+        let nobody = Some(RunAs {
+            uid: 65534,
+            gid: 65534,
+        });
         let swap = || {
             for p in ["out/deeper", "out"] {
                 let p = work.join(p);

@@ -505,7 +505,7 @@ fn remove_below(parent: &OwnedFd, name: &OsStr) -> io::Result<u64> {
 /// moved into theirs a folder of someone else's (from a group-writable
 /// project folder, say) has the removal fail on it, rather than root
 /// delete what that user could not.
-pub fn empty_tree_as(path: &Path, who: Option<(u32, u32)>) -> io::Result<u64> {
+pub fn empty_tree_as(path: &Path, who: Option<crate::RunAs>) -> io::Result<u64> {
     let fd = rustix::fs::open(path, read_flags(), Mode::empty())?;
     let _as = crate::fsutil::ReadAs::try_enter(who)?;
     empty(emptiable(fd, b"")?)
@@ -693,7 +693,13 @@ mod tests {
             for f in folders.iter().rev() {
                 std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o555)).unwrap();
             }
-            let removed = match empty_tree_as(&top, Some((65534, 65534))) {
+            let removed = match empty_tree_as(
+                &top,
+                Some(crate::RunAs {
+                    uid: 65534,
+                    gid: 65534,
+                }),
+            ) {
                 Ok(n) => n,
                 Err(e) => {
                     // Root can (no recursion in remove_tree).

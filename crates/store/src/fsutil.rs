@@ -317,8 +317,8 @@ impl ReadAs {
     /// force, so the ids are read back. Reading on with the process's own
     /// rights could read what the user may not.
     #[allow(unsafe_code)]
-    pub(crate) fn try_enter(who: Option<(u32, u32)>) -> std::io::Result<ReadAs> {
-        let Some((uid, gid)) = who else {
+    pub(crate) fn try_enter(who: Option<crate::RunAs>) -> std::io::Result<ReadAs> {
+        let Some(crate::RunAs { uid, gid }) = who else {
             return Ok(ReadAs {
                 saved: None,
                 caps: None,
@@ -378,7 +378,7 @@ impl ReadAs {
     /// already switched once ([`try_enter`](ReadAs::try_enter) in
     /// `source_root`): a thread that cannot is a broken invariant, and
     /// reads nothing.
-    pub(crate) fn enter(who: Option<(u32, u32)>) -> ReadAs {
+    pub(crate) fn enter(who: Option<crate::RunAs>) -> ReadAs {
         ReadAs::try_enter(who).unwrap_or_else(|e| panic!("{e}"))
     }
 }
@@ -410,7 +410,7 @@ impl Drop for ReadAs {
 /// symlink to anywhere) then tells root's caller only what that user may
 /// see. Call it off the async runtime: a look can block (an automount, a
 /// dead NFS server). `Err` when this thread cannot switch to `who`.
-pub fn as_user<T>(who: Option<(u32, u32)>, f: impl FnOnce() -> T) -> std::io::Result<T> {
+pub fn as_user<T>(who: Option<crate::RunAs>, f: impl FnOnce() -> T) -> std::io::Result<T> {
     let _as = ReadAs::try_enter(who)?;
     Ok(f())
 }
@@ -467,7 +467,10 @@ mod tests {
         std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(private.join("inside"), &link).unwrap();
-        let nobody = Some((65534, 65534));
+        let nobody = Some(crate::RunAs {
+            uid: 65534,
+            gid: 65534,
+        });
         assert!(
             !as_user(nobody, || link.is_dir()).unwrap(),
             "seen through root's eyes"
@@ -505,8 +508,20 @@ mod tests {
             let mut caps = capabilities(None).unwrap();
             caps.effective -= CapabilitySet::SETUID | CapabilitySet::SETGID;
             set_capabilities(None, caps).unwrap();
-            let looked = as_user(Some((65534, 65534)), || probe.is_dir());
-            let emptied = crate::empty_tree_as(&probe, Some((65534, 65534)));
+            let looked = as_user(
+                Some(crate::RunAs {
+                    uid: 65534,
+                    gid: 65534,
+                }),
+                || probe.is_dir(),
+            );
+            let emptied = crate::empty_tree_as(
+                &probe,
+                Some(crate::RunAs {
+                    uid: 65534,
+                    gid: 65534,
+                }),
+            );
             // SAFETY: an invalid id changes nothing and returns the one in force.
             #[allow(unsafe_code)]
             let fsuid = unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) };

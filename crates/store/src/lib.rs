@@ -50,6 +50,7 @@ mod push;
 mod remote;
 mod repo;
 pub mod reuse;
+mod run_as;
 mod seen;
 mod snapshot;
 mod verify;
@@ -78,6 +79,7 @@ pub use repo::{
     GC_GRACE_FLOOR_SECS, MAX_CONFIG_OBJECT, MAX_INDEX_OBJECT, MAX_RECORD_OBJECT,
     MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
 };
+pub use run_as::RunAs;
 pub use seen::SeenVersions;
 pub use snapshot::{
     allowed_mode, decode_segment, diff, encode_segment, validate_entries, Changes, Entry, Kind,

@@ -200,7 +200,7 @@ impl Daemon {
             self.cfg.kill_grace,
             self.node.log_path(&id),
         );
-        let holder = j.meta.run_as.map_or_else(crate::euid, |(uid, _)| uid);
+        let holder = j.meta.run_as.map_or_else(crate::euid, |r| r.uid);
         let (gpus, user, reading) = (j.gpus.clone(), j.user.clone(), reading.to_vec());
         let reason = why.clone();
         let done = off_runtime(move || {

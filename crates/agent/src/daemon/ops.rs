@@ -2,6 +2,7 @@
 //! a job, what a request may contain) and run on the engine, the trees and
 //! the logs. The HTTP layer maps each route to one of these.
 
+use labsync_store::RunAs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -517,7 +518,7 @@ impl Daemon {
 
     /// The Unix user (uid, gid) a caller's jobs run as: themselves when labd
     /// is root and runs jobs as their submitters, else labd's own (`None`).
-    pub(crate) async fn run_as(&self, caller: &Caller) -> Result<Option<(u32, u32)>, JobError> {
+    pub(crate) async fn run_as(&self, caller: &Caller) -> Result<Option<RunAs>, JobError> {
         if !(self.cfg.run_as_submitter && users::euid() == 0) {
             return Ok(None);
         }
@@ -530,11 +531,14 @@ impl Daemon {
                 caller.user, self.cfg.node_name
             ))
         })?;
-        Ok(Some((u.uid, u.gid)))
+        Ok(Some(RunAs {
+            uid: u.uid,
+            gid: u.gid,
+        }))
     }
 
     /// What the job's record keeps beside the engine's fields.
-    pub(crate) fn job_meta(&self, req: &SubmitRequest, run_as: Option<(u32, u32)>) -> JobMeta {
+    pub(crate) fn job_meta(&self, req: &SubmitRequest, run_as: Option<RunAs>) -> JobMeta {
         JobMeta {
             code: req.code.as_ref().map(|t| t.label.clone()),
             data: req.data.iter().map(|d| d.tree.label.clone()).collect(),

@@ -2,6 +2,7 @@
 //! `runs/<job-id>` every few minutes while it runs, and once more when it
 //! ends, retried with backoff until that last push succeeds.
 
+use labsync_store::RunAs;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -415,7 +416,7 @@ struct LookError {
 }
 
 /// [`outputs_folder_is_there`], blocking.
-fn look_at_outputs(who: Option<(u32, u32)>, dir: &std::path::Path) -> Result<bool, LookError> {
+fn look_at_outputs(who: Option<RunAs>, dir: &std::path::Path) -> Result<bool, LookError> {
     let shown = || crate::error::logged(&dir.display().to_string());
     let looked = labsync_store::as_user(who, || std::fs::metadata(dir)).map_err(|e| LookError {
         message: format!("cannot look at {} as the job's user: {e}", shown()),
@@ -516,7 +517,14 @@ mod tests {
         }
         // As nobody, behind a folder only root may enter.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        let e = look_at_outputs(Some((65534, 65534)), &work.join("ckpt")).unwrap_err();
+        let e = look_at_outputs(
+            Some(labsync_store::RunAs {
+                uid: 65534,
+                gid: 65534,
+            }),
+            &work.join("ckpt"),
+        )
+        .unwrap_err();
         assert!(e.denied && e.message.contains("ermission denied"), "{e:?}");
     }
 }

@@ -56,7 +56,7 @@ pub struct PushOptions {
     pub host: String,
     /// Read the source as this uid/gid (Linux file-system ids, per thread):
     /// a root labd pushing a job's outputs reads only what the job's user may.
-    pub read_as: Option<(u32, u32)>,
+    pub read_as: Option<crate::RunAs>,
     /// Files modified less than this long ago may be half written (a
     /// checkpoint being saved while a running job's outputs are pushed):
     /// the version keeps the content the files cache last recorded for
@@ -223,7 +223,7 @@ async fn stream_and_upload(
 ) -> Result<(stream::Streamed, upload::Uploaded)> {
     let config = repo.config();
     let cache_file = (opts.files_cache.as_deref()).map(|dir| {
-        let uid = opts.read_as.map(|(uid, _)| uid);
+        let uid = opts.read_as.map(|r| r.uid);
         FilesCacheFile::new(dir, &config.id, config.params, root, uid)
     });
     let uploads = Uploads::start(repo);
@@ -264,7 +264,7 @@ async fn stream_and_upload(
 }
 
 /// The source as an absolute path with no symlinks, resolved as `read_as`.
-async fn source_root(src: &Path, read_as: Option<(u32, u32)>) -> Result<PathBuf> {
+async fn source_root(src: &Path, read_as: Option<crate::RunAs>) -> Result<PathBuf> {
     let src = src.to_path_buf();
     blocking(move || {
         // The first switch of the push: a process that cannot switch

@@ -24,7 +24,7 @@ use crate::progress::Progress;
 /// What the readers need besides the files.
 pub(super) struct ReadSettings {
     pub threads: usize,
-    pub read_as: Option<(u32, u32)>,
+    pub read_as: Option<crate::RunAs>,
     pub params: ChunkerParams,
     pub pack_size: usize,
     pub codec: Codec,
