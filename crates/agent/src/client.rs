@@ -495,7 +495,7 @@ impl Client {
     /// (a cluster client; answered once SIGTERM is on its way).
     pub async fn cluster_preempt(&self, id: &str, for_job: &str) -> Result<(), ClientError> {
         let order = crate::proto::PreemptOrder {
-            for_job: for_job.to_string(),
+            for_job: for_job.into(),
         };
         self.order::<routes::PlacedPreempt>(id, &order).await
     }

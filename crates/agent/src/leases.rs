@@ -5,6 +5,7 @@
 //! transactions: racing submissions can never be handed the same GPU, and a
 //! job's end and the release of its GPUs are one atomic step.
 
+use crate::ids::JobId;
 use labsync_store::RunAs;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -62,7 +63,7 @@ pub enum JobState {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobRecord {
     /// Job id.
-    pub id: String,
+    pub id: JobId,
     /// Who submitted it.
     pub user: String,
     /// The command.
@@ -186,7 +187,7 @@ pub struct Leases {
     /// each carrying its submitter's environment, that was most of labd's
     /// CPU under load). Locked across each write transaction that changes
     /// records, so it changes in commit order.
-    active: std::sync::Mutex<BTreeMap<String, JobRecord>>,
+    active: std::sync::Mutex<BTreeMap<JobId, JobRecord>>,
     /// Unit tests make record writes fail here, as a full or broken disk would.
     #[cfg(test)]
     pub(crate) fail_writes: std::sync::atomic::AtomicBool,
@@ -401,7 +402,7 @@ impl Leases {
     }
 
     /// (job, session, leader start) of every running job (from memory).
-    pub fn running(&self) -> Vec<(String, u32, Option<u64>)> {
+    pub fn running(&self) -> Vec<(JobId, u32, Option<u64>)> {
         let active = self.active.lock().expect("leases poisoned");
         active
             .values()
@@ -581,7 +582,7 @@ impl Leases {
     pub fn reconcile(
         &self,
         alive: impl Fn(u32, Option<u64>) -> bool,
-    ) -> Result<Vec<String>, LeaseError> {
+    ) -> Result<Vec<JobId>, LeaseError> {
         let jobs = self.active_jobs()?;
         self.write(|txn, w| self.reconcile_in(txn, &jobs, &alive, w))
     }
@@ -592,7 +593,7 @@ impl Leases {
         jobs: &[JobRecord],
         alive: &dyn Fn(u32, Option<u64>) -> bool,
         written: &mut Vec<JobRecord>,
-    ) -> Result<Vec<String>, LeaseError> {
+    ) -> Result<Vec<JobId>, LeaseError> {
         let mut failed = Vec::new();
         for j in jobs {
             if let JobState::Running { sid, start } = j.state {
@@ -683,7 +684,7 @@ mod tests {
         put("j10", JobState::Queued, None, false);
         assert_eq!(l.pruned_max().unwrap(), 0);
         assert_eq!(l.prune_ended(1_000).unwrap(), 2);
-        let mut left: Vec<String> = l.jobs().unwrap().into_iter().map(|j| j.id).collect();
+        let mut left: Vec<JobId> = l.jobs().unwrap().into_iter().map(|j| j.id).collect();
         left.sort();
         assert_eq!(left, ["j10", "j8", "j9"]);
         assert_eq!(l.pruned_max().unwrap(), 7);
@@ -811,7 +812,7 @@ mod tests {
         l.finish("b", JobState::Failed { reason: "x".into() })
             .unwrap();
         let ids = |l: &Leases| {
-            let mut v: Vec<String> = l.active_jobs().unwrap().into_iter().map(|j| j.id).collect();
+            let mut v: Vec<JobId> = l.active_jobs().unwrap().into_iter().map(|j| j.id).collect();
             v.sort();
             v
         };

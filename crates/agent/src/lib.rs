@@ -41,6 +41,7 @@ pub mod devices;
 mod error;
 mod fake;
 mod gpu;
+mod ids;
 mod jobs;
 pub mod keeper;
 mod lane;

@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::cgroup::{Cgroups, JobLimits};
 use crate::error::LeaseError;
 use crate::gpu::GpuInventory;
+use crate::ids::JobId;
 use crate::leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 use crate::runner::{self, JobSpec};
 use crate::status::{classify, free_gpus, process_session, process_user, GpuState, GpuStatus};
@@ -171,7 +172,7 @@ const JOB_VARS: [&str; 3] = ["CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "LABRU
 /// The record of a job just reserved (queued, not yet in the queue).
 fn new_record(id: &str, s: &Submit, gpus: Vec<u32>) -> JobRecord {
     JobRecord {
-        id: id.to_string(),
+        id: id.into(),
         user: s.user.clone(),
         argv: s.argv.clone(),
         gpus_wanted: s.gpus,
@@ -283,7 +284,7 @@ fn job_env(env: &[(String, String)], id: &str, gpus: &[u32]) -> Vec<(String, Str
 /// database is lost: a second `j1` would find the first one's folder and
 /// log, and push its outputs over `runs/j1`. So the folders count too.
 fn next_job_number(state: &Leases, state_dir: &std::path::Path) -> Result<u64, NodeError> {
-    let in_db = state.jobs()?.into_iter().map(|j| j.id);
+    let in_db = state.jobs()?.into_iter().map(|j| String::from(j.id));
     let on_disk = ["jobs", "logs"].into_iter().flat_map(|d| {
         std::fs::read_dir(state_dir.join(d))
             .into_iter()
@@ -328,16 +329,16 @@ enum Take {
 }
 
 struct Inner {
-    queue: VecDeque<(String, Submit)>,
-    children: HashMap<String, Child>,
+    queue: VecDeque<(JobId, Submit)>,
+    children: HashMap<JobId, Child>,
     /// The log keepers of this labd's jobs ([`crate::keeper`]), waited
     /// for when their jobs end.
-    keepers: HashMap<String, Child>,
+    keepers: HashMap<JobId, Child>,
     /// Jobs whose exit the reaper has collected and is about to record: a
     /// kill racing it must not record its own guess over the real status.
-    ending: HashSet<String>,
+    ending: HashSet<JobId>,
     /// Endings collected whose record failed to be written; retried first.
-    unrecorded: Vec<(String, JobState)>,
+    unrecorded: Vec<(JobId, JobState)>,
     next: u64,
 }
 
@@ -444,7 +445,7 @@ impl Node {
     }
 
     /// Session id → job id of every running job.
-    fn running_sessions(&self) -> Result<HashMap<u32, String>, NodeError> {
+    fn running_sessions(&self) -> Result<HashMap<u32, JobId>, NodeError> {
         Ok(self
             .state
             .running()
@@ -471,7 +472,9 @@ impl Node {
                 self.cgroups
                     .as_ref()
                     .and_then(|c| c.job_of(pid))
-                    .or_else(|| process_session(pid).and_then(|s| sessions.get(&s).cloned()))
+                    .or_else(|| {
+                        process_session(pid).and_then(|s| sessions.get(&s).map(JobId::to_string))
+                    })
             },
             &process_user,
             self.cfg.foreign_limit,
@@ -524,7 +527,7 @@ impl Node {
 
     /// Records a new job as queued and returns its id; it runs once
     /// [`Node::enqueue`]d (labd materialises its code and data in between).
-    pub fn reserve(&self, s: &Submit) -> Result<String, NodeError> {
+    pub fn reserve(&self, s: &Submit) -> Result<JobId, NodeError> {
         self.admissible(s.gpus, s.min_free_bytes)?;
         let mut inner = self.inner.lock().expect("node poisoned");
         // Under the queue's lock: concurrent submissions cannot all slip in.
@@ -544,7 +547,7 @@ impl Node {
                 return Err(NodeError::Refused("job ids exhausted".into()));
             }
             inner.next = n + 1;
-            let id = format!("j{n}");
+            let id = JobId::numbered(n);
             if self.state.job(&id)?.is_none() {
                 break id;
             }
@@ -628,7 +631,7 @@ impl Node {
             if queued != Some(true) {
                 return Ok(false);
             }
-            inner.queue.push_back((id.to_string(), s));
+            inner.queue.push_back((id.into(), s));
         }
         self.schedule()?;
         Ok(true)
@@ -652,7 +655,7 @@ impl Node {
     }
 
     /// Queues a job; refuses one that can never run on this node.
-    pub fn submit(&self, s: Submit) -> Result<String, NodeError> {
+    pub fn submit(&self, s: Submit) -> Result<JobId, NodeError> {
         let id = self.reserve(&s)?;
         self.enqueue(&id, s)?;
         Ok(id)
@@ -677,7 +680,7 @@ impl Node {
     /// GPUs it could not use (too small for it) or without GPUs, never on
     /// its own. One that can never start here (more than the cards can
     /// free) is failed with the reason. Returns the ids started.
-    pub fn schedule(&self) -> Result<Vec<String>, NodeError> {
+    pub fn schedule(&self) -> Result<Vec<JobId>, NodeError> {
         let mut inner = self.inner.lock().expect("node poisoned");
         let mut started = Vec::new();
         let mut pass = Pass::default();
@@ -794,10 +797,10 @@ impl Node {
         &self,
         inner: &mut Inner,
         at: usize,
-        id: String,
+        id: JobId,
         s: Submit,
         gpus: Vec<u32>,
-    ) -> Result<Option<String>, NodeError> {
+    ) -> Result<Option<JobId>, NodeError> {
         let uid = s.run_as.map_or_else(crate::euid, |r| r.uid);
         let Some(cgroups) = self.cgroup_for(&id, uid, &gpus)? else {
             return Ok(None);
@@ -898,7 +901,7 @@ impl Node {
     }
 
     /// Records jobs that ended, frees their GPUs, and starts what now fits.
-    pub fn reap(&self) -> Result<Vec<(String, JobState)>, NodeError> {
+    pub fn reap(&self) -> Result<Vec<(JobId, JobState)>, NodeError> {
         let (ended, sessions) = {
             let mut inner = self.inner.lock().expect("node poisoned");
             let mut ended = std::mem::take(&mut inner.unrecorded);
@@ -935,13 +938,13 @@ impl Node {
                 }
             }
             // From memory: nothing between collecting and recording can fail.
-            let running: HashMap<String, (u32, Option<u64>)> = self
+            let running: HashMap<JobId, (u32, Option<u64>)> = self
                 .state
                 .running()
                 .into_iter()
                 .map(|(id, sid, start)| (id, (sid, start)))
                 .collect();
-            let sessions: Vec<(String, (u32, Option<u64>))> = ended
+            let sessions: Vec<(JobId, (u32, Option<u64>))> = ended
                 .iter()
                 .filter_map(|(id, _)| Some((id.clone(), *running.get(id)?)))
                 .collect();
@@ -953,7 +956,7 @@ impl Node {
         // jobs leave processes that ignore SIGTERM could otherwise stall
         // the node's scheduling and log bounding for minutes).
         self.kill_jobs(&sessions, Duration::from_secs(2));
-        let ids: Vec<String> = ended.iter().map(|(id, _)| id.clone()).collect();
+        let ids: Vec<JobId> = ended.iter().map(|(id, _)| id.clone()).collect();
         self.end_keepers(&ids, Duration::from_secs(2));
         {
             let mut inner = self.inner.lock().expect("node poisoned");
@@ -984,7 +987,7 @@ impl Node {
     /// session is its leader's pid and start ([`runner::kill_sessions`]):
     /// once the pid is another process's, only the cgroup is the job's.
     fn kill_job(&self, id: &str, session: (u32, Option<u64>), grace: Duration) {
-        self.kill_jobs(&[(id.to_string(), session)], grace);
+        self.kill_jobs(&[(id.into(), session)], grace);
     }
 
     /// Ends the log keepers of the jobs `ids`, which have ended and whose
@@ -993,9 +996,9 @@ impl Node {
     /// later (a descriptor passed out of the job) is killed, and its
     /// holder's writes fail from then on. Keepers of jobs adopted after a
     /// restart are found by their record.
-    fn end_keepers(&self, ids: &[String], grace: Duration) {
+    fn end_keepers(&self, ids: &[JobId], grace: Duration) {
         /// A job, its keeper if ours, and its keeper's pid and start on record.
-        type Kept = (String, Option<Child>, Option<(u32, Option<u64>)>);
+        type Kept = (JobId, Option<Child>, Option<(u32, Option<u64>)>);
         let mut keepers: Vec<Kept> = {
             let mut inner = self.inner.lock().expect("node poisoned");
             ids.iter()
@@ -1047,7 +1050,7 @@ impl Node {
     }
 
     /// [`Node::kill_job`] for several jobs at once, under one grace period.
-    fn kill_jobs(&self, jobs: &[(String, (u32, Option<u64>))], grace: Duration) {
+    fn kill_jobs(&self, jobs: &[(JobId, (u32, Option<u64>))], grace: Duration) {
         let sessions: Vec<(u32, Option<u64>)> = jobs.iter().map(|(_, s)| *s).collect();
         let Some(cg) = &self.cgroups else {
             runner::kill_sessions(&sessions, grace);
@@ -1147,7 +1150,7 @@ impl Node {
             });
         };
         self.kill_job(id, session, grace);
-        self.end_keepers(&[id.to_string()], Duration::from_secs(2));
+        self.end_keepers(&[id.into()], Duration::from_secs(2));
         // The ending is recorded under the queue's lock, as the reaper
         // records its own: whichever sees the exit first records the real
         // status, and the other leaves it alone.
@@ -1463,7 +1466,7 @@ mod tests {
             n.job(&holder).unwrap().unwrap().state,
             JobState::Running { .. }
         ));
-        let waiting: Vec<String> = (0..200)
+        let waiting: Vec<JobId> = (0..200)
             .map(|_| n.submit(alices(dir.path(), sleep.clone(), 1)).unwrap())
             .collect();
         inv.1.store(0, Ordering::SeqCst);
@@ -1554,7 +1557,7 @@ mod tests {
         };
         let running =
             |id: &str| matches!(n.job(id).unwrap().unwrap().state, JobState::Running { .. });
-        let alice: Vec<String> = (0..3)
+        let alice: Vec<JobId> = (0..3)
             .map(|_| n.submit(sleeper("alice")).unwrap())
             .collect();
         assert!(running(&alice[0]) && running(&alice[1]));

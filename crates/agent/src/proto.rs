@@ -12,8 +12,10 @@
 //! Users ask the coordinator (`/v1/jobs…` as on one node); it checks who
 //! may do what and forwards to the node that runs the job.
 
-use labsync_store::{PackId, SnapshotId};
+use labsync_store::PackId;
 use serde::{Deserialize, Serialize};
+
+pub use crate::ids::{JobId, NodeName, SnapshotId};
 
 use crate::leases::{JobMeta, JobState};
 use crate::status::GpuStatus;
@@ -95,7 +97,7 @@ fn is_zero(n: &u32) -> bool {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PreemptOrder {
     /// The job it makes way for.
-    pub for_job: String,
+    pub for_job: JobId,
 }
 
 /// `labrun explain JOB`: the job, and for one queued in a cluster the
@@ -114,7 +116,7 @@ pub struct JobExplain {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobView {
     /// Job id.
-    pub id: String,
+    pub id: JobId,
     /// The node it runs (or ran) on; `None` while the cluster's
     /// coordinator has not placed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -361,7 +363,7 @@ pub struct HeartbeatReply {
     /// by their owner (or an admin) while this node was down. The node
     /// kills them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub kill: Vec<String>,
+    pub kill: Vec<JobId>,
 }
 
 /// Whether the coordinator hears from a node.
@@ -442,7 +444,7 @@ pub struct ClusterStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Dispatch {
     /// The id the coordinator gave it (cluster-wide).
-    pub id: String,
+    pub id: JobId,
     /// Who submitted it (checked by the coordinator).
     pub user: String,
     /// The job.

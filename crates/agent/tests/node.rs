@@ -64,7 +64,7 @@ fn racing_submissions_for_one_gpu_run_one_at_a_time() {
         Arc::new(FakeGpus::new("1x11GiB", None).unwrap()),
     ));
     let cwd = dir.path().to_path_buf();
-    let ids: Vec<String> = (0..6)
+    let ids: Vec<labsync_agent::proto::JobId> = (0..6)
         .map(|_| {
             let (n, cwd) = (n.clone(), cwd.clone());
             std::thread::spawn(move || {
@@ -206,7 +206,7 @@ fn kill_ends_the_whole_session_and_frees_the_gpu() {
 fn leftovers_of_jobs_ending_together_are_killed_together() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), Arc::new(NoGpus));
-    let ids: Vec<String> = (0..5)
+    let ids: Vec<labsync_agent::proto::JobId> = (0..5)
         .map(|_| {
             n.submit(job("trap '' TERM; sleep 300 & echo up", 0, dir.path()))
                 .unwrap()

@@ -19,6 +19,7 @@ use crate::clock::Clock;
 use crate::cluster::queue::{ClusterJobs, Placement};
 use crate::cluster::LabConfig;
 use crate::error::{JobError, LeaseError};
+use crate::ids::JobId;
 use crate::proto::{
     CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
     Presence,
@@ -46,7 +47,7 @@ pub(super) struct View {
     /// GPUs promised to dispatches, until a heartbeat shows them leased
     /// to that job (or the dispatch is refused): counted busy meanwhile,
     /// so no pass offers them twice.
-    pub(super) promised: BTreeMap<NodeName, BTreeMap<u32, String>>,
+    pub(super) promised: BTreeMap<NodeName, BTreeMap<u32, JobId>>,
     /// Snapshots no live job and no cache needed at the last look:
     /// forgotten if still so at the next ([`Coordinator::forget_unused`]).
     unused: HashSet<SnapshotKey>,
@@ -69,7 +70,7 @@ pub struct Coordinator {
     /// New job numbers start above this (the highest `runs/j<N>` in the store).
     pub(super) floor: AtomicU64,
     /// Jobs whose dispatch is on its way.
-    pub(super) inflight: Mutex<HashSet<String>>,
+    pub(super) inflight: Mutex<HashSet<JobId>>,
     /// Pack lists of snapshots priced lately and not kept in the view (an
     /// explain's, a Slurm ranking's), at most [`super::jobs::PRICED_LATELY`].
     pub(super) priced_lately: Mutex<std::collections::VecDeque<super::jobs::Priced>>,
@@ -349,7 +350,7 @@ impl Coordinator {
 
     /// Of the jobs `node` lists as active, those ended here on that node
     /// (killed while it was down): it is to kill them.
-    fn ended_here(&self, node: &str, jobs: &[JobView]) -> Vec<String> {
+    fn ended_here(&self, node: &str, jobs: &[JobView]) -> Vec<JobId> {
         jobs.iter()
             .filter(|j| !j.ended())
             .filter(|j| match self.jobs.get(&j.id) {

@@ -16,7 +16,7 @@ use crate::cluster::{Coordinator, WarmOrder};
 use crate::daemon::{check_user_request, Caller, LogRead};
 use crate::error::{JobError, LeaseError};
 use crate::leases::JobState;
-use crate::proto::{Dispatch, DispatchReply, JobView, SubmitRequest};
+use crate::proto::{Dispatch, DispatchReply, JobId, JobView, SubmitRequest};
 
 use super::link::{Link, Reach, FORWARD};
 use super::pass::{pass, placer_job, Action, Inputs};
@@ -279,7 +279,7 @@ impl Coordinator {
         }
         let actions = {
             let mut v = self.view.lock().expect("coordinator poisoned");
-            let ended_on_nodes: HashSet<String> = (v.members.values())
+            let ended_on_nodes: HashSet<JobId> = (v.members.values())
                 .flat_map(|m| m.jobs.iter().filter(|x| x.ended()).map(|x| x.id.clone()))
                 .collect();
             let mut scratch = v.planning();
@@ -937,7 +937,7 @@ impl Coordinator {
         caller: &Caller,
         id: &str,
     ) -> Result<JobView, JobError> {
-        struct Slot<'a>(&'a std::sync::Mutex<HashSet<String>>, &'a str);
+        struct Slot<'a>(&'a std::sync::Mutex<HashSet<JobId>>, &'a str);
         impl Drop for Slot<'_> {
             fn drop(&mut self) {
                 self.0.lock().expect("coordinator poisoned").remove(self.1);
@@ -948,7 +948,7 @@ impl Coordinator {
             .inflight
             .lock()
             .expect("coordinator poisoned")
-            .insert(id.to_string())
+            .insert(JobId::from(id))
         {
             if std::time::Instant::now() > deadline {
                 return Err(JobError::Conflict(format!(
@@ -1060,7 +1060,7 @@ impl Coordinator {
     /// Stops `victims` for job `id`: each is marked (passes count its
     /// GPUs as coming free, so no more jobs are stopped than needed), then
     /// its node is told to stop it, in the background.
-    fn preempt(self: &Arc<Self>, r: &Reach, id: &str, victims: &[String]) {
+    fn preempt(self: &Arc<Self>, r: &Reach, id: &str, victims: &[JobId]) {
         for v in victims {
             let reason = format!("preempted for {id}");
             let mut marked = None;
@@ -1104,7 +1104,7 @@ impl Coordinator {
     /// Requeues a preempted job that has ended: a new job of the same
     /// request, user and submit time, with `LABRUN_RESTARTS` one more and
     /// `LABRUN_RESUME_FROM` its last saved outputs. Returns the new id.
-    fn requeue(&self, j: &ClusterJob, view: &JobView) -> Option<String> {
+    fn requeue(&self, j: &ClusterJob, view: &JobView) -> Option<JobId> {
         let mut req = j.req.clone();
         req.restarts += 1;
         req.resume_from = view.meta.outputs_saved.clone().or(req.resume_from);
@@ -1198,7 +1198,7 @@ fn unknown(node: &str) -> JobError {
 /// to dispatches not yet confirmed by a heartbeat counted busy.
 pub(crate) fn with_promises(
     cluster: &labsync_placer::Cluster,
-    promised: &BTreeMap<NodeName, BTreeMap<u32, String>>,
+    promised: &BTreeMap<NodeName, BTreeMap<u32, JobId>>,
 ) -> labsync_placer::Cluster {
     let mut c = cluster.clone();
     for (name, gpus) in promised {

@@ -15,7 +15,7 @@ use labsync_placer::{
 use labsync_store::SnapshotId;
 
 use super::queue::{ClusterJob, Placement};
-use crate::proto::SubmitRequest;
+use crate::proto::{JobId, SubmitRequest};
 
 /// How often an unanswered dispatch is sent again.
 pub(super) const RESEND: Duration = Duration::from_secs(2);
@@ -30,51 +30,51 @@ pub(super) enum Action {
     /// End job `id`, which never ran, for `why`.
     End {
         /// The job.
-        id: String,
+        id: JobId,
         /// Why, for `labrun ps`.
         why: String,
     },
     /// Send dispatched job `id` to its node again: it has not answered.
     Resend {
         /// The job.
-        id: String,
+        id: JobId,
     },
     /// Tell `node` again to stop `id` for `for_job`.
     StopAgain {
         /// The job being preempted.
-        id: String,
+        id: JobId,
         /// Its node.
         node: String,
         /// The job it makes way for.
-        for_job: String,
+        for_job: JobId,
     },
     /// Ask `id`'s node whether it has ended, and keep its record if so.
     Collect {
         /// The job.
-        id: String,
+        id: JobId,
     },
     /// Warm these nodes with the data of jobs likely to start there.
     Prefetch(Vec<Warm>),
     /// Send queued job `id` to `choice` (its GPUs are promised to it).
     Dispatch {
         /// The job.
-        id: String,
+        id: JobId,
         /// Where, on which GPUs.
         choice: Choice,
     },
     /// Stop `victims` for job `id`, which waits for their GPUs (`why`).
     Preempt {
         /// The job.
-        id: String,
+        id: JobId,
         /// The jobs to stop.
-        victims: Vec<String>,
+        victims: Vec<JobId>,
         /// Why `id` waits, for `labrun ps`.
         why: String,
     },
     /// Record why queued job `id` waits.
     SetWhy {
         /// The job.
-        id: String,
+        id: JobId,
         /// Why.
         why: String,
     },
@@ -85,10 +85,10 @@ pub(super) struct Inputs<'a> {
     /// The jobs not ended, in the queue's order.
     pub jobs: &'a [ClusterJob],
     /// The snapshots each queued job reads, or why they cannot be priced.
-    pub needs: &'a HashMap<String, Result<Vec<SnapshotId>, String>>,
+    pub needs: &'a HashMap<JobId, Result<Vec<SnapshotId>, String>>,
     /// Jobs their nodes report ended, still saving their outputs: no
     /// longer holding GPUs (not counted for the cap, never preempted).
-    pub ended_on_nodes: &'a HashSet<String>,
+    pub ended_on_nodes: &'a HashSet<JobId>,
     /// Who stands in which tier.
     pub members: &'a Members,
     /// Fair-share usage.
@@ -135,7 +135,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
         match &j.placement {
             Placement::Queued { .. } => match inputs.needs.get(&j.id) {
                 Some(Ok(needs)) => queue.push(Queued {
-                    id: j.id.clone(),
+                    id: j.id.to_string(),
                     job: placer_job(&j.req, needs),
                     user: j.user.clone(),
                     tier: tier_of(inputs.members, j, now),
@@ -152,7 +152,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
             Placement::Dispatched { node, gpus, .. } if !inputs.ended_on_nodes.contains(&j.id) => {
                 match node.parse() {
                     Ok(node) => running.push(Running {
-                        id: j.id.clone(),
+                        id: j.id.to_string(),
                         user: j.user.clone(),
                         tier: tier_of(inputs.members, j, now),
                         node,
@@ -193,13 +193,20 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
         actions.push(Action::Prefetch(warms));
     }
     actions.extend(decisions.into_iter().map(|d| match d {
-        Decision::Start { id, choice } => Action::Dispatch { id, choice },
+        Decision::Start { id, choice } => Action::Dispatch {
+            id: id.into(),
+            choice,
+        },
         Decision::Preempt {
             id, why, victims, ..
-        } => Action::Preempt { id, victims, why },
-        Decision::Wait { id, why, .. } => Action::SetWhy { id, why },
+        } => Action::Preempt {
+            id: id.into(),
+            victims: victims.into_iter().map(JobId::from).collect(),
+            why,
+        },
+        Decision::Wait { id, why, .. } => Action::SetWhy { id: id.into(), why },
         Decision::Never { id, why } => Action::End {
-            id,
+            id: id.into(),
             why: format!("no node of the cluster can run it: {why}"),
         },
     }));
@@ -231,7 +238,7 @@ fn follow_up(j: &ClusterJob, inputs: &Inputs, up: &HashSet<String>, now_s: u64) 
     }
     match &j.preempted {
         Some(why) if now_s.saturating_sub(j.preempted_at) >= PREEMPT_AGAIN.as_secs() => {
-            let for_job = why.trim_start_matches("preempted for ").to_string();
+            let for_job = why.trim_start_matches("preempted for ").into();
             let mut out = vec![Action::StopAgain {
                 id: j.id.clone(),
                 node: node.clone(),
@@ -303,7 +310,7 @@ mod tests {
     /// usage; the nodes up are the cluster's.
     struct State {
         jobs: Vec<ClusterJob>,
-        needs: HashMap<String, Result<Vec<SnapshotId>, String>>,
+        needs: HashMap<JobId, Result<Vec<SnapshotId>, String>>,
         members: Members,
         collect: bool,
     }

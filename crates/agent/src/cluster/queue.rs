@@ -5,6 +5,7 @@
 //! after a crash it is sent again to the same node (agents take a dispatch
 //! they already have as a no-op), never placed a second time elsewhere.
 
+use crate::ids::JobId;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -53,7 +54,7 @@ pub enum Placement {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterJob {
     /// `j<N>`, unique in the cluster (outputs go to `runs/<id>`).
-    pub id: String,
+    pub id: JobId,
     /// Who submitted it.
     pub user: String,
     /// What was submitted (its environment included: the database is the
@@ -238,7 +239,7 @@ impl ClusterJobs {
             }
             meta.insert("next", n + 1).map_err(|e| self.err(e))?;
             let job = ClusterJob {
-                id: format!("j{n}"),
+                id: JobId::numbered(n),
                 user: user.to_string(),
                 req,
                 submitted_at: now,
@@ -383,7 +384,7 @@ impl ClusterJobs {
             }
             _ => false,
         };
-        let ids: Vec<String> = (self.ended()?.into_iter())
+        let ids: Vec<JobId> = (self.ended()?.into_iter())
             .filter(|j| old(j))
             .map(|j| j.id)
             .collect();
@@ -477,7 +478,7 @@ mod tests {
         let recent = ended(&db, Some(5_000));
         let queued = db.create("alice", req(), 1, 0).unwrap();
         assert_eq!(db.prune_ended(1_000).unwrap(), 1);
-        let mut left: Vec<String> = db.ended().unwrap().into_iter().map(|j| j.id).collect();
+        let mut left: Vec<JobId> = db.ended().unwrap().into_iter().map(|j| j.id).collect();
         left.sort();
         let mut want = vec![saving.id.clone(), recent.id.clone()];
         want.sort();
@@ -526,7 +527,7 @@ mod tests {
             let db = ClusterJobs::open(&path).unwrap();
             let fresh = ended(&db, Some(now));
             let old = ended(&db, Some(now - RECENT_SECS - 10));
-            let ids: Vec<String> = db
+            let ids: Vec<JobId> = db
                 .ended_since(now - RECENT_SECS)
                 .into_iter()
                 .map(|j| j.id)
@@ -536,7 +537,7 @@ mod tests {
             (fresh, old)
         };
         let db = ClusterJobs::open(&path).unwrap();
-        let ids: Vec<String> = db
+        let ids: Vec<JobId> = db
             .ended_since(now - RECENT_SECS)
             .into_iter()
             .map(|j| j.id)
@@ -551,7 +552,7 @@ mod tests {
             .ended_since(now - RECENT_SECS)
             .iter()
             .all(|j| j.req.env.is_empty()));
-        let mut all: Vec<String> = ended.into_iter().map(|j| j.id).collect();
+        let mut all: Vec<JobId> = ended.into_iter().map(|j| j.id).collect();
         all.sort();
         assert_eq!(all, vec![fresh.id, old.id]);
     }

@@ -12,6 +12,7 @@ use crate::blocking::off_runtime;
 use crate::client::Client;
 use crate::cluster::{ClusterConfig, Coordinator};
 use crate::daemon::{Caller, Daemon};
+use crate::ids::JobId;
 use crate::proto::{CacheSummary, CachedTree, Heartbeat, InventoryDelta};
 
 /// The cache as last read: packs with sizes, snapshots with their packs.
@@ -37,7 +38,7 @@ pub struct Reporter {
     stamp: Option<(SystemTime, u64)>,
     /// Jobs the coordinator had ended while this node was down, with when
     /// their kill was started (not started again within [`KILL_AGAIN`]).
-    killing: HashMap<String, Instant>,
+    killing: HashMap<JobId, Instant>,
 }
 
 /// How long a kill the coordinator asked for is given before it is asked
@@ -205,7 +206,7 @@ impl Reporter {
 
     /// Kills, in the background, the jobs the coordinator ended while this
     /// node was down (their owner killed them meanwhile).
-    fn kill_ended(&mut self, ids: Vec<String>) {
+    fn kill_ended(&mut self, ids: Vec<JobId>) {
         let clock = self.daemon.clock().clone();
         self.killing
             .retain(|id, at| ids.contains(id) && clock.since(*at) < KILL_AGAIN);

@@ -10,6 +10,7 @@ use labsync_placer::{idle_holds, Hold, Policy};
 
 use super::Daemon;
 use crate::blocking::off_runtime;
+use crate::ids::JobId;
 use crate::leases::{JobRecord, JobState};
 use crate::node::NodeError;
 use crate::status::GpuStatus;
@@ -159,7 +160,7 @@ impl Daemon {
         now: u64,
     ) -> Vec<(String, String)> {
         let mut idle = self.hold_idle.lock().expect("holds poisoned");
-        let mut seen: HashMap<String, Option<u64>> = HashMap::new();
+        let mut seen: HashMap<JobId, Option<u64>> = HashMap::new();
         for j in holds {
             let since = if busy(&j.gpus, reading) {
                 None
@@ -173,7 +174,7 @@ impl Daemon {
         let as_placer: Vec<Hold> = holds
             .iter()
             .map(|j| Hold {
-                id: j.id.clone(),
+                id: j.id.to_string(),
                 user: j.user.clone(),
                 node: self
                     .cfg

@@ -210,7 +210,7 @@ pub struct Daemon {
     beat_now: tokio::sync::Notify,
     /// Running holds: since when each has shown no utilisation (Unix ms;
     /// `None`: busy at the last reading).
-    hold_idle: std::sync::Mutex<std::collections::HashMap<String, Option<u64>>>,
+    hold_idle: std::sync::Mutex<std::collections::HashMap<crate::ids::JobId, Option<u64>>>,
     /// When the holds' GPUs were last read.
     hold_checked: std::sync::Mutex<Option<std::time::Instant>>,
     /// When unreleased stages were last checked with Slurm, and whether a
@@ -406,7 +406,7 @@ impl Daemon {
         let running: Vec<String> = (self.node)
             .active_where(|j| matches!(j.state, JobState::Running { .. }))
             .into_iter()
-            .map(|j| j.id)
+            .map(|j| j.id.into())
             .collect();
         Some(if running.is_empty() {
             format!("{why}; no job was running")

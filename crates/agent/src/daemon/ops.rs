@@ -12,6 +12,7 @@ use super::ConnLimits;
 use super::Daemon;
 use crate::blocking::{chain, off_runtime};
 use crate::error::{JobError, PrepareError};
+use crate::ids::JobId;
 use crate::leases::{JobMeta, JobRecord, JobState};
 use crate::node::{NodeError, Submit};
 use crate::proto::{Dispatch, DispatchReply, Info, JobView, SubmitRequest, TreeRef};
@@ -431,7 +432,7 @@ impl Daemon {
         let id = tokio::spawn(async move {
             let (node, s) = (me.node.clone(), submit.clone());
             let id = off_runtime(move || node.reserve(&s)).await?;
-            let work = me.cfg.state_dir.join("jobs").join(&id).join("work");
+            let work = me.cfg.state_dir.join("jobs").join(id.as_str()).join("work");
             submit.cwd = work.clone();
             submit.meta.work = Some(work);
             me.prepare_in_background(id.clone(), req, submit);
@@ -461,7 +462,12 @@ impl Daemon {
             Ok(r) => r,
             Err(e) => return refused(e),
         };
-        let work = self.cfg.state_dir.join("jobs").join(&d.id).join("work");
+        let work = self
+            .cfg
+            .state_dir
+            .join("jobs")
+            .join(d.id.as_str())
+            .join("work");
         let mut submit = Submit {
             user: d.user.clone(),
             argv: d.req.argv.clone(),
@@ -571,7 +577,7 @@ impl Daemon {
 
     /// Materialises the reserved job `id`'s trees and working folder in a
     /// task of its own, then queues it (or ends it, saying why).
-    fn prepare_in_background(self: &Arc<Self>, id: String, req: SubmitRequest, mut submit: Submit) {
+    fn prepare_in_background(self: &Arc<Self>, id: JobId, req: SubmitRequest, mut submit: Submit) {
         let me = self.clone();
         tokio::spawn(async move {
             let outcome = me.prepare(&id, &req, &mut submit).await;

@@ -3,6 +3,8 @@
 //! ends, retried with backoff until that last push succeeds.
 
 use labsync_store::RunAs;
+
+use crate::ids::JobId;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -80,10 +82,10 @@ pub(crate) struct OutputsSaver {
     /// First wait before a failed final push is tried again.
     retry: Duration,
     /// Jobs whose outputs are being pushed right now.
-    pushing: Mutex<HashSet<String>>,
+    pushing: Mutex<HashSet<JobId>>,
     /// When each running job's outputs were last pushed, failed final
     /// pushes, and of those the ones that failed on the outputs themselves.
-    pushed_at: Mutex<HashMap<String, (Instant, u32, u32)>>,
+    pushed_at: Mutex<HashMap<JobId, (Instant, u32, u32)>>,
     /// Places for pushes running at once ([`OUTPUTS_AT_ONCE`]).
     places: Arc<tokio::sync::Semaphore>,
     /// Pushes running now, and the most that ever ran at once (said in
@@ -150,7 +152,7 @@ impl OutputsSaver {
             {
                 /// Takes the job off `pushing` however its push ends (a
                 /// panic too: else it would never be pushed again).
-                struct Done(Arc<OutputsSaver>, String);
+                struct Done(Arc<OutputsSaver>, JobId);
                 impl Drop for Done {
                     fn drop(&mut self) {
                         let mut p = self.0.pushing.lock().unwrap_or_else(|e| e.into_inner());
