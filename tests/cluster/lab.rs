@@ -275,7 +275,10 @@ impl Lab {
         wait_until(&format!("{id} to run"), 60, || {
             matches!(self.job(id).state, JobState::Running { .. })
         });
-        self.job(id).node.expect("a running job has a node")
+        self.job(id)
+            .node
+            .expect("a running job has a node")
+            .to_string()
     }
 
     pub fn status(&self) -> ClusterStatus {

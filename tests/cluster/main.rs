@@ -201,7 +201,7 @@ fn requests_without_the_cluster_secret_are_refused() {
     refused(rt.block_on(Client::new(ep, None).pack(&id)));
     // A member speaking for another node.
     let forged = Heartbeat {
-        node: "gpu1".into(),
+        node: "gpu1".parse().unwrap(),
         addr: "http://127.0.0.1:1".into(),
         instance: "forged".into(),
         seq: 1,
@@ -306,7 +306,7 @@ fn requests_without_the_cluster_secret_are_refused() {
     );
     // And a heartbeat to a node that does not coordinate.
     let mut own = forged.clone();
-    own.node = "gpu0".into();
+    own.node = "gpu0".parse().unwrap();
     match rt.block_on(lab.client(1, right, "gpu0").heartbeat(&own)) {
         Err(ClientError::Status {
             status: 409,

@@ -5,15 +5,15 @@
 //! transactions: racing submissions can never be handed the same GPU, and a
 //! job's end and the release of its GPUs are one atomic step.
 
-use crate::ids::JobId;
-use labsync_store::RunAs;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use labsync_store::RunAs;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use crate::error::LeaseError;
+use crate::ids::JobId;
 
 /// GPU index → id of the job holding it.
 const LEASES: TableDefinition<u32, &str> = TableDefinition::new("leases-v1");

@@ -2,12 +2,13 @@
 //! leases, and the job runner. Synchronous (it forks, scans `/proc` and
 //! waits on children); labd's async API calls it off the runtime.
 
-use labsync_store::RunAs;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use labsync_store::RunAs;
 
 use crate::cgroup::{Cgroups, JobLimits};
 use crate::error::LeaseError;

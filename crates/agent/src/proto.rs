@@ -120,7 +120,7 @@ pub struct JobView {
     /// The node it runs (or ran) on; `None` while the cluster's
     /// coordinator has not placed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node: Option<String>,
+    pub node: Option<NodeName>,
     /// Who submitted it.
     pub user: String,
     /// The command.
@@ -171,7 +171,7 @@ pub struct Info {
     /// labd's version.
     pub version: String,
     /// This node's name.
-    pub node: String,
+    pub node: NodeName,
     /// The store labd materialises from and pushes outputs to; `labrun`
     /// pushes code there.
     pub store: String,
@@ -333,7 +333,7 @@ pub struct InventoryDelta {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// The node's name.
-    pub node: String,
+    pub node: NodeName,
     /// Where the others reach it (`http://host:port`).
     pub addr: String,
     /// Random per labd start: a restarted agent starts its deltas afresh.
@@ -399,7 +399,7 @@ pub struct Presence {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeStatus {
     /// Its name.
-    pub name: String,
+    pub name: NodeName,
     /// Where it is reached.
     pub addr: String,
     /// Up or down.
@@ -435,7 +435,7 @@ pub struct NodeStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterStatus {
     /// The coordinating node.
-    pub coordinator: String,
+    pub coordinator: NodeName,
     /// Every node that has sent a heartbeat, by name.
     pub nodes: Vec<NodeStatus>,
 }
@@ -490,7 +490,7 @@ pub struct RankAsk {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StageAsk {
     /// The node the job runs on (`SLURMD_NODENAME`).
-    pub node: String,
+    pub node: NodeName,
     /// The scheduler's job id (`SLURM_JOB_ID`): digits.
     pub job: String,
     /// The code, materialised as the working folder.
@@ -514,7 +514,7 @@ pub struct StageOrder {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Staged {
     /// The node.
-    pub node: String,
+    pub node: NodeName,
     /// The stage's name on that node (`1234.1`), to release it.
     pub stage: String,
     /// The working folder (the code's files, the user's).
@@ -529,7 +529,7 @@ pub struct Staged {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StageDone {
     /// The node.
-    pub node: String,
+    pub node: NodeName,
     /// [`Staged::stage`].
     pub stage: String,
     /// Who asks; set by the coordinator (a user's own is ignored).
@@ -543,7 +543,7 @@ pub struct WarmAsk {
     /// `NAME` or `NAME@vN`.
     pub name: String,
     /// The nodes; empty: every node that is up.
-    pub nodes: Vec<String>,
+    pub nodes: Vec<NodeName>,
     /// Release the pin instead.
     pub unpin: bool,
 }
@@ -575,7 +575,7 @@ pub struct WarmAnswer {
     /// Its snapshot.
     pub snapshot: labsync_store::SnapshotId,
     /// The nodes that took the order.
-    pub nodes: Vec<String>,
+    pub nodes: Vec<NodeName>,
 }
 
 /// A warm under way on a node, as its heartbeat shows it.

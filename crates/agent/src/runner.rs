@@ -7,13 +7,14 @@
 //! first and SIGKILL after a grace period, until none is left; GPU processes
 //! of the session are the job's own, never "foreign".
 
-use labsync_store::RunAs;
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use labsync_store::RunAs;
 
 /// What to run.
 #[derive(Debug)]

@@ -15,16 +15,14 @@
 //! removes the least recently used trees that no active job uses until the
 //! rest fit the budget.
 
-use labsync_store::RunAs;
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use labsync_store::{
-    CacheWrites, NoProgress, NodeCache, Pull, PullOptions, RefSpec, Repo, SnapshotId,
+    CacheWrites, NoProgress, NodeCache, Pull, PullOptions, RefSpec, Repo, RunAs, SnapshotId,
 };
-
 use serde::{Deserialize, Serialize};
 
 use crate::blocking::off_runtime;

@@ -33,7 +33,7 @@ impl GpuInventory for Counting {
 
 fn config(dir: &Path) -> DaemonConfig {
     DaemonConfig {
-        node_name: "n1".into(),
+        node_name: "n1".parse().unwrap(),
         state_dir: dir.join("state"),
         store: format!("file://{}", dir.join("store").display()),
         store_options: vec![],
@@ -371,7 +371,7 @@ async fn stages_are_charged_to_their_user_against_the_share() {
     let order = |user: &str, job: &str, tree: &labsync_agent::proto::TreeRef| StageOrder {
         user: user.into(),
         ask: StageAsk {
-            node: "n1".into(),
+            node: "n1".parse().unwrap(),
             job: job.into(),
             code: None,
             data: vec![DataRef {
@@ -394,7 +394,7 @@ async fn stages_are_charged_to_their_user_against_the_share() {
     d.stage(order("bob", "104", &v2)).await.unwrap();
     for s in [first, again] {
         let done = StageDone {
-            node: "n1".into(),
+            node: "n1".parse().unwrap(),
             stage: s.stage,
             user: "alice".into(),
         };

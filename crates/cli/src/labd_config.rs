@@ -406,7 +406,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
     }
     let d = ConnLimits::default();
     Ok(DaemonConfig {
-        node_name: file.node_name.unwrap_or_else(hostname),
+        node_name: node_name(file.node_name)?,
         state_dir: local.state_dir.clone(),
         store: settings.store,
         store_options: settings.store_options,
@@ -522,8 +522,23 @@ fn memory_max(key: &str, given: Option<&str>, default: Option<u64>) -> Result<Op
     }
 }
 
+/// This node's name: `node_name`, else the host's name; one that is no
+/// node name (it lands in tables, paths and logs, and names the node to
+/// the cluster) is refused, saying where to set one.
+fn node_name(configured: Option<String>) -> Result<labsync_placer::NodeName> {
+    match configured {
+        Some(n) => n.parse().map_err(|e| anyhow::anyhow!("node_name: {e}")),
+        None => {
+            let host = hostname();
+            host.parse().map_err(|e| {
+                anyhow::anyhow!("this host's name: {e}; set node_name in labd's config")
+            })
+        }
+    }
+}
+
 /// The `[cluster]` section, checked: a TCP listener others can reach, a
-/// node name the cluster can show, a long secret no other user can read;
+/// long secret no other user can read;
 /// with TLS (`tls`, whom to trust), every address `https://`, without it
 /// none.
 fn cluster_config(
@@ -533,9 +548,6 @@ fn cluster_config(
     tls: Option<Arc<ClientConfig>>,
 ) -> Result<ClusterConfig> {
     let scheme = if tls.is_some() { "https" } else { "http" };
-    node_name.parse::<labsync_placer::NodeName>().map_err(|e| {
-        anyhow::anyhow!("node_name: {e} (in a cluster every node needs one; set node_name)")
-    })?;
     let coordinator: Endpoint = c
         .coordinator
         .parse()
@@ -884,6 +896,18 @@ mod tests {
     }
 
     #[test]
+    fn a_node_name_that_is_none_is_refused_saying_where_to_set_one() {
+        let e = node_name(Some("gpu 2".into())).unwrap_err().to_string();
+        assert!(
+            e.starts_with("node_name: \"gpu 2\" is not a node name"),
+            "{e}"
+        );
+        assert_eq!(node_name(Some("gpu2".into())).unwrap(), "gpu2");
+        // The host's name where none is set (this machine's is one).
+        assert_eq!(node_name(None).unwrap(), hostname());
+    }
+
+    #[test]
     fn cluster_mistakes_are_named() {
         let err = |c: ClusterFile, name: &str, listen: Endpoint| {
             cluster_config(c, name, &listen, None)
@@ -892,7 +916,6 @@ mod tests {
         };
         let unix = Endpoint::Unix("/run/labd.sock".into());
         assert!(err(cluster(""), "gpu2", unix).contains("other nodes cannot reach"));
-        assert!(err(cluster(""), "gpu 2", tcp("0.0.0.0:1")).contains("is not a node name"));
         // Issue 40, point 10: in clear only when the config says so.
         let clear: ClusterFile = toml::from_str(&format!(
             "coordinator = \"http://h:1\"\nsecret = \"{}\"",

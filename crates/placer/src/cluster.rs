@@ -71,6 +71,63 @@ impl fmt::Display for NodeName {
     }
 }
 
+/// Read as text wherever text is asked for (a name is checked once, when
+/// it is made, never changed after).
+impl std::ops::Deref for NodeName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::borrow::Borrow<str> for NodeName {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for NodeName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl PartialEq<str> for NodeName {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for NodeName {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl PartialEq<String> for NodeName {
+    fn eq(&self, other: &String) -> bool {
+        &self.0 == other
+    }
+}
+
+impl PartialEq<NodeName> for str {
+    fn eq(&self, other: &NodeName) -> bool {
+        self == other.0
+    }
+}
+
+impl PartialEq<NodeName> for &str {
+    fn eq(&self, other: &NodeName) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<NodeName> for String {
+    fn eq(&self, other: &NodeName) -> bool {
+        *self == other.0
+    }
+}
+
 /// A pack's id, opaque to the placer (the store's BLAKE3 pack id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PackKey(pub [u8; 32]);

@@ -62,7 +62,7 @@ impl View {
 
 /// The cluster view of a coordinating labd, and its queue.
 pub struct Coordinator {
-    name: String,
+    name: NodeName,
     down_after: Duration,
     pub(super) view: Mutex<View>,
     /// Jobs of the cluster, persistent.
@@ -119,7 +119,7 @@ impl Coordinator {
     /// A coordinator named `name` (its node's name) that marks a node down
     /// after `down_after` without a heartbeat, with its jobs in `state_dir`.
     pub fn new(
-        name: &str,
+        name: &NodeName,
         down_after: Duration,
         state_dir: &Path,
         lab: &LabConfig,
@@ -130,7 +130,7 @@ impl Coordinator {
             usage.restore(&user, gpu_secs, at);
         }
         Ok(Coordinator {
-            name: name.to_string(),
+            name: name.clone(),
             down_after,
             view: Mutex::new(View {
                 cluster: Cluster::new(),
@@ -264,10 +264,7 @@ impl Coordinator {
                 hb.node
             )));
         }
-        let name: NodeName = hb
-            .node
-            .parse()
-            .map_err(|e: labsync_placer::BadNodeName| JobError::Invalid(e.to_string()))?;
+        let name = hb.node.clone();
         let kill = self.ended_here(sender, &hb.jobs);
         let mut v = self.view.lock().expect("coordinator poisoned");
         let follows = v
@@ -365,13 +362,13 @@ impl Coordinator {
     }
 
     /// The nodes that are up.
-    pub fn members_up(&self, now: Millis) -> Vec<String> {
+    pub fn members_up(&self, now: Millis) -> Vec<NodeName> {
         self.tick(now);
         let v = self.view.lock().expect("coordinator poisoned");
         v.members
             .keys()
             .filter(|n| v.cluster.node(n).is_some_and(|x| x.is_up()))
-            .map(NodeName::to_string)
+            .cloned()
             .collect()
     }
 
@@ -445,7 +442,7 @@ impl Coordinator {
                 NodeStatus {
                     fetched: m.cache.fetched.clone(),
                     warming: m.cache.warming.clone(),
-                    name: name.to_string(),
+                    name: name.clone(),
                     addr: m.addr.clone(),
                     health,
                     last_heartbeat: m.last_seen,
@@ -474,7 +471,7 @@ mod tests {
 
     fn hb(node: &str, instance: &str, seq: u64, inventory: InventoryDelta) -> Heartbeat {
         Heartbeat {
-            node: node.into(),
+            node: node.parse().unwrap(),
             addr: format!("http://{node}:7420"),
             instance: instance.into(),
             seq,
@@ -492,7 +489,8 @@ mod tests {
 
     /// gpu1's coordinator with the default lab rules, its jobs in `dir`.
     fn coordinator(dir: &Path) -> Coordinator {
-        Coordinator::new("gpu1", Duration::from_secs(10), dir, &LabConfig::default()).unwrap()
+        let name = "gpu1".parse().unwrap();
+        Coordinator::new(&name, Duration::from_secs(10), dir, &LabConfig::default()).unwrap()
     }
 
     /// An explain's or a ranking's snapshots are planned with, not kept:
@@ -680,13 +678,13 @@ mod tests {
             .heartbeat("gpu3", hb("gpu2", "i", 1, InventoryDelta::default()), 0)
             .unwrap_err();
         assert!(e.to_string().contains("speaks for itself"), "{e}");
-        let e = c
-            .heartbeat(
-                "bad name",
-                hb("bad name", "i", 1, InventoryDelta::default()),
-                0,
-            )
-            .unwrap_err();
-        assert!(e.to_string().contains("not a node name"), "{e}");
+        // A name that is none does not make it past the wire.
+        let mut body = serde_json::to_value(hb("gpu2", "i", 1, InventoryDelta::default())).unwrap();
+        body["node"] = "bad name".into();
+        let e = serde_json::from_value::<Heartbeat>(body).unwrap_err();
+        assert!(
+            e.to_string().contains("\"bad name\" is not a node name"),
+            "{e}"
+        );
     }
 }

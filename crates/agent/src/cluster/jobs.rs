@@ -374,7 +374,7 @@ impl Coordinator {
             }
             placing = true;
             j.placement = Placement::Dispatched {
-                node: choice.node.to_string(),
+                node: choice.node.clone(),
                 gpus: choice.gpus.clone(),
                 at: self.clock.unix_secs(),
                 confirmed: false,
@@ -996,7 +996,12 @@ impl Coordinator {
     /// its heartbeat's answer tells it to kill it
     /// ([`super::Coordinator::heartbeat`]). Not ended if it moved on
     /// meanwhile.
-    fn kill_while_down(&self, caller: &Caller, id: &str, node: &str) -> Result<JobView, JobError> {
+    fn kill_while_down(
+        &self,
+        caller: &Caller,
+        id: &str,
+        node: &NodeName,
+    ) -> Result<JobView, JobError> {
         let j = self.get(id)?;
         let mut view = self.view_of(&j);
         // Its node said it ended (its outputs being saved when it went
@@ -1014,7 +1019,7 @@ impl Coordinator {
             ),
         };
         view.why = None;
-        view.node = Some(node.to_string());
+        view.node = Some(node.clone());
         view.ended_at = Some(self.clock.unix_secs());
         view.meta.outputs_pending = false;
         let mut ended = false;

@@ -15,7 +15,7 @@ use labsync_placer::{
 use labsync_store::SnapshotId;
 
 use super::queue::{ClusterJob, Placement};
-use crate::proto::{JobId, SubmitRequest};
+use crate::proto::{JobId, NodeName, SubmitRequest};
 
 /// How often an unanswered dispatch is sent again.
 pub(super) const RESEND: Duration = Duration::from_secs(2);
@@ -44,7 +44,7 @@ pub(super) enum Action {
         /// The job being preempted.
         id: JobId,
         /// Its node.
-        node: String,
+        node: NodeName,
         /// The job it makes way for.
         for_job: JobId,
     },
@@ -124,9 +124,9 @@ pub(super) fn tier_of(members: &Members, j: &ClusterJob, now: u64) -> Tier {
 /// as the placer plans on it) and `inputs`.
 pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> Vec<Action> {
     let (now, now_s) = (inputs.now_ms, inputs.now_ms / 1000);
-    let up: HashSet<String> = (planning.nodes().iter())
+    let up: HashSet<NodeName> = (planning.nodes().iter())
         .filter(|n| n.is_up())
-        .map(|n| n.name().to_string())
+        .map(|n| n.name().clone())
         .collect();
     let mut actions = Vec::new();
     let mut queue = Vec::new();
@@ -150,27 +150,15 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
                 None => {}
             },
             Placement::Dispatched { node, gpus, .. } if !inputs.ended_on_nodes.contains(&j.id) => {
-                match node.parse() {
-                    Ok(node) => running.push(Running {
-                        id: j.id.to_string(),
-                        user: j.user.clone(),
-                        tier: tier_of(inputs.members, j, now),
-                        node,
-                        gpus: gpus.clone(),
-                        preemptible: j.req.preemptible,
-                        stopping: j.preempted.is_some(),
-                    }),
-                    // No node has such a name (names are checked when a
-                    // node joins): said and ended, not dropped from the
-                    // placer's view while it counts against nothing.
-                    Err(e) => {
-                        actions.push(Action::End {
-                            id: j.id.clone(),
-                            why: format!("its record names node {node:?}, which is no node: {e}"),
-                        });
-                        continue;
-                    }
-                }
+                running.push(Running {
+                    id: j.id.to_string(),
+                    user: j.user.clone(),
+                    tier: tier_of(inputs.members, j, now),
+                    node: node.clone(),
+                    gpus: gpus.clone(),
+                    preemptible: j.req.preemptible,
+                    stopping: j.preempted.is_some(),
+                })
             }
             Placement::Dispatched { .. } | Placement::Ended { .. } => {}
         }
@@ -215,7 +203,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
 
 /// What a dispatched job needs this pass: its dispatch sent again, its
 /// stop told again, a look at whether it ended.
-fn follow_up(j: &ClusterJob, inputs: &Inputs, up: &HashSet<String>, now_s: u64) -> Vec<Action> {
+fn follow_up(j: &ClusterJob, inputs: &Inputs, up: &HashSet<NodeName>, now_s: u64) -> Vec<Action> {
     let Placement::Dispatched {
         node,
         confirmed,
@@ -298,7 +286,7 @@ mod tests {
 
     fn dispatched(id: &str, node: &str, at: u64, confirmed: bool) -> ClusterJob {
         let placement = Placement::Dispatched {
-            node: node.into(),
+            node: node.parse().unwrap(),
             gpus: vec![0],
             at,
             confirmed,
@@ -419,7 +407,7 @@ mod tests {
         let mut s = State::of(vec![stopping, told]);
         let again = Action::StopAgain {
             id: "j1".into(),
-            node: "a".into(),
+            node: "a".parse().unwrap(),
             for_job: "j9".into(),
         };
         assert_eq!(s.pass(&mut c), std::slice::from_ref(&again));
@@ -431,19 +419,6 @@ mod tests {
                 Action::Collect { id: "j1".into() },
                 Action::Collect { id: "j2".into() },
             ]
-        );
-    }
-
-    #[test]
-    fn a_job_on_a_node_name_that_does_not_parse_is_ended_not_dropped() {
-        let mut c = Cluster::new();
-        node(&mut c, "a", 1, 0);
-        let bad = dispatched("j1", "no/such node", NOW_S - 100, true);
-        let got = State::of(vec![bad]).pass(&mut c);
-        assert!(
-            matches!(&got[..], [Action::End { id, why }]
-                if id == "j1" && why.contains("\"no/such node\", which is no node")),
-            "{got:?}"
         );
     }
 

@@ -5,7 +5,6 @@
 //! after a crash it is sent again to the same node (agents take a dispatch
 //! they already have as a no-op), never placed a second time elsewhere.
 
-use crate::ids::JobId;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -14,7 +13,8 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use crate::error::LeaseError;
-use crate::proto::{JobView, SubmitRequest};
+use crate::ids::JobId;
+use crate::proto::{JobView, NodeName, SubmitRequest};
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("cluster-jobs-v1");
 const META: TableDefinition<&str, u64> = TableDefinition::new("cluster-meta-v1");
@@ -34,7 +34,7 @@ pub enum Placement {
     /// Sent to `node` with `gpus`; `confirmed` once the agent answered.
     Dispatched {
         /// The node.
-        node: String,
+        node: NodeName,
         /// Its GPUs there.
         gpus: Vec<u32>,
         /// When it was sent, Unix seconds.
@@ -438,6 +438,48 @@ mod tests {
         }
     }
 
+    /// Issue 42, point 6: a record whose node name does not parse (only a
+    /// hand or a disk could write one: names are checked when a node joins)
+    /// is an error naming it when the coordinator opens its jobs, not a
+    /// job dropped from the placer's view.
+    #[test]
+    fn a_record_naming_no_node_is_an_error_that_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.redb");
+        {
+            let db = ClusterJobs::open(&path).unwrap();
+            let j = db.create("alice", req(), 1, 0).unwrap();
+            db.update(&j.id, |x| {
+                x.placement = Placement::Dispatched {
+                    node: "gpu2".parse().unwrap(),
+                    gpus: vec![0],
+                    at: 1,
+                    confirmed: true,
+                };
+                true
+            })
+            .unwrap();
+            let txn = db.db.begin_write().unwrap();
+            {
+                let mut t = txn.open_table(JOBS).unwrap();
+                let v = t.get(j.id.as_str()).unwrap().unwrap().value().to_vec();
+                let bad = String::from_utf8(v)
+                    .unwrap()
+                    .replace("\"gpu2\"", "\"no/such node\"");
+                t.insert(j.id.as_str(), bad.as_bytes()).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let Err(e) = ClusterJobs::open(&path) else {
+            panic!("a record naming no node was read");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("\"no/such node\" is not a node name") && e.contains("c.redb"),
+            "{e}"
+        );
+    }
+
     fn ended(db: &ClusterJobs, ended_at: Option<u64>) -> ClusterJob {
         let mut j = db.create("alice", req(), 1, 0).unwrap();
         let view = crate::proto::JobView {
@@ -566,7 +608,7 @@ mod tests {
             let a = db.create("alice", req(), 10, 0).unwrap();
             let mut b = db.create("bob", req(), 11, 0).unwrap();
             b.placement = Placement::Dispatched {
-                node: "gpu2".into(),
+                node: "gpu2".parse().unwrap(),
                 gpus: vec![1],
                 at: 12,
                 confirmed: false,
@@ -587,7 +629,7 @@ mod tests {
             .create("bob", SubmitRequest { gpus: 0, ..req() }, 13, 0)
             .unwrap();
         cpu.placement = Placement::Dispatched {
-            node: "gpu2".into(),
+            node: "gpu2".parse().unwrap(),
             gpus: vec![],
             at: 13,
             confirmed: true,

@@ -158,7 +158,7 @@ impl Reporter {
             .collect();
         self.seq += 1;
         let hb = Heartbeat {
-            node: self.daemon.node_name().to_string(),
+            node: self.daemon.node_name().clone(),
             addr: self.cfg.advertise.clone(),
             instance: self.instance.clone(),
             seq: self.seq,

@@ -8,6 +8,7 @@ use labsync_store::{Progress, RefSpec};
 
 use crate::cluster::Coordinator;
 use crate::daemon::{Caller, Daemon};
+use crate::proto::NodeName;
 
 use super::link::{Link, Reach};
 use crate::error::JobError;
@@ -148,7 +149,7 @@ impl Coordinator {
             .await
             .map_err(|e| JobError::NotFound(e.to_string()))?;
         let members = self.members_up(self.now_ms());
-        let nodes: Vec<String> = if ask.nodes.is_empty() {
+        let nodes: Vec<NodeName> = if ask.nodes.is_empty() {
             members
         } else {
             ask.nodes

@@ -68,7 +68,7 @@ impl Default for ConnLimits {
 #[derive(Clone)]
 pub struct DaemonConfig {
     /// This node's name.
-    pub node_name: String,
+    pub node_name: labsync_placer::NodeName,
     /// State database, logs and job folders.
     pub state_dir: PathBuf,
     /// Store URL.
@@ -279,7 +279,7 @@ impl Daemon {
             cache.clone(),
             logs.clone(),
             OutputsConfig {
-                node_name: cfg.node_name.clone(),
+                node_name: cfg.node_name.to_string(),
                 compression: cfg.compression,
                 retry: cfg.outputs_retry,
             },
@@ -424,7 +424,7 @@ impl Daemon {
     }
 
     /// This node's name.
-    pub fn node_name(&self) -> &str {
+    pub fn node_name(&self) -> &labsync_placer::NodeName {
         &self.cfg.node_name
     }
 

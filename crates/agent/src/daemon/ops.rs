@@ -2,10 +2,11 @@
 //! a job, what a request may contain) and run on the engine, the trees and
 //! the logs. The HTTP layer maps each route to one of these.
 
-use labsync_store::RunAs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use labsync_store::RunAs;
 
 use super::logs::read_log;
 use super::ConnLimits;
@@ -656,7 +657,7 @@ impl Daemon {
             }
             env.push((d.env.clone(), path));
         }
-        env.push(("LABRUN_NODE".into(), self.cfg.node_name.clone()));
+        env.push(("LABRUN_NODE".into(), self.cfg.node_name.to_string()));
         env.push(("LABRUN_RESTARTS".into(), req.restarts.to_string()));
         if let Some(r) = &req.resume_from {
             env.push(("LABRUN_RESUME_FROM".into(), r.clone()));

@@ -2,17 +2,15 @@
 //! `runs/<job-id>` every few minutes while it runs, and once more when it
 //! ends, retried with backoff until that last push succeeds.
 
-use labsync_store::RunAs;
-
-use crate::ids::JobId;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use labsync_store::{push, Codec, NoProgress, NodeCache, PushOptions};
+use labsync_store::{push, Codec, NoProgress, NodeCache, PushOptions, RunAs};
 
 use super::logs::JobLogs;
 use crate::blocking::{chain, off_runtime};
+use crate::ids::JobId;
 use crate::leases::{JobRecord, JobState};
 use crate::node::Node;
 

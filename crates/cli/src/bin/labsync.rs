@@ -214,7 +214,7 @@ enum Cmd {
         name: String,
         /// The nodes, comma-separated
         #[arg(long, value_delimiter = ',', value_name = "NODES")]
-        nodes: Vec<String>,
+        nodes: Vec<labsync_agent::proto::NodeName>,
         /// Every node that is up
         #[arg(long, conflicts_with = "nodes")]
         all: bool,

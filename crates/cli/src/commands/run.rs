@@ -211,9 +211,9 @@ fn print_ranking(ranking: &labsync_placer::Ranking, gpus: u32, json: bool) -> Re
 /// Where the job went, on stderr: its node, or the cluster's queue.
 fn say_where(job: &JobView, info: &Info, code: &str, gpus: u32) {
     let place = match (&job.node, info.coordinator) {
-        (Some(n), _) => n.clone(),
+        (Some(n), _) => n.to_string(),
         (None, true) => format!("the cluster of {}", info.node),
-        (None, false) => info.node.clone(),
+        (None, false) => info.node.to_string(),
     };
     eprintln!(
         "labrun: job {} on {} ({code}, {} GPU{})",

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use labsync_agent::cluster::{WarmAnswer, WarmAsk};
+use labsync_agent::proto::NodeName;
 use serde_json::json;
 
 use super::{explain_client, Printer};
@@ -18,7 +19,7 @@ pub struct WarmArgs {
     /// `NAME` or `NAME@vN`.
     pub name: String,
     /// Nodes; empty with `all`.
-    pub nodes: Vec<String>,
+    pub nodes: Vec<NodeName>,
     /// Every node that is up.
     pub all: bool,
     /// Release the pin instead.
@@ -96,7 +97,7 @@ pub async fn warm(s: &Settings, printer: &Printer, a: WarmArgs) -> Result<ExitCo
         ans.label,
         ans.nodes.join(", ")
     ));
-    let mut last: BTreeMap<String, Stand> = BTreeMap::new();
+    let mut last: BTreeMap<NodeName, Stand> = BTreeMap::new();
     loop {
         let st = client.cluster_status().await.map_err(explain_client)?;
         let mut stands = BTreeMap::new();
@@ -120,7 +121,7 @@ pub async fn warm(s: &Settings, printer: &Printer, a: WarmArgs) -> Result<ExitCo
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let failed: Vec<&String> = last
+    let failed: Vec<&NodeName> = last
         .iter()
         .filter(|(_, s)| matches!(s, Stand::Failed(_)))
         .map(|(n, _)| n)

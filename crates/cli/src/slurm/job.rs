@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use labsync_agent::proto::{StageAsk, StageDone, Staged};
+use labsync_agent::proto::{NodeName, StageAsk, StageDone, Staged};
 use labsync_agent::Client;
 use labsync_store::{push, NoProgress, NodeCache, PushOptions, Remote, Repo};
 use tokio::signal::unix::{signal, SignalKind};
@@ -37,7 +37,9 @@ pub async fn run(s: &Settings, spec: &str) -> Result<ExitCode> {
     let spec: JobSpec = serde_json::from_str(spec).context("the job's spec")?;
     let id = slurm_var("SLURM_JOB_ID")?;
     let id = super::slurm_id(&id)?;
-    let node = slurm_var("SLURMD_NODENAME")?;
+    let node: NodeName = slurm_var("SLURMD_NODENAME")?
+        .parse()
+        .context("SLURMD_NODENAME: labsync names this node as Slurm does")?;
     let name = job_name(&id);
     if spec.argv.is_empty() {
         bail!("the job's spec has no command");
@@ -183,7 +185,7 @@ impl Saver {
                     files_cache: Some(cache.files_cache_dir()),
                     threads: 2,
                     user,
-                    host: staged.node.clone(),
+                    host: staged.node.to_string(),
                     read_as: None,
                     settle: Some(SETTLE),
                     compression: s.compression,
