@@ -1529,7 +1529,7 @@ fn a_label_that_names_another_snapshot_is_refused() {
             env: "LABRUN_DATA_X".into(),
             tree: TreeRef {
                 label: label.into(),
-                snapshot: snapshot.into(),
+                snapshot: snapshot.parse().unwrap(),
             },
         }],
         ..Default::default()

@@ -129,9 +129,6 @@ pub enum PrepareError {
     /// The outputs folder cannot be made in the code tree.
     #[error("--outputs {0}: {1}")]
     Outputs(String, String),
-    /// A snapshot id not spelt as ids are (64 lowercase hex digits).
-    #[error("snapshot id {0:?} is not written as labsync writes ids (64 lowercase hex digits)")]
-    BadSnapshot(String),
     /// The trees would take their user past their share of the node's
     /// disk (`trees_per_user`).
     #[error("{0}")]

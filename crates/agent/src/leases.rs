@@ -151,7 +151,7 @@ pub struct JobMeta {
     pub preparing: Option<String>,
     /// Snapshot ids of the shared trees it uses (kept while it is active).
     #[serde(default)]
-    pub trees: Vec<String>,
+    pub trees: Vec<labsync_store::SnapshotId>,
     /// The uid/gid it runs as, when not labd's own: its outputs are read as them.
     #[serde(default)]
     pub run_as: Option<RunAs>,

@@ -32,7 +32,7 @@ pub struct TreeRef {
     /// `NAME@vN`.
     pub label: String,
     /// Its snapshot id, so labd can tell the version moved under it.
-    pub snapshot: String,
+    pub snapshot: SnapshotId,
 }
 
 /// A dataset and the variable that carries its path.

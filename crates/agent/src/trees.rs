@@ -123,10 +123,11 @@ impl Trees {
 
     /// Bytes of the tree of `snapshot` as far as known without the store:
     /// materialised or sized before ([`Trees::size`]), else 0.
-    pub fn known_size(&self, snapshot: &str) -> u64 {
-        self.materialised_size(snapshot).unwrap_or_else(|| {
+    pub fn known_size(&self, snapshot: &SnapshotId) -> u64 {
+        let name = snapshot.to_hex();
+        self.materialised_size(&name).unwrap_or_else(|| {
             let claimed = self.claimed.lock().expect("trees poisoned");
-            claimed.get(snapshot).copied().unwrap_or(0)
+            claimed.get(&name).copied().unwrap_or(0)
         })
     }
 
@@ -143,25 +144,24 @@ impl Trees {
         cache: &NodeCache,
         tree: &TreeRef,
     ) -> Result<PathBuf, PrepareError> {
-        // Only a well-formed id, spelt as ids are, becomes a folder name.
-        let snapshot: SnapshotId = tree.snapshot.parse()?;
-        if snapshot.to_string() != tree.snapshot {
-            return Err(PrepareError::BadSnapshot(tree.snapshot.clone()));
-        }
-        let dest = self.path(&tree.snapshot);
+        // Only an id, spelt as ids are (64 lower-case hex digits, by its
+        // type), becomes a folder name.
+        let snapshot = tree.snapshot;
+        let name = snapshot.to_hex();
+        let dest = self.path(&name);
         let lock = self
             .locks
             .lock()
             .expect("trees poisoned")
-            .entry(tree.snapshot.clone())
+            .entry(name.clone())
             .or_default()
             .clone();
         let _held = lock.lock().await;
         if dest.is_dir() {
-            let mut rec = self.record(&tree.snapshot);
+            let mut rec = self.record(&name);
             if let Some(ok) = self.trusted(&dest, &mut rec).await {
                 rec.used_at = unix_now();
-                self.write_record(&tree.snapshot, &rec);
+                self.write_record(&name, &rec);
                 return ok.map(|()| dest);
             }
             // Made in an earlier boot and never synced: a power cut may
@@ -181,7 +181,7 @@ impl Trees {
         }
         let tmp = self.root.join(format!(".tmp-{}", tree.snapshot));
         let got = self.pull_beside(repo, cache, tree, snapshot, &tmp).await?;
-        self.name_durably(&tree.snapshot, &tmp, &dest, got.bytes_written)
+        self.name_durably(&name, &tmp, &dest, got.bytes_written)
             .await?;
         Ok(dest)
     }
@@ -998,16 +998,22 @@ mod tests {
         let trees = Trees::new(&cache).unwrap();
         let tree = crate::proto::TreeRef {
             label: pushed.record.label(),
-            snapshot: pushed.record.snapshot.to_string(),
+            snapshot: pushed.record.snapshot,
         };
-        // The same id in capitals parses, but would be a second folder.
-        let shouted = crate::proto::TreeRef {
-            label: tree.label.clone(),
-            snapshot: tree.snapshot.to_uppercase(),
-        };
-        let err = trees.get(&repo, &cache, &shouted).await.unwrap_err();
-        assert!(matches!(err, PrepareError::BadSnapshot(_)), "{err}");
-        let path = trees.get(&repo, &cache, &tree).await.unwrap();
+        // The same id in capitals is the same id, so the same folder: a
+        // folder is named by the id's spelling, not the request's.
+        let shouted: crate::proto::TreeRef = serde_json::from_str(&format!(
+            "{{\"label\":\"{}\",\"snapshot\":\"{}\"}}",
+            tree.label,
+            tree.snapshot.to_hex().to_uppercase()
+        ))
+        .unwrap();
+        let path = trees.get(&repo, &cache, &shouted).await.unwrap();
+        assert_eq!(path, trees.get(&repo, &cache, &tree).await.unwrap());
+        assert_eq!(
+            path.file_name().unwrap().to_str(),
+            Some(&*tree.snapshot.to_hex())
+        );
         let long = path.join(&deep).join("weights.pt");
         assert!(long.as_os_str().len() > 4096, "{}", long.as_os_str().len());
         let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
@@ -1015,7 +1021,7 @@ mod tests {
         let top = path.join(deep.iter().next().unwrap());
         assert_eq!(mode(&top), 0o555);
         assert_eq!(mode(&path), 0o555);
-        assert_eq!(trees.evict(0, &|_| false), vec![tree.snapshot.clone()]);
+        assert_eq!(trees.evict(0, &|_| false), vec![tree.snapshot.to_hex()]);
         assert!(!path.exists());
     }
 
@@ -1045,9 +1051,9 @@ mod tests {
         let mut trees = Trees::new(&cache).unwrap();
         let tree = crate::proto::TreeRef {
             label: pushed.record.label(),
-            snapshot: pushed.record.snapshot.to_string(),
+            snapshot: pushed.record.snapshot,
         };
-        let record = || trees_record(&cache, &tree.snapshot);
+        let record = || trees_record(&cache, &tree.snapshot.to_hex());
         let path = trees.get(&repo, &cache, &tree).await.unwrap();
         assert!(record().durable, "a new tree is recorded durable");
 

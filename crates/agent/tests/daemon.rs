@@ -348,7 +348,7 @@ async fn two_versions(dir: &Path) -> [labsync_agent::proto::TreeRef; 2] {
             .unwrap();
         refs.push(labsync_agent::proto::TreeRef {
             label: pushed.record.label(),
-            snapshot: pushed.record.snapshot.to_string(),
+            snapshot: pushed.record.snapshot,
         });
     }
     refs.try_into().unwrap()

@@ -91,7 +91,7 @@ pub struct Coordinator {
     pub(super) prefetched: Mutex<HashMap<(String, SnapshotId), std::time::Instant>>,
     /// Version labels (`NAME@vN`, which never move) checked against the
     /// store: label → snapshot id.
-    pub(super) checked_labels: Mutex<HashMap<String, String>>,
+    pub(super) checked_labels: Mutex<HashMap<String, SnapshotId>>,
     /// What the coordinator reads the time from (down-after, prices,
     /// prunes).
     pub(super) clock: Clock,
@@ -202,7 +202,7 @@ impl Coordinator {
     fn forget_unused(&self) {
         let mut needed: HashSet<SnapshotKey> = (self.jobs.live().iter())
             .filter(|j| !matches!(j.placement, Placement::Ended { .. }))
-            .flat_map(|j| super::jobs::snapshots_of(&j.req).unwrap_or_default())
+            .flat_map(|j| super::jobs::snapshots_of(&j.req))
             .map(|s| SnapshotKey(*s.as_bytes()))
             .collect();
         let mut v = self.view.lock().expect("coordinator poisoned");
@@ -524,7 +524,7 @@ mod tests {
             argv: vec!["true".into()],
             code: Some(crate::proto::TreeRef {
                 label: "code/alice@v1".into(),
-                snapshot: queued.to_string(),
+                snapshot: queued,
             }),
             ..Default::default()
         };

@@ -37,18 +37,11 @@ pub(super) type Priced = (SnapshotId, Arc<Vec<(labsync_store::PackId, u64)>>);
 pub(super) const PRICED_LATELY: usize = 64;
 
 /// The snapshots a request reads (code first).
-pub(super) fn snapshots_of(req: &SubmitRequest) -> Result<Vec<SnapshotId>, JobError> {
+pub(super) fn snapshots_of(req: &SubmitRequest) -> Vec<SnapshotId> {
     req.code
         .iter()
         .chain(req.data.iter().map(|d| &d.tree))
-        .map(|t| {
-            t.snapshot.parse().map_err(|_| {
-                JobError::Invalid(format!(
-                    "{}: {:?} is not a snapshot id",
-                    t.label, t.snapshot
-                ))
-            })
-        })
+        .map(|t| t.snapshot)
         .collect()
 }
 
@@ -78,7 +71,7 @@ impl Coordinator {
     ) -> Result<(Vec<SnapshotId>, Vec<Priced>), JobError> {
         // Bounded for a ranking or an --explain as for a submission.
         crate::daemon::check_size(req)?;
-        let ids = snapshots_of(req)?;
+        let ids = snapshots_of(req);
         let mut fresh: Vec<Priced> = Vec::new();
         for id in &ids {
             if self.knows(id) || fresh.iter().any(|(f, _)| f == id) {
@@ -243,7 +236,7 @@ impl Coordinator {
             let rec = r.repo()?.resolve(&spec).await.map_err(|e| {
                 JobError::Invalid(format!("{}: {}", t.label, crate::blocking::chain(&e)))
             })?;
-            if rec.snapshot.to_string() != t.snapshot {
+            if rec.snapshot != t.snapshot {
                 return Err(JobError::Invalid(format!(
                     "{} is snapshot {}, not {}",
                     t.label,
@@ -255,7 +248,7 @@ impl Coordinator {
             if checked.len() >= KEPT {
                 checked.clear();
             }
-            checked.insert(t.label.clone(), t.snapshot.clone());
+            checked.insert(t.label.clone(), t.snapshot);
         }
         Ok(())
     }
@@ -407,9 +400,8 @@ impl Coordinator {
         let mut labels: HashMap<SnapshotKey, (String, SnapshotId)> = HashMap::new();
         for j in live {
             for t in j.req.code.iter().chain(j.req.data.iter().map(|x| &x.tree)) {
-                if let Ok(id) = t.snapshot.parse::<SnapshotId>() {
-                    labels.insert(SnapshotKey(*id.as_bytes()), (t.label.clone(), id));
-                }
+                let id = t.snapshot;
+                labels.insert(SnapshotKey(*id.as_bytes()), (t.label.clone(), id));
             }
         }
         let now = self.clock.instant();

@@ -154,11 +154,21 @@ impl Housekeeping {
             // Asked under the tree's lock, so read afresh each time: a
             // stage recorded a moment ago holds its trees.
             let in_use = move |snap: &str| {
+                // A folder not named by an id is no job's (nor is a
+                // tree named by one in capitals: ids are spelt in lower
+                // case).
+                let Some(snap) = snap
+                    .parse::<labsync_store::SnapshotId>()
+                    .ok()
+                    .filter(|id| id.to_hex() == snap)
+                else {
+                    return false;
+                };
                 // An error reading the state keeps every tree.
                 !node
-                    .active_where(|j| j.meta.trees.iter().any(|t| t == snap))
+                    .active_where(|j| j.meta.trees.contains(&snap))
                     .is_empty()
-                    || stages::tree_in_stage(&stages, snap, now)
+                    || stages::tree_in_stage(&stages, &snap, now)
             };
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");

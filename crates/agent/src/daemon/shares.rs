@@ -40,12 +40,12 @@ pub(crate) enum Asking<'a> {
 impl Daemon {
     /// The snapshots whose trees `user`'s active jobs and unreleased
     /// stages hold here, but `asking`'s own.
-    fn trees_held_by(&self, user: &str, asking: Option<Asking>) -> HashSet<String> {
+    fn trees_held_by(&self, user: &str, asking: Option<Asking>) -> HashSet<SnapshotId> {
         let job = match asking {
             Some(Asking::Job(id)) => Some(id),
             _ => None,
         };
-        let mut held: HashSet<String> = self
+        let mut held: HashSet<SnapshotId> = self
             .node
             .active_where(|j| j.user == user && Some(j.id.as_str()) != job)
             .into_iter()
@@ -89,8 +89,7 @@ impl Daemon {
             if held.contains(&t.snapshot) || new.iter().any(|(n, _)| n.snapshot == t.snapshot) {
                 continue;
             }
-            let id: SnapshotId = t.snapshot.parse()?;
-            new.push((t, self.trees.size(repo, &id).await?));
+            new.push((t, self.trees.size(repo, &t.snapshot).await?));
         }
         let held_bytes: u64 = held.iter().map(|s| self.trees.known_size(s)).sum();
         over_share(user, &self.cfg.node_name, held_bytes, share, &new)
@@ -149,7 +148,7 @@ mod tests {
     fn tree(label: &str) -> TreeRef {
         TreeRef {
             label: label.into(),
-            snapshot: "0".repeat(64),
+            snapshot: "0".repeat(64).parse().unwrap(),
         }
     }
 

@@ -24,7 +24,7 @@ use crate::blocking::off_runtime;
 use crate::daemon::{Caller, Daemon};
 use crate::error::JobError;
 use crate::leases::unix_now;
-use crate::proto::{StageAsk, StageDone, StageOrder, Staged, TreeRef};
+use crate::proto::{SnapshotId, StageAsk, StageDone, StageOrder, Staged, TreeRef};
 use crate::trees::{check_outputs, make_workdir};
 
 /// A stage never released (its job's script was killed before it could
@@ -39,7 +39,7 @@ pub(crate) struct StageRecord {
     /// The scheduler's job id.
     pub job: String,
     /// Snapshots of its trees.
-    pub trees: Vec<String>,
+    pub trees: Vec<SnapshotId>,
     /// Made (Unix seconds).
     pub at: u64,
     /// Released (Unix seconds).
@@ -220,10 +220,10 @@ pub(crate) fn records(dir: &Path) -> std::io::Result<Vec<(String, Option<StageRe
 
 /// Whether a stage holds `snapshot`'s tree at `now`; true when the records
 /// cannot be read, or a stage's record is not written yet.
-pub(crate) fn tree_in_stage(dir: &Path, snapshot: &str, now: u64) -> bool {
+pub(crate) fn tree_in_stage(dir: &Path, snapshot: &SnapshotId, now: u64) -> bool {
     match records(dir) {
         Ok(recs) => recs.iter().any(|(_, r)| match r {
-            Some(r) => holds_trees(r, now) && r.trees.iter().any(|t| t == snapshot),
+            Some(r) => holds_trees(r, now) && r.trees.contains(snapshot),
             None => true,
         }),
         Err(e) => {
@@ -546,7 +546,7 @@ impl Daemon {
         let rec = StageRecord {
             user: o.user.clone(),
             job: ask.job.clone(),
-            trees: trees.iter().map(|t| t.snapshot.clone()).collect(),
+            trees: trees.iter().map(|t| t.snapshot).collect(),
             at: unix_now(),
             released: None,
             seen: None,
@@ -652,10 +652,10 @@ fn new_stage(dir: &Path, rec: &StageRecord, node: &str) -> Result<(PathBuf, Stri
              a stage is released when its job's step ends"
         )));
     }
-    let pinned: std::collections::HashSet<&str> = theirs()
+    let pinned: std::collections::HashSet<&SnapshotId> = theirs()
         .filter(|r| holds_trees(r, rec.at))
         .chain(std::iter::once(rec))
-        .flat_map(|r| r.trees.iter().map(String::as_str))
+        .flat_map(|r| r.trees.iter())
         .collect();
     if pinned.len() > STAGE_TREES_PER_USER {
         return Err(JobError::Busy(format!(
@@ -757,6 +757,11 @@ fn release_in(dir: &Path, user: &str, stage: &str, now: u64) -> Result<(), JobEr
 mod tests {
     use super::*;
 
+    /// A snapshot id named for a test.
+    fn snap(name: &str) -> SnapshotId {
+        SnapshotId::of(name.as_bytes())
+    }
+
     #[test]
     fn names_and_lifetimes() {
         assert!(check_job_id("1234").is_ok());
@@ -810,7 +815,7 @@ mod tests {
         StageRecord {
             user: user.into(),
             job: job.into(),
-            trees: vec!["s1".into()],
+            trees: vec![snap("s1")],
             at,
             released: None,
             seen: None,
@@ -835,7 +840,7 @@ mod tests {
         // Nor does one pin more than STAGE_TREES_PER_USER trees at once.
         let many = |n: usize, from: usize| {
             let mut r = record("erin", &format!("7{from}"), 100);
-            r.trees = (from..from + n).map(|k| format!("t{k}")).collect();
+            r.trees = (from..from + n).map(|k| snap(&format!("t{k}"))).collect();
             r
         };
         new_stage(d, &many(65, 0), "gpu1").unwrap();
@@ -900,30 +905,33 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let (p, _) = new_stage(d, &record("alice", "5", 100), "gpu1").unwrap();
-        assert!(tree_in_stage(d, "s1", 100));
+        assert!(tree_in_stage(d, &snap("s1"), 100));
         mark_failed(&p, 120).unwrap();
-        assert!(!tree_in_stage(d, "s1", 120));
+        assert!(!tree_in_stage(d, &snap("s1"), 120));
         let recs = records(d).unwrap();
         let rec = recs[0].1.as_ref().unwrap();
         assert!(expired(rec, 120, Duration::from_secs(86_400)));
         // Seen running again later: held from then.
         let (q, _) = new_stage(d, &record("alice", "6", 100), "gpu1").unwrap();
         mark_seen(&q, 100 + STAGE_TTL.as_secs() - 1).unwrap();
-        assert!(tree_in_stage(d, "s1", 100 + STAGE_TTL.as_secs()));
+        assert!(tree_in_stage(d, &snap("s1"), 100 + STAGE_TTL.as_secs()));
     }
 
     #[test]
     fn trees_are_held_unless_a_record_says_otherwise() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        assert!(!tree_in_stage(d, "s1", 100), "no stages: nothing held");
+        assert!(
+            !tree_in_stage(d, &snap("s1"), 100),
+            "no stages: nothing held"
+        );
         let (p, _) = new_stage_dir(d, "9").unwrap().unwrap();
         // Made, not yet recorded: every tree is held.
-        assert!(tree_in_stage(d, "s1", 100));
+        assert!(tree_in_stage(d, &snap("s1"), 100));
         let rec = record("alice", "9", 100);
         write_record(&p, &rec).unwrap();
-        assert!(tree_in_stage(d, "s1", 100));
-        assert!(!tree_in_stage(d, "s2", 100));
+        assert!(tree_in_stage(d, &snap("s1"), 100));
+        assert!(!tree_in_stage(d, &snap("s2"), 100));
         write_record(
             &p,
             &StageRecord {
@@ -932,10 +940,10 @@ mod tests {
             },
         )
         .unwrap();
-        assert!(!tree_in_stage(d, "s1", 200));
+        assert!(!tree_in_stage(d, &snap("s1"), 200));
         // A record that cannot be read keeps every tree.
         std::fs::write(p.join("stage.json"), "{ not json").unwrap();
-        assert!(tree_in_stage(d, "s2", 200));
+        assert!(tree_in_stage(d, &snap("s2"), 200));
         // And the other stages are still read: a user's stage counts, and
         // a new one can be made.
         let (q, _) = new_stage(d, &record("bob", "10", 200), "gpu1").unwrap();
@@ -1046,7 +1054,7 @@ mod tests {
         let rec = |user: &str| StageRecord {
             user: user.into(),
             job: "5".into(),
-            trees: vec!["s1".into()],
+            trees: vec![snap("s1")],
             at: 100,
             released: None,
             seen: None,
@@ -1062,7 +1070,7 @@ mod tests {
             release_in(&alice, "bob", &name, 200),
             Err(JobError::Forbidden(_))
         ));
-        assert!(tree_in_stage(d, "s1", 200));
+        assert!(tree_in_stage(d, &snap("s1"), 200));
         assert!(matches!(
             release_in(&d.join("5.9"), "alice", "5.9", 200),
             Err(JobError::NotFound(_))
@@ -1074,7 +1082,7 @@ mod tests {
         // every tree until the sweep removes it, and stops nothing else.
         std::fs::write(bob.join("stage.json"), "{").unwrap();
         assert_eq!(held_by(d, "bob", 300).unwrap(), 0);
-        assert!(tree_in_stage(d, "s2", 300));
+        assert!(tree_in_stage(d, &snap("s2"), 300));
     }
 
     #[test]

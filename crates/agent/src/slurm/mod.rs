@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use labsync_placer::{NodeName, SchedulerNode};
+use labsync_store::SnapshotId;
 use tokio::io::AsyncWriteExt;
 
 /// Why a Slurm command gave no answer to read.
@@ -94,13 +95,13 @@ pub const COMMENT: &str = "labsync:v1:";
 
 /// The GPUs and snapshots of a job whose comment labrun wrote
 /// (`labsync:v1:GPUS:SNAP,SNAP…`).
-pub fn parse_comment(c: &str) -> Option<(u32, Vec<String>)> {
+pub fn parse_comment(c: &str) -> Option<(u32, Vec<SnapshotId>)> {
     let (gpus, snaps) = c.strip_prefix(COMMENT)?.split_once(':')?;
-    let snaps: Vec<String> = snaps
+    let snaps: Vec<SnapshotId> = snaps
         .split(',')
         .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect();
+        .map(|s| s.parse().ok())
+        .collect::<Option<_>>()?;
     Some((gpus.parse().ok()?, snaps))
 }
 

@@ -16,11 +16,11 @@ use labsync_placer::preferred;
 
 use super::{feature_of, has_own_feature, job_id, parse_comment, Rerank, Slurm, SlurmError};
 use crate::daemon::Daemon;
-use crate::proto::{DataRef, RankAsk, SubmitRequest, TreeRef};
+use crate::proto::{DataRef, RankAsk, SnapshotId, SubmitRequest, TreeRef};
 
 /// Whether `out`, squeue's `%k` for one job asked alone, is a single line
 /// that reads as the comment labrun writes for (`gpus`, `snaps`).
-fn own_comment(out: &str, gpus: u32, snaps: &[String]) -> bool {
+fn own_comment(out: &str, gpus: u32, snaps: &[SnapshotId]) -> bool {
     let mut lines = out.lines().filter(|l| !l.trim().is_empty());
     match (lines.next(), lines.next()) {
         (Some(l), None) => parse_comment(l.trim()).is_some_and(|(g, s)| g == gpus && s == snaps),
@@ -31,7 +31,7 @@ fn own_comment(out: &str, gpus: u32, snaps: &[String]) -> bool {
 /// The pending jobs labrun submitted, in what `squeue -h -t PENDING -o
 /// %i|%k` printed: each one's id, GPUs and snapshots. Lines of other jobs
 /// (another comment, or none) are skipped.
-pub fn pending(out: &str) -> Vec<(String, u32, Vec<String>)> {
+pub fn pending(out: &str) -> Vec<(String, u32, Vec<SnapshotId>)> {
     out.lines()
         .filter_map(|l| {
             let (id, comment) = l.split_once('|')?;
@@ -44,10 +44,10 @@ pub fn pending(out: &str) -> Vec<(String, u32, Vec<String>)> {
 
 /// The request a pending job's comment stands for: its GPUs, its code and
 /// data snapshots (labels are not needed to rank).
-fn request(gpus: u32, snaps: &[String]) -> SubmitRequest {
-    let tree = |s: &String| TreeRef {
-        label: s.clone(),
-        snapshot: s.clone(),
+fn request(gpus: u32, snaps: &[SnapshotId]) -> SubmitRequest {
+    let tree = |s: &SnapshotId| TreeRef {
+        label: s.to_string(),
+        snapshot: *s,
     };
     SubmitRequest {
         gpus,
@@ -182,18 +182,28 @@ async fn pass(
 mod tests {
     use super::*;
 
+    /// Two snapshot ids, and the hex of each as a comment spells it.
+    fn two() -> (Vec<SnapshotId>, String, String) {
+        let snaps = vec![
+            SnapshotId::from_bytes([0xa1; 32]),
+            SnapshotId::from_bytes([0xb2; 32]),
+        ];
+        let (a, b) = (snaps[0].to_string(), snaps[1].to_string());
+        (snaps, a, b)
+    }
+
     #[test]
     fn only_a_jobs_own_comment_confirms_a_line_of_the_listing() {
-        let snaps = vec!["a1".to_string(), "b2".to_string()];
-        assert!(own_comment("labsync:v1:2:a1,b2\n", 2, &snaps));
+        let (snaps, a, b) = two();
+        assert!(own_comment(&format!("labsync:v1:2:{a},{b}\n"), 2, &snaps));
         // Another job's comment, or another request.
         assert!(!own_comment("nightly build\n", 2, &snaps));
-        assert!(!own_comment("labsync:v1:1:a1,b2\n", 2, &snaps));
-        assert!(!own_comment("labsync:v1:2:a1\n", 2, &snaps));
+        assert!(!own_comment(&format!("labsync:v1:1:{a},{b}\n"), 2, &snaps));
+        assert!(!own_comment(&format!("labsync:v1:2:{a}\n"), 2, &snaps));
         // A comment of several lines (it may have planted the line asked
         // about), or none.
         assert!(!own_comment(
-            "labsync:v1:2:a1,b2\n77|labsync:v1:2:a1,b2\n",
+            &format!("labsync:v1:2:{a},{b}\n77|labsync:v1:2:{a},{b}\n"),
             2,
             &snaps
         ));
@@ -205,18 +215,16 @@ mod tests {
     /// only looks like labrun's.
     #[test]
     fn pending_jobs_are_read_from_squeue() {
-        let out = "41|labsync:v1:1:aa11,bb22\n42|(null)\n43|nightly build\n\
-                   44|labsync:v1:x:aa11\nx;rm|labsync:v1:1:aa11\n45|labsync:v1:0:\n";
+        let (snaps, a, b) = two();
+        let out = format!(
+            "41|labsync:v1:1:{a},{b}\n42|(null)\n43|nightly build\n\
+             44|labsync:v1:x:{a}\nx;rm|labsync:v1:1:{a}\n45|labsync:v1:0:\n\
+             46|labsync:v1:1:aa11\n"
+        );
         assert_eq!(
-            pending(out),
-            vec![
-                (
-                    "41".to_string(),
-                    1,
-                    vec!["aa11".to_string(), "bb22".to_string()]
-                ),
-                ("45".to_string(), 0, vec![]),
-            ]
+            pending(&out),
+            vec![("41".to_string(), 1, snaps), ("45".to_string(), 0, vec![])],
+            "46's comment names no snapshot: not labrun's"
         );
         assert!(pending("").is_empty());
     }

@@ -409,7 +409,7 @@ async fn data_refs(
                 .with_context(|| format!("--data {d}: not in {} (see labsync ls)", info.store))?;
             TreeRef {
                 label: rec.label(),
-                snapshot: rec.snapshot.to_string(),
+                snapshot: rec.snapshot,
             }
         };
         let name = tree.label.split('@').next().unwrap_or_default().to_string();
@@ -570,7 +570,7 @@ async fn push_tree(
     }
     Ok(TreeRef {
         label: out.record.label(),
-        snapshot: out.record.snapshot.to_string(),
+        snapshot: out.record.snapshot,
     })
 }
 

@@ -80,9 +80,9 @@ pub fn batch_script(labrun: &Path, spec: &JobSpec) -> String {
 /// The job's comment in Slurm: what the coordinator's re-ranking prices
 /// it by (`labsync:v1:<gpus>:<snapshot>,<snapshot>`, code first).
 pub fn comment(req: &SubmitRequest) -> String {
-    let snaps: Vec<&str> = (req.code.iter())
+    let snaps: Vec<String> = (req.code.iter())
         .chain(req.data.iter().map(|d| &d.tree))
-        .map(|t| t.snapshot.as_str())
+        .map(|t| t.snapshot.to_string())
         .collect();
     format!("{COMMENT}{}:{}", req.gpus, snaps.join(","))
 }
@@ -363,24 +363,25 @@ mod tests {
 
     #[test]
     fn comments_round_trip() {
-        let tree = |s: &str| TreeRef {
-            label: format!("{s}@v1"),
-            snapshot: s.into(),
+        let (code, data) = (
+            labsync_store::SnapshotId::from_bytes([0xc0; 32]),
+            labsync_store::SnapshotId::from_bytes([0xda; 32]),
+        );
+        let tree = |s: labsync_store::SnapshotId| TreeRef {
+            label: format!("{}@v1", s.short()),
+            snapshot: s,
         };
         let req = SubmitRequest {
             gpus: 2,
-            code: Some(tree("c0de")),
+            code: Some(tree(code)),
             data: vec![DataRef {
                 env: "LABRUN_DATA_X".into(),
-                tree: tree("da7a"),
+                tree: tree(data),
             }],
             ..Default::default()
         };
-        assert_eq!(comment(&req), "labsync:v1:2:c0de,da7a");
-        assert_eq!(
-            parse_comment(&comment(&req)),
-            Some((2, vec!["c0de".into(), "da7a".into()]))
-        );
+        assert_eq!(comment(&req), format!("labsync:v1:2:{code},{data}"));
+        assert_eq!(parse_comment(&comment(&req)), Some((2, vec![code, data])));
         for other in ["", "my own comment", "labsync:v1:x:ab", "labsync:v2:1:ab"] {
             assert_eq!(parse_comment(other), None, "{other:?}");
         }
