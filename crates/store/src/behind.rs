@@ -14,7 +14,7 @@
 //!
 //! A pack that is mostly its files' plain chunks leaves memory once its
 //! files are written, and its copy is rebuilt from them after the pull
-//! ([`crate::pull::rebuild`]), so its buffer serves the next fetch
+//! ([`crate::rebuild`]), so its buffer serves the next fetch
 //! ([`crate::reuse`]). Any other pack (mostly compressed chunks, or
 //! chunks of no file of the pull) is held in memory for its files and
 //! for the copy, which is written when the pull is done, or sooner, at
@@ -50,7 +50,7 @@ use crate::error::{Error, Result};
 use crate::fsutil::{blocking, write_atomic_direct};
 use crate::id::PackId;
 use crate::pack::PackEntry;
-use crate::pull::rebuild::{Recipe, Written};
+use crate::rebuild::{Recipe, Written};
 
 /// Mebibytes of fetched packs held for their cache copy, every pull of
 /// the process together. Past it a fetch waits for held copies to be
@@ -94,7 +94,7 @@ pub struct CacheWrites {
     /// written at the disk's usual priority.
     pressed: Arc<std::sync::atomic::AtomicBool>,
     /// The pull's files, once it knows them: packs are rebuilt from them
-    /// rather than held ([`crate::pull::rebuild`]).
+    /// rather than held ([`crate::rebuild`]).
     written: std::sync::OnceLock<Arc<Written>>,
     /// The pull failed: its files are not all there to rebuild from.
     abandoned: Arc<std::sync::atomic::AtomicBool>,

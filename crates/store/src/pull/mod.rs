@@ -31,14 +31,11 @@ use crate::error::{Error, Result};
 use crate::fsutil::{blocking, tmp_leaf};
 use crate::id::{ChunkId, PackId, SnapshotId};
 use crate::index::{Index, IndexPack};
+use crate::listing::{Item, Listing, Loader};
 use crate::progress::{NoProgress, Progress};
+use crate::rebuild;
 use crate::repo::{RefSpec, Repo, VersionRecord};
 use crate::snapshot::Kind;
-
-mod listing;
-pub(crate) mod rebuild;
-
-use listing::{Item, Listing, Loader};
 
 /// What a pull did.
 #[derive(Clone, Debug, Serialize)]
@@ -246,20 +243,16 @@ async fn pull_inner(
             &plan.files,
         ));
     }
-    let (written, packs_fetched, bytes_fetched) = fetch_and_write(
-        &repo,
-        cache,
-        &entries,
-        index,
+    let writing = Writing {
+        entries: entries.clone(),
         order,
-        &fetch_order,
-        &tree,
+        tree: tree.clone(),
         threads,
-        &progress,
-        &arrivals,
-        behind,
-    )
-    .await?;
+        progress: progress.clone(),
+        arrivals,
+    };
+    let (written, packs_fetched, bytes_fetched) =
+        fetch_and_write(&repo, cache, &writing, index, &fetch_order, behind).await?;
     tracing::debug!(
         "pull {}: tree loaded at {:.3} s, files written at {:.3} s",
         record.label(),
@@ -529,45 +522,32 @@ fn check_room(repo: &Repo, cache: &NodeCache, dest: &Path, plan: &Plan) -> Resul
 /// with the repair). Otherwise the pack is fetched once more. Either way
 /// the files not yet complete are written again; a pack failing after both
 /// is corrupt in the store.
-#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 async fn write_verified(
     repo: &Repo,
     cache: &NodeCache,
-    entries: &Arc<Listing>,
+    w: &Writing,
     index: Index,
-    order: Vec<usize>,
-    tree: &Arc<Tree>,
-    threads: usize,
-    progress: &Arc<dyn Progress>,
-    arrivals: &Arc<Arrivals>,
     behind: Option<&CacheWrites>,
 ) -> Result<u64> {
+    let (progress, arrivals) = (&w.progress, &w.arrivals);
     let mut index = Arc::new(index);
     let mut corrected = HashSet::new();
     let mut refetched = HashSet::new();
     let mut attempt = 0;
     loop {
-        let (e2, i2, c2, d2, p2, f2, a2) = (
-            entries.clone(),
-            index.clone(),
-            cache.clone(),
-            tree.clone(),
-            progress.clone(),
-            order.clone(),
-            arrivals.clone(),
-        );
+        let (w2, i2, c2) = (w.clone(), index.clone(), cache.clone());
         let retry = attempt > 0;
         attempt += 1;
         let res = blocking(move || {
             // After a repair, what the first attempt wrote is done already.
-            let f2: Vec<usize> = if retry {
-                f2.into_iter()
-                    .filter(|&i| !complete(&d2, e2.get(i)))
+            let order: Vec<usize> = if retry {
+                (w2.order.iter().copied())
+                    .filter(|&i| !complete(&w2.tree, w2.entries.get(i)))
                     .collect()
             } else {
-                f2
+                w2.order.clone()
             };
-            write_files(&e2, &f2, &i2, &c2, &d2, threads, p2.as_ref(), &a2)
+            write_files(&w2, &order, &i2, &c2)
         })
         .await;
         let (what, detail) = match res {
@@ -649,20 +629,15 @@ fn complete_tree(
 /// the node cache, from peers or the store) while the files are written
 /// from them as they arrive. Returns the bytes written and the packs and
 /// bytes fetched.
-#[allow(clippy::too_many_arguments)] // the pull's parts, passed on as they are
 async fn fetch_and_write(
     repo: &Repo,
     cache: &NodeCache,
-    entries: &Arc<Listing>,
+    w: &Writing,
     index: Index,
-    order: Vec<usize>,
     fetch_order: &[(PackId, u64)],
-    tree: &Arc<Tree>,
-    threads: usize,
-    progress: &Arc<dyn Progress>,
-    arrivals: &Arc<Arrivals>,
     behind: Option<&CacheWrites>,
 ) -> Result<(u64, u64, u64)> {
+    let (progress, arrivals) = (&w.progress, &w.arrivals);
     let started = Instant::now();
     let fetch = async {
         let quiet: Arc<dyn Progress> = Arc::new(WarningsOnly(progress.clone()));
@@ -681,9 +656,7 @@ async fn fetch_and_write(
         );
         fetched
     };
-    let write = write_verified(
-        repo, cache, entries, index, order, tree, threads, progress, arrivals, behind,
-    );
+    let write = write_verified(repo, cache, w, index, behind);
     let (fetched, written) = tokio::join!(fetch, write);
     // A writer's own error says more than the fetch's, unless the writer
     // only stopped because the fetch failed.
@@ -926,17 +899,26 @@ fn finish(tree: &Tree, entries: &Listing) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn write_files(
-    entries: &Listing,
-    order: &[usize],
-    index: &Index,
-    cache: &NodeCache,
-    tree: &Tree,
+/// What a pull's writers share: the listing, which of its files to write
+/// in which order, the tree they go into, how many threads write, what
+/// shows their progress, and where the packs arrive. Handles only: cloned
+/// for each attempt of [`write_verified`].
+#[derive(Clone)]
+struct Writing {
+    entries: Arc<Listing>,
+    order: Vec<usize>,
+    tree: Arc<Tree>,
     threads: usize,
-    progress: &dyn Progress,
-    arrivals: &Arrivals,
-) -> Result<u64> {
+    progress: Arc<dyn Progress>,
+    arrivals: Arc<Arrivals>,
+}
+
+/// Writes the files `order` names (of `w`'s listing) with `w.threads`
+/// writers, each file once its packs have arrived, its chunks read from
+/// `cache` by `index` and verified; returns the bytes written.
+fn write_files(w: &Writing, order: &[usize], index: &Index, cache: &NodeCache) -> Result<u64> {
+    let (entries, tree, threads) = (w.entries.as_ref(), w.tree.as_ref(), w.threads);
+    let (progress, arrivals) = (w.progress.as_ref(), w.arrivals.as_ref());
     let next = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
     let err: Mutex<Option<Error>> = Mutex::new(None);

@@ -79,7 +79,6 @@ pub(super) type ReadResult = (u64, Result<FileRead>);
 /// taking files from `jobs` and sending results on `done`. New chunks
 /// `index` lacks go into packs handed to `tx`. They end when `jobs` is
 /// closed and empty.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn start_readers<'scope>(
     scope: &'scope std::thread::Scope<'scope, '_>,
     jobs: &'scope Jobs,

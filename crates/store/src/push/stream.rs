@@ -78,16 +78,12 @@ pub(super) fn run(
     let mut writer = cache_file.map(|f| f.writer(started_ns, progress));
     let streamed = {
         let _as = crate::fsutil::ReadAs::enter(settings.read_as);
-        stream(
-            root,
-            index,
-            cache,
-            writer.as_mut(),
+        let files = FilesCache {
+            read: cache,
+            write: writer.as_mut(),
             settle,
-            settings,
-            sink,
-            progress,
-        )
+        };
+        stream(root, index, files, settings, sink, progress)
     };
     // Dropped (its temporary file removed) as ourselves when the push failed.
     let mut streamed = streamed?;
@@ -95,18 +91,29 @@ pub(super) fn run(
     Ok(streamed)
 }
 
+/// The files cache as a push uses it: what it says of the files seen last
+/// time, where this push's is written (`None`: no files cache), and how
+/// long a file must have been still for its entry to be trusted next time.
+struct FilesCache<'a> {
+    read: CacheReader,
+    write: Option<&'a mut CacheWriter>,
+    settle: Option<std::time::Duration>,
+}
+
 /// [`run`] once the files cache is open, reading as the source's owner.
-#[allow(clippy::too_many_arguments)]
 fn stream(
     root: &Path,
     index: &Index,
-    cache: CacheReader,
-    writer: Option<&mut CacheWriter>,
-    settle: Option<std::time::Duration>,
+    files: FilesCache,
     settings: &ReadSettings,
     sink: Sink,
     progress: &dyn Progress,
 ) -> Result<Streamed> {
+    let FilesCache {
+        read: cache,
+        write: writer,
+        settle,
+    } = files;
     let beneath = Beneath::open(root).map_err(Error::io("open source", root))?;
     let listers = Listers::new(root, &beneath);
     let jobs = Jobs::new();

@@ -32,7 +32,7 @@ use crate::id::{ChunkId, PackId};
 use crate::index::Index;
 use crate::pack::PackEntry;
 
-use super::listing::Listing;
+use crate::listing::Listing;
 
 /// Where a pull's files hold the chunks of the packs it fetches.
 pub(crate) struct Written {
@@ -410,7 +410,7 @@ mod tests {
             let cids = parts.iter().map(|&k| ids[k]).collect();
             listed.push(entry(path, Kind::File, cids, data.len() as u64));
         }
-        let mut loader = super::super::listing::Loader::new(&index, false);
+        let mut loader = crate::listing::Loader::new(&index, false);
         loader.add(listed).unwrap();
         let (list, _, _) = loader.finish("snap").unwrap();
         let tree = Arc::new(Tree::open(&root).unwrap());
