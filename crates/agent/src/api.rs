@@ -12,16 +12,18 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
+use crate::auth::now_ms;
 use crate::blocking::off_runtime;
 use crate::cluster::Reach;
-use crate::cluster::{now_ms, wire};
-use crate::daemon::{Caller, Daemon};
+use crate::daemon::Daemon;
 use crate::error::{ApiError, JobError};
 use crate::jobs::Jobs;
 use crate::lane::{Lane, Place, LANE_HEAD_TIMEOUT, LANE_PLACES};
 use crate::proto::routes::*;
 use crate::proto::{AnswerOf, RequestOf};
 use crate::proto::{ErrorBody, DONE, NEXT_OFFSET};
+use crate::request::Caller;
+use crate::wire;
 
 /// A bound listener: the local default is a Unix socket, a cluster node listens on TCP.
 pub enum Listener {
@@ -209,7 +211,7 @@ async fn log(
     log_response(jobs.log(&c, &id, q.offset, wait).await?)
 }
 
-fn log_response(r: crate::daemon::LogRead) -> Result<Response, ApiError> {
+fn log_response(r: crate::request::LogRead) -> Result<Response, ApiError> {
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(NEXT_OFFSET, r.next.to_string())
@@ -408,7 +410,7 @@ async fn heartbeat(
 
 /// A pack from this node's cache, for a peer (which verifies it), sent as
 /// it is read: the disk and the network work side by side. Over plain TCP
-/// a peer that asks gets it with `sendfile(2)` instead (`cluster::wire`).
+/// a peer that asks gets it with `sendfile(2)` instead (`wire`).
 async fn pack(
     State(d): D,
     _: FromMember,
@@ -807,18 +809,16 @@ fn start_loops(
 ) -> tokio::task::JoinHandle<()> {
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop.clone()));
     tokio::spawn(daemon.clone().run_coordinator(stop.clone()));
-    let rerank = daemon
-        .slurm_rerank()
-        .filter(|_| daemon.coordinator().is_some());
-    if let Some(r) = rerank {
-        tokio::spawn(crate::slurm::rerank::run(
-            daemon.clone(),
+    if let (Some(r), Some(co)) = (daemon.slurm_rerank(), daemon.coordinator()) {
+        tokio::spawn(crate::cluster::rerank::run(
+            co.clone(),
+            crate::cluster::Reach::new(daemon.clone()),
             r.clone(),
             stop.clone(),
         ));
     }
     if let Some(cfg) = daemon.cluster() {
-        let reporter = crate::cluster::Reporter::new(
+        let reporter = crate::daemon::Reporter::new(
             daemon.clone(),
             cfg.clone(),
             daemon.coordinator().cloned(),
@@ -843,7 +843,7 @@ pub async fn serve(
         .map(|_| (Lane::new(LANE_PLACES), daemon.clone()));
     let app = router(daemon);
     // Requests over plain TCP are marked: a pack may be sent into their
-    // socket with `sendfile` (`cluster::wire`).
+    // socket with `sendfile` (`wire`).
     let plain_app = app.clone().layer(axum::Extension(wire::PlainTcp));
     tokio::spawn(async move {
         shutdown.await;
@@ -1034,7 +1034,7 @@ async fn serve_one<S>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    // Upgrades: a peer's pack may switch to `sendfile` (`cluster::wire`).
+    // Upgrades: a peer's pack may switch to `sendfile` (`wire`).
     let conn = http
         .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
         .with_upgrades();

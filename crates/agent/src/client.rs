@@ -11,8 +11,7 @@ use hyper::header;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
-use crate::cluster::auth::{signing_ms, ClusterKey, Route as Signing};
-use crate::cluster::wire;
+use crate::auth::{signing_ms, ClusterKey, Route as Signing};
 use crate::error::ClientError;
 use crate::proto::{path_of, routes, AnswerOf, RequestOf, Route, Verb};
 use crate::proto::{
@@ -22,6 +21,7 @@ use crate::proto::{
 use crate::secret::Secret;
 use crate::status::GpuStatus;
 use crate::tls::ClientConfig;
+use crate::wire;
 
 /// The largest answer a client takes in, bytes.
 const MAX_ANSWER: usize = 96 << 20;

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cluster::{Coordinator, Reach};
-use crate::daemon::{Caller, Daemon, LogRead};
+use crate::daemon::Daemon;
 use crate::error::JobError;
 use crate::proto::{JobExplain, JobView, SubmitRequest};
+use crate::request::{Caller, LogRead};
 
 /// Where a labd's jobs are kept and run.
 #[derive(Clone)]
@@ -108,17 +109,5 @@ impl Jobs {
             Jobs::Node(d) => d.log(caller, id, offset, wait).await,
             Jobs::Cluster { co, reach } => co.log(reach, caller, id, offset, wait).await,
         }
-    }
-}
-
-/// Whether `caller` may `what` job `id` of `owner`'s: its owner or an
-/// admin. The one ownership check, for a node's jobs and a cluster's.
-pub(crate) fn own(caller: &Caller, id: &str, owner: &str, what: &str) -> Result<(), JobError> {
-    if caller.admin || caller.user == owner {
-        Ok(())
-    } else {
-        Err(JobError::Forbidden(format!(
-            "job {id} is {owner}'s; only they or an admin may {what} it"
-        )))
     }
 }

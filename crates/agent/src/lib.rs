@@ -30,6 +30,7 @@
 #![deny(missing_docs)]
 
 mod api;
+mod auth;
 mod blocking;
 mod buffers;
 mod cgroup;
@@ -48,6 +49,7 @@ mod lane;
 mod leases;
 mod node;
 pub mod proto;
+mod request;
 pub mod rlimits;
 mod runner;
 mod secret;
@@ -58,6 +60,7 @@ pub mod tls;
 mod trees;
 mod users;
 mod watchdog;
+mod wire;
 
 pub use api::{router, serve, Listener};
 pub use blocking::off_runtime;
@@ -65,10 +68,7 @@ pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
 pub use clock::{Clock, Hand};
 pub use daemon::shares::human_bytes;
-pub use daemon::{
-    command_bytes, variable_bytes, Caller, ConnLimits, Daemon, DaemonConfig, DaemonError, LogRead,
-    SlurmCheck, MAX_COMMAND_BYTES, MAX_DATASETS,
-};
+pub use daemon::{ConnLimits, Daemon, DaemonConfig, DaemonError, SlurmCheck};
 pub use devices::GpuDevices;
 pub use error::{
     ApiError, ClientError, InventoryError, JobError, LeaseError, PrepareError, SetupError,
@@ -79,6 +79,9 @@ pub use jobs::Jobs;
 pub use keeper::{keep_log_if_asked, KEEP_LOG};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{Node, NodeConfig, NodeError, Submit};
+pub use request::{
+    command_bytes, variable_bytes, Caller, LogRead, MAX_COMMAND_BYTES, MAX_DATASETS,
+};
 pub use rlimits::LoginLimits;
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};
 pub use secret::{RedactedOptions, Secret};

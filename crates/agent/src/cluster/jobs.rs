@@ -13,10 +13,10 @@ use labsync_store::SnapshotId;
 
 use crate::cluster::queue::{ClusterJob, Placement};
 use crate::cluster::{Coordinator, WarmOrder};
-use crate::daemon::{check_user_request, Caller, LogRead};
 use crate::error::{JobError, LeaseError};
 use crate::leases::JobState;
 use crate::proto::{Dispatch, DispatchReply, JobId, JobView, SubmitRequest};
+use crate::request::{check_user_request, Caller, LogRead};
 
 use super::link::{Link, Reach, FORWARD};
 use super::pass::{pass, placer_job, Action, Inputs};
@@ -70,7 +70,7 @@ impl Coordinator {
         req: &SubmitRequest,
     ) -> Result<(Vec<SnapshotId>, Vec<Priced>), JobError> {
         // Bounded for a ranking or an --explain as for a submission.
-        crate::daemon::check_size(req)?;
+        crate::request::check_size(req)?;
         let ids = snapshots_of(req);
         let mut fresh: Vec<Priced> = Vec::new();
         for id in &ids {
@@ -838,7 +838,7 @@ impl Coordinator {
     }
 
     fn own(caller: &Caller, j: &ClusterJob, what: &str) -> Result<(), JobError> {
-        crate::jobs::own(caller, &j.id, &j.user, what)
+        crate::request::own(caller, &j.id, &j.user, what)
     }
 
     /// Kills a job: dropped from the queue, or killed on its node.

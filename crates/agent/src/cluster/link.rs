@@ -1,19 +1,64 @@
 //! What the coordinator needs of the labd it runs in, and no more: its
 //! name, the store to price snapshots with, the cluster's key to sign with,
-//! and each node as a [`Link`], this one in process, the others over HTTP.
-//! The coordinator's code never holds the whole daemon.
+//! and each node as a [`Link`], this one in process ([`Here`]), the others
+//! over HTTP. The coordinator's code never names the daemon: labd hands it
+//! itself as a [`Here`] (`daemon/here.rs`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use labsync_store::{NodeCache, Repo};
 
 use crate::client::{Client, Endpoint};
-use crate::daemon::{Caller, Daemon, LogRead};
 use crate::error::{ClientError, JobError};
-use crate::proto::{Dispatch, DispatchReply, JobView, StageDone, StageOrder, Staged};
+use crate::proto::{Dispatch, DispatchReply, JobView, NodeName, StageDone, StageOrder, Staged};
+use crate::request::{Caller, LogRead};
 
-use super::WarmOrder;
+use super::{ClusterConfig, WarmOrder};
+
+/// An operation of [`Here`] under way.
+pub type Answer<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The labd the coordinator runs in, as the coordinator sees it: what it
+/// reads of it, and the operations another node answers over HTTP, here
+/// called in process. Each takes its own handle (`Arc`) so the answer
+/// outlives the call.
+pub trait Here: Send + Sync {
+    /// This node's name.
+    fn name(&self) -> &NodeName;
+    /// The store (refused while labd has not reached it).
+    fn repo(&self) -> Result<&Repo, JobError>;
+    /// This node's cache.
+    fn cache(&self) -> &Arc<NodeCache>;
+    /// Queued jobs one user may have.
+    fn max_queued_per_user(&self) -> usize;
+    /// The cluster's settings (the key, TLS), in a cluster.
+    fn cluster(&self) -> Option<&ClusterConfig>;
+    /// Takes a job the coordinator placed here.
+    fn dispatch(self: Arc<Self>, d: Dispatch) -> Answer<DispatchReply>;
+    /// A job's record here.
+    fn job(self: Arc<Self>, id: String) -> Answer<Result<JobView, JobError>>;
+    /// Kills a job here for `by`.
+    fn kill(self: Arc<Self>, by: Caller, id: String) -> Answer<Result<JobView, JobError>>;
+    /// A job's log here from `offset`, waiting up to `wait` for new bytes.
+    fn log(
+        self: Arc<Self>,
+        by: Caller,
+        id: String,
+        offset: u64,
+        wait: Duration,
+    ) -> Answer<Result<LogRead, JobError>>;
+    /// Stops a preemptible job here for `for_job`.
+    fn stop_for(self: Arc<Self>, victim: String, for_job: String) -> Answer<Result<(), JobError>>;
+    /// Fetches (and pins, or unpins) a snapshot here.
+    fn warm(self: Arc<Self>, order: WarmOrder) -> Answer<Result<(), JobError>>;
+    /// Stages a Slurm job's code and data here.
+    fn stage(self: Arc<Self>, order: StageOrder) -> Answer<Result<Staged, JobError>>;
+    /// Releases a Slurm job's stage here.
+    fn stage_done(self: Arc<Self>, done: StageDone) -> Answer<Result<(), JobError>>;
+}
 
 /// How long a request forwarded to a node may take beyond its own wait.
 pub(super) const FORWARD: Duration = Duration::from_secs(10);
@@ -21,18 +66,18 @@ pub(super) const FORWARD: Duration = Duration::from_secs(10);
 /// The coordinator's narrow handle on its labd (see the module's doc).
 #[derive(Clone)]
 pub struct Reach {
-    here: Arc<Daemon>,
+    here: Arc<dyn Here>,
 }
 
 impl Reach {
-    /// The coordinator's reach from `daemon`, the labd it runs in.
-    pub(crate) fn new(daemon: Arc<Daemon>) -> Reach {
-        Reach { here: daemon }
+    /// The coordinator's reach from `here`, the labd it runs in.
+    pub(crate) fn new(here: Arc<dyn Here>) -> Reach {
+        Reach { here }
     }
 
     /// This node's name.
     pub(super) fn name(&self) -> &str {
-        self.here.node_name()
+        self.here.name()
     }
 
     /// The store, to price snapshots and resolve labels (refused while
@@ -74,7 +119,7 @@ impl Reach {
 /// the error it was ([`forwarded`]).
 pub(super) enum Link {
     /// The coordinator's own node: called in process.
-    Here(Arc<Daemon>),
+    Here(Arc<dyn Here>),
     /// Another node, by signed requests.
     There {
         /// Its name.
@@ -88,7 +133,7 @@ impl Link {
     /// Sends a placed job (within [`FORWARD`]).
     pub(super) async fn dispatch(&self, d: Dispatch) -> Result<DispatchReply, JobError> {
         match self {
-            Link::Here(daemon) => Ok(daemon.submit_placed(d).await),
+            Link::Here(here) => Ok(here.clone().dispatch(d).await),
             Link::There { node, client } => timed(node, "", FORWARD, client.dispatch(&d)).await,
         }
     }
@@ -96,7 +141,7 @@ impl Link {
     /// A job's record there (within [`FORWARD`]).
     pub(super) async fn job(&self, id: &str) -> Result<JobView, JobError> {
         match self {
-            Link::Here(daemon) => daemon.job(id).await,
+            Link::Here(here) => here.clone().job(id.to_string()).await,
             Link::There { node, client } => timed(node, "", FORWARD, client.cluster_job(id)).await,
         }
     }
@@ -104,7 +149,7 @@ impl Link {
     /// Kills a job there on behalf of `by` (whom the coordinator checked).
     pub(super) async fn kill(&self, id: &str, by: &str) -> Result<JobView, JobError> {
         match self {
-            Link::Here(daemon) => daemon.kill(&for_user(by), id).await,
+            Link::Here(here) => here.clone().kill(for_user(by), id.to_string()).await,
             Link::There { node, client } => {
                 timed(node, "; try again", FORWARD, client.cluster_kill(id)).await
             }
@@ -120,7 +165,11 @@ impl Link {
         wait: Duration,
     ) -> Result<LogRead, JobError> {
         match self {
-            Link::Here(daemon) => daemon.log(&for_user(by), id, offset, wait).await,
+            Link::Here(here) => {
+                (here.clone())
+                    .log(for_user(by), id.to_string(), offset, wait)
+                    .await
+            }
             Link::There { node, client } => {
                 let piece = timed(
                     node,
@@ -141,7 +190,11 @@ impl Link {
     /// Stops a preemptible job there for `for_job` (answered at once).
     pub(super) async fn stop_for(&self, victim: &str, for_job: &str) -> Result<(), JobError> {
         match self {
-            Link::Here(daemon) => daemon.stop_for(victim, for_job).await,
+            Link::Here(here) => {
+                (here.clone())
+                    .stop_for(victim.to_string(), for_job.to_string())
+                    .await
+            }
             Link::There { node, client } => {
                 let stop = client.cluster_preempt(victim, for_job);
                 timed(node, "", FORWARD, stop).await
@@ -152,7 +205,7 @@ impl Link {
     /// Fetches (and with `order.pin`, pins) a snapshot there.
     pub(super) async fn warm(&self, order: &WarmOrder) -> Result<(), JobError> {
         match self {
-            Link::Here(daemon) => daemon.warm(order.clone()).await,
+            Link::Here(here) => here.clone().warm(order.clone()).await,
             Link::There { node, client } => {
                 client.warm(order).await.map_err(|e| forwarded(node, e))
             }
@@ -163,7 +216,7 @@ impl Link {
     /// takes minutes).
     pub(super) async fn stage(&self, order: StageOrder) -> Result<Staged, JobError> {
         match self {
-            Link::Here(daemon) => daemon.stage(order).await,
+            Link::Here(here) => here.clone().stage(order).await,
             Link::There { node, client } => {
                 client.stage(&order).await.map_err(|e| passed_on(node, e))
             }
@@ -173,7 +226,7 @@ impl Link {
     /// Releases a Slurm job's stage there.
     pub(super) async fn stage_done(&self, done: StageDone) -> Result<(), JobError> {
         match self {
-            Link::Here(daemon) => daemon.stage_done(done).await,
+            Link::Here(here) => here.clone().stage_done(done).await,
             Link::There { node, client } => client
                 .stage_done(&done)
                 .await

@@ -1,34 +1,33 @@
-//! labd in a cluster: the coordinator's view ([`Coordinator`], fed by
-//! heartbeats), each agent's heartbeats ([`Reporter`]), and the signatures
-//! that authenticate nodes to each other ([`ClusterKey`]).
+//! labd in a cluster, the coordinator's side: its view ([`Coordinator`],
+//! fed by heartbeats), its queue and scheduling passes, and what it reaches
+//! of its own labd and the other nodes ([`Reach`], [`Here`]); with the
+//! signatures that authenticate nodes to each other ([`ClusterKey`]). A
+//! node's side (its heartbeats, its part of a warm) is the daemon's.
 //!
 //! A cluster is set up by config alone: every node names the coordinator's
 //! address and holds the cluster secret; one node says it coordinates.
 
-pub(crate) mod auth;
 mod coordinator;
 mod jobs;
 mod link;
 mod pass;
 mod peers;
 mod queue;
-mod reporter;
+pub mod rerank;
 mod stage;
 mod warm;
-pub(crate) mod wire;
 
 use std::time::Duration;
 
-pub use auth::{
-    signing_ms, AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE, SKEW,
-    TIME, TO, TO_COORDINATOR,
+pub use crate::auth::{
+    now_ms, signing_ms, AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE,
+    SKEW, TIME, TO, TO_COORDINATOR,
 };
 pub use coordinator::Coordinator;
-pub use link::Reach;
+pub use link::{Answer, Here, Reach};
 pub use peers::{ClusterPeers, COUNTS_FILE};
 pub use queue::{ClusterJob, ClusterJobs, Placement, RECENT_SECS};
-pub use reporter::Reporter;
-pub use warm::{WarmAnswer, WarmAsk, WarmOrder, Warming, Warms};
+pub use warm::{WarmAnswer, WarmAsk, WarmOrder, Warming};
 
 use crate::client::Endpoint;
 
@@ -76,11 +75,4 @@ impl Default for LabConfig {
             half_life: Duration::from_secs(7 * 86_400),
         }
     }
-}
-
-/// The wall clock in Unix milliseconds: signatures and heartbeats carry it.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }

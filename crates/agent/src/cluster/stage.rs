@@ -6,8 +6,8 @@
 use labsync_placer::{rank, with_scheduler_gpus, Ranking};
 
 use crate::cluster::Coordinator;
-use crate::daemon::Caller;
 use crate::error::JobError;
+use crate::request::Caller;
 
 use super::link::{Link, Reach};
 use crate::proto::{RankAsk, StageAsk, StageDone, StageOrder, Staged};

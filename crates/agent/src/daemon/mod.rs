@@ -6,16 +6,16 @@
 //! ([`ops`]); the HTTP layer ([`crate::serve`]) only authenticates and
 //! translates.
 
+mod here;
 mod holds;
 mod housekeeping;
 mod logs;
 mod ops;
 mod outputs;
+mod reporter;
 pub(crate) mod shares;
 mod stages;
-
-pub(crate) use ops::{check_size, check_user_request};
-pub use ops::{command_bytes, variable_bytes, MAX_COMMAND_BYTES, MAX_DATASETS};
+mod warm;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -26,7 +26,7 @@ use labsync_store::{NodeCache, Remote, Repo};
 
 use crate::blocking::off_runtime;
 use crate::clock::Clock;
-use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator, Warms};
+use crate::cluster::{ClusterConfig, ClusterPeers, Coordinator};
 use crate::error::JobError;
 use crate::gpu::GpuInventory;
 use crate::leases::JobState;
@@ -36,8 +36,9 @@ use crate::trees::Trees;
 use crate::users;
 use housekeeping::Housekeeping;
 use logs::JobLogs;
-pub use ops::{Caller, LogRead};
 use outputs::{OutputsConfig, OutputsSaver};
+pub(crate) use reporter::Reporter;
+pub use warm::Warms;
 
 /// What one peer, and everyone together, may hold open. A local user
 /// without a token can still connect to a shared labd's socket, so these
@@ -139,7 +140,7 @@ pub struct DaemonConfig {
     /// staged for it (`[slurm]`); `None`: not checked.
     pub slurm_check: Option<SlurmCheck>,
     /// The coordinator re-ranks pending Slurm jobs (`[slurm] rerank_s`):
-    /// run beside the ticker ([`crate::slurm::rerank`]).
+    /// run beside the ticker ([`crate::cluster::rerank`]).
     pub slurm_rerank: Option<crate::slurm::Rerank>,
 }
 

@@ -21,10 +21,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::blocking::off_runtime;
-use crate::daemon::{Caller, Daemon};
+use crate::daemon::Daemon;
 use crate::error::JobError;
 use crate::leases::unix_now;
 use crate::proto::{SnapshotId, StageAsk, StageDone, StageOrder, Staged, TreeRef};
+use crate::request::Caller;
 use crate::trees::{check_outputs, make_workdir};
 
 /// A stage never released (its job's script was killed before it could
@@ -154,26 +155,26 @@ fn runs_here(answer: Result<&str, &str>, job: &str, node: &str) -> bool {
 
 /// The trees a stage asks for (code first), once the ask is found sound:
 /// a job id Slurm could have given, outputs inside the work folder, data
-/// variables that are ones, at most [`super::ops::MAX_DATASETS`] datasets,
+/// variables that are ones, at most [`crate::request::MAX_DATASETS`] datasets,
 /// tree refs spelt as labsync writes them.
 fn check_stage_ask(ask: &StageAsk) -> Result<Vec<&TreeRef>, JobError> {
     check_job_id(&ask.job)?;
     if let Some(out) = &ask.outputs {
         check_outputs(out)?;
     }
-    super::ops::check_data_vars(&ask.data)?;
-    if ask.data.len() > super::ops::MAX_DATASETS {
+    crate::request::check_data_vars(&ask.data)?;
+    if ask.data.len() > crate::request::MAX_DATASETS {
         return Err(JobError::Invalid(format!(
             "{} datasets: at most {} per job",
             ask.data.len(),
-            super::ops::MAX_DATASETS
+            crate::request::MAX_DATASETS
         )));
     }
     let trees: Vec<&TreeRef> = (ask.code.iter())
         .chain(ask.data.iter().map(|d| &d.tree))
         .collect();
     for t in &trees {
-        super::ops::check_tree_ref(t)?;
+        crate::request::check_tree_ref(t)?;
     }
     Ok(trees)
 }

@@ -1,13 +1,11 @@
 //! Slurm's commands as labd and `labrun` run them: one runner, each
 //! command under a timeout ([`Slurm::run`]), and the pure reading of what
 //! `scontrol` and `squeue` print, tested on their captured output. The
-//! coordinator's re-ranking of pending jobs lives in [`rerank`].
+//! coordinator's re-ranking of pending jobs is `cluster/rerank.rs`.
 //!
 //! Every Slurm command runs under a timeout: `sinfo` and friends block for
 //! seconds when slurmctld is down, and labrun must say what failed
 //! instead of hanging, and labd must not stall a check on it.
-
-pub mod rerank;
 
 use std::collections::HashMap;
 use std::time::Duration;

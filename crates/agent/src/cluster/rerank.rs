@@ -14,9 +14,9 @@ use std::sync::Arc;
 
 use labsync_placer::preferred;
 
-use super::{feature_of, has_own_feature, job_id, parse_comment, Rerank, Slurm, SlurmError};
-use crate::daemon::Daemon;
+use super::{Coordinator, Reach};
 use crate::proto::{DataRef, RankAsk, SnapshotId, SubmitRequest, TreeRef};
+use crate::slurm::{feature_of, has_own_feature, job_id, parse_comment, Rerank, Slurm, SlurmError};
 
 /// Whether `out`, squeue's `%k` for one job asked alone, is a single line
 /// that reads as the comment labrun writes for (`gpus`, `snaps`).
@@ -64,7 +64,8 @@ fn request(gpus: u32, snaps: &[SnapshotId]) -> SubmitRequest {
 
 /// Runs the re-ranking until `shutdown`.
 pub async fn run(
-    daemon: Arc<Daemon>,
+    co: Arc<Coordinator>,
+    reach: Reach,
     cfg: Rerank,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -80,7 +81,7 @@ pub async fn run(
             _ = tokio::time::sleep(cfg.every) => {}
             _ = shutdown.changed() => return,
         }
-        if let Err(e) = pass(&daemon, &slurm, &cfg, &mut told).await {
+        if let Err(e) = pass(&co, &reach, &slurm, &cfg, &mut told).await {
             tracing::warn!(
                 "re-ranking pending Slurm jobs: {}",
                 crate::blocking::chain(&e)
@@ -91,7 +92,8 @@ pub async fn run(
 
 /// One pass over the pending jobs.
 async fn pass(
-    daemon: &Arc<Daemon>,
+    co: &Coordinator,
+    reach: &Reach,
     slurm: &Slurm,
     cfg: &Rerank,
     told: &mut HashMap<String, String>,
@@ -103,9 +105,7 @@ async fn pass(
         return Ok(());
     }
     // The preference is the coordinator's own tie (`[lab] tie_s`).
-    let Some(tie) = daemon.coordinator().map(|c| c.tie_secs()) else {
-        return Ok(());
-    };
+    let tie = co.tie_secs();
     let nodes = slurm.nodes(cfg.partition.as_deref()).await?;
     let offered: Vec<_> = nodes.iter().filter_map(|n| n.scheduler_node()).collect();
     for (id, gpus, snaps) in pending {
@@ -113,7 +113,7 @@ async fn pass(
             req: request(gpus, &snaps),
             nodes: offered.clone(),
         };
-        let ranking = match daemon.rank_for_scheduler(&ask).await {
+        let ranking = match co.rank_for_scheduler(reach, &ask).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("cannot rank pending Slurm job {id}: {e}");

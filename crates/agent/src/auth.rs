@@ -19,7 +19,7 @@
 //! long as their time is within [`SKEW`], and refuses one again (a
 //! request captured on a network without TLS and sent again). Senders
 //! sign with a time that never repeats in their process
-//! ([`crate::cluster::signing_ms`]), so no two of their requests are
+//! ([`signing_ms`]), so no two of their requests are
 //! alike.
 
 use std::collections::HashMap;
@@ -27,6 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::secret::Secret;
+
+/// The wall clock in Unix milliseconds: signatures and heartbeats carry it.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
 
 /// Header: the sending node's name.
 pub const NODE: &str = "x-labsync-node";
@@ -287,7 +294,7 @@ impl Signed {
 pub fn signing_ms() -> i64 {
     use std::sync::atomic::{AtomicI64, Ordering};
     static LAST: AtomicI64 = AtomicI64::new(0);
-    let now = super::now_ms();
+    let now = now_ms();
     let mut last = LAST.load(Ordering::Relaxed);
     loop {
         let t = now.max(last + 1);
@@ -496,7 +503,7 @@ mod tests {
             .is_ok());
         assert_eq!(k.seen.lock().unwrap().taken.len(), 1);
         // Times a process signs with never repeat.
-        let mut times: Vec<i64> = (0..1000).map(|_| crate::cluster::signing_ms()).collect();
+        let mut times: Vec<i64> = (0..1000).map(|_| signing_ms()).collect();
         times.dedup();
         assert_eq!(times.len(), 1000);
     }

@@ -8,12 +8,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use labsync_store::{NodeCache, PackId, SnapshotId};
 
+use super::Daemon;
 use crate::blocking::off_runtime;
 use crate::client::Client;
 use crate::cluster::{ClusterConfig, Coordinator};
-use crate::daemon::{Caller, Daemon};
 use crate::ids::JobId;
 use crate::proto::{CacheSummary, CachedTree, Heartbeat, InventoryDelta};
+use crate::request::Caller;
 
 /// The cache as last read: packs with sizes, snapshots with their packs.
 #[derive(Clone, Default)]
@@ -181,7 +182,7 @@ impl Reporter {
                     self.cfg.coordinator.clone(),
                     self.cfg.key.clone(),
                     self.daemon.node_name(),
-                    super::TO_COORDINATOR,
+                    crate::cluster::TO_COORDINATOR,
                 )
                 .with_tls(self.cfg.tls.clone());
                 // A stopped coordinator accepts connections and never
