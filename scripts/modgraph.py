@@ -4,7 +4,9 @@ names which other module (`crate::a::b`, `super::x`, `use` or inline),
 and the cycles among them, at two grains: the crate's top-level modules,
 and every module (edges between a module and its own parent or child are
 left out: a parent naming its children, or a child its parent's items, is
-how Rust modules nest).
+how Rust modules nest). Where the top-level modules have no cycle, their
+layers are printed: each module imports only from the layers below it, so
+no import runs back up.
 
     scripts/modgraph.py crates/agent/src [more crate src folders]
 """
@@ -138,6 +140,22 @@ def main():
                     if b in c:
                         who = sorted(x for x in edges if x and x[0] == a[0] and any(y and y[0] == b[0] for y in edges[x]))
                         print(f"      {name(a)} -> {name(b)} (from {', '.join(name(w) for w in who)})")
+        if not cyc:
+            # No cycle: every top-level module sits on a layer above all it
+            # imports, so no import runs back up. The layers, lowest first.
+            level = {}
+
+            def depth(v):
+                if v not in level:
+                    level[v] = 1 + max((depth(w) for w in top.get(v, ())), default=-1)
+                return level[v]
+
+            for v in tops:
+                depth(v)
+            print("  layers of top-level modules (each imports only from layers below):")
+            for n in range(max(level.values(), default=-1) + 1):
+                on = sorted(name(v) for v in tops if level[v] == n)
+                print(f"    {n}: {' '.join(on)}")
         cyc = sccs(known, fine)
         print(f"  cycles among all modules (parent/child edges left out): {len(cyc)}")
         for c in cyc:

@@ -15,7 +15,7 @@
 //! Slurm's commands run through the agent's one runner, each under a
 //! timeout ([`Slurm::run`]), and what they print is read by the agent's
 //! pure parsers ([`labsync_agent::slurm`]); the coordinator's re-ranking of
-//! pending jobs runs inside labd ([`labsync_agent::slurm::rerank`]).
+//! pending jobs runs inside labd ([`labsync_agent::cluster::rerank`]).
 
 pub mod config;
 pub mod job;
