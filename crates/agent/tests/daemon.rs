@@ -577,6 +577,19 @@ fn data_trees(dir: &Path) -> Vec<u8> {
         .collect()
 }
 
+/// Waits (30 s at most) until the shared trees under `dir` are `want`: a
+/// housekeeping pass runs in a task of its own.
+async fn trees_become(dir: &Path, want: &[u8], what: &str) {
+    let pass = async {
+        while data_trees(dir) != want {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), pass)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: {:?}", data_trees(dir)));
+}
+
 /// Issue 42, point 4, on a clock that moves only when the test moves it:
 /// over the trees' cap, a housekeeping pass (due every 5 s of labd's
 /// clock, however often it ticks) removes the tree no job uses and keeps
@@ -628,14 +641,12 @@ async fn a_tree_in_use_outlives_an_eviction_pass_on_a_paused_clock() {
     assert_eq!(trees, [1, 2], "no pass was due yet, however many ticks");
     hand.advance(Duration::from_secs(5));
     d.tick().await;
-    let pass = async {
-        while data_trees(dir.path()) != [2] {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), pass)
-        .await
-        .expect("the pass to remove the unused tree and keep the one in use");
+    trees_become(
+        dir.path(),
+        &[2],
+        "the pass to remove the unused tree and keep the one in use",
+    )
+    .await;
     std::fs::write(&release, "").unwrap();
     tick_until(&d, &using, "ended", |j| j.ended()).await;
     assert!(
@@ -647,12 +658,10 @@ async fn a_tree_in_use_outlives_an_eviction_pass_on_a_paused_clock() {
     );
     hand.advance(Duration::from_secs(5));
     d.tick().await;
-    let pass = async {
-        while !data_trees(dir.path()).is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), pass)
-        .await
-        .expect("the next pass to remove the tree no job uses now");
+    trees_become(
+        dir.path(),
+        &[],
+        "the next pass to remove the tree no job uses now",
+    )
+    .await;
 }

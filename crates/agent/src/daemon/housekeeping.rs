@@ -150,7 +150,7 @@ impl Housekeeping {
             }
             let node = me.node.clone();
             let stages = me.stages_dir.clone();
-            let now = me.clock.unix_secs();
+            let clock = me.clock.clone();
             // Asked under the tree's lock, so read afresh each time: a
             // stage recorded a moment ago holds its trees.
             let in_use = move |snap: &str| {
@@ -168,7 +168,7 @@ impl Housekeeping {
                 !node
                     .active_where(|j| j.meta.trees.contains(&snap))
                     .is_empty()
-                    || stages::tree_in_stage(&stages, &snap, now)
+                    || stages::tree_in_stage(&stages, &snap, clock.unix_secs())
             };
             for snap in me.trees.evict(me.trees_max, &in_use) {
                 tracing::info!("removed the unused tree of snapshot {snap} (over trees_max)");
