@@ -700,6 +700,18 @@ fn a_killed_job_leaves_no_process_that_left_its_session() {
     assert!(log.contains("cgroup of its own"), "{log}");
 }
 
+/// labd's log, written to a file, holds no colour codes (issue 43: they
+/// made `labd.log` hard to read and grep).
+#[test]
+fn labds_log_in_a_file_holds_no_colour_codes() {
+    let n = Node::start(None, "run_as = \"labd\"");
+    let id = n.bash(ALICE, 0, "true");
+    wait_until("the job to end", 20, || n.ended(&id));
+    let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
+    assert!(log.contains(" INFO "), "{log}");
+    assert!(!log.contains('\x1b'), "{log:?}");
+}
+
 /// A job's limits from labd's config (`job_pids_max`, `job_memory_max`):
 /// a fork bomb stops at its task limit while labd and the other users'
 /// jobs go on, and a job that outgrows its memory is killed (SIGKILL), not

@@ -30,15 +30,28 @@ pub fn cap_malloc_arenas() {
     }
 }
 
+/// Whether logs on stderr are coloured: only for a terminal, and not
+/// where `NO_COLOR` is set (<https://no-color.org>). labd's stderr is
+/// mostly a file or the journal, where colour codes are noise.
+fn colour(terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// What the binaries share before their one library call: logs on stderr
-/// (filtered by `log_var`, else `default_filter`) and a multi-threaded
-/// runtime. `None` (after saying why) when the runtime cannot start.
+/// (filtered by `log_var`, else `default_filter`, coloured only on a
+/// terminal) and a multi-threaded runtime. `None` (after saying why) when
+/// the runtime cannot start.
 pub fn start(bin: &str, log_var: &str, default_filter: &str) -> Option<tokio::runtime::Runtime> {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env(log_var)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour(
+            std::io::stderr().is_terminal(),
+            std::env::var_os("NO_COLOR"),
+        ))
         .init();
     match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -156,5 +169,13 @@ mod tests {
         assert_eq!(human_bytes(1_020_000_000), "1.02 GB");
         assert_eq!(human_time(0), "1970-01-01 00:00");
         assert_eq!(human_time(1_796_220_000), "2026-12-02 14:00");
+    }
+
+    #[test]
+    fn logs_are_coloured_on_a_terminal_only_and_never_under_no_color() {
+        assert!(colour(true, None));
+        assert!(!colour(false, None), "a file or the journal: no codes");
+        assert!(!colour(true, Some("1".into())));
+        assert!(colour(true, Some("".into())), "an empty NO_COLOR is unset");
     }
 }
