@@ -113,6 +113,37 @@ fn heap_capped(cmd: &Command, bytes: u64) -> Command {
     c
 }
 
+/// Issue 43: a version pushed by a process without `$USER` or `$LOGNAME`
+/// (cron, systemd, `sudo -u`) was recorded as `unknown@host`; it names the
+/// account of the uid that pushed, as git does, whatever the environment.
+#[test]
+fn a_version_names_its_pushers_account_without_user_in_the_environment() {
+    let lab = Lab::new();
+    let src = lab.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a.txt"), "a").unwrap();
+    let o = lab
+        .cmd(&["push", s(&src), "--name", "ds"])
+        .env_remove("USER")
+        .env_remove("LOGNAME")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    std::fs::write(src.join("a.txt"), "b").unwrap();
+    let o = lab
+        .cmd(&["push", s(&src), "--name", "ds"])
+        .env("USER", "mallory")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let me = labsync_agent::current_user();
+    let log = lab.json(&["log", "ds"]);
+    let users: Vec<&str> = (log["versions"].as_array().unwrap().iter())
+        .map(|v| v["user"].as_str().unwrap())
+        .collect();
+    assert_eq!(users, [me.as_str(), me.as_str()], "{log}");
+}
+
 #[test]
 fn push_pull_ls_log_diff() {
     let lab = Lab::new();

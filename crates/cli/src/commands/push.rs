@@ -67,9 +67,45 @@ fn text(r: &PushOutcome) -> String {
     )
 }
 
-/// The user a version is recorded as pushed by.
+/// The user a version is recorded as pushed by: the account of this
+/// process's user, as git takes it (cron, systemd and `sudo -u` leave
+/// `$USER` unset or stale: such versions read `unknown@host`); `$USER` or
+/// `$LOGNAME` only where the uid has no account, else `uid N`.
 fn user_name() -> String {
-    std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into())
+    let uid = labsync_agent::euid();
+    pusher(
+        labsync_agent::user_by_uid(uid).map(|u| u.name),
+        std::env::var("USER")
+            .or_else(|_| std::env::var("LOGNAME"))
+            .ok(),
+        uid,
+    )
+}
+
+/// [`user_name`]'s rule, given the account's name and the environment's.
+fn pusher(account: Option<String>, env: Option<String>, uid: u32) -> String {
+    account
+        .or(env.filter(|n| !n.is_empty()))
+        .unwrap_or_else(|| format!("uid {uid}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 43: a push from cron or systemd (no `$USER`) was recorded as
+    /// `unknown@host`; the account of the uid names it, as in git.
+    #[test]
+    fn a_version_is_recorded_as_the_accounts_user_not_the_environments() {
+        // Whatever `$USER` says here (the environment is left alone: other
+        // tests read it), this process's account names the pusher.
+        assert_eq!(user_name(), labsync_agent::current_user());
+        assert_eq!(
+            pusher(Some("alice".into()), Some("mallory".into()), 1000),
+            "alice"
+        );
+        assert_eq!(pusher(None, Some("bob".into()), 1001), "bob");
+        assert_eq!(pusher(None, Some(String::new()), 1002), "uid 1002");
+        assert_eq!(pusher(None, None, 1003), "uid 1003");
+    }
 }
