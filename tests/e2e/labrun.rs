@@ -700,6 +700,32 @@ fn a_killed_job_leaves_no_process_that_left_its_session() {
     assert!(log.contains("cgroup of its own"), "{log}");
 }
 
+/// A job's `HOME`, `USER` and `LOGNAME` are those of the account it runs
+/// as, not the submitter's labrun's (issue 43: an admin submitting with a
+/// user's token made the job read `/root/.config/…` and fail).
+#[test]
+fn a_job_runs_with_its_own_accounts_home_not_the_submitters() {
+    if labsync_agent::euid() != 0 {
+        eprintln!("not root: jobs run as labd's own user, the submitter's account");
+        return;
+    }
+    let n = Node::start(None, "");
+    let id = n.bash(
+        "tok-nobody-0123456789",
+        0,
+        "echo home=$HOME user=$USER logname=$LOGNAME",
+    );
+    wait_until("the job to end", 20, || n.ended(&id));
+    let said = n.ok("tok-nobody-0123456789", &["logs", &id]);
+    let home = labsync_agent::user_by_name("nobody").unwrap().home;
+    assert_eq!(
+        said.trim(),
+        format!("home={} user=nobody logname=nobody", home.display()),
+        "labrun's HOME was {}",
+        n.path("home").display()
+    );
+}
+
 /// labd's log, written to a file, holds no colour codes (issue 43: they
 /// made `labd.log` hard to read and grep).
 #[test]

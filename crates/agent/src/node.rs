@@ -167,8 +167,18 @@ fn confine_jobs(
     }
 }
 
-/// Variables labd sets for every job, whatever the submitter's environment says.
-const JOB_VARS: [&str; 3] = ["CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "LABRUN_JOB_ID"];
+/// Variables labd sets for every job, whatever the submitter's environment
+/// says: its GPUs, its id, and who it runs as (an admin submitting with a
+/// user's token handed the job their own `HOME`, and it read
+/// `/root/.config/…`).
+const JOB_VARS: [&str; 6] = [
+    "CUDA_DEVICE_ORDER",
+    "CUDA_VISIBLE_DEVICES",
+    "LABRUN_JOB_ID",
+    "HOME",
+    "USER",
+    "LOGNAME",
+];
 
 /// The record of a job just reserved (queued, not yet in the queue).
 fn new_record(id: &str, s: &Submit, gpus: Vec<u32>) -> JobRecord {
@@ -267,7 +277,12 @@ pub enum NodeError {
 /// NVML numbers GPUs in PCI bus order, CUDA by default fastest first, so
 /// without PCI_BUS_ID a job on a mixed node would use GPUs it did not
 /// lease.
-fn job_env(env: &[(String, String)], id: &str, gpus: &[u32]) -> Vec<(String, String)> {
+fn job_env(
+    env: &[(String, String)],
+    id: &str,
+    gpus: &[u32],
+    who: Option<&crate::users::UnixUser>,
+) -> Vec<(String, String)> {
     let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
     let mut env: Vec<(String, String)> = env
         .iter()
@@ -277,6 +292,13 @@ fn job_env(env: &[(String, String)], id: &str, gpus: &[u32]) -> Vec<(String, Str
     env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
     env.push(("CUDA_VISIBLE_DEVICES".into(), visible.join(",")));
     env.push(("LABRUN_JOB_ID".into(), id.to_string()));
+    // The account the job runs as; a uid without one gets none of these
+    // rather than the submitter's.
+    if let Some(u) = who {
+        env.push(("HOME".into(), u.home.to_string_lossy().into_owned()));
+        env.push(("USER".into(), u.name.clone()));
+        env.push(("LOGNAME".into(), u.name.clone()));
+    }
     env
 }
 
@@ -809,7 +831,7 @@ impl Node {
         let spec = JobSpec {
             argv: s.argv.clone(),
             cwd: s.cwd.clone(),
-            env: job_env(&s.env, &id, &gpus),
+            env: job_env(&s.env, &id, &gpus, crate::users::user_by_uid(uid).as_ref()),
             log: self.log_path(&id),
             user: s.run_as,
             cgroups,
@@ -1244,6 +1266,47 @@ mod tests {
     use crate::fake::FakeGpus;
     use std::path::Path;
     use std::sync::atomic::Ordering;
+
+    /// Issue 43: a job's GPUs, id and account are labd's to say: an admin
+    /// submitting with a user's token handed the job their own `HOME` (and
+    /// `USER`), and it read `/root/.config/…` as that user.
+    #[test]
+    fn a_jobs_home_and_name_are_its_accounts_not_the_submitters() {
+        let sent: Vec<(String, String)> = [
+            ("HOME", "/root"),
+            ("USER", "root"),
+            ("LOGNAME", "root"),
+            ("LABRUN_JOB_ID", "j999"),
+            ("CUDA_VISIBLE_DEVICES", "0,1,2,3"),
+            ("WANDB_PROJECT", "sr"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .to_vec();
+        let alice = crate::users::UnixUser {
+            name: "alice".into(),
+            uid: 1000,
+            gid: 1000,
+            home: "/home/alice".into(),
+        };
+        let env = job_env(&sent, "j7", &[2], Some(&alice));
+        let get = |k: &str| -> Vec<&str> {
+            env.iter()
+                .filter(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+                .collect()
+        };
+        assert_eq!(get("HOME"), ["/home/alice"]);
+        assert_eq!(get("USER"), ["alice"]);
+        assert_eq!(get("LOGNAME"), ["alice"]);
+        assert_eq!(get("LABRUN_JOB_ID"), ["j7"]);
+        assert_eq!(get("CUDA_VISIBLE_DEVICES"), ["2"]);
+        assert_eq!(get("WANDB_PROJECT"), ["sr"], "the rest is the submitter's");
+        // A uid without an account gets none of them, not the submitter's.
+        let env = job_env(&sent, "j8", &[], None);
+        assert!(!env
+            .iter()
+            .any(|(k, _)| k == "HOME" || k == "USER" || k == "LOGNAME"));
+    }
 
     /// A node's settings with its state in `dir/state`.
     fn test_config(dir: &Path) -> NodeConfig {
