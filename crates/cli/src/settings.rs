@@ -260,20 +260,26 @@ impl Settings {
 }
 
 fn load_file(explicit: Option<&Path>) -> Result<FileConfig> {
-    let path = match explicit {
-        Some(p) => p.to_path_buf(),
+    match explicit {
+        Some(p) => read_config(p, true),
         None => match dirs::config_dir() {
-            Some(d) => d.join("labsync").join("config.toml"),
-            None => return Ok(FileConfig::default()),
+            Some(d) => read_config(&d.join("labsync").join("config.toml"), false),
+            None => Ok(FileConfig::default()),
         },
-    };
-    match std::fs::read_to_string(&path) {
+    }
+}
+
+/// The config at `path`. One named (`--config`) must be read; the default
+/// one may be absent, and so it is where it cannot be seen to exist (a
+/// job whose `HOME` is a folder it may not enter, a `~/.config` that is a
+/// file): then there is no config, not an error. One that is there and
+/// cannot be read is an error either way.
+fn read_config(path: &Path, named: bool) -> Result<FileConfig> {
+    match std::fs::read_to_string(path) {
         Ok(text) => {
             toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && explicit.is_none() => {
-            Ok(FileConfig::default())
-        }
+        Err(_) if !named && std::fs::symlink_metadata(path).is_err() => Ok(FileConfig::default()),
         Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
     }
 }
@@ -330,6 +336,53 @@ mod tests {
         assert_eq!(parse_size("1.5M").unwrap(), 3 << 19);
         assert!(parse_size("ten").is_err());
         assert!(parse_size("5X").unwrap_err().to_string().contains("unit"));
+    }
+
+    /// Issue 43: a default config that cannot be seen to exist is no
+    /// config (a job whose `HOME` it may not enter failed on it); one named,
+    /// or one there but unreadable, is an error.
+    #[test]
+    fn a_default_config_that_cannot_be_seen_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        let under_a_file = file.join("config.toml");
+        assert!(read_config(&under_a_file, false).is_ok());
+        assert!(read_config(&dir.path().join("none.toml"), false).is_ok());
+        let e = read_config(&dir.path().join("none.toml"), true).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("cannot read config file"),
+            "{e:#}"
+        );
+        // A folder nobody may enter, looked at as nobody (as root: the
+        // thread's file-system ids switch).
+        let shut = dir.path().join("shut");
+        std::fs::create_dir(&shut).unwrap();
+        let there = shut.join("config.toml");
+        std::fs::write(&there, "store = \"file:///s\"").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&shut, std::fs::Permissions::from_mode(0o700)).unwrap();
+        if labsync_agent::euid() == 0 {
+            let nobody = labsync_store::RunAs {
+                uid: 65534,
+                gid: 65534,
+            };
+            let (hidden, named) = labsync_store::as_user(Some(nobody), || {
+                (read_config(&there, false), read_config(&there, true))
+            })
+            .unwrap();
+            assert!(hidden.is_ok(), "{hidden:?}");
+            assert!(named.is_err());
+            // Seen to be there but unreadable: said.
+            std::fs::set_permissions(&shut, std::fs::Permissions::from_mode(0o711)).unwrap();
+            std::fs::set_permissions(&there, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let seen = labsync_store::as_user(Some(nobody), || read_config(&there, false)).unwrap();
+            assert!(seen.is_err(), "there but unreadable: an error");
+        }
+        assert_eq!(
+            read_config(&there, false).unwrap().store.as_deref(),
+            Some("file:///s")
+        );
     }
 
     #[test]
