@@ -736,6 +736,14 @@ fn labds_log_in_a_file_holds_no_colour_codes() {
     let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
     assert!(log.contains(" INFO "), "{log}");
     assert!(!log.contains('\x1b'), "{log:?}");
+    // And `labrun status` says what reads the GPUs (it said "GPUs from
+    // none").
+    let status = n.status();
+    let first = status.lines().next().unwrap_or_default();
+    assert!(
+        first.contains(" — GPUs: ") && !first.contains("GPUs from"),
+        "{status}"
+    );
 }
 
 /// A job's limits from labd's config (`job_pids_max`, `job_memory_max`):

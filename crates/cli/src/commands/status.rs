@@ -51,7 +51,7 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{} — GPUs from {}", info.node, info.inventory);
+    println!("{}", headline(&info.node, &info.inventory));
     if gpus.is_empty() {
         println!("  no GPUs on this node: jobs run with --gpus 0");
     } else if !info.gpu_confinement.is_empty() {
@@ -60,6 +60,12 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
     print_gpus(&gpus, &jobs);
     print_counts(&jobs);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The first line of a node's status: its name and where its GPUs are read
+/// from ("GPUs from none" read as if they came from somewhere; issue 43).
+fn headline(node: &str, inventory: &str) -> String {
+    format!("{node} — GPUs: {inventory}")
 }
 
 /// One node of the cluster: health, GPUs, jobs and cached data.
@@ -198,4 +204,21 @@ fn print_counts(jobs: &[JobView]) {
 
 fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_headline_says_what_reads_the_gpus() {
+        assert_eq!(
+            headline("gpu1", "none (no NVML library on this node)"),
+            "gpu1 — GPUs: none (no NVML library on this node)"
+        );
+        assert_eq!(
+            headline("gpu2", "nvml (driver 550.54)"),
+            "gpu2 — GPUs: nvml (driver 550.54)"
+        );
+    }
 }
