@@ -27,20 +27,65 @@ pub async fn log(ctx: &StoreContext, name: &str) -> Result<ExitCode> {
 fn text(versions: &[VersionRecord]) -> String {
     let mut s = String::new();
     for r in versions.iter().rev() {
-        s += &format!(
-            "v{:<4} {}  {}  {}@{}  {} files, {}, {} new  +{} ~{} -{}\n",
-            r.version,
-            r.snapshot.short(),
-            human_time(r.time),
-            r.user,
-            r.host,
-            r.files,
-            human_bytes(r.bytes),
-            human_bytes(r.new_bytes),
-            r.added,
-            r.modified,
-            r.removed
-        );
+        s += &line(r);
+        s.push('\n');
     }
     s.trim_end().to_string()
+}
+
+/// One version: its files and size, the paths (files and folders) added,
+/// changed and removed since the one before, and the bytes the push wrote
+/// to the store (packs and tree objects, compressed: more than the size
+/// for a small tree, less for one mostly stored before).
+fn line(r: &VersionRecord) -> String {
+    format!(
+        "v{:<4} {}  {}  {}@{}  {} {}, {}  paths +{} ~{} -{}  {} written to the store",
+        r.version,
+        r.snapshot.short(),
+        human_time(r.time),
+        r.user,
+        r.host,
+        r.files,
+        if r.files == 1 { "file" } else { "files" },
+        human_bytes(r.bytes),
+        r.added,
+        r.modified,
+        r.removed,
+        human_bytes(r.new_bytes),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 43: `labsync log` said "1 files", counted folders as added
+    /// files ("10 files … +12") and showed "new" bytes past the size
+    /// without saying what they were.
+    #[test]
+    fn a_version_line_says_files_paths_and_what_was_written() {
+        let r = VersionRecord {
+            name: "ds".into(),
+            version: 1,
+            snapshot: labsync_store::SnapshotId::from_bytes([0xab; 32]),
+            time: 0,
+            user: "alice".into(),
+            host: "gpu1".into(),
+            files: 1,
+            bytes: 3,
+            stored_bytes: 900,
+            new_bytes: 900,
+            added: 2,
+            removed: 0,
+            modified: 0,
+            forgotten: false,
+        };
+        assert_eq!(
+            line(&r),
+            "v1    abababababab  1970-01-01 00:00  alice@gpu1  1 file, 3 B  paths +2 ~0 -0  \
+             900 B written to the store"
+        );
+        let r = VersionRecord { files: 10, ..r };
+        assert!(line(&r).contains("  10 files, 3 B  "), "{}", line(&r));
+    }
 }
