@@ -828,14 +828,17 @@ impl Node {
         let Some(cgroups) = self.cgroup_for(&id, uid, &gpus)? else {
             return Ok(None);
         };
+        // The account the job runs as, looked up once (NSS may ask LDAP,
+        // under the queue's lock): its environment and its login limits.
+        let account = crate::users::user_by_uid(uid);
         let spec = JobSpec {
             argv: s.argv.clone(),
             cwd: s.cwd.clone(),
-            env: job_env(&s.env, &id, &gpus, crate::users::user_by_uid(uid).as_ref()),
+            env: job_env(&s.env, &id, &gpus, account.as_ref()),
             log: self.log_path(&id),
             user: s.run_as,
             cgroups,
-            rlimits: self.login_limits(s.run_as),
+            rlimits: self.login_limits(s.run_as, account.as_ref()),
             keeper: self.cfg.log_keeper.as_ref().map(|exe| runner::KeeperSpec {
                 exe: exe.clone(),
                 cgroup: self.cgroups.as_ref().map(Cgroups::keepers),
@@ -899,11 +902,15 @@ impl Node {
 
     /// The limits of a login of `run_as` ([`crate::rlimits`]); none (labd's
     /// own) for a job run as labd's user.
-    fn login_limits(&self, run_as: Option<RunAs>) -> Vec<crate::rlimits::Rlimit> {
+    fn login_limits(
+        &self,
+        run_as: Option<RunAs>,
+        account: Option<&crate::users::UnixUser>,
+    ) -> Vec<crate::rlimits::Rlimit> {
         let Some(RunAs { uid, gid }) = run_as else {
             return Vec::new();
         };
-        let name = crate::users::user_by_uid(uid).map_or_else(String::new, |u| u.name);
+        let name = account.map_or_else(String::new, |u| u.name.clone());
         let gids = crate::users::groups_of(&name, gid);
         self.cfg.login_limits.for_user(&crate::rlimits::Who {
             name: &name,

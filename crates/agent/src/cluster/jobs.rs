@@ -518,8 +518,7 @@ impl Coordinator {
     pub(super) fn link(&self, r: &Reach, node: &str) -> Option<Link> {
         let addr = {
             let v = self.view.lock().expect("coordinator poisoned");
-            let name: Option<NodeName> = node.parse().ok();
-            name.and_then(|n| v.members.get(&n).map(|m| m.addr.clone()))
+            v.members.get(node).map(|m| m.addr.clone())
         };
         r.link(node, addr.as_deref())
     }
@@ -644,11 +643,8 @@ impl Coordinator {
         };
         let listed = {
             let v = self.view.lock().expect("coordinator poisoned");
-            let Ok(name) = node.parse::<NodeName>() else {
-                return;
-            };
-            match v.members.get(&name) {
-                Some(m) if v.cluster.node(&name).is_some_and(|n| n.is_up()) => {
+            match v.members.get(node) {
+                Some(m) if v.cluster.node(node).is_some_and(|n| n.is_up()) => {
                     m.jobs.iter().any(|x| x.id == j.id)
                 }
                 _ => return,
@@ -745,15 +741,11 @@ impl Coordinator {
             Placement::Ended { view } => (**view).clone(),
             Placement::Dispatched { node, gpus, .. } => {
                 let v = self.view.lock().expect("coordinator poisoned");
-                let name = node.parse::<NodeName>().ok();
-                let member = name.as_ref().and_then(|n| v.members.get(n));
-                let down =
-                    name.as_ref()
-                        .and_then(|n| v.cluster.node(n))
-                        .and_then(|n| match n.health {
-                            labsync_placer::Health::Down { since } => Some(since),
-                            labsync_placer::Health::Up => None,
-                        });
+                let member = v.members.get(node);
+                let down = v.cluster.node(node).and_then(|n| match n.health {
+                    labsync_placer::Health::Down { since } => Some(since),
+                    labsync_placer::Health::Up => None,
+                });
                 let from_node = member.and_then(|m| m.jobs.iter().find(|x| x.id == j.id));
                 let mut view = match from_node {
                     // Heartbeats carry no commands: the job's own here.

@@ -176,11 +176,7 @@ impl Daemon {
             .map(|j| Hold {
                 id: j.id.to_string(),
                 user: j.user.clone(),
-                node: self
-                    .cfg
-                    .node_name
-                    .parse()
-                    .unwrap_or_else(|_| "node".parse().expect("a valid name")),
+                node: self.cfg.node_name.clone(),
                 gpus: j.gpus.clone(),
                 idle_since: idle.get(&j.id).copied().flatten(),
             })
