@@ -218,6 +218,16 @@ mod tests {
         let mut body = serde_json::to_value(&ok).unwrap();
         body["data"][0]["tree"]["snapshot"] = mega.clone().into();
         assert!(serde_json::from_value::<SubmitRequest>(body).is_err());
+        // Nor one that would name a folder elsewhere: a tree's folder is
+        // the id's own spelling, and these are no ids.
+        for path in ["../../../etc", "/etc", "ab/../../x", ""] {
+            let mut body = serde_json::to_value(&ok).unwrap();
+            body["data"][0]["tree"]["snapshot"] = path.into();
+            assert!(
+                serde_json::from_value::<SubmitRequest>(body).is_err(),
+                "{path:?} read as a snapshot id"
+            );
+        }
         refused(&|r| r.priority = Some(mega.clone()), "at most 1024");
         refused(
             &|r| r.data[0].env = format!("LABRUN_DATA_{}", "X".repeat(MAX_COMMAND_BYTES)),
