@@ -57,6 +57,7 @@ pub mod slurm;
 mod status;
 mod store_guard;
 pub mod tls;
+pub mod tokens;
 mod trees;
 mod users;
 mod watchdog;

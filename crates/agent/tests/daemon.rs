@@ -53,6 +53,7 @@ fn config(dir: &Path) -> DaemonConfig {
         log_max: 100 << 20,
         run_as_submitter: false,
         tokens: vec![("alice".into(), Secret::new("tok-alice-0123456789"))],
+        tokens_file: None,
         admins: vec![],
         tick: Duration::from_millis(50),
         conn_limits: ConnLimits::default(),

@@ -2,7 +2,6 @@
 //! daemon runs with, where it listens and which GPUs it sees.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use labsync_agent::cluster::{ClusterConfig, ClusterKey, LabConfig};
 use labsync_agent::tls::{ClientConfig, ServerConfig};
+use labsync_agent::tokens::check_tokens;
 use labsync_agent::{
     current_user, detect, euid, ConnLimits, DaemonConfig, Endpoint, FakeGpus, GpuInventory,
     JobLimits, LoginLimits, Secret, SlurmCheck,
@@ -100,6 +100,9 @@ pub(crate) struct LabdFile {
     admins: Vec<String>,
     #[serde(default)]
     tokens: BTreeMap<String, Secret>,
+    /// A file of more tokens (`user = "token"` lines, mode 600), read again
+    /// when it changes: what `labd init` and `labd adduser` write.
+    tokens_file: Option<PathBuf>,
     tick_ms: Option<u64>,
     /// Connections open at once, everyone together (default 1024).
     max_connections: Option<usize>,
@@ -139,7 +142,7 @@ pub(crate) struct LabdFile {
 /// `[slurm]` of the coordinator's config file.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct SlurmFile {
+pub(crate) struct SlurmFile {
     /// Seconds between re-rankings of labsync's pending Slurm jobs (0: never).
     rerank_s: Option<u64>,
     /// Longest wait for one Slurm command, seconds (default 10).
@@ -156,7 +159,7 @@ struct SlurmFile {
 /// `[tls]` of labd's config file.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct TlsFile {
+pub(crate) struct TlsFile {
     /// This node's certificate chain (PEM, its own certificate first).
     cert: PathBuf,
     /// Its private key (PEM, mode 600).
@@ -195,7 +198,7 @@ fn tls_config(t: TlsFile, in_cluster: bool) -> Result<Tls> {
 /// `[cluster]` of labd's config file.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ClusterFile {
+pub(crate) struct ClusterFile {
     /// The coordinator's address, `http://host:port` (on the coordinator too).
     coordinator: String,
     /// This labd coordinates.
@@ -362,22 +365,12 @@ fn tokens(
     me: &str,
     local: &LocalLabd,
 ) -> Result<Vec<(String, Secret)>> {
-    if let Some((user, _)) = file.iter().find(|(_, t)| t.expose().trim().len() < 16) {
-        bail!("the token of {user} in the config file is shorter than 16 characters; use a long random one (e.g. openssl rand -hex 32)");
-    }
     let mut tokens: Vec<(String, Secret)> = file.into_iter().collect();
     let own = local.token_file();
     let own_token = load_or_create_token(&own)?;
     check_private(&own, true)?;
     tokens.push((me.to_string(), own_token.into()));
-    for (i, (a, ta)) in tokens.iter().enumerate() {
-        if let Some((b, _)) = tokens[i + 1..].iter().find(|(_, tb)| tb == ta) {
-            bail!(
-                "{a} and {b} have the same token: each user needs a token of their own \
-                 (jobs run as the user the token names)"
-            );
-        }
-    }
+    check_tokens(&tokens).map_err(anyhow::Error::msg)?;
     Ok(tokens)
 }
 
@@ -438,6 +431,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         },
         run_as_submitter,
         tokens,
+        tokens_file: file.tokens_file,
         admins,
         tick: Duration::from_millis(file.tick_ms.unwrap_or(100)),
         conn_limits: ConnLimits {
@@ -768,40 +762,14 @@ fn end_of_day_ms(day: &str) -> Option<u64> {
 
 /// Refuses a file others could change (they could give themselves a token,
 /// or make jobs run as root) or, when it holds tokens, read.
-fn check_private(path: &Path, holds_tokens: bool) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
-    if meta.uid() != euid() && meta.uid() != 0 {
-        bail!(
-            "{} belongs to uid {}, not to labd's user or root: its owner could give themselves \
-             a token or make jobs run as labd; chown it",
-            path.display(),
-            meta.uid()
-        );
-    }
-    let mode = meta.permissions().mode();
-    if mode & 0o022 != 0 {
-        bail!(
-            "{} is writable by other users (mode {:o}): anyone could give themselves a token; \
-             chmod go-w it",
-            path.display(),
-            mode & 0o777
-        );
-    }
-    if holds_tokens && mode & 0o044 != 0 {
-        bail!(
-            "{} holds tokens or a key and is readable by other users (mode {:o}): chmod 600 it",
-            path.display(),
-            mode & 0o777
-        );
-    }
-    Ok(())
+pub(crate) fn check_private(path: &Path, holds_tokens: bool) -> Result<()> {
+    labsync_agent::tokens::check_private(path, holds_tokens).map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn cluster(extra: &str) -> ClusterFile {
         toml::from_str(&format!(

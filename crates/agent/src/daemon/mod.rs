@@ -32,6 +32,7 @@ use crate::gpu::GpuInventory;
 use crate::leases::JobState;
 use crate::node::{Node, NodeConfig, NodeError};
 use crate::secret::{RedactedOptions, Secret};
+use crate::tokens::Tokens;
 use crate::trees::Trees;
 use crate::users;
 use housekeeping::Housekeeping;
@@ -117,6 +118,8 @@ pub struct DaemonConfig {
     pub run_as_submitter: bool,
     /// (user, token) pairs.
     pub tokens: Vec<(String, Secret)>,
+    /// A file of more (`user = "token"` lines), read again when it changes.
+    pub tokens_file: Option<PathBuf>,
     /// Users who may kill and read every job.
     pub admins: Vec<String>,
     /// How often ended jobs are reaped and queued ones started.
@@ -168,6 +171,7 @@ impl std::fmt::Debug for DaemonConfig {
             .field("trees_per_user", &self.trees_per_user)
             .field("run_as_submitter", &self.run_as_submitter)
             .field("tokens", &self.tokens)
+            .field("tokens_file", &self.tokens_file)
             .field("admins", &self.admins)
             .field("cluster", &self.cluster)
             .finish_non_exhaustive()
@@ -198,8 +202,7 @@ pub struct Daemon {
     logs: Arc<JobLogs>,
     outputs: Arc<OutputsSaver>,
     housekeeping: Arc<Housekeeping>,
-    /// BLAKE3 of each token: comparing hashes is constant-time and keeps no token in memory.
-    tokens: Vec<(blake3::Hash, String)>,
+    tokens: Tokens,
     inventory: String,
     /// The cluster view, on the coordinating node.
     coordinator: Option<Arc<Coordinator>>,
@@ -257,11 +260,8 @@ impl Daemon {
         let jobs_dir = cfg.state_dir.join("jobs");
         std::fs::create_dir_all(&jobs_dir).map_err(|e| open_error("the job folders", &e))?;
         set_modes(&cfg.state_dir, &jobs_dir)?;
-        let tokens = cfg
-            .tokens
-            .iter()
-            .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
-            .collect();
+        let tokens =
+            Tokens::new(cfg.tokens.clone(), cfg.tokens_file.clone()).map_err(DaemonError::Open)?;
         let coordinator = open_coordinator(&cfg, highest, &clock)?;
         let (node, cache, trees) = (Arc::new(node), Arc::new(cache), Arc::new(trees));
         let logs = Arc::new(JobLogs::new(node.clone(), cfg.log_max));
