@@ -347,14 +347,56 @@ fn slurm_settings(
 
 /// Parses the config file, refusing one others could change (or read, when
 /// it holds tokens).
-fn read_file(p: &Path) -> Result<LabdFile> {
+pub(crate) fn read_file(p: &Path) -> Result<LabdFile> {
     let text = std::fs::read_to_string(p)
         .with_context(|| format!("cannot read config file {}", p.display()))?;
-    let file: LabdFile =
+    let mut file: LabdFile =
         toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?;
     let holds_secret = file.cluster.as_ref().is_some_and(|c| c.secret.is_some());
     check_private(p, !file.tokens.is_empty() || holds_secret)?;
+    let dir = std::fs::canonicalize(p)
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_default();
+    file.rebase(&dir);
     Ok(file)
+}
+
+impl LabdFile {
+    /// Makes the file's relative paths relative to its folder, not to
+    /// wherever labd was started: a folder `labd init` wrote works wherever
+    /// it is copied.
+    fn rebase(&mut self, dir: &Path) {
+        let at = |p: &mut Option<PathBuf>| {
+            if let Some(p) = p.as_mut().filter(|p| p.is_relative()) {
+                *p = dir.join(&*p);
+            }
+        };
+        at(&mut self.state_dir);
+        at(&mut self.cache_dir);
+        at(&mut self.fake_gpus_control);
+        at(&mut self.fake_gpus_dev);
+        at(&mut self.limits_conf);
+        at(&mut self.tokens_file);
+        if let Some(c) = &mut self.cluster {
+            at(&mut c.secret_file);
+        }
+        if let Some(s) = &mut self.slurm {
+            at(&mut s.conf);
+        }
+        if let Some(t) = &mut self.tls {
+            let one = |p: &mut PathBuf| {
+                if p.is_relative() {
+                    *p = dir.join(&*p);
+                }
+            };
+            one(&mut t.cert);
+            one(&mut t.key);
+            if let Some(ca) = &mut t.ca {
+                one(ca);
+            }
+        }
+    }
 }
 
 /// The file's tokens and labd's own user's (created on first start). Each

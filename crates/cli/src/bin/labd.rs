@@ -112,6 +112,70 @@ struct Cli {
 
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
+    /// Make a cluster's files on the first server: the cluster secret, a
+    /// lab CA and a certificate per node (TLS on), each node's labd.toml
+    /// and the users' tokens file; prints what to copy to which node
+    #[command(after_help = "\
+Example, three nodes whose names resolve, the first coordinating:
+
+  labd init --nodes gpu1,gpu2,gpu3 --store s3://lab-store/labsync \\
+            --s3-endpoint http://10.0.0.5:9000 --admin ana
+
+makes labsync-cluster/ (mode 700): ca/ (the lab's CA; its key signs node
+certificates: keep it here or offline) and gpuN/etc/labsync/ for each node,
+which goes to that node's /etc/labsync. Paths in each labd.toml are relative
+to its folder. A node whose name does not resolve here needs --advertise
+gpu2=10.0.0.12: init refuses names the other nodes could not dial.")]
+    Init {
+        /// Every node of the cluster, by name: gpu1,gpu2,gpu3
+        #[arg(long, value_delimiter = ',', value_name = "NODES", required = true)]
+        nodes: Vec<String>,
+        /// The lab's store, every node's: s3://bucket/prefix, gs://, az://, file:///shared
+        #[arg(long, value_name = "URL")]
+        store: String,
+        /// The store's S3 endpoint, where not AWS: http://10.0.0.5:9000
+        #[arg(long, value_name = "URL")]
+        s3_endpoint: Option<String>,
+        /// The coordinating node [default: the first of --nodes]
+        #[arg(long, value_name = "NODE")]
+        coordinator: Option<String>,
+        /// The port every labd listens on (TLS)
+        #[arg(long, default_value_t = 7420)]
+        port: u16,
+        /// How the others reach a node, where not by its name: gpu2=10.0.0.12 (repeat or comma-separate)
+        #[arg(long, value_delimiter = ',', value_name = "NODE=ADDR")]
+        advertise: Vec<String>,
+        /// An admin (may read and kill every job); gets a token (repeatable)
+        #[arg(long = "admin", value_name = "USER")]
+        admins: Vec<String>,
+        /// Where the files are written
+        #[arg(long, default_value = "labsync-cluster", value_name = "DIR")]
+        out: PathBuf,
+        /// Where the files will live on each node
+        #[arg(long, default_value = "/etc/labsync", value_name = "DIR")]
+        etc: PathBuf,
+        /// Each node's state folder
+        #[arg(long, default_value = "/var/lib/labsync", value_name = "DIR")]
+        node_state_dir: PathBuf,
+        /// Each node's cache folder
+        #[arg(long, default_value = "/var/cache/labsync", value_name = "DIR")]
+        node_cache_dir: PathBuf,
+        /// Each node's cache cap
+        #[arg(long, default_value = "500G", value_name = "SIZE")]
+        node_cache_max: String,
+    },
+    /// Issue a user a token in every node's tokens file (labd reads it again:
+    /// no restart) and print the lines of their ~/.config/labsync/config.toml
+    Adduser {
+        /// Their Unix login name (jobs run as it on every node)
+        name: String,
+        /// The folder `labd init` made
+        #[arg(long, default_value = "labsync-cluster", value_name = "DIR")]
+        dir: PathBuf,
+        /// Give a user who has a token a new one (the old one stops working)
+        #[arg(long)]
+        replace: bool,
+    },
     /// Print the slurm.conf lines labsync needs (a feature per node, lsn_NODE,
     /// for labrun --backend slurm to prefer), for every node Slurm lists
     SlurmConfig {
@@ -124,10 +188,60 @@ enum Cmd {
     },
 }
 
+/// Prints what a command says, or its error.
+fn said(r: anyhow::Result<String>) -> ExitCode {
+    match r {
+        Ok(s) => {
+            print!("{s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("labd: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // `labd keep-log <job>`: a job's output keeper, started by labd.
     labsync_agent::keep_log_if_asked();
     let cli = Cli::parse();
+    match &cli.cmd {
+        Some(Cmd::Init {
+            nodes,
+            store,
+            s3_endpoint,
+            coordinator,
+            port,
+            advertise,
+            admins,
+            out,
+            etc,
+            node_state_dir,
+            node_cache_dir,
+            node_cache_max,
+        }) => {
+            let args = commands::init::InitArgs {
+                nodes: nodes.clone(),
+                coordinator: coordinator.clone(),
+                store: store.clone(),
+                s3_endpoint: s3_endpoint.clone(),
+                port: *port,
+                advertise: advertise.clone(),
+                admins: admins.clone(),
+                out: out.clone(),
+                etc: etc.clone(),
+                state_dir: node_state_dir.clone(),
+                cache_dir: node_cache_dir.clone(),
+                cache_max: node_cache_max.clone(),
+            };
+            return said(commands::init::init(&args));
+        }
+        Some(Cmd::Adduser { name, dir, replace }) => {
+            return said(commands::init::adduser(dir, name, *replace));
+        }
+        _ => {}
+    }
     if let Some(Cmd::SlurmConfig { nodes, timeout }) = &cli.cmd {
         let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "error") else {
             return ExitCode::from(1);

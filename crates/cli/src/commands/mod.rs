@@ -29,6 +29,9 @@ pub mod rebuild_index;
 pub mod verify;
 pub mod warm;
 
+// labd
+pub mod init;
+
 // labrun
 pub mod explain;
 mod job_words;
