@@ -3,6 +3,8 @@
 //! (indicatif) and printing live only here.
 
 pub mod commands;
+#[cfg(test)]
+mod config_reference;
 pub mod labd_config;
 pub mod local;
 pub mod progress;
