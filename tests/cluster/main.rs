@@ -210,6 +210,8 @@ fn requests_without_the_cluster_secret_are_refused() {
         cache: Default::default(),
         inventory: Default::default(),
         gpu_confinement: String::new(),
+        version: String::new(),
+        protocol: 0,
     };
     match rt.block_on(lab.client(0, right.clone(), "gpu9").heartbeat(&forged)) {
         Err(ClientError::Status {
@@ -1550,4 +1552,116 @@ fn a_label_that_names_another_snapshot_is_refused() {
     assert!(e.contains("nosuch@v1"), "{e}");
     let job = rt.block_on(alice.submit(&ask("a@v1", &a))).unwrap();
     lab.wait_for("the job to end", 30, |_| lab.job(&job.id).ended());
+}
+
+/// A heartbeat from `node` to the coordinator at `port`, signed with the
+/// cluster's secret, sent as a labd speaking `protocol` (none: as every labd
+/// before protocol versions, which sent no header): the answer's status and
+/// body.
+fn heartbeat_as(port: u16, node: &str, protocol: Option<(&str, &str)>) -> (u16, String) {
+    use std::io::{Read, Write};
+    // The fields every labd sent before versions did.
+    let mut hb = serde_json::to_value(Heartbeat {
+        node: node.parse().unwrap(),
+        addr: "http://127.0.0.1:1".into(),
+        instance: format!("old-{node}"),
+        seq: 1,
+        gpus: vec![],
+        jobs: vec![],
+        cache: Default::default(),
+        inventory: Default::default(),
+        gpu_confinement: String::new(),
+        version: String::new(),
+        protocol: 0,
+    })
+    .unwrap();
+    let o = hb.as_object_mut().unwrap();
+    o.remove("version");
+    o.remove("protocol");
+    let body = serde_json::to_vec(&hb).unwrap();
+    let key = ClusterKey::new(&Secret::new(SECRET)).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let route = Route {
+        method: "POST",
+        path: "/v1/cluster/heartbeat",
+        from: node,
+        to: TO_COORDINATOR,
+    };
+    let mut head = format!(
+        "POST /v1/cluster/heartbeat HTTP/1.1\r\nHost: labd\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in key.sign(&route, now, &body) {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if let Some((p, v)) = protocol {
+        head.push_str(&format!(
+            "x-labsync-protocol: {p}\r\nx-labsync-version: {v}\r\n"
+        ));
+    }
+    head.push_str("\r\n");
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&body).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    (status, body)
+}
+
+/// Rolling upgrades: a node one protocol version apart (here one that
+/// sends no version at all, as every labd before versions) is taken and
+/// shown as an upgrade to finish; one two apart is refused with a message
+/// naming both versions, which `labrun status` shows.
+#[test]
+fn a_node_one_protocol_version_apart_works_and_two_apart_is_refused_naming_both() {
+    let Some(lab) = Lab::start(2) else { return };
+    let port = lab.nodes[0].port;
+    let (status, body) = heartbeat_as(port, "gpu7", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = heartbeat_as(port, "gpu8", Some(("4", "0.9.0")));
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body.contains("gpu8 speaks labsync protocol 4 (labsync 0.9.0)")
+            && body.contains(&format!(
+                "gpu0 speaks {} (labsync {})",
+                labsync_agent::proto::PROTOCOL,
+                env!("CARGO_PKG_VERSION")
+            ))
+            && body.contains("upgrade gpu0"),
+        "{body}"
+    );
+    // A header that is no number is no protocol this node speaks.
+    let (status, _) = heartbeat_as(port, "gpu6", Some(("two", "x")));
+    assert_eq!(status, 409);
+
+    let out = lab.labrun(&["status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "labsync 0.1.0, the coordinator {}: finish the upgrade",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("gpu8 REFUSED: gpu8 speaks labsync protocol 4"),
+        "{text}"
+    );
+    // The nodes of this build are on the coordinator's version: no note.
+    let gpu1 = text.split("\ngpu1 ").nth(1).unwrap_or_default();
+    assert!(
+        !gpu1.is_empty() && !gpu1.split("\n\n").next().unwrap().contains("upgrade"),
+        "{text}"
+    );
 }

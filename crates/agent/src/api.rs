@@ -21,7 +21,7 @@ use crate::jobs::Jobs;
 use crate::lane::{Lane, Place, LANE_HEAD_TIMEOUT, LANE_PLACES};
 use crate::proto::routes::*;
 use crate::proto::{AnswerOf, RequestOf};
-use crate::proto::{ErrorBody, DONE, NEXT_OFFSET};
+use crate::proto::{ErrorBody, NodeName, DONE, NEXT_OFFSET};
 use crate::request::Caller;
 use crate::wire;
 
@@ -278,10 +278,46 @@ fn member_head(
     } else {
         &me[..1]
     };
-    cluster
+    let signed = cluster
         .key
         .verify_head(method.as_str(), path, me, get, now_ms())
-        .map_err(|e| refused(method, uri, e))
+        .map_err(|e| refused(method, uri, e))?;
+    // A member, by its signature: now whether it speaks this node's protocol.
+    let from = get(crate::cluster::NODE).unwrap_or_default();
+    let theirs = match h.get(crate::proto::PROTOCOL_HEADER) {
+        // Every labd before versions were sent speaks 1.
+        None => 1,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0),
+    };
+    let their_version: String = get(crate::proto::VERSION_HEADER)
+        .unwrap_or_else(|| "0.1.0".into())
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '+'))
+        .take(40)
+        .collect();
+    if let Err(why) = crate::proto::check_protocol(&from, theirs, &their_version, d.node_name()) {
+        if let (Some(co), Ok(node)) = (d.coordinator(), from.parse::<NodeName>()) {
+            co.refuse(&node, &why, now_ms().max(0) as u64);
+        }
+        static SAID: std::sync::Mutex<crate::error::Throttle> =
+            std::sync::Mutex::new(crate::error::Throttle::new(REFUSED_EVERY));
+        let said = SAID
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .say(std::time::Instant::now());
+        if said.is_some() {
+            tracing::warn!(
+                "refused {method} {}: {why}",
+                crate::error::logged(uri.path())
+            );
+        }
+        return Err(ApiError::Job(JobError::Conflict(why)));
+    }
+    Ok(signed)
 }
 
 /// A request without a good cluster signature: said in the log escaped,

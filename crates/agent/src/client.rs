@@ -164,7 +164,9 @@ impl Client {
         let mut req = hyper::Request::builder()
             .method(method)
             .uri(path)
-            .header(header::HOST, "labd");
+            .header(header::HOST, "labd")
+            .header(crate::proto::PROTOCOL_HEADER, crate::proto::PROTOCOL)
+            .header(crate::proto::VERSION_HEADER, crate::proto::VERSION);
         if let Some(t) = &self.token {
             req = req.header(header::AUTHORIZATION, format!("Bearer {}", t.expose()));
         }

@@ -26,6 +26,41 @@ pub const NEXT_OFFSET: &str = "x-labd-next-offset";
 /// and the answer holds the last of its log.
 pub const DONE: &str = "x-labd-done";
 
+/// The version of what nodes say to each other. It counts up when a
+/// request or answer between nodes changes meaning (a field added with a
+/// default does not count: both sides ignore what they do not know). A node
+/// takes requests from nodes one version apart, so a cluster upgrades node
+/// by node; two apart are refused with both versions named.
+pub const PROTOCOL: u32 = 2;
+/// Request header: the sender's [`PROTOCOL`] (absent: 1, every labd
+/// before versions were sent).
+pub const PROTOCOL_HEADER: &str = "x-labsync-protocol";
+/// Request header: the sender's labsync version.
+pub const VERSION_HEADER: &str = "x-labsync-version";
+/// This build's labsync version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// A request between nodes from a sender speaking `theirs` (and labsync
+/// `their_version`), refused when it is two or more protocol versions from
+/// this node's, saying both.
+pub fn check_protocol(
+    from: &str,
+    theirs: u32,
+    their_version: &str,
+    me: &str,
+) -> Result<(), String> {
+    if theirs.abs_diff(PROTOCOL) <= 1 {
+        return Ok(());
+    }
+    let older = if theirs < PROTOCOL { from } else { me };
+    Err(format!(
+        "{from} speaks labsync protocol {theirs} (labsync {their_version}) and {me} speaks \
+         {PROTOCOL} (labsync {VERSION}), which takes {}–{} only: upgrade {older}",
+        PROTOCOL.saturating_sub(1),
+        PROTOCOL + 1
+    ))
+}
+
 /// A snapshot the job runs on, pinned to one version by `labrun`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TreeRef {
@@ -351,6 +386,12 @@ pub struct Heartbeat {
     /// Whether its jobs are kept from the GPUs they did not lease, in words.
     #[serde(default)]
     pub gpu_confinement: String,
+    /// Its labsync version (empty from a labd before versions were sent).
+    #[serde(default)]
+    pub version: String,
+    /// Its [`PROTOCOL`] (0: one before versions were sent, which is 1).
+    #[serde(default)]
+    pub protocol: u32,
 }
 
 /// The coordinator's answer.
@@ -429,6 +470,21 @@ pub struct NodeStatus {
     /// Whether its jobs are kept from the GPUs they did not lease, in words.
     #[serde(default)]
     pub gpu_confinement: String,
+    /// Its labsync version, as its last heartbeat said (empty: a labd
+    /// before versions were sent).
+    #[serde(default)]
+    pub version: String,
+}
+
+/// A node whose requests this coordinator refuses for its protocol.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    /// The node, as its signature names it.
+    pub node: NodeName,
+    /// Why, naming both versions.
+    pub why: String,
+    /// When it last tried, Unix ms.
+    pub at_ms: u64,
 }
 
 /// The cluster as `labrun status` shows it.
@@ -438,6 +494,12 @@ pub struct ClusterStatus {
     pub coordinator: NodeName,
     /// Every node that has sent a heartbeat, by name.
     pub nodes: Vec<NodeStatus>,
+    /// The coordinator's labsync version.
+    #[serde(default)]
+    pub version: String,
+    /// Nodes whose requests are refused for their protocol version.
+    #[serde(default)]
+    pub refused: Vec<Refused>,
 }
 
 /// A job the coordinator placed on a node, sent to that node's agent.
@@ -720,5 +782,28 @@ pub mod routes {
         OrderStage: Post "/v1/cluster/stage", StageOrder => Staged;
         /// The coordinator's release of a stage, to a node (signed).
         OrderStageDone: Post "/v1/cluster/stage/done", StageDone => ();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_one_protocol_version_apart_talk_and_two_apart_are_told_both() {
+        for theirs in [PROTOCOL - 1, PROTOCOL, PROTOCOL + 1] {
+            assert_eq!(check_protocol("gpu2", theirs, "x", "gpu1"), Ok(()));
+        }
+        let e = check_protocol("gpu2", PROTOCOL + 2, "9.0.0", "gpu1").unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "gpu2 speaks labsync protocol {} (labsync 9.0.0)",
+                PROTOCOL + 2
+            )) && e.contains(&format!("gpu1 speaks {PROTOCOL} (labsync {VERSION})"))
+                && e.ends_with("upgrade gpu1"),
+            "{e}"
+        );
+        let e = check_protocol("gpu2", 0, "0.0.1", "gpu1").unwrap_err();
+        assert!(e.ends_with("upgrade gpu2"), "{e}");
     }
 }

@@ -22,7 +22,7 @@ use crate::error::{JobError, LeaseError};
 use crate::ids::JobId;
 use crate::proto::{
     CacheSummary, ClusterStatus, Heartbeat, HeartbeatReply, JobView, NodeHealth, NodeStatus,
-    Presence,
+    Presence, Refused,
 };
 use crate::status::{GpuState, GpuStatus};
 
@@ -37,6 +37,7 @@ pub(super) struct Member {
     pub(super) jobs: Vec<JobView>,
     cache: CacheSummary,
     gpu_confinement: String,
+    version: String,
 }
 
 pub(super) struct View {
@@ -51,6 +52,9 @@ pub(super) struct View {
     /// Snapshots no live job and no cache needed at the last look:
     /// forgotten if still so at the next ([`Coordinator::forget_unused`]).
     unused: HashSet<SnapshotKey>,
+    /// Nodes whose requests were refused for their protocol version: why,
+    /// and when last (shown until the node's next heartbeat is taken).
+    refused: BTreeMap<NodeName, (String, Millis)>,
 }
 
 impl View {
@@ -138,6 +142,7 @@ impl Coordinator {
                 labels: HashMap::new(),
                 promised: BTreeMap::new(),
                 unused: HashSet::new(),
+                refused: BTreeMap::new(),
             }),
             jobs,
             floor: AtomicU64::new(0),
@@ -251,6 +256,13 @@ impl Coordinator {
         let _ = tokio::time::timeout(t, self.wake.notified()).await;
     }
 
+    /// Remembers that `node`'s request was refused at `now` for its
+    /// protocol version, for `labrun status` and `labd doctor`.
+    pub fn refuse(&self, node: &NodeName, why: &str, now: Millis) {
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        v.refused.insert(node.clone(), (why.to_string(), now));
+    }
+
     /// Applies a heartbeat `sender` signed (it must name itself) at `now`.
     pub fn heartbeat(
         &self,
@@ -339,6 +351,7 @@ impl Coordinator {
                 gpus: hb.gpus,
                 jobs: hb.jobs,
                 cache: hb.cache,
+                version: hb.version,
                 gpu_confinement: hb.gpu_confinement,
             },
         );
@@ -452,12 +465,25 @@ impl Coordinator {
                     cache_max: m.cache.max_bytes,
                     data,
                     gpu_confinement: m.gpu_confinement.clone(),
+                    version: m.version.clone(),
                 }
+            })
+            .collect();
+        let refused = v
+            .refused
+            .iter()
+            .filter(|(n, (_, at))| !v.members.get(*n).is_some_and(|m| m.last_seen > *at))
+            .map(|(node, (why, at_ms))| Refused {
+                node: node.clone(),
+                why: why.clone(),
+                at_ms: *at_ms,
             })
             .collect();
         ClusterStatus {
             coordinator: self.name.clone(),
             nodes,
+            version: crate::proto::VERSION.into(),
+            refused,
         }
     }
 }
@@ -480,6 +506,8 @@ mod tests {
             cache: CacheSummary::default(),
             inventory,
             gpu_confinement: String::new(),
+            version: String::new(),
+            protocol: 0,
         }
     }
 

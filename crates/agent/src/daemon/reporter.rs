@@ -172,6 +172,8 @@ impl Reporter {
             },
             inventory: self.delta(),
             gpu_confinement: self.daemon.gpu_confinement().to_string(),
+            version: crate::proto::VERSION.into(),
+            protocol: crate::proto::PROTOCOL,
         };
         let reply = match &self.local {
             Some(c) => c

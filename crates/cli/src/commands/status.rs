@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use labsync_agent::proto::{JobView, NodeHealth, NodeStatus};
+use labsync_agent::proto::{JobView, NodeHealth, NodeStatus, Refused};
 use labsync_agent::{Client, ForeignProcess, GpuState, GpuStatus, JobState};
 
 use super::explain_client;
@@ -27,13 +27,28 @@ pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
             .iter()
             .filter(|n| n.health == NodeHealth::Up)
             .count();
+        // The queue is the coordinator's: jobs wait there, not on a node.
+        let queued = (client.jobs().await.map_err(explain_client)?)
+            .iter()
+            .filter(|j| j.state == JobState::Queued)
+            .count();
         println!(
-            "cluster of {} node(s), {up} up, coordinated by {}",
+            "cluster of {} node(s), {up} up, coordinated by {} (labsync {}); {queued} job(s) \
+             queued{}",
             cluster.nodes.len(),
-            cluster.coordinator
+            cluster.coordinator,
+            cluster.version,
+            if queued > 0 {
+                " (labrun ps says why)"
+            } else {
+                ""
+            }
         );
+        for line in refusals(&cluster.refused) {
+            println!("{line}");
+        }
         for n in &cluster.nodes {
-            print_node(n, now);
+            print_node(n, now, &cluster.version);
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -68,8 +83,29 @@ fn headline(node: &str, inventory: &str) -> String {
     format!("{node} — GPUs: {inventory}")
 }
 
+/// Nodes the coordinator refuses for their protocol version, each with
+/// both versions and what to do.
+fn refusals(refused: &[Refused]) -> Vec<String> {
+    refused
+        .iter()
+        .map(|r| format!("{} REFUSED: {}", r.node, r.why))
+        .collect()
+}
+
+/// A node on another labsync version than the coordinator's, said: it
+/// works (one protocol version apart), but the upgrade is not finished.
+fn version_note(node: &str, coordinator: &str) -> Option<String> {
+    if node == coordinator || coordinator.is_empty() {
+        return None;
+    }
+    let node = if node.is_empty() { "0.1.0" } else { node };
+    Some(format!(
+        "labsync {node}, the coordinator {coordinator}: finish the upgrade (docs/install.md)"
+    ))
+}
+
 /// One node of the cluster: health, GPUs, jobs and cached data.
-fn print_node(n: &NodeStatus, now: u64) {
+fn print_node(n: &NodeStatus, now: u64, coordinator_version: &str) {
     let health = match n.health {
         NodeHealth::Up => "up".to_string(),
         NodeHealth::Down { since } => format!(
@@ -85,13 +121,19 @@ fn print_node(n: &NodeStatus, now: u64) {
         gib(n.cache_used),
         gib(n.cache_max)
     );
+    if let Some(v) = version_note(&n.version, coordinator_version) {
+        println!("  {v}");
+    }
     if n.gpus.is_empty() {
         println!("  no GPUs");
     } else if !n.gpu_confinement.is_empty() {
         println!("  {}", n.gpu_confinement);
     }
     print_gpus(&n.gpus, &n.jobs);
-    print_counts(&n.jobs);
+    let running = (n.jobs.iter())
+        .filter(|j| matches!(j.state, JobState::Running { .. }))
+        .count();
+    println!("  jobs: {running} running");
     let f = &n.fetched;
     if f.from_peers + f.from_store > 0 || f.corrupt_from_peers + f.failed_from_peers > 0 {
         let mut line = format!(
@@ -209,6 +251,22 @@ fn gib(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_on_another_version_and_a_refused_one_are_said() {
+        assert_eq!(version_note("0.2.0", "0.2.0"), None);
+        let v = version_note("", "0.2.0").unwrap();
+        assert!(v.contains("0.1.0") && v.contains("0.2.0"), "{v}");
+        let r = Refused {
+            node: "gpu3".parse().unwrap(),
+            why: "gpu3 speaks labsync protocol 4 (labsync 0.4.0) and gpu0 speaks 2".into(),
+            at_ms: 1,
+        };
+        assert_eq!(
+            refusals(&[r]),
+            vec!["gpu3 REFUSED: gpu3 speaks labsync protocol 4 (labsync 0.4.0) and gpu0 speaks 2"]
+        );
+    }
 
     #[test]
     fn the_headline_says_what_reads_the_gpus() {
