@@ -608,6 +608,15 @@ async fn warm_ask(
     Ok(Json(co.warm(&r, &c, ask).await?))
 }
 
+/// `labd doctor`'s ping: this node's version and clock, and whether it
+/// reaches the nodes named.
+async fn ping(
+    State(d): D,
+    Signed { body, .. }: Signed<RequestOf<Ping>>,
+) -> Result<Json<AnswerOf<Ping>>, ApiError> {
+    Ok(Json(d.pong(body).await?))
+}
+
 /// The coordinator's warm order, on a node.
 async fn warm_order(
     State(d): D,
@@ -726,6 +735,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .at::<PlacedLog, _, _>(placed_log)
         .at::<PlacedKill, _, _>(placed_kill)
         .at::<PlacedPreempt, _, _>(placed_preempt)
+        .at::<Ping, _, _>(ping)
         .0;
     // Staging answers once the data is there: minutes for a big dataset.
     // Its handlers bound the body's arrival themselves.

@@ -483,6 +483,14 @@ impl Client {
             .await
     }
 
+    /// `labd doctor`'s ping (a cluster client).
+    pub async fn ping(
+        &self,
+        ask: &crate::proto::PingAsk,
+    ) -> Result<crate::proto::Pong, ClientError> {
+        self.call::<routes::Ping>("", Some(ask)).await
+    }
+
     /// Sends a placed job to its node's agent (a cluster client).
     pub async fn dispatch(&self, d: &Dispatch) -> Result<DispatchReply, ClientError> {
         self.call::<routes::DispatchJob>("", Some(d)).await

@@ -79,7 +79,7 @@ pub use gpu::{detect, GpuInfo, GpuInventory, GpuProcess, NoGpus, Nvml};
 pub use jobs::Jobs;
 pub use keeper::{keep_log_if_asked, KEEP_LOG};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
-pub use node::{Node, NodeConfig, NodeError, Submit};
+pub use node::{probe_cgroups, Node, NodeConfig, NodeError, Submit};
 pub use request::{
     command_bytes, variable_bytes, Caller, LogRead, MAX_COMMAND_BYTES, MAX_DATASETS,
 };

@@ -85,9 +85,14 @@ pub use crate::leases::{job_number, JOB_NUMBERS};
 /// (a thousand times more jobs than any lab runs) are not taken for jobs.
 pub const STORE_NUMBERS: u64 = 1_000_000_000;
 
-/// The cgroups of this labd's jobs, named after its state folder; said once
-/// in the log when there are none.
-fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroups> {
+/// The cgroups of this labd's jobs, named after its state folder, what
+/// they hold in words, and the limits they cannot hold; or why there are
+/// none, with what to do about it. labd says it in its log; `labd doctor`
+/// prints it.
+pub fn probe_cgroups(
+    state_dir: &std::path::Path,
+    limits: JobLimits,
+) -> Result<(Cgroups, String, Vec<String>), String> {
     let dir = state_dir
         .canonicalize()
         .unwrap_or_else(|_| state_dir.to_path_buf());
@@ -96,8 +101,12 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
         Ok(c) => {
             let held = c.held();
             let tasks = |n: Option<u64>| n.map_or("any number of".into(), |n| n.to_string());
-            let memory = |n: Option<u64>| n.map_or("any amount".into(), |n| format!("{n} bytes"));
-            tracing::info!(
+            let memory = |n: Option<u64>| {
+                n.map_or("any amount".into(), |n| {
+                    format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64)
+                })
+            };
+            let said = format!(
                 "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory; \
                  all of one user's jobs together at most {} tasks and {} of memory",
                 c.flavor(),
@@ -106,7 +115,46 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
                 tasks(held.user_tasks),
                 memory(held.user_memory),
             );
-            for why in c.unheld() {
+            let unheld = c.unheld().to_vec();
+            Ok((c, said, unheld))
+        }
+        Err(why) => Err(format!("{why}; {}", cgroup_fix(&why.to_string()))),
+    }
+}
+
+/// What to do where labd finds no cgroup it can use, for the reason it
+/// gives: root is not always the answer (a root labd in a container whose
+/// namespace hides or seals the hierarchy is still root).
+fn cgroup_fix(why: &str) -> String {
+    let root = crate::users::euid() == 0;
+    if why.contains("no cgroup v2 or v1 freezer hierarchy is mounted") {
+        "mount the cgroup hierarchy (mount -t cgroup2 none /sys/fs/cgroup); in a container, \
+         start it with the host's cgroups (docker run --cgroupns=host -v \
+         /sys/fs/cgroup:/sys/fs/cgroup:rw)"
+            .into()
+    } else if !root {
+        "labd is not root, and only root may make cgroups for other users' jobs: run it as \
+         root (dist/systemd/labd.service)"
+            .into()
+    } else if why.contains("Read-only") || why.contains("read-only") {
+        "labd is root but /sys/fs/cgroup is read-only here (a container or namespace sealed \
+         it): give labd a writable cgroup hierarchy (systemd: Delegate=yes; docker: \
+         --cgroupns=host and /sys/fs/cgroup mounted rw)"
+            .into()
+    } else {
+        "labd is root but cannot make its cgroup folder: a namespace or a security module \
+         (SELinux, AppArmor) may stop it; labd.service with Delegate=yes is the known-good setup"
+            .into()
+    }
+}
+
+/// The cgroups of this labd's jobs (see [`probe_cgroups`]), said once in
+/// the log.
+fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroups> {
+    match probe_cgroups(state_dir, limits) {
+        Ok((c, said, unheld)) => {
+            tracing::info!("{said}");
+            for why in unheld {
                 tracing::warn!("jobs run without this limit: {why}");
             }
             Some(c)
@@ -114,9 +162,8 @@ fn open_cgroups(state_dir: &std::path::Path, limits: JobLimits) -> Option<Cgroup
         Err(why) => {
             tracing::warn!(
                 "jobs run without cgroups, so without job_pids_max, job_memory_max, user_pids_max \
-                 or user_memory_max: {why}. \
-                 A killed job's processes that left its \
-                 session (setsid, tmux, daemons) survive it; run labd as root to fix this"
+                 or user_memory_max, and a killed job's processes that left its session \
+                 (setsid, tmux, daemons) survive it: {why}"
             );
             None
         }

@@ -476,6 +476,64 @@ pub struct NodeStatus {
     pub version: String,
 }
 
+/// `labd doctor`'s question to a node (signed): answer, and reach these
+/// nodes back, each with a signed ping of its own.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PingAsk {
+    /// `(node, address)` to ping from the node asked (at most
+    /// [`PING_REACH_MAX`]).
+    #[serde(default)]
+    pub reach: Vec<(NodeName, String)>,
+    /// Whether to list the cluster's nodes (the coordinator's answer).
+    #[serde(default)]
+    pub members: bool,
+}
+
+/// Nodes one ping may ask to be reached.
+pub const PING_REACH_MAX: usize = 64;
+
+/// A node's answer to a [`PingAsk`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    /// Who answered.
+    pub node: NodeName,
+    /// Its labsync version.
+    pub version: String,
+    /// Its [`PROTOCOL`].
+    pub protocol: u32,
+    /// Its clock, Unix ms, as it answered.
+    pub now_ms: i64,
+    /// Each node it was asked to reach, in order.
+    pub reached: Vec<Reached>,
+    /// The cluster's nodes, where asked of the coordinator.
+    pub members: Vec<MemberSeen>,
+}
+
+/// One node a ping was asked to reach.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reached {
+    /// The node.
+    pub node: NodeName,
+    /// Where it was dialled.
+    pub addr: String,
+    /// Its version and clock offset from the asked node's (ms), or why it
+    /// was not reached.
+    pub answer: Result<(String, i64), String>,
+}
+
+/// A node as the coordinator knows it, for `labd doctor`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberSeen {
+    /// Its name.
+    pub node: NodeName,
+    /// Where it is reached.
+    pub addr: String,
+    /// Its labsync version, as its last heartbeat said.
+    pub version: String,
+    /// Whether it is up.
+    pub up: bool,
+}
+
 /// A node whose requests this coordinator refuses for its protocol.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Refused {
@@ -717,8 +775,8 @@ pub mod routes {
 
     use super::{
         ClusterStatus, CorruptChecked, CorruptCopy, Dispatch, DispatchReply, Heartbeat,
-        HeartbeatReply, Info, JobExplain, JobView, Located, PreemptOrder, RankAsk, StageAsk,
-        StageDone, StageOrder, Staged, SubmitRequest, WarmAnswer, WarmAsk, WarmOrder,
+        HeartbeatReply, Info, JobExplain, JobView, Located, PingAsk, Pong, PreemptOrder, RankAsk,
+        StageAsk, StageDone, StageOrder, Staged, SubmitRequest, WarmAnswer, WarmAsk, WarmOrder,
     };
     use crate::status::GpuStatus;
 
@@ -782,6 +840,9 @@ pub mod routes {
         OrderStage: Post "/v1/cluster/stage", StageOrder => Staged;
         /// The coordinator's release of a stage, to a node (signed).
         OrderStageDone: Post "/v1/cluster/stage/done", StageDone => ();
+        /// `labd doctor`'s ping (signed): the node's version and clock, and
+        /// whether it reaches the nodes named back.
+        Ping: Post "/v1/cluster/ping", PingAsk => Pong;
     }
 }
 

@@ -352,8 +352,7 @@ pub(crate) fn read_file(p: &Path) -> Result<LabdFile> {
         .with_context(|| format!("cannot read config file {}", p.display()))?;
     let mut file: LabdFile =
         toml::from_str(&text).with_context(|| format!("invalid config file {}", p.display()))?;
-    let holds_secret = file.cluster.as_ref().is_some_and(|c| c.secret.is_some());
-    check_private(p, !file.tokens.is_empty() || holds_secret)?;
+    check_private(p, file.holds_secrets())?;
     let dir = std::fs::canonicalize(p)
         .ok()
         .and_then(|p| p.parent().map(Path::to_path_buf))
@@ -363,6 +362,31 @@ pub(crate) fn read_file(p: &Path) -> Result<LabdFile> {
 }
 
 impl LabdFile {
+    /// Whether the file itself holds tokens or the cluster secret.
+    pub(crate) fn holds_secrets(&self) -> bool {
+        !self.tokens.is_empty() || self.cluster.as_ref().is_some_and(|c| c.secret.is_some())
+    }
+
+    /// The files it names that hold secrets (`true`) or that others must
+    /// not change (`false`), the config file itself first.
+    pub(crate) fn secret_files(&self) -> Vec<(PathBuf, bool)> {
+        let mut v = Vec::new();
+        if let Some(t) = &self.tokens_file {
+            v.push((t.clone(), true));
+        }
+        if let Some(f) = self.cluster.as_ref().and_then(|c| c.secret_file.clone()) {
+            v.push((f, true));
+        }
+        if let Some(t) = &self.tls {
+            v.push((t.key.clone(), true));
+            v.push((t.cert.clone(), false));
+            if let Some(ca) = &t.ca {
+                v.push((ca.clone(), false));
+            }
+        }
+        v
+    }
+
     /// Makes the file's relative paths relative to its folder, not to
     /// wherever labd was started: a folder `labd init` wrote works wherever
     /// it is copied.

@@ -225,8 +225,15 @@ fn write_direct(path: &Path, data: &[u8]) -> Option<Result<()>> {
 
 /// Bytes an unprivileged writer may still use on the file system of `path`
 /// (the nearest existing folder above it); `None` if it cannot be asked.
-#[allow(unsafe_code)]
 pub(crate) fn free_space(path: &Path) -> Option<u64> {
+    disk_space(path).map(|(_, free, _)| free)
+}
+
+/// The file system of `path`, asked at the nearest existing folder above
+/// it (returned): the bytes an unprivileged writer may still use, and its
+/// size; `None` if it cannot be asked.
+#[allow(unsafe_code)]
+pub fn disk_space(path: &Path) -> Option<(std::path::PathBuf, u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let existing = path.ancestors().find(|p| p.exists())?;
     let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
@@ -234,7 +241,13 @@ pub(crate) fn free_space(path: &Path) -> Option<u64> {
     // a NUL-terminated path that outlives the call.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    (rc == 0).then_some(st.f_bavail.saturating_mul(st.f_frsize))
+    (rc == 0).then(|| {
+        (
+            existing.to_path_buf(),
+            st.f_bavail.saturating_mul(st.f_frsize),
+            st.f_blocks.saturating_mul(st.f_frsize),
+        )
+    })
 }
 
 /// The device holding `path` (or the nearest existing folder above it).

@@ -12,6 +12,7 @@ mod housekeeping;
 mod logs;
 mod ops;
 mod outputs;
+mod ping;
 mod reporter;
 pub(crate) mod shares;
 mod stages;

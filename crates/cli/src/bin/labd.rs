@@ -164,6 +164,16 @@ gpu2=10.0.0.12: init refuses names the other nodes could not dial.")]
         #[arg(long, default_value = "500G", value_name = "SIZE")]
         node_cache_max: String,
     },
+    /// Check this node before its first job: GPUs (NVML), cgroups, the
+    /// store (a probe object put, read back, deleted), disks, secrets'
+    /// modes; in a cluster the coordinator and peers both ways with the
+    /// secret, the clocks, and every node's version. Each failure prints its
+    /// fix; exits 1 if any check fails
+    Doctor {
+        /// Check every pair of nodes of the cluster (from the coordinator)
+        #[arg(long)]
+        cluster: bool,
+    },
     /// Issue a user a token in every node's tokens file (labd reads it again:
     /// no restart) and print the lines of their ~/.config/labsync/config.toml
     Adduser {
@@ -242,6 +252,28 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
+    let flags = LabdFlags {
+        config: cli.config,
+        listen: cli.listen,
+        state_dir: cli.state_dir,
+        store: cli.store,
+        cache_dir: cli.cache_dir,
+        cache_max: cli.cache_max,
+        fake_gpus: cli.fake_gpus,
+        fake_gpus_control: cli.fake_gpus_control,
+    };
+    if let Some(Cmd::Doctor { cluster }) = cli.cmd {
+        let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "error") else {
+            return ExitCode::from(1);
+        };
+        return match rt.block_on(commands::doctor::doctor(&flags, cluster)) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("labd: error: {e:#}");
+                ExitCode::from(1)
+            }
+        };
+    }
     if let Some(Cmd::SlurmConfig { nodes, timeout }) = &cli.cmd {
         let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "error") else {
             return ExitCode::from(1);
@@ -262,16 +294,6 @@ fn main() -> ExitCode {
             }
         };
     }
-    let flags = LabdFlags {
-        config: cli.config,
-        listen: cli.listen,
-        state_dir: cli.state_dir,
-        store: cli.store,
-        cache_dir: cli.cache_dir,
-        cache_max: cli.cache_max,
-        fake_gpus: cli.fake_gpus,
-        fake_gpus_control: cli.fake_gpus_control,
-    };
     let Some(rt) = labsync_cli::start("labd", "LABD_LOG", "info") else {
         return ExitCode::from(1);
     };

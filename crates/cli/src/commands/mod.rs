@@ -30,6 +30,7 @@ pub mod verify;
 pub mod warm;
 
 // labd
+pub mod doctor;
 pub mod init;
 
 // labrun
