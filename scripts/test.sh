@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): works on a fresh machine with only the
 # Rust toolchain. Installs the S3-compatible test servers if they are missing
+# (and cargo-generate-rpm, which the install tests build the .rpm with)
 # (s3s-fs here; moto, ministack and s3rver by scripts/s3-servers.sh) and, as
 # root on Debian, Slurm; the tests start their own instances on 127.0.0.1
 # (random ports).
@@ -16,6 +17,11 @@ if ! command -v s3s-fs >/dev/null 2>&1; then
 fi
 LABSYNC_S3S_FS="$(command -v s3s-fs)"
 export LABSYNC_S3S_FS
+if ! cargo generate-rpm --help >/dev/null 2>&1; then
+  # The install tests build the .rpm with scripts/package.sh.
+  echo "test.sh: installing cargo-generate-rpm 0.21.1 (builds the .rpm, ~3 min)" >&2
+  cargo install cargo-generate-rpm@0.21.1 --locked
+fi
 # The other servers of the compatibility matrix (moto, ministack, s3rver).
 # shellcheck source=scripts/s3-servers.sh
 . scripts/s3-servers.sh

@@ -125,33 +125,29 @@ impl Tokens {
                 hashed: Vec::new(),
             }),
         };
-        let (stamp, hashed) = t.read()?;
-        *t.loaded.lock().unwrap_or_else(|p| p.into_inner()) = Loaded { stamp, hashed };
+        let loaded = t.read()?;
+        *t.loaded.lock().unwrap_or_else(|p| p.into_inner()) = loaded;
         Ok(t)
     }
 
-    fn read(&self) -> Result<(Option<Stamp>, Vec<(blake3::Hash, String)>), String> {
+    fn read(&self) -> Result<Loaded, String> {
         let mut all = self.fixed.clone();
         let mut seen = None;
         if let Some(f) = &self.file {
             seen = stamp(f);
-            for (user, token) in read_tokens_file(f)? {
-                if self.fixed.iter().any(|(u, _)| *u == user) {
-                    return Err(format!(
-                        "{user} has a token both in the config file's [tokens] and in {}: \
-                         keep one",
-                        f.display()
-                    ));
-                }
-                all.push((user, token));
-            }
+            // A user may hold tokens in both (labd's own user always has
+            // the one labd made); one token for two users is refused below.
+            all.extend(read_tokens_file(f)?);
         }
         check_tokens(&all)?;
         let hashed = all
             .iter()
             .map(|(u, t)| (blake3::hash(t.expose().as_bytes()), u.clone()))
             .collect();
-        Ok((seen, hashed))
+        Ok(Loaded {
+            stamp: seen,
+            hashed,
+        })
     }
 
     /// Reads the tokens file again if it changed since it was last read; a
@@ -164,13 +160,13 @@ impl Tokens {
             return;
         }
         match self.read() {
-            Ok((stamp, hashed)) => {
+            Ok(fresh) => {
                 tracing::info!(
                     "read {} again: {} token(s) in force",
                     f.display(),
-                    hashed.len()
+                    fresh.hashed.len()
                 );
-                *loaded = Loaded { stamp, hashed };
+                *loaded = fresh;
             }
             Err(e) => {
                 // Remember the bad file so it is not read (and logged) again
@@ -293,8 +289,8 @@ mod tests {
         let e = Tokens::new(Vec::new(), Some(f.clone())).unwrap_err();
         assert!(e.contains("user = \"token\""), "{e}");
         write(&f, "ana = \"tok-ana-0123456789abcdef\"\n");
-        let fixed = vec![("ana".to_string(), Secret::new("tok-other-0123456789"))];
+        let fixed = vec![("bob".to_string(), Secret::new("tok-ana-0123456789abcdef"))];
         let e = Tokens::new(fixed, Some(f)).unwrap_err();
-        assert!(e.contains("both"), "{e}");
+        assert!(e.contains("bob and ana have the same token"), "{e}");
     }
 }

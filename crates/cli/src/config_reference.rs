@@ -240,3 +240,45 @@ fn the_reader_of_the_reference_sees_rows_headings_and_maps() {
     );
     assert!(keys::<TlsFile>().contains("ca"));
 }
+
+/// The config the packages install (`dist/labd.toml`) parses as labd reads
+/// it, and every key it names, commented out or not, is one labd takes in
+/// that table: an admin who uncomments a line gets a working key.
+#[test]
+fn the_packaged_config_parses_and_names_only_keys_labd_takes() {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../dist/labd.toml");
+    let text = std::fs::read_to_string(p).unwrap();
+    let _: LabdFile = toml::from_str(&text).unwrap_or_else(|e| panic!("{p}: {e}"));
+    let tables = [
+        ("", keys::<LabdFile>()),
+        ("cluster", keys::<ClusterFile>()),
+        ("tls", keys::<TlsFile>()),
+        ("slurm", keys::<SlurmFile>()),
+        ("lab", keys::<LabFile>()),
+    ];
+    let mut table = "";
+    let mut named = 0;
+    for line in text.lines() {
+        let l = line.trim_start_matches('#').trim();
+        if let Some(t) = l.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+            table = tables
+                .iter()
+                .find(|(n, _)| *n == t)
+                .unwrap_or_else(|| panic!("{p}: [{t}] is no table labd takes"))
+                .0;
+            continue;
+        }
+        // `key = value` lines, commented or not; prose has no ` = ` after
+        // a bare word.
+        let Some((k, _)) = l.split_once(" = ") else {
+            continue;
+        };
+        if k.is_empty() || !k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+            continue;
+        }
+        let (_, keys) = tables.iter().find(|(n, _)| *n == table).unwrap();
+        assert!(keys.contains(k), "{p}: `{k}` is no key of [{table}]");
+        named += 1;
+    }
+    assert!(named >= 10, "{p} names {named} keys");
+}

@@ -472,7 +472,7 @@ impl Coordinator {
         let refused = v
             .refused
             .iter()
-            .filter(|(n, (_, at))| !v.members.get(*n).is_some_and(|m| m.last_seen > *at))
+            .filter(|(n, (_, at))| v.members.get(*n).is_none_or(|m| m.last_seen <= *at))
             .map(|(node, (why, at_ms))| Refused {
                 node: node.clone(),
                 why: why.clone(),

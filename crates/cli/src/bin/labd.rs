@@ -83,33 +83,35 @@ clear (the cluster secret never does).";
 #[command(name = "labd", version, about = "The labsync node daemon", long_about = LONG_ABOUT)]
 struct Cli {
     /// Config file (TOML; see above)
-    #[arg(long, env = "LABD_CONFIG", value_name = "FILE")]
+    #[arg(long, global = true, env = "LABD_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
     /// Where to listen: unix:///path/labd.sock or http://ADDR:PORT
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, global = true, value_name = "ADDR")]
     listen: Option<String>,
     /// State folder: job database, logs, job folders [default: ~/.local/state/labsync/labd]
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, global = true, value_name = "DIR")]
     state_dir: Option<PathBuf>,
     /// Store URL (as for labsync)
-    #[arg(long, env = "LABSYNC_STORE", value_name = "URL")]
+    #[arg(long, global = true, env = "LABSYNC_STORE", value_name = "URL")]
     store: Option<String>,
     /// Node cache folder [default: ~/.cache/labsync]
-    #[arg(long, env = "LABSYNC_CACHE", value_name = "DIR")]
+    #[arg(long, global = true, env = "LABSYNC_CACHE", value_name = "DIR")]
     cache_dir: Option<PathBuf>,
     /// Node cache size cap, e.g. 500G
-    #[arg(long, env = "LABSYNC_CACHE_MAX", value_name = "SIZE")]
+    #[arg(long, global = true, env = "LABSYNC_CACHE_MAX", value_name = "SIZE")]
     cache_max: Option<String>,
     /// Pretend to have these GPUs, e.g. 4x11GiB (tests and demos; never a fallback)
-    #[arg(long, value_name = "SPEC")]
+    #[arg(long, global = true, value_name = "SPEC")]
     fake_gpus: Option<String>,
     /// TOML file that injects foreign processes or a hang into the fake GPUs
-    #[arg(long, value_name = "FILE", requires = "fake_gpus")]
+    #[arg(long, global = true, value_name = "FILE", requires = "fake_gpus")]
     fake_gpus_control: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Option<Cmd>,
 }
 
+// Parsed once per run: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
     /// Make a cluster's files on the first server: the cluster secret, a

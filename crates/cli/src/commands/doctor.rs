@@ -385,6 +385,10 @@ fn ping_fix(e: &ClientError, whom: &str) -> String {
         _ if text.contains("speaks labsync protocol") => {
             "upgrade the older node (docs/install.md, upgrading a cluster)".into()
         }
+        _ if text.contains("no answer in") => format!(
+            "{whom} did not answer: it is down, or a firewall drops its port; check it is up \
+             and reachable from here (ping it; nc -vz HOST PORT)"
+        ),
         _ if text.contains("not this node") => {
             format!("the address dialled for {whom} reaches another node: fix [cluster] advertise")
         }

@@ -602,7 +602,8 @@ mod tests {
     fn bad_input_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("lab");
-        let cases: Vec<(Box<dyn Fn(&mut InitArgs)>, &str)> = vec![
+        type Change = Box<dyn Fn(&mut InitArgs)>;
+        let cases: Vec<(Change, &str)> = vec![
             (Box::new(|a| a.nodes.clear()), "names no node"),
             (Box::new(|a| a.nodes[1] = "gpu1".into()), "twice"),
             (
