@@ -144,6 +144,33 @@ fn a_version_names_its_pushers_account_without_user_in_the_environment() {
     assert_eq!(users, [me.as_str(), me.as_str()], "{log}");
 }
 
+/// Times in `labsync log` and `ls` are the reader's, with the offset: a
+/// lab in Seoul (`TZ=KST-9`) reads its own clock, nine hours past UTC's.
+#[test]
+fn times_are_shown_in_the_readers_time_zone_with_its_offset() {
+    let lab = Lab::new();
+    let src = lab.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a.txt"), "a").unwrap();
+    lab.ok(&["push", s(&src), "--name", "ds"]);
+    let time = lab.json(&["log", "ds"])["versions"][0]["time"]
+        .as_i64()
+        .unwrap();
+    let read = |tz: &str, args: &[&str]| {
+        let o = lab.cmd(args).env("TZ", tz).output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    for args in [&["log", "ds"][..], &["ls"][..]] {
+        let utc = read("UTC0", args);
+        let seoul = read("KST-9", args);
+        let shown = labsync_cli::human_time_at(time, 9 * 3600);
+        assert!(shown.ends_with("+09:00"), "{shown}");
+        assert!(seoul.contains(&shown), "{args:?}: {shown} in\n{seoul}");
+        assert!(utc.contains(&labsync_cli::human_time_at(time, 0)), "{utc}");
+    }
+}
+
 #[test]
 fn push_pull_ls_log_diff() {
     let lab = Lab::new();

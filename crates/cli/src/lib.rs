@@ -116,8 +116,45 @@ fn invisible(c: char) -> bool {
 
 pub use labsync_agent::human_bytes;
 
-/// `2026-12-02 18:04` (UTC) from Unix seconds.
+/// An error and its causes on one line, each cause said once: an error
+/// whose message already quotes its cause (`cannot reach labd at …:
+/// Connection refused`) does not get it again (`{e:#}` would print it twice).
+pub fn said_error(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out += ": ";
+        }
+        out += &text;
+    }
+    out
+}
+
+/// `2026-12-03 03:04 +09:00`: Unix seconds in the reader's time zone
+/// (`TZ`, else the system's), with its offset: a lab in Seoul reads its
+/// own clock, and anyone can tell the instant (issue 43: times were UTC).
 pub fn human_time(secs: i64) -> String {
+    human_time_at(secs, labsync_store::utc_offset(secs).unwrap_or(0))
+}
+
+/// [`human_time`] at `offset` seconds from UTC.
+pub fn human_time_at(secs: i64, offset: i32) -> String {
+    let sign = if offset < 0 { '-' } else { '+' };
+    let off = offset.unsigned_abs();
+    format!(
+        "{} {sign}{:02}:{:02}",
+        utc_time(secs + i64::from(offset)),
+        off / 3600,
+        off % 3600 / 60
+    )
+}
+
+/// `2026-12-02 18:04` from Unix seconds, read as UTC.
+fn utc_time(secs: i64) -> String {
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     // Howard Hinnant's civil-from-days.
@@ -166,11 +203,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_errors_causes_are_said_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let client = labsync_agent::ClientError::Connect {
+            endpoint: "https://10.0.0.1:7420".into(),
+            source: io,
+        };
+        let e = anyhow::Error::from(client).context("labd status");
+        let said = said_error(&e);
+        assert_eq!(said.matches("connection refused").count(), 1, "{said}");
+        assert!(said.starts_with("labd status: cannot reach labd at https://10.0.0.1:7420"));
+        // A cause the message does not quote is said.
+        let e = anyhow::anyhow!("disk full").context("cannot write x");
+        assert_eq!(said_error(&e), "cannot write x: disk full");
+    }
+
+    #[test]
     fn formats() {
         assert_eq!(human_bytes(999), "999 B");
         assert_eq!(human_bytes(1_020_000_000), "1.02 GB");
-        assert_eq!(human_time(0), "1970-01-01 00:00");
-        assert_eq!(human_time(1_796_220_000), "2026-12-02 14:00");
+        assert_eq!(human_time_at(0, 0), "1970-01-01 00:00 +00:00");
+        assert_eq!(human_time_at(1_796_220_000, 0), "2026-12-02 14:00 +00:00");
+        assert_eq!(
+            human_time_at(1_796_220_000, 9 * 3600),
+            "2026-12-02 23:00 +09:00"
+        );
+        assert_eq!(
+            human_time_at(1_796_220_000, -(3 * 3600 + 1800)),
+            "2026-12-02 10:30 -03:30"
+        );
     }
 
     #[test]

@@ -250,6 +250,19 @@ pub fn disk_space(path: &Path) -> Option<(std::path::PathBuf, u64, u64)> {
     })
 }
 
+/// How far the reader's time zone (`TZ`, else `/etc/localtime`) is ahead
+/// of UTC at Unix second `secs`, in seconds (summer time included); `None`
+/// if the C library cannot say.
+#[allow(unsafe_code)]
+pub fn utc_offset(secs: i64) -> Option<i32> {
+    let t: libc::time_t = secs.try_into().ok()?;
+    // SAFETY: an all-zero tm is a valid value; localtime_r fills it from a
+    // time_t that outlives the call, and is the thread-safe form.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::localtime_r(&t, &mut tm) };
+    (!r.is_null()).then(|| tm.tm_gmtoff as i32)
+}
+
 /// The device holding `path` (or the nearest existing folder above it).
 pub(crate) fn device_of(path: &Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt;

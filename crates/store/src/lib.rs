@@ -64,7 +64,9 @@ pub use cache::{CacheStatus, CachedSnapshot, NodeCache, PackPeers, PeerEvent, Pu
 pub use chunker::{ChunkerParams, StreamChunker, ALGORITHM};
 pub use claims::{Claim, ConditionalWrites};
 pub use error::{Error, Result};
-pub use fsutil::{as_user, blocking, disk_space, off_runtime, write_atomic, write_atomic_mode};
+pub use fsutil::{
+    as_user, blocking, disk_space, off_runtime, utc_offset, write_atomic, write_atomic_mode,
+};
 pub use gc::{condemned_packs, gc, GcOutcome};
 pub use id::{ChunkId, PackId, SnapshotId};
 pub use index::{Index, IndexPack};

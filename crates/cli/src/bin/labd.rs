@@ -208,7 +208,7 @@ fn said(r: anyhow::Result<String>) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("labd: error: {e:#}");
+            eprintln!("labd: error: {}", labsync_cli::said_error(&e));
             ExitCode::from(1)
         }
     }
@@ -271,7 +271,7 @@ fn main() -> ExitCode {
         return match rt.block_on(commands::doctor::doctor(&flags, cluster)) {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("labd: error: {e:#}");
+                eprintln!("labd: error: {}", labsync_cli::said_error(&e));
                 ExitCode::from(1)
             }
         };
@@ -291,7 +291,7 @@ fn main() -> ExitCode {
         return match done {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("labd: error: {e:#}");
+                eprintln!("labd: error: {}", labsync_cli::said_error(&e));
                 ExitCode::from(1)
             }
         };
@@ -303,7 +303,7 @@ fn main() -> ExitCode {
     match served {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("labd: error: {e:#}");
+            eprintln!("labd: error: {}", labsync_cli::said_error(&e));
             ExitCode::from(1)
         }
     }

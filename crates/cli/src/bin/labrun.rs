@@ -332,7 +332,7 @@ fn main() -> ExitCode {
     match rt.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("labrun: error: {e:#}");
+            eprintln!("labrun: error: {}", labsync_cli::said_error(&e));
             ExitCode::from(1)
         }
     }

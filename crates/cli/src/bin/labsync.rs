@@ -330,7 +330,7 @@ fn main() -> ExitCode {
             if json {
                 println!("{}", json!({"error": format!("{e:#}")}));
             }
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", labsync_cli::said_error(&e));
             ExitCode::from(1)
         }
     }

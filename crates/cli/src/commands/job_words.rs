@@ -39,12 +39,26 @@ fn base_words(j: &JobView) -> String {
                 .collect::<Vec<_>>()
                 .join(",")
         ),
+        ended => ended_words(ended),
+    }
+}
+
+/// How an ended job ended.
+fn ended_words(state: &JobState) -> String {
+    match state {
         JobState::Exited { code: Some(c), .. } => format!("exited ({c})"),
         JobState::Exited {
             signal: Some(s), ..
         } => format!("killed (signal {s})"),
         JobState::Exited { .. } => "exited".into(),
+        // Killed after a restart of labd, which adopted it: not its child,
+        // so no exit status; a kill all the same (issue 43: it read
+        // `failed: killed` beside others' `killed (signal 15)`).
+        JobState::Failed { reason } if reason == "killed" => {
+            "killed (no exit status: labd adopted it after a restart)".into()
+        }
         JobState::Failed { reason } => format!("failed: {reason}"),
+        JobState::Queued | JobState::Running { .. } => "not ended".into(),
     }
 }
 
@@ -56,4 +70,26 @@ pub(super) fn runtime(j: &JobView) -> String {
     let end = j.ended_at.unwrap_or_else(labsync_agent::unix_now);
     let s = end.saturating_sub(start);
     format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_job_reads_killed_whether_labd_started_or_adopted_it() {
+        let child = JobState::Exited {
+            code: None,
+            signal: Some(15),
+        };
+        assert_eq!(ended_words(&child), "killed (signal 15)");
+        let adopted = JobState::Failed {
+            reason: "killed".into(),
+        };
+        assert!(ended_words(&adopted).starts_with("killed ("));
+        let failed = JobState::Failed {
+            reason: "cannot pull div2k".into(),
+        };
+        assert_eq!(ended_words(&failed), "failed: cannot pull div2k");
+    }
 }

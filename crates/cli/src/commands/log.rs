@@ -82,8 +82,11 @@ mod tests {
         };
         assert_eq!(
             line(&r),
-            "v1    abababababab  1970-01-01 00:00  alice@gpu1  1 file, 3 B  paths +2 ~0 -0  \
-             900 B written to the store"
+            format!(
+                "v1    abababababab  {}  alice@gpu1  1 file, 3 B  paths +2 ~0 -0  \
+                 900 B written to the store",
+                human_time(0)
+            )
         );
         let r = VersionRecord { files: 10, ..r };
         assert!(line(&r).contains("  10 files, 3 B  "), "{}", line(&r));

@@ -30,7 +30,7 @@ fn text(rows: &[VersionRecord], url: &str) -> String {
     }
     let mut s = format!(
         "{:<24} {:>7} {:>11} {:>11}  {}\n",
-        "NAME", "LATEST", "SIZE", "STORED", "PUSHED (UTC)"
+        "NAME", "LATEST", "SIZE", "STORED", "PUSHED"
     );
     for r in rows {
         s += &format!(
