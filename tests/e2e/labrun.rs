@@ -1753,9 +1753,9 @@ fn trees_held_for_a_user_are_charged_to_that_user() {
     match n.job(&v2).state {
         JobState::Failed { reason } => assert!(
             reason.contains("alice's jobs and stages on")
-                && reason.contains("hold 700.00 KB")
-                && reason.contains("div2k@v2 (700.00 KB)")
-                && reason.contains("share of 1.00 MB (trees_per_user)"),
+                && reason.contains("hold 683.59 KiB")
+                && reason.contains("div2k@v2 (683.59 KiB)")
+                && reason.contains("share of 976.56 KiB (trees_per_user)"),
             "{reason}"
         ),
         other => panic!("alice's v2 job: {other:?}"),
@@ -1769,7 +1769,7 @@ fn trees_held_for_a_user_are_charged_to_that_user() {
     let ps = n.ok(ALICE, &["ps"]);
     assert!(
         ps.contains("code and data your jobs hold on")
-            && ps.contains(": 700.00 KB; your share is 1.00 MB (trees_per_user)"),
+            && ps.contains(": 683.59 KiB; your share is 976.56 KiB (trees_per_user)"),
         "{ps}"
     );
     n.ok(ALICE, &["kill", &v1]);

@@ -69,7 +69,7 @@ pub use cgroup::{Cgroups, Flavor, JobLimits};
 pub use client::{Client, Endpoint, LogPiece};
 pub use clock::{Clock, Hand};
 pub use daemon::shares::human_bytes;
-pub use daemon::{ConnLimits, Daemon, DaemonConfig, DaemonError, SlurmCheck};
+pub use daemon::{ConnLimits, Daemon, DaemonConfig, DaemonError, SlurmCheck, CACHE_CAP_FILE};
 pub use devices::GpuDevices;
 pub use error::{
     ApiError, ClientError, InventoryError, JobError, LeaseError, PrepareError, SetupError,

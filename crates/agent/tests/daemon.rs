@@ -385,8 +385,8 @@ async fn stages_are_charged_to_their_user_against_the_share() {
     let first = d.stage(order("alice", "101", &v1)).await.unwrap();
     match d.stage(order("alice", "102", &v2)).await {
         Err(JobError::Conflict(m)) => assert!(
-            m.contains("alice's jobs and stages on n1 hold 700.00 KB")
-                && m.contains("past alice's share of 1.00 MB (trees_per_user)"),
+            m.contains("alice's jobs and stages on n1 hold 683.59 KiB")
+                && m.contains("past alice's share of 976.56 KiB (trees_per_user)"),
             "{m}"
         ),
         other => panic!("alice's stage on v2: {other:?}"),

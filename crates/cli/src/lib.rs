@@ -221,7 +221,8 @@ mod tests {
     #[test]
     fn formats() {
         assert_eq!(human_bytes(999), "999 B");
-        assert_eq!(human_bytes(1_020_000_000), "1.02 GB");
+        assert_eq!(human_bytes(1_020_000_000), "972.75 MiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
         assert_eq!(human_time_at(0, 0), "1970-01-01 00:00 +00:00");
         assert_eq!(human_time_at(1_796_220_000, 0), "2026-12-02 14:00 +00:00");
         assert_eq!(

@@ -219,20 +219,21 @@ fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// Bytes for messages, in the unit that shows them (`9.2 MB`).
+/// Bytes for messages, in the binary unit that shows them (`8.8 MiB`), as
+/// everything else labsync prints.
 fn bytes(b: u64) -> String {
     let mut v = b as f64;
-    for unit in ["B", "KB", "MB", "GB"] {
-        if v < 1000.0 {
+    for unit in ["B", "KiB", "MiB", "GiB"] {
+        if v < 1024.0 {
             return if unit == "B" {
                 format!("{b} B")
             } else {
                 format!("{v:.1} {unit}")
             };
         }
-        v /= 1000.0;
+        v /= 1024.0;
     }
-    format!("{v:.1} TB")
+    format!("{v:.1} TiB")
 }
 
 /// Ranks every node for `job` at `now`.

@@ -36,6 +36,8 @@ pub struct ClusterPeers {
     /// Pack → (node, address) of the peers holding it, as last located.
     located: Mutex<HashMap<PackId, Vec<(String, String)>>>,
     counts: Mutex<FetchCounts>,
+    /// Counts changed since they were last written (packs served).
+    unsaved: std::sync::atomic::AtomicBool,
     /// Where the counts are kept ([`COUNTS_FILE`] in the cache folder).
     file: PathBuf,
 }
@@ -63,6 +65,7 @@ impl ClusterPeers {
             coordinator,
             located: Mutex::new(HashMap::new()),
             counts: Mutex::new(counts),
+            unsaved: std::sync::atomic::AtomicBool::new(false),
             file,
         }
     }
@@ -81,13 +84,28 @@ impl ClusterPeers {
     }
 
     /// `bytes` of a pack sent to a peer, with `sendfile` or as a body.
-    /// Counted in memory only: written with the rest at the next fetch
+    /// Counted in memory: written at the next fetch or [`ClusterPeers::save`]
     /// (packs go out several at once, and the file has one writer).
     pub fn served(&self, bytes: u64, by_sendfile: bool) {
         let mut c = self.counts.lock().expect("peers poisoned");
         c.served_to_peers += bytes;
         if by_sendfile {
             c.served_by_sendfile += bytes;
+        }
+        self.unsaved
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Writes the counts if packs were served since they were last
+    /// written: `labsync cache status` reads the file (issue 43: it said
+    /// 0 B served while `labrun status` said 0.6 GiB).
+    pub fn save(&self) {
+        if self
+            .unsaved
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            let c = self.counts.lock().expect("peers poisoned");
+            self.keep(&c);
         }
     }
 

@@ -462,7 +462,6 @@ impl Daemon {
         }
     }
 
-    /// Bytes fetched by source (in a cluster).
     /// A peer reported a copy this node served corrupt; `dropped`: the
     /// check here agreed and the pack is gone.
     pub(crate) fn reported_corrupt(&self, dropped: bool) {
@@ -471,8 +470,13 @@ impl Daemon {
         }
     }
 
+    /// Bytes fetched by source, and served (in a cluster); the served
+    /// counts are written for `labsync cache status` when they changed.
     pub(crate) fn fetched(&self) -> crate::proto::FetchCounts {
-        self.peers.as_ref().map(|p| p.counts()).unwrap_or_default()
+        self.peers.as_ref().map_or_else(Default::default, |p| {
+            p.save();
+            p.counts()
+        })
     }
 
     /// The cluster settings, when in one.
@@ -599,11 +603,26 @@ async fn connect_store(cfg: &DaemonConfig) -> Result<(Arc<StoreLink>, Option<u64
     }
 }
 
+/// The file in a labd's cache folder that holds its `cache_max`.
+pub const CACHE_CAP_FILE: &str = "labd-cap-v1.json";
+
 /// Step 3: the node cache; in a cluster, packs come from peers that hold
 /// them first.
 fn open_cache(cfg: &DaemonConfig) -> Result<(NodeCache, Option<Arc<ClusterPeers>>), DaemonError> {
     let cache = NodeCache::open(&cfg.cache_dir, cfg.cache_max)
         .map_err(|e| open_error(&format!("cache {}", cfg.cache_dir.display()), &e))?;
+    // labd's cap, for `labsync cache status` on this cache (which would
+    // otherwise show its own default cap: issue 43).
+    let cap = serde_json::json!({ "cache_max": cfg.cache_max, "node": cfg.node_name });
+    if let Err(e) = labsync_store::write_atomic(
+        &cfg.cache_dir.join(CACHE_CAP_FILE),
+        cap.to_string().as_bytes(),
+    ) {
+        tracing::warn!(
+            "cannot write {CACHE_CAP_FILE} in {}: {e}",
+            cfg.cache_dir.display()
+        );
+    }
     let peers = cfg.cluster.as_ref().map(|c| {
         Arc::new(ClusterPeers::new(
             &cfg.node_name,

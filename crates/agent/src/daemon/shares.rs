@@ -125,13 +125,14 @@ fn over_share(
     ))
 }
 
-/// `1.02 GB` (decimal units, as `du -h --si` and the issue's examples).
+/// `1.02 GiB`: binary units, as `labrun status` and the docs give sizes
+/// (issue 43: `cache status` said GB where `labrun status` said GiB).
 pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
     let mut u = 0;
-    while v >= 1000.0 && u + 1 < UNITS.len() {
-        v /= 1000.0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
         u += 1;
     }
     if u == 0 {
@@ -169,10 +170,10 @@ mod tests {
         )
         .unwrap();
         assert!(
-            why.contains("hold 700.00 KB")
-                && why.contains("div2k@v19 (200.00 KB), div2k@v20 (200.00 KB)")
-                && why.contains("400.00 KB more")
-                && why.contains("share of 1.00 MB (trees_per_user)"),
+            why.contains("hold 683.59 KiB")
+                && why.contains("div2k@v19 (195.31 KiB), div2k@v20 (195.31 KiB)")
+                && why.contains("390.62 KiB more")
+                && why.contains("share of 976.56 KiB (trees_per_user)"),
             "{why}"
         );
     }

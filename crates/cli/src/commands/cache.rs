@@ -13,14 +13,22 @@ use crate::{human_bytes, human_time, parse_size};
 /// Size, cap and the cached versions, and (where labd fills this cache in
 /// a cluster) where the fetched packs came from.
 pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
-    let s = ctx.cache()?.status()?;
+    let mut s = ctx.cache()?.status()?;
+    // labd's cache: its cap is labd's cache_max, not this command's.
+    let labd_cap = std::fs::read(s.root.join(labsync_agent::CACHE_CAP_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["cache_max"].as_u64());
+    if let Some(cap) = labd_cap {
+        s.max_bytes = cap;
+    }
     let fetched: Option<FetchCounts> =
         std::fs::read(s.root.join(labsync_agent::cluster::COUNTS_FILE))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
     ctx.printer.out(
         || {
-            let mut t = status_text(&s);
+            let mut t = status_text(&s, labd_cap.is_some());
             if let Some(f) = &fetched {
                 t += &format!(
                     "\nfetched by labd: {} from peers, {} from the store; {} corrupt copies \
@@ -44,12 +52,13 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn status_text(s: &CacheStatus) -> String {
+fn status_text(s: &CacheStatus, labds: bool) -> String {
     let mut t = format!(
-        "{}: {} of {} used\n",
+        "{}: {} of {} used{}\n",
         s.root.display(),
         human_bytes(s.used_bytes),
-        human_bytes(s.max_bytes)
+        human_bytes(s.max_bytes),
+        if labds { " (labd's cache_max)" } else { "" }
     );
     for (id, c, bytes) in &s.snapshots {
         t += &format!(
