@@ -54,8 +54,41 @@ if slurm_missing >/dev/null; then
   fi
 fi
 
+# The release before protocol versions (labsync 0.1.0), for the rolling-upgrade
+# test: its labd built once from its commit, in a target folder of its own (a
+# shared one would put its binary where this build's labd goes).
+old_rev=2ffb0a63fd7c357e7ce16ab5d8f57fe2399f1d51
+old_labd="target/old-labd/labd-0.1.0"
+if [ ! -x "$old_labd" ]; then
+  if ! git cat-file -e "$old_rev^{commit}" 2>/dev/null; then
+    echo "test.sh: commit $old_rev (labsync 0.1.0) is not in this clone: the rolling-upgrade test needs the history (git fetch --unshallow)" >&2
+    exit 1
+  fi
+  echo "test.sh: building labd 0.1.0 (commit ${old_rev:0:7}) for the rolling-upgrade test (~8 min, once)" >&2
+  rm -rf target/old-labd/src
+  mkdir -p target/old-labd/src
+  git archive "$old_rev" | tar -x -C target/old-labd/src
+  (cd target/old-labd/src && CARGO_TARGET_DIR="$PWD/../build" cargo build --locked -q -p labsync-cli --bin labd)
+  cp target/old-labd/build/debug/labd "$old_labd"
+fi
+LABSYNC_OLD_LABD="$PWD/$old_labd"
+export LABSYNC_OLD_LABD
+
 status=0
 cargo test --workspace --locked "$@" || status=$?
+# The README's install from source: `cargo install` of the CLI crate gives the
+# three tools (here into a throw-away root, from this build's artifacts).
+if [ "$#" = 0 ]; then
+  inst="$(mktemp -d)"
+  if cargo install --locked --debug -q --path crates/cli --root "$inst" --target-dir target &&
+    "$inst/bin/labd" --version && "$inst/bin/labrun" --version && "$inst/bin/labsync" --version; then
+    echo "test.sh: cargo install --path crates/cli installs labsync, labrun and labd" >&2
+  else
+    echo "test.sh: cargo install --path crates/cli FAILED" >&2
+    status=1
+  fi
+  rm -rf "$inst"
+fi
 if [ -n "$slurm_note" ]; then
   echo "test.sh: $slurm_note" >&2
 fi

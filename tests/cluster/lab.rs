@@ -27,6 +27,8 @@ pub struct Member {
     pub port: u16,
     pub config: PathBuf,
     pub labd: Option<Child>,
+    /// The labd binary it runs (this build's, or an older one's).
+    pub bin: PathBuf,
 }
 
 /// Three labd processes, a store, a folder for everything.
@@ -77,6 +79,17 @@ impl Lab {
     /// With `top` at the start of every node's config (top-level keys) and
     /// `extra` at its end (a `[lab]` section).
     pub fn start_full(n: usize, tls: bool, top: &str, extra: &str) -> Option<Lab> {
+        Lab::start_on(n, tls, top, extra, &bin("labd"))
+    }
+
+    /// Every node running the labd binary `labd` (an older release's, say).
+    pub fn start_on(
+        n: usize,
+        tls: bool,
+        top: &str,
+        extra: &str,
+        labd: &std::path::Path,
+    ) -> Option<Lab> {
         let s3 = S3Server::start()?;
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -130,6 +143,7 @@ impl Lab {
                     port: ports[i],
                     config,
                     labd: None,
+                    bin: labd.to_path_buf(),
                 }
             })
             .collect();
@@ -170,7 +184,7 @@ impl Lab {
             .append(true)
             .open(d.join("labd.log"))
             .unwrap();
-        let child = Command::new(bin("labd"))
+        let child = Command::new(&self.nodes[i].bin)
             .arg("--config")
             .arg(&self.nodes[i].config)
             .env("HOME", d.join("home"))
@@ -194,6 +208,14 @@ impl Lab {
             }
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
         });
+    }
+
+    /// Node `i`'s labd stopped and started again on the binary `labd`, as
+    /// an upgrade does (its running jobs go on and are adopted).
+    pub fn upgrade(&mut self, i: usize, labd: &std::path::Path) {
+        self.crash(i);
+        self.nodes[i].bin = labd.to_path_buf();
+        self.restart(i);
     }
 
     /// `kill -SIG` of node `i`'s labd (`STOP`, `CONT`).
