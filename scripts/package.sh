@@ -16,7 +16,7 @@
 #   scripts/package.sh --deb-only      the .deb and the tarball (no cargo-generate-rpm)
 #   LABSYNC_BIN=DIR scripts/package.sh use binaries already built in DIR (the tests do)
 #
-# cargo-generate-rpm is installed with cargo when missing (~2 min, once).
+# cargo-generate-rpm is installed with cargo when missing (~3 min, once).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -60,6 +60,9 @@ install -m 644 dist/labd.toml "$stage/etc/labsync/labd.toml"
 install -m 644 README.md "$stage/usr/share/doc/labsync/README.md"
 cp -r docs "$stage/usr/share/doc/labsync/docs"
 chmod -R a+rX,go-w "$stage/usr/share/doc/labsync"
+# Every folder 755 whatever the builder's umask: GNU tar run as root gives
+# existing folders (/usr, /etc) the archive's modes.
+find "$stage" -type d -exec chmod 755 {} +
 printf 'labsync %s\nLicense: Apache-2.0\n' "$version" > "$stage/usr/share/doc/labsync/copyright"
 
 # The oldest glibc the binaries need: the highest GLIBC_ symbol version
@@ -130,9 +133,10 @@ exit 0
 EOF
 cat > "$deb_root/DEBIAN/postrm" <<'EOF'
 #!/bin/sh
-# labsync's postrm: the unit forgotten. The state (/var/lib/labsync), the
-# cache (/var/cache/labsync) and the config stay, as they hold jobs' records
-# and secrets; a purge leaves them too: remove them by hand once done.
+# labsync's postrm: the unit forgotten. The state (/var/lib/labsync) and the
+# cache (/var/cache/labsync) stay, as they hold jobs' records; so do the
+# secrets labd init wrote. A purge removes /etc/labsync/labd.toml (dpkg does,
+# for a conffile) and nothing else: remove the rest by hand once done.
 set -e
 if [ -z "$DPKG_ROOT" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload >/dev/null 2>&1 || true
@@ -159,7 +163,7 @@ echo "package.sh: $tarball (sudo tar -C / -xzf it; then cp /etc/labsync/labd.tom
 if [ "$rpm" = 1 ]; then
   export PATH="$HOME/.cargo/bin:$PATH"
   if ! cargo generate-rpm --help >/dev/null 2>&1; then
-    echo "package.sh: installing cargo-generate-rpm (~2 min, once)" >&2
+    echo "package.sh: installing cargo-generate-rpm (~3 min, once)" >&2
     cargo install --locked cargo-generate-rpm@0.21.1
   fi
   rpm_out="$out/labsync-$version-1.$arch.rpm"
@@ -174,6 +178,7 @@ if [ "$rpm" = 1 ]; then
       { source = \"$stage/lib/systemd/system/labd.service\", dest = \"/usr/lib/systemd/system/labd.service\", mode = \"644\" },
       { source = \"$stage/etc/labsync/labd.toml\", dest = \"/etc/labsync/labd.toml\", mode = \"644\", config = \"noreplace\" },
       { source = \"$stage/usr/share/doc/labsync/README.md\", dest = \"/usr/share/doc/labsync/README.md\", mode = \"644\", doc = true },
+      { source = \"$stage/usr/share/doc/labsync/docs/*\", dest = \"/usr/share/doc/labsync/docs/\", mode = \"644\", doc = true },
     ]" \
     -o "$rpm_out"
   echo "package.sh: $rpm_out"

@@ -138,12 +138,13 @@ fn cgroup_fix(why: &str) -> String {
             .into()
     } else if why.contains("Read-only") || why.contains("read-only") {
         "labd is root but /sys/fs/cgroup is read-only here (a container or namespace sealed \
-         it): give labd a writable cgroup hierarchy (systemd: Delegate=yes; docker: \
-         --cgroupns=host and /sys/fs/cgroup mounted rw)"
+         it): run labd on the host (dist/systemd/labd.service), or give its container the \
+         host's cgroups, writable (docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw)"
             .into()
     } else {
         "labd is root but cannot make its cgroup folder: a namespace or a security module \
-         (SELinux, AppArmor) may stop it; labd.service with Delegate=yes is the known-good setup"
+         (SELinux, AppArmor) may stop it; labd run on the host by dist/systemd/labd.service \
+         makes it"
             .into()
     }
 }

@@ -507,6 +507,9 @@ pub struct Pong {
     pub reached: Vec<Reached>,
     /// The cluster's nodes, where asked of the coordinator.
     pub members: Vec<MemberSeen>,
+    /// Nodes the coordinator refuses for their protocol version.
+    #[serde(default)]
+    pub refused: Vec<Refused>,
 }
 
 /// One node a ping was asked to reach.

@@ -224,11 +224,19 @@ pub(crate) struct ClusterFile {
 
 /// Reads the config file (if any) and resolves everything with the flags.
 pub fn resolve(flags: &LabdFlags) -> Result<LabdSettings> {
+    resolve_with(flags, &[])
+}
+
+/// [`resolve`], with `more_env` as if in the environment (before it: the
+/// process's own wins), as `labd doctor` reads the store's keys from the
+/// `store.env` that labd.service gives labd.
+pub fn resolve_with(flags: &LabdFlags, more_env: &[(String, String)]) -> Result<LabdSettings> {
     let mut file = match &flags.config {
         Some(p) => read_file(p)?,
         None => LabdFile::default(),
     };
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let mut env: Vec<(String, String)> = more_env.to_vec();
+    env.extend(std::env::vars());
     let settings = Settings::resolve(
         &Overrides {
             store: flags.store.clone().or(file.store.clone()),

@@ -255,12 +255,14 @@ pub fn disk_space(path: &Path) -> Option<(std::path::PathBuf, u64, u64)> {
 /// if the C library cannot say.
 #[allow(unsafe_code)]
 pub fn utc_offset(secs: i64) -> Option<i32> {
+    // time_t is i64 here, narrower on some 32-bit targets.
+    #[allow(clippy::useless_conversion)]
     let t: libc::time_t = secs.try_into().ok()?;
     // SAFETY: an all-zero tm is a valid value; localtime_r fills it from a
     // time_t that outlives the call, and is the thread-safe form.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     let r = unsafe { libc::localtime_r(&t, &mut tm) };
-    (!r.is_null()).then(|| tm.tm_gmtoff as i32)
+    (!r.is_null()).then_some(tm.tm_gmtoff as i32)
 }
 
 /// The device holding `path` (or the nearest existing folder above it).

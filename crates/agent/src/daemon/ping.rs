@@ -58,19 +58,20 @@ impl Daemon {
             }
         });
         let reached = futures::future::join_all(reached).await;
-        let members = match (ask.members, self.coordinator()) {
-            (true, Some(co)) => co
-                .status(co.now_ms())
-                .nodes
-                .into_iter()
-                .map(|n| MemberSeen {
-                    node: n.name,
-                    addr: n.addr,
-                    version: n.version,
-                    up: n.health == NodeHealth::Up,
-                })
-                .collect(),
-            _ => Vec::new(),
+        let (members, refused) = match (ask.members, self.coordinator()) {
+            (true, Some(co)) => {
+                let status = co.status(co.now_ms());
+                let members = (status.nodes.into_iter())
+                    .map(|n| MemberSeen {
+                        node: n.name,
+                        addr: n.addr,
+                        version: n.version,
+                        up: n.health == NodeHealth::Up,
+                    })
+                    .collect();
+                (members, status.refused)
+            }
+            _ => (Vec::new(), Vec::new()),
         };
         Ok(Pong {
             node: me,
@@ -79,6 +80,7 @@ impl Daemon {
             now_ms: crate::auth::now_ms(),
             reached,
             members,
+            refused,
         })
     }
 }

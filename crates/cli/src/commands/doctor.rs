@@ -94,8 +94,38 @@ const CLOCK_WARN_MS: i64 = 5_000;
 /// How long one ping may take.
 const PING_WAIT: Duration = Duration::from_secs(10);
 
+/// The config a server's labd runs with (the unit's `--config`): what
+/// `labd doctor` checks when given none.
+const SERVER_CONFIG: &str = "/etc/labsync/labd.toml";
+
+/// `KEY=VALUE` lines of an environment file as systemd reads one
+/// (`EnvironmentFile=`): blank lines and `#` comments skipped, quotes
+/// around a value taken off.
+fn environment_file(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with(';'))
+        .filter_map(|l| l.strip_prefix("export ").unwrap_or(l).split_once('='))
+        .map(|(k, v)| {
+            let v = v.trim();
+            let unquoted = v
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .or_else(|| v.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')))
+                .unwrap_or(v);
+            (k.trim().to_string(), unquoted.to_string())
+        })
+        .collect()
+}
+
 /// `labd doctor`: prints each check; fails when one fails.
 pub async fn doctor(flags: &LabdFlags, cluster: bool) -> Result<ExitCode> {
+    let mut flags = flags.clone();
+    // A server's labd runs with /etc/labsync/labd.toml: checked when no
+    // other is named (not the defaults of a personal labd).
+    if flags.config.is_none() && Path::new(SERVER_CONFIG).is_file() {
+        flags.config = Some(SERVER_CONFIG.into());
+    }
     let config = flags
         .config
         .as_ref()
@@ -103,8 +133,27 @@ pub async fn doctor(flags: &LabdFlags, cluster: bool) -> Result<ExitCode> {
             p.display().to_string()
         });
     println!("labd doctor: labsync {VERSION} (protocol {PROTOCOL}), {config}");
+    // The store's keys, as labd.service gives them to labd: store.env beside
+    // the config.
+    let store_env = flags
+        .config
+        .as_ref()
+        .and_then(|c| c.parent())
+        .map(|d| d.join("store.env"))
+        .filter(|f| f.is_file());
+    let more_env = match &store_env {
+        Some(f) => {
+            println!(
+                "  (the store's keys from {}, as labd.service reads them)",
+                f.display()
+            );
+            environment_file(&std::fs::read_to_string(f).unwrap_or_default())
+        }
+        None => Vec::new(),
+    };
+    let flags = &flags;
     let mut checks = Vec::new();
-    let settings = match labd_config::resolve(flags) {
+    let settings = match labd_config::resolve_with(flags, &more_env) {
         Ok(s) => {
             checks.push(Check::ok(
                 "config",
@@ -476,6 +525,13 @@ async fn cluster_checks(cfg: &DaemonConfig, c: &ClusterConfig, mesh: bool) -> Ve
         }
     }
     v.push(versions(&me, &coord, &pong.version, &members));
+    for r in &pong.refused {
+        v.push(Check::fail(
+            format!("node {}", r.node),
+            format!("refused by the coordinator: {}", r.why),
+            "upgrade the older node (docs/install.md, upgrading a cluster)",
+        ));
+    }
     v
 }
 
@@ -598,20 +654,28 @@ async fn mesh_checks(cfg: &DaemonConfig, c: &ClusterConfig, members: &[MemberSee
     v
 }
 
-/// Every node on this node's version.
+/// Every node on this binary's version, this node's running labd too.
 fn versions(me: &NodeName, coord: &NodeName, coord_version: &str, members: &[MemberSeen]) -> Check {
     let mut others: Vec<String> = Vec::new();
     if coord_version != VERSION {
         others.push(format!("{coord} (coordinator) on {coord_version}"));
     }
-    for m in members.iter().filter(|m| m.node != *me && m.node != *coord) {
+    // This node's running labd too: a package upgraded under a labd that was
+    // not restarted runs the old one.
+    for m in members.iter().filter(|m| m.node != *coord) {
         if m.version != VERSION {
             let v = if m.version.is_empty() {
                 "0.1.0"
             } else {
                 &m.version
             };
-            others.push(format!("{} on {v}", m.node));
+            if m.node == *me {
+                others.push(format!(
+                    "this node's running labd is {v} (restart it: systemctl restart labd)"
+                ));
+            } else {
+                others.push(format!("{} on {v}", m.node));
+            }
         }
     }
     if others.is_empty() {
@@ -662,6 +726,30 @@ mod tests {
         assert_eq!(c.mark, Mark::Fail);
         assert!(c.said.contains("gpu3 on 0.1.0"), "{}", c.said);
         assert!(c.render().contains("fix: finish the upgrade"));
+    }
+
+    #[test]
+    fn a_node_whose_labd_was_not_restarted_after_an_upgrade_fails() {
+        let (me, co): (NodeName, NodeName) = ("gpu2".parse().unwrap(), "gpu1".parse().unwrap());
+        let all = [member("gpu1", VERSION), member("gpu2", "0.1.0")];
+        let c = versions(&me, &co, VERSION, &all);
+        assert_eq!(c.mark, Mark::Fail);
+        assert!(c.said.contains("restart it"), "{}", c.said);
+    }
+
+    #[test]
+    fn the_store_keys_are_read_as_systemd_reads_an_environment_file() {
+        let env = environment_file(
+            "# keys\nAWS_ACCESS_KEY_ID=labd\n\nAWS_SECRET_ACCESS_KEY=\"s e\"\nexport AWS_REGION='x'\n",
+        );
+        assert_eq!(
+            env,
+            [
+                ("AWS_ACCESS_KEY_ID".to_string(), "labd".to_string()),
+                ("AWS_SECRET_ACCESS_KEY".into(), "s e".into()),
+                ("AWS_REGION".into(), "x".into())
+            ]
+        );
     }
 
     #[test]

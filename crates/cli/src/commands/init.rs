@@ -67,6 +67,16 @@ struct Made {
     store: String,
     s3_endpoint: Option<String>,
     etc: PathBuf,
+    /// Node → the host others dial it at (its name, or its --advertise).
+    #[serde(default)]
+    hosts: BTreeMap<String, String>,
+}
+
+impl Made {
+    /// The host `node` is dialled at.
+    fn host<'a>(&'a self, node: &'a str) -> &'a str {
+        self.hosts.get(node).map_or(node, String::as_str)
+    }
 }
 
 const MADE: &str = "cluster.toml";
@@ -330,6 +340,8 @@ pub fn init(a: &InitArgs) -> Result<String> {
     for u in &a.admins {
         check_user(u)?;
     }
+    crate::parse_size(&a.cache_max)
+        .with_context(|| format!("--node-cache-max {:?}", a.cache_max))?;
     if a.port == 0 {
         bail!("--port 0: give the port every labd listens on, e.g. 7420");
     }
@@ -349,6 +361,15 @@ pub fn init(a: &InitArgs) -> Result<String> {
             "{} already holds a cluster's files: a second CA would lock every node out of the \
              others. Add users with `labd adduser NAME --dir {}`, or init into a new folder",
             a.out.display(),
+            a.out.display()
+        );
+    }
+    // A folder of its own, mode 700: not one that holds anything else,
+    // whose mode would change under its owner (`--out .`, `--out ~`).
+    if std::fs::read_dir(&a.out).is_ok_and(|mut d| d.next().is_some()) {
+        bail!(
+            "--out {} is a folder with other files in it: init writes the CA's key there and \
+             makes it mode 700; give a new folder (the default is ./labsync-cluster)",
             a.out.display()
         );
     }
@@ -390,6 +411,7 @@ pub fn init(a: &InitArgs) -> Result<String> {
         store: a.store.clone(),
         s3_endpoint: a.s3_endpoint.clone(),
         etc: a.etc.clone(),
+        hosts: a.nodes.iter().map(|n| (n.clone(), dialled(n))).collect(),
     };
     write_new(&a.out.join(MADE), &toml::to_string(&made)?, 0o600)?;
 
@@ -398,23 +420,33 @@ pub fn init(a: &InitArgs) -> Result<String> {
     let mut say = format!(
         "Made a cluster of {} node(s) in {out}, coordinated by {coordinator} ({}).\n\n\
          The lab's CA key is {out}/ca/lab-ca.key: it signs node certificates. Keep it (and \
-         this folder) on this server only, mode 700, or offline.\n\n\
-         Copy each node's files to it (as root), then start labd there:\n",
+         this folder) on this server only, mode 700, or offline.\n",
         a.nodes.len(),
         made.coordinator_url
     );
-    for n in &a.nodes {
-        let _ = writeln!(
+    if labsync_agent::euid() != 0 {
+        let _ = write!(
             say,
-            "  rsync -a {out}/{n}/etc/labsync/ root@{host}:{etc}/ && ssh root@{host} systemctl enable --now labd",
-            host = dialled(n)
+            "\nThese files belong to you, not root: labd (root) refuses secrets another user \
+             owns. Run init with sudo, or chown -R root: {out} before copying.\n"
         );
     }
     if a.store.starts_with("s3://") {
         let _ = write!(
             say,
-            "\nThe store's keys go in {etc}/store.env on each node (mode 600; labd.service reads \
-             it): AWS_ACCESS_KEY_ID=… and AWS_SECRET_ACCESS_KEY=… lines.\n"
+            "\nFirst, on each node, the store's keys in {etc}/store.env (mode 600; labd.service \
+             reads it): AWS_ACCESS_KEY_ID=… and AWS_SECRET_ACCESS_KEY=… lines.\n"
+        );
+    }
+    let _ = writeln!(
+        say,
+        "\nCopy each node's files to it (as root), then start labd there:"
+    );
+    for n in &a.nodes {
+        let _ = writeln!(
+            say,
+            "  rsync -a {out}/{n}/etc/labsync/ root@{host}:{etc}/ && ssh root@{host} systemctl enable --now labd",
+            host = made.host(n)
         );
     }
     let _ = write!(
@@ -466,9 +498,6 @@ pub fn adduser(dir: &Path, user: &str, replace_token: bool) -> Result<String> {
         replace(&f, &toml::to_string(&tokens)?, 0o600)?;
         said_nodes.push(n.clone());
     }
-    if labsync_agent::user_by_name(user).is_none() {
-        tracing::warn!("{user} is no Unix account on this machine; make it one on every node");
-    }
     let out = dir.display();
     let etc = made.etc.display();
     let mut say = format!(
@@ -479,7 +508,15 @@ pub fn adduser(dir: &Path, user: &str, replace_token: bool) -> Result<String> {
     for n in &made.nodes {
         let _ = writeln!(
             say,
-            "  rsync -a {out}/{n}/etc/labsync/{TOKENS} root@{n}:{etc}/{TOKENS}"
+            "  rsync -a {out}/{n}/etc/labsync/{TOKENS} root@{}:{etc}/{TOKENS}",
+            made.host(n)
+        );
+    }
+    if labsync_agent::user_by_name(user).is_none() {
+        let _ = writeln!(
+            say,
+            "\n{user} is no Unix account on this machine: jobs run as the account a token \
+             names, so make {user} one on every node."
         );
     }
     let _ = write!(
@@ -632,6 +669,10 @@ mod tests {
             ),
             (Box::new(|a| a.etc = "etc".into()), "absolute"),
             (Box::new(|a| a.store = "ftp://x".into()), "--store"),
+            (
+                Box::new(|a| a.cache_max = "lots".into()),
+                "--node-cache-max",
+            ),
         ];
         for (change, want) in cases {
             let mut a = args(&out);
@@ -640,6 +681,13 @@ mod tests {
             assert!(e.contains(want), "{want}: {e}");
         }
         assert!(!out.exists());
+        // A folder that holds other files is not taken (nor its mode changed).
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = init(&args(&out)).unwrap_err().to_string();
+        assert!(e.contains("other files"), "{e}");
+        assert_eq!(mode(&out), 0o755);
     }
 
     #[test]
@@ -649,6 +697,11 @@ mod tests {
         init(&args(&out)).unwrap();
         let said = adduser(&out, "bob", false).unwrap();
         assert!(said.contains("labd = \"https://10.0.0.11:7420\""), "{said}");
+        // Copied to the addresses the nodes are dialled at.
+        assert!(
+            said.contains("root@10.0.0.13:/etc/labsync/tokens.toml"),
+            "{said}"
+        );
         assert!(
             said.contains("labd_ca = \"/etc/labsync/tls/lab-ca.pem\""),
             "{said}"
