@@ -22,6 +22,11 @@ type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + 
 const PACK_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the coordinator may take to say who holds what.
 const LOCATE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a peer that failed a pack is passed over: the rest of a pull,
+/// not every wave of it (issue 43: a peer unreachable but not yet marked
+/// down was tried for every wave, and a job waited 26.6 s where the store
+/// alone took 11.5 s).
+const SUSPECT_FOR: Duration = Duration::from_secs(60);
 
 /// The file in the node cache's folder that keeps the counts, so they
 /// outlive labd and `labsync cache status` shows them.
@@ -36,6 +41,8 @@ pub struct ClusterPeers {
     /// Pack → (node, address) of the peers holding it, as last located.
     located: Mutex<HashMap<PackId, Vec<(String, String)>>>,
     counts: Mutex<FetchCounts>,
+    /// Peers that failed a pack, and when: passed over for [`SUSPECT_FOR`].
+    suspect: Mutex<HashMap<String, std::time::Instant>>,
     /// Counts changed since they were last written (packs served).
     unsaved: std::sync::atomic::AtomicBool,
     /// Where the counts are kept ([`COUNTS_FILE`] in the cache folder).
@@ -65,6 +72,7 @@ impl ClusterPeers {
             coordinator,
             located: Mutex::new(HashMap::new()),
             counts: Mutex::new(counts),
+            suspect: Mutex::new(HashMap::new()),
             unsaved: std::sync::atomic::AtomicBool::new(false),
             file,
         }
@@ -161,6 +169,14 @@ impl ClusterPeers {
         self.keep(&c);
     }
 
+    /// Peers passed over now: those that failed a pack less than
+    /// [`SUSPECT_FOR`] ago.
+    fn suspects(&self) -> Vec<String> {
+        let mut s = self.suspect.lock().expect("peers poisoned");
+        s.retain(|_, t| t.elapsed() < SUSPECT_FOR);
+        s.keys().cloned().collect()
+    }
+
     /// A client of `to` (a node's name, or [`super::TO_COORDINATOR`]) at `ep`.
     fn client(&self, ep: Endpoint, to: &str) -> Client {
         Client::for_cluster(ep, self.key.clone(), &self.me, to).with_tls(self.tls.clone())
@@ -189,9 +205,15 @@ impl PackPeers for ClusterPeers {
     }
 
     fn holders(&self, pack: &PackId) -> Vec<String> {
+        let suspect = self.suspects();
         let l = self.located.lock().expect("peers poisoned");
         l.get(pack)
-            .map(|h| h.iter().map(|(n, _)| n.clone()).collect())
+            .map(|h| {
+                h.iter()
+                    .filter(|(n, _)| !suspect.contains(n))
+                    .map(|(n, _)| n.clone())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -242,10 +264,18 @@ impl PackPeers for ClusterPeers {
             }
             PeerEvent::Failed { peer, pack, why } => {
                 c.failed_from_peers += 1;
-                tracing::warn!(
-                    "pack {} from {peer} failed: {why}; fetching it elsewhere",
-                    pack.short()
-                );
+                let mut suspect = self.suspect.lock().expect("peers poisoned");
+                let fresh = suspect
+                    .insert(peer.clone(), std::time::Instant::now())
+                    .is_none_or(|t| t.elapsed() >= SUSPECT_FOR);
+                if fresh {
+                    tracing::warn!(
+                        "pack {} from {peer} failed: {why}; {peer} is passed over for {} s, \
+                         its packs fetched elsewhere",
+                        pack.short(),
+                        SUSPECT_FOR.as_secs()
+                    );
+                }
             }
         }
     }
@@ -254,6 +284,52 @@ impl PackPeers for ClusterPeers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that failed a pack is passed over for the next ones: one
+    /// failure, not one per wave of packs.
+    #[test]
+    fn a_peer_that_failed_a_pack_is_passed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = ClusterKey::new(&crate::Secret::new("s".repeat(40))).unwrap();
+        let p = ClusterPeers::new(
+            "gpu2",
+            key,
+            None,
+            "127.0.0.1:1".parse().unwrap(),
+            dir.path(),
+        );
+        let (a, b) = (PackId::from_bytes([1; 32]), PackId::from_bytes([2; 32]));
+        {
+            let mut l = p.located.lock().unwrap();
+            for pack in [a, b] {
+                l.insert(
+                    pack,
+                    vec![
+                        ("gpu1".into(), "http://127.0.0.1:2".into()),
+                        ("gpu3".into(), "http://127.0.0.1:3".into()),
+                    ],
+                );
+            }
+        }
+        assert_eq!(p.holders(&b), ["gpu1", "gpu3"]);
+        p.report(PeerEvent::Failed {
+            peer: "gpu1".into(),
+            pack: a,
+            why: "connection refused".into(),
+        });
+        assert_eq!(
+            p.holders(&b),
+            ["gpu3"],
+            "gpu1 passed over for the next pack"
+        );
+        assert_eq!(p.holders(&a), ["gpu3"]);
+        // Once the time is up, it is tried again.
+        p.suspect
+            .lock()
+            .unwrap()
+            .insert("gpu1".into(), std::time::Instant::now() - SUSPECT_FOR);
+        assert_eq!(p.holders(&b), ["gpu1", "gpu3"]);
+    }
 
     #[test]
     fn fetches_are_counted_by_source_and_rates_measured() {
