@@ -320,17 +320,21 @@ impl Lab {
     /// `labsync ARGS` against the store, with node `i`'s cache as its own
     /// (the way a pull on that node fills it).
     pub fn labsync(&self, i: usize, args: &[&str]) -> String {
-        let o = Command::new(bin("labsync"))
-            .args(args)
+        let o = self.labsync_cmd(i, args).output().unwrap();
+        assert!(o.status.success(), "labsync {args:?}: {o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// The command `labsync ARGS` with node `i`'s cache, to run.
+    pub fn labsync_cmd(&self, i: usize, args: &[&str]) -> Command {
+        let mut c = Command::new(bin("labsync"));
+        c.args(args)
             .env("HOME", self.home(i))
             .env("LABSYNC_STORE", &self.store)
             .env("LABSYNC_CACHE", self.cache(i))
             .envs(self.s3.env())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "labsync {args:?}: {o:?}");
-        String::from_utf8(o.stdout).unwrap()
+            .stdin(Stdio::null());
+        c
     }
 
     /// Makes every GPU of node `i` held by a foreign process (never

@@ -876,6 +876,28 @@ fn warm_fills_and_pins_the_named_node_and_the_next_job_lands_there() {
             .and_then(|n| n.data.iter().find(|d| d.label == "div2k@v1"))
             .is_some_and(|d| !d.pinned)
     });
+
+    // A pack of it corrupted on gpu2's disk: `labsync verify` there drops
+    // it, and gpu2 no longer shows div2k whole (issue 43: it still said
+    // 100% (pinned) after such a verify).
+    let packs = lab.cache(2).join("packs-v1");
+    let victim = std::fs::read_dir(&packs)
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(&victim, bytes).unwrap();
+    let o = lab.labsync_cmd(2, &["verify", "div2k"]).output().unwrap();
+    assert!(!o.status.success(), "verify finds the corrupt pack: {o:?}");
+    lab.wait_for("div2k no longer whole on gpu2", 20, |s| {
+        present(s, "gpu2", "div2k@v1").is_none_or(|(have, all)| have < all)
+    });
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
+    assert!(!text.contains("div2k@v1 100%"), "{text}");
 }
 
 /// 3, with a job on the node: stopped (SIGSTOP of its labd) while its job
