@@ -1834,3 +1834,71 @@ fn a_cluster_upgrades_node_by_node_with_a_job_running() {
     let log = lab.ok(&["logs", &a]);
     assert!(log.contains("started") && log.contains("finished"), "{log}");
 }
+
+/// Issue 43: `labsync cache evict --to 0` on a node said `0 B used` while
+/// the tree of a dataset a job ran on stayed materialised there, and the
+/// placer then predicted a whole fetch for a job that started at once.
+/// Now evict and cache status say what the trees hold, and the
+/// coordinator counts the tree: the dataset shows whole there and a job on
+/// it is priced with nothing to move.
+#[test]
+fn a_materialised_tree_counts_where_its_packs_were_evicted() {
+    let Some(lab) = Lab::start(2) else { return };
+    lab.dataset("div2k", 11);
+    lab.hold_gpus(0, true);
+    lab.wait_for("gpu0 busy", 20, |s| {
+        Lab::node(s, "gpu0").is_some_and(|x| {
+            x.gpus
+                .iter()
+                .all(|g| g.state != labsync_agent::GpuState::Free)
+        })
+    });
+    let out = lab.ok(&[
+        "--data",
+        "div2k",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo node=$LABRUN_NODE",
+    ]);
+    assert!(out.contains("node=gpu1"), "{out}");
+    lab.hold_gpus(0, false);
+
+    let said = lab.labsync(1, &["cache", "evict", "--to", "0"]);
+    assert!(said.contains("0 B of packs used"), "{said}");
+    assert!(said.contains("materialised trees hold"), "{said}");
+    let status = lab.labsync(1, &["cache", "status"]);
+    assert!(
+        status.contains("materialised trees (labd's, for jobs)"),
+        "{status}"
+    );
+
+    // gpu1 has no pack of div2k left, but its tree: whole, and no fetch.
+    lab.wait_for("gpu1's packs gone from the coordinator's view", 20, |s| {
+        Lab::node(s, "gpu1").is_some_and(|n| n.cache_used == 0)
+    });
+    let s = lab.status();
+    assert!(
+        present(&s, "gpu1", "div2k@v1").is_some_and(|(have, all)| have == all && all > 0),
+        "{:?}",
+        Lab::node(&s, "gpu1")
+    );
+    let json: serde_json::Value = serde_json::from_str(&lab.ok(&[
+        "--explain",
+        "--json",
+        "--data",
+        "div2k",
+        "--gpus",
+        "1",
+        "--",
+        "true",
+    ]))
+    .unwrap();
+    let rows = json["rows"].as_array().unwrap();
+    let gpu1 = rows.iter().find(|r| r["node"] == "gpu1").unwrap();
+    assert_eq!(gpu1["missing_bytes"], 0, "{json}");
+    let gpu0 = rows.iter().find(|r| r["node"] == "gpu0").unwrap();
+    assert!(gpu0["missing_bytes"].as_u64().unwrap() > 0, "{json}");
+}

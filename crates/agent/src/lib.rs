@@ -58,7 +58,7 @@ mod status;
 mod store_guard;
 pub mod tls;
 pub mod tokens;
-mod trees;
+pub mod trees;
 mod users;
 mod watchdog;
 mod wire;

@@ -265,6 +265,10 @@ pub struct CacheSummary {
     /// Warms under way (or failed), with their progress.
     #[serde(default)]
     pub warming: Vec<Warming>,
+    /// Snapshots whose trees are materialised on the node: a job on one
+    /// starts with no fetch, whatever packs were evicted.
+    #[serde(default)]
+    pub materialised: Vec<SnapshotId>,
 }
 
 /// Bytes of packs a node fetched into its cache, by source (labd keeps

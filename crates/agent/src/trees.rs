@@ -45,6 +45,33 @@ struct TreeRecord {
     durable: bool,
 }
 
+/// The snapshots whose trees are materialised in the node cache at
+/// `cache_root`, with their bytes (as their records say): what `labsync
+/// cache status` adds to the packs, and heartbeats tell the coordinator.
+pub fn materialised_trees(cache_root: &Path) -> Vec<(SnapshotId, u64)> {
+    materialised_in(&cache_root.join("trees-v2"))
+}
+
+fn materialised_in(root: &Path) -> Vec<(SnapshotId, u64)> {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(SnapshotId, u64)> = rd
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().to_str()?.parse::<SnapshotId>().ok())
+        .map(|id| {
+            let rec: TreeRecord = std::fs::read(root.join(format!("{id}.json")))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            (id, rec.bytes)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// The node's shared read-only trees.
 pub struct Trees {
     root: PathBuf,
@@ -302,6 +329,11 @@ impl Trees {
         let synced = off_runtime(move || sync_file_system(&d)).await;
         rec.durable = synced.is_ok();
         Some(synced.map_err(PrepareError::io("sync", dest)))
+    }
+
+    /// The snapshots materialised here, with their trees' bytes.
+    pub fn materialised(&self) -> Vec<(SnapshotId, u64)> {
+        materialised_in(&self.root)
     }
 
     fn record(&self, snapshot: &str) -> TreeRecord {

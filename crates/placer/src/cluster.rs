@@ -223,6 +223,9 @@ pub struct NodeView {
     /// How fast it receives packs.
     pub rates: Rates,
     present: Bitset,
+    /// Snapshots whose trees are materialised there: a job on one starts
+    /// with no fetch, whatever packs the node has kept.
+    trees: Vec<SnapshotKey>,
 }
 
 impl NodeView {
@@ -282,6 +285,7 @@ impl Cluster {
                     gpus: Vec::new(),
                     rates: Rates::default(),
                     present: Bitset::default(),
+                    trees: Vec::new(),
                 };
                 self.nodes.insert(at, node);
                 at
@@ -410,6 +414,38 @@ impl Cluster {
         }
     }
 
+    /// The snapshots whose trees are materialised on `node` (each
+    /// heartbeat's list): their packs count as there for placement and
+    /// presence (a job starts on the tree), though the node cannot serve
+    /// them to peers. False when the node is unknown.
+    pub fn set_trees(&mut self, node: &NodeName, trees: Vec<SnapshotKey>) -> bool {
+        self.node_mut(node).map(|v| v.trees = trees).is_some()
+    }
+
+    /// The packs of `needs` that node `i` needs no copy of, their
+    /// snapshots being materialised there: those of the materialised ones,
+    /// but for packs a snapshot not materialised there needs too (its tree
+    /// is built from packs, not from another tree).
+    pub(crate) fn tree_packs(&self, i: usize, needs: &[SnapshotKey]) -> Bitset {
+        let trees = &self.nodes[i].trees;
+        let mut b = Bitset::default();
+        if trees.is_empty() {
+            return b;
+        }
+        let packs = |s: &SnapshotKey| self.snapshots.get(s).map_or(&[][..], Vec::as_slice);
+        for s in needs.iter().filter(|s| trees.contains(s)) {
+            for &p in packs(s) {
+                b.insert(p);
+            }
+        }
+        for s in needs.iter().filter(|s| !trees.contains(s)) {
+            for &p in packs(s) {
+                b.remove(p);
+            }
+        }
+        b
+    }
+
     /// Forgets everything a node had cached (a full inventory follows).
     pub fn clear_cached(&mut self, node: &NodeName) -> bool {
         self.node_mut(node)
@@ -417,16 +453,18 @@ impl Cluster {
             .is_some()
     }
 
-    /// Bytes of the snapshot's packs that the node has, and their total:
-    /// `labrun status`'s "% present". `None` for an unknown node or snapshot.
+    /// Bytes of the snapshot's packs that the node has, and their total
+    /// (all of them where its tree is materialised there): `labrun
+    /// status`'s "% present". `None` for an unknown node or snapshot.
     pub fn presence(&self, node: &NodeName, snapshot: &SnapshotKey) -> Option<(u64, u64)> {
         let v = self.node(node)?;
         let packs = self.snapshots.get(snapshot)?;
+        let tree = v.trees.contains(snapshot);
         let (mut have, mut total) = (0, 0);
         for &p in packs {
             let size = self.packs.size[p as usize];
             total += size;
-            if v.present.contains(p) {
+            if tree || v.present.contains(p) {
                 have += size;
             }
         }

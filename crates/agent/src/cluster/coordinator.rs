@@ -211,8 +211,13 @@ impl Coordinator {
             .map(|s| SnapshotKey(*s.as_bytes()))
             .collect();
         let mut v = self.view.lock().expect("coordinator poisoned");
+        // Cached, or materialised somewhere (a tree whose packs were
+        // evicted is still where its jobs start at once).
         let cached: HashSet<SnapshotId> = (v.members.values())
-            .flat_map(|m| m.cache.trees.iter().map(|t| t.snapshot))
+            .flat_map(|m| {
+                (m.cache.trees.iter().map(|t| t.snapshot))
+                    .chain(m.cache.materialised.iter().copied())
+            })
             .collect();
         v.labels.retain(|s, _| cached.contains(s));
         needed.extend(cached.iter().map(|s| SnapshotKey(*s.as_bytes())));
@@ -336,6 +341,12 @@ impl Coordinator {
         for t in &hb.cache.trees {
             labels.insert(t.snapshot, t.label.clone());
         }
+        cluster.set_trees(
+            &name,
+            (hb.cache.materialised.iter())
+                .map(|s| SnapshotKey(*s.as_bytes()))
+                .collect(),
+        );
         let seq = if reply.want_full {
             members.get(&name).map_or(0, |m| m.seq)
         } else {

@@ -168,6 +168,15 @@ impl Reporter {
             cache: CacheSummary {
                 fetched: self.daemon.fetched(),
                 warming: self.daemon.warms().snapshot(),
+                materialised: {
+                    let root = self.daemon.cache().root().to_path_buf();
+                    off_runtime(move || Ok::<_, String>(crate::trees::materialised_trees(&root)))
+                        .await
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(id, _)| id)
+                        .collect()
+                },
                 ..self.current.summary.clone()
             },
             inventory: self.delta(),

@@ -22,6 +22,7 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
     if let Some(cap) = labd_cap {
         s.max_bytes = cap;
     }
+    let trees = labsync_agent::trees::materialised_trees(&s.root);
     let fetched: Option<FetchCounts> =
         std::fs::read(s.root.join(labsync_agent::cluster::COUNTS_FILE))
             .ok()
@@ -29,6 +30,7 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
     ctx.printer.out(
         || {
             let mut t = status_text(&s, labd_cap.is_some());
+            t += &trees_line(&trees);
             if let Some(f) = &fetched {
                 t += &format!(
                     "\nfetched by labd: {} from peers, {} from the store; {} corrupt copies \
@@ -47,7 +49,12 @@ pub async fn status(ctx: &StoreContext) -> Result<ExitCode> {
             }
             t
         },
-        json!({"command": "cache status", "status": s, "fetched": fetched}),
+        json!({
+            "command": "cache status",
+            "status": s,
+            "fetched": fetched,
+            "trees": trees.iter().map(|(id, b)| json!({"snapshot": id, "bytes": b})).collect::<Vec<_>>(),
+        }),
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -71,6 +78,22 @@ fn status_text(s: &CacheStatus, labds: bool) -> String {
         );
     }
     t.trim_end().to_string()
+}
+
+/// The trees labd materialised from this cache, said beside its packs: a
+/// cache with no pack left may still hold a dataset's whole tree (issue 43:
+/// `evict --to 0` said `0 B used` while trees held 573 MB).
+fn trees_line(trees: &[(labsync_store::SnapshotId, u64)]) -> String {
+    if trees.is_empty() {
+        return String::new();
+    }
+    let bytes: u64 = trees.iter().map(|t| t.1).sum();
+    format!(
+        "\nmaterialised trees (labd's, for jobs): {} of {} version(s); labd removes unused \
+         ones past trees_max, and a job on one starts without a fetch",
+        human_bytes(bytes),
+        trees.len()
+    )
 }
 
 /// Fetches `name` into the cache and never evicts it.
@@ -107,15 +130,25 @@ pub async fn evict(ctx: &StoreContext, to: Option<&str>) -> Result<ExitCode> {
     let target = to.map(parse_size).transpose()?.unwrap_or(0);
     let evicted = cache.evict_to(target, None)?;
     let s = cache.status()?;
+    let trees = labsync_agent::trees::materialised_trees(&s.root);
+    let tree_bytes: u64 = trees.iter().map(|t| t.1).sum();
     ctx.printer.out(
         || {
-            format!(
-                "evicted {} versions; {} used",
+            let mut t = format!(
+                "evicted {} versions; {} of packs used",
                 evicted.len(),
                 human_bytes(s.used_bytes)
-            )
+            );
+            if !trees.is_empty() {
+                t += &format!(
+                    "; materialised trees hold {} more (labd's: it removes unused ones past \
+                     trees_max, not this command)",
+                    human_bytes(tree_bytes)
+                );
+            }
+            t
         },
-        json!({"command": "cache evict", "evicted": evicted, "used_bytes": s.used_bytes}),
+        json!({"command": "cache evict", "evicted": evicted, "used_bytes": s.used_bytes, "tree_bytes": tree_bytes}),
     );
     Ok(ExitCode::SUCCESS)
 }
