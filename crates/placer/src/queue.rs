@@ -480,7 +480,8 @@ fn stop_or_wait(
         return Decision::Wait {
             id: q.id.clone(),
             why: format!(
-                "{}; waits for {} to stop on {node} (preempted){}",
+                "{}; waits for {} to stop on {node} (preempted: SIGTERM sent, SIGKILL after \
+                 the node's kill_grace_s, 10 s unless set){}",
                 needs(job),
                 stopping.join(", "),
                 ahead_of(ahead, q.tier, pass.ladder)
@@ -491,7 +492,8 @@ fn stop_or_wait(
     Decision::Preempt {
         id: q.id.clone(),
         why: format!(
-            "{}; stops preemptible {} on {node}",
+            "{}; stops preemptible {} on {node} (SIGTERM, SIGKILL after the node's \
+             kill_grace_s, 10 s unless set)",
             needs(job),
             names.join(", ")
         ),
@@ -838,7 +840,7 @@ pub(crate) mod tests {
             panic!("{:?}", d[0])
         };
         assert!(
-            why.contains("waits for r1 to stop on a (preempted)"),
+            why.contains("waits for r1 to stop on a (preempted: SIGTERM sent, SIGKILL after"),
             "{why}"
         );
         assert_eq!(likely.as_ref().map(|n| n.as_str()), Some("a"));
