@@ -1839,8 +1839,8 @@ fn a_cluster_upgrades_node_by_node_with_a_job_running() {
 /// the tree of a dataset a job ran on stayed materialised there, and the
 /// placer then predicted a whole fetch for a job that started at once.
 /// Now evict and cache status say what the trees hold, and the
-/// coordinator counts the tree: the dataset shows whole there and a job on
-/// it is priced with nothing to move.
+/// coordinator counts the tree: the dataset shows materialised there and a
+/// job on it is priced with nothing to move.
 #[test]
 fn a_materialised_tree_counts_where_its_packs_were_evicted() {
     let Some(lab) = Lab::start(2) else { return };
@@ -1880,10 +1880,15 @@ fn a_materialised_tree_counts_where_its_packs_were_evicted() {
         Lab::node(s, "gpu1").is_some_and(|n| n.cache_used == 0)
     });
     let s = lab.status();
+    let d = Lab::node(&s, "gpu1")
+        .and_then(|n| n.data.iter().find(|d| d.label == "div2k@v1"))
+        .cloned();
+    let d = d.unwrap_or_else(|| panic!("div2k shown on gpu1: {s:?}"));
+    assert!(d.materialised && d.present_bytes == 0, "{d:?}");
+    let text = String::from_utf8(lab.labrun(&["status"]).stdout).unwrap();
     assert!(
-        present(&s, "gpu1", "div2k@v1").is_some_and(|(have, all)| have == all && all > 0),
-        "{:?}",
-        Lab::node(&s, "gpu1")
+        text.contains("div2k@v1 0% (materialised: jobs start without a fetch)"),
+        "{text}"
     );
     let json: serde_json::Value = serde_json::from_str(&lab.ok(&[
         "--explain",

@@ -438,6 +438,10 @@ pub struct Presence {
     pub total_bytes: u64,
     /// Pinned there.
     pub pinned: bool,
+    /// Its tree is materialised there: a job on it starts with no fetch,
+    /// whatever share of its packs is cached.
+    #[serde(default)]
+    pub materialised: bool,
 }
 
 /// One node in `labrun status`.

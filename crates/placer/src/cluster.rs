@@ -453,22 +453,28 @@ impl Cluster {
             .is_some()
     }
 
-    /// Bytes of the snapshot's packs that the node has, and their total
-    /// (all of them where its tree is materialised there): `labrun
-    /// status`'s "% present". `None` for an unknown node or snapshot.
+    /// Bytes of the snapshot's packs that the node has cached, and their
+    /// total: `labrun status`'s "% present" (a tree materialised there is
+    /// said apart: [`Cluster::materialised`]). `None` for an unknown node
+    /// or snapshot.
     pub fn presence(&self, node: &NodeName, snapshot: &SnapshotKey) -> Option<(u64, u64)> {
         let v = self.node(node)?;
         let packs = self.snapshots.get(snapshot)?;
-        let tree = v.trees.contains(snapshot);
         let (mut have, mut total) = (0, 0);
         for &p in packs {
             let size = self.packs.size[p as usize];
             total += size;
-            if tree || v.present.contains(p) {
+            if v.present.contains(p) {
                 have += size;
             }
         }
         Some((have, total))
+    }
+
+    /// Whether the snapshot's tree is materialised on the node: a job on
+    /// it starts there with no fetch, whatever packs are cached.
+    pub fn materialised(&self, node: &NodeName, snapshot: &SnapshotKey) -> bool {
+        self.node(node).is_some_and(|v| v.trees.contains(snapshot))
     }
 
     /// The up nodes that hold `pack`: where a node can fetch it from.

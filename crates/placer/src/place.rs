@@ -795,7 +795,9 @@ pub(crate) mod tests {
         cache(&mut c, "b", 1, 8);
         // a holds no pack of it, but its tree.
         assert!(c.set_trees(&n("a"), vec![div2k]));
-        assert_eq!(c.presence(&n("a"), &div2k), Some((8 * GIB, 8 * GIB)));
+        // Said apart from its packs, of which it has none.
+        assert_eq!(c.presence(&n("a"), &div2k), Some((0, 8 * GIB)));
+        assert!(c.materialised(&n("a"), &div2k));
         let r = rank(&c, &job(1, &[div2k]), 0, &Policy::default());
         assert_eq!(row(&r, "a").missing_bytes, 0);
         // It serves no pack to a peer from a tree: b is the only holder.

@@ -452,14 +452,16 @@ impl Coordinator {
                 let data = known
                     .iter()
                     .filter_map(|(s, label)| {
-                        let (present_bytes, total_bytes) =
-                            v.cluster.presence(name, &SnapshotKey(*s.as_bytes()))?;
-                        (present_bytes > 0).then(|| Presence {
+                        let key = SnapshotKey(*s.as_bytes());
+                        let (present_bytes, total_bytes) = v.cluster.presence(name, &key)?;
+                        let materialised = v.cluster.materialised(name, &key);
+                        (present_bytes > 0 || materialised).then(|| Presence {
                             label: (*label).clone(),
                             snapshot: **s,
                             present_bytes,
                             total_bytes,
                             pinned: m.cache.trees.iter().any(|t| t.snapshot == **s && t.pinned),
+                            materialised,
                         })
                     })
                     .collect();

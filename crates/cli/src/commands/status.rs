@@ -171,12 +171,18 @@ fn print_node(n: &NodeStatus, now: u64, coordinator_version: &str) {
             .iter()
             .map(|d| {
                 let pct = 100.0 * d.present_bytes as f64 / d.total_bytes.max(1) as f64;
-                format!(
-                    "{} {:.0}%{}",
-                    d.label,
-                    pct.floor(),
-                    if d.pinned { " (pinned)" } else { "" }
-                )
+                let mut marks = Vec::new();
+                if d.pinned {
+                    marks.push("pinned");
+                }
+                if d.materialised {
+                    marks.push("materialised: jobs start without a fetch");
+                }
+                let marks = match marks.is_empty() {
+                    true => String::new(),
+                    false => format!(" ({})", marks.join("; ")),
+                };
+                format!("{} {:.0}%{marks}", d.label, pct.floor())
             })
             .collect();
         println!("  data: {}", data.join(", "));
