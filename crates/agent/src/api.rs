@@ -608,6 +608,16 @@ async fn warm_ask(
     Ok(Json(co.warm(&r, &c, ask).await?))
 }
 
+/// A node could not get packs from a peer, on the coordinator.
+async fn suspect(
+    State(d): D,
+    Signed { from, body }: Signed<RequestOf<ReportSuspect>>,
+) -> Result<impl IntoResponse, ApiError> {
+    let (co, _) = coordinator(&d, "a report of a failing peer")?;
+    co.suspect(&from, &body.peer, &body.why, co.now_ms());
+    Ok(Json(serde_json::json!({})))
+}
+
 /// `labd doctor`'s ping: this node's version and clock, and whether it
 /// reaches the nodes named.
 async fn ping(
@@ -736,6 +746,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .at::<PlacedKill, _, _>(placed_kill)
         .at::<PlacedPreempt, _, _>(placed_preempt)
         .at::<Ping, _, _>(ping)
+        .at::<ReportSuspect, _, _>(suspect)
         .0;
     // Staging answers once the data is there: minutes for a big dataset.
     // Its handlers bound the body's arrival themselves.

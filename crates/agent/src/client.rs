@@ -483,6 +483,14 @@ impl Client {
             .await
     }
 
+    /// Tells the coordinator a peer failed this node (a cluster client).
+    pub async fn report_suspect(
+        &self,
+        report: &crate::proto::SuspectPeer,
+    ) -> Result<(), ClientError> {
+        self.order::<routes::ReportSuspect>("", report).await
+    }
+
     /// `labd doctor`'s ping (a cluster client).
     pub async fn ping(
         &self,

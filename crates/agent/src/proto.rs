@@ -482,6 +482,10 @@ pub struct NodeStatus {
     /// before versions were sent).
     #[serde(default)]
     pub version: String,
+    /// Peers that could not get packs from it lately, and why (its packs
+    /// are not offered meanwhile).
+    #[serde(default)]
+    pub suspect: Vec<String>,
 }
 
 /// `labd doctor`'s question to a node (signed): answer, and reach these
@@ -543,6 +547,17 @@ pub struct MemberSeen {
     pub version: String,
     /// Whether it is up.
     pub up: bool,
+}
+
+/// A node's report to the coordinator that a peer failed it (signed): the
+/// coordinator stops offering that peer's packs for a while, and `labrun
+/// status` says so.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SuspectPeer {
+    /// The peer.
+    pub peer: NodeName,
+    /// What failed.
+    pub why: String,
 }
 
 /// A node whose requests this coordinator refuses for its protocol.
@@ -787,7 +802,8 @@ pub mod routes {
     use super::{
         ClusterStatus, CorruptChecked, CorruptCopy, Dispatch, DispatchReply, Heartbeat,
         HeartbeatReply, Info, JobExplain, JobView, Located, PingAsk, Pong, PreemptOrder, RankAsk,
-        StageAsk, StageDone, StageOrder, Staged, SubmitRequest, WarmAnswer, WarmAsk, WarmOrder,
+        StageAsk, StageDone, StageOrder, Staged, SubmitRequest, SuspectPeer, WarmAnswer, WarmAsk,
+        WarmOrder,
     };
     use crate::status::GpuStatus;
 
@@ -851,6 +867,8 @@ pub mod routes {
         OrderStage: Post "/v1/cluster/stage", StageOrder => Staged;
         /// The coordinator's release of a stage, to a node (signed).
         OrderStageDone: Post "/v1/cluster/stage/done", StageDone => ();
+        /// A peer failed this node's fetch, to the coordinator (signed).
+        ReportSuspect: Post "/v1/cluster/suspect", SuspectPeer => ();
         /// `labd doctor`'s ping (signed): the node's version and clock, and
         /// whether it reaches the nodes named back.
         Ping: Post "/v1/cluster/ping", PingAsk => Pong;

@@ -55,7 +55,13 @@ pub(super) struct View {
     /// Nodes whose requests were refused for their protocol version: why,
     /// and when last (shown until the node's next heartbeat is taken).
     refused: BTreeMap<NodeName, (String, Millis)>,
+    /// Peers a node could not get packs from: (peer, reporter) → why and
+    /// when; their packs are not offered for [`SUSPECT_FOR`].
+    suspect: BTreeMap<(NodeName, String), (String, Millis)>,
 }
+
+/// How long a peer a node could not get packs from is not offered.
+const SUSPECT_FOR: Duration = Duration::from_secs(60);
 
 impl View {
     /// What the placer plans on.
@@ -143,6 +149,7 @@ impl Coordinator {
                 promised: BTreeMap::new(),
                 unused: HashSet::new(),
                 refused: BTreeMap::new(),
+                suspect: BTreeMap::new(),
             }),
             jobs,
             floor: AtomicU64::new(0),
@@ -266,6 +273,27 @@ impl Coordinator {
     pub fn refuse(&self, node: &NodeName, why: &str, now: Millis) {
         let mut v = self.view.lock().expect("coordinator poisoned");
         v.refused.insert(node.clone(), (why.to_string(), now));
+    }
+
+    /// `reporter` could not get packs from `peer` at `now`: `peer`'s packs
+    /// are not offered to anyone for [`SUSPECT_FOR`] (it is likely down,
+    /// before its heartbeats say so), and `labrun status` says why.
+    pub fn suspect(&self, reporter: &str, peer: &NodeName, why: &str, now: Millis) {
+        let why: String = why.chars().take(300).collect();
+        let mut v = self.view.lock().expect("coordinator poisoned");
+        let cut = now.saturating_sub(SUSPECT_FOR.as_millis() as u64);
+        v.suspect.retain(|_, (_, at)| *at > cut);
+        v.suspect
+            .insert((peer.clone(), reporter.to_string()), (why, now));
+    }
+
+    /// The peers suspected at `now`.
+    fn suspected(v: &View, now: Millis) -> HashSet<&NodeName> {
+        let cut = now.saturating_sub(SUSPECT_FOR.as_millis() as u64);
+        (v.suspect.iter())
+            .filter(|(_, (_, at))| *at > cut)
+            .map(|((peer, _), _)| peer)
+            .collect()
     }
 
     /// Applies a heartbeat `sender` signed (it must name itself) at `now`.
@@ -399,6 +427,7 @@ impl Coordinator {
     /// Who holds each of `packs`, among the up nodes other than `asker`.
     pub fn locate(&self, asker: &str, packs: &[PackId]) -> crate::proto::Located {
         let v = self.view.lock().expect("coordinator poisoned");
+        let suspect = Self::suspected(&v, self.now_ms());
         packs
             .iter()
             .map(|p| {
@@ -406,7 +435,7 @@ impl Coordinator {
                     .cluster
                     .holders(&PackKey(*p.as_bytes()))
                     .into_iter()
-                    .filter(|n| n.as_str() != asker)
+                    .filter(|n| n.as_str() != asker && !suspect.contains(n))
                     .filter_map(|n| Some((n.to_string(), v.members.get(n)?.addr.clone())))
                     .collect();
                 (*p, holders)
@@ -479,6 +508,18 @@ impl Coordinator {
                     data,
                     gpu_confinement: m.gpu_confinement.clone(),
                     version: m.version.clone(),
+                    suspect: (v.suspect.range((name.clone(), String::new())..))
+                        .take_while(|((peer, _), _)| peer == name)
+                        .filter(|(_, (_, at))| {
+                            now.saturating_sub(*at) < SUSPECT_FOR.as_millis() as u64
+                        })
+                        .map(|((_, by), (why, at))| {
+                            format!(
+                                "{by} could not get packs from it {} s ago: {why}",
+                                now.saturating_sub(*at) / 1000
+                            )
+                        })
+                        .collect(),
                 }
             })
             .collect();
@@ -548,6 +589,54 @@ mod tests {
         assert!(!c.knows(&snap));
         c.learn(&snap, &fresh[0].1);
         assert!(c.knows(&snap));
+    }
+
+    /// A peer a node could not get packs from is not offered to anyone for
+    /// a while, and the status says who could not reach it and why.
+    #[test]
+    fn a_peer_reported_failing_is_not_offered_for_a_while() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = coordinator(dir.path());
+        let clock = c.now_ms();
+        for n in ["gpu1", "gpu2", "gpu3"] {
+            let mut inv = InventoryDelta {
+                full: true,
+                ..Default::default()
+            };
+            if n != "gpu2" {
+                inv.added = vec![(pack(1), 100)];
+            }
+            c.heartbeat(n, hb(n, "i", 1, inv), clock).unwrap();
+        }
+        let holders = |asker: &str| -> Vec<String> {
+            c.locate(asker, &[pack(1)])[0]
+                .1
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        assert_eq!(holders("gpu2"), ["gpu1", "gpu3"]);
+        c.suspect(
+            "gpu2",
+            &"gpu1".parse().unwrap(),
+            "connection refused",
+            clock,
+        );
+        assert_eq!(holders("gpu2"), ["gpu3"]);
+        assert_eq!(holders("gpu3"), Vec::<String>::new(), "to anyone");
+        let s = c.status(clock);
+        let gpu1 = s.nodes.iter().find(|n| n.name == "gpu1").unwrap();
+        assert_eq!(gpu1.suspect.len(), 1);
+        assert!(
+            gpu1.suspect[0].starts_with("gpu2 could not get packs from it"),
+            "{:?}",
+            gpu1.suspect
+        );
+        assert!(gpu1.suspect[0].ends_with("connection refused"));
+        // Later, it is offered again, and no longer said.
+        let later = clock + SUSPECT_FOR.as_millis() as u64 + 1;
+        let s = c.status(later);
+        assert!(s.nodes.iter().all(|n| n.suspect.is_empty()));
     }
 
     /// Pack lists no live job and no cache needs are forgotten, after a

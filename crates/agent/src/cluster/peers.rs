@@ -122,6 +122,30 @@ impl ClusterPeers {
         self.counts.lock().expect("peers poisoned").clone()
     }
 
+    /// Tells the coordinator (in the background) that `peer` failed a
+    /// fetch here: it stops offering `peer`'s packs to every node for a
+    /// while, and `labrun status` says so.
+    fn tell_suspect(&self, peer: &str, why: String) {
+        let Ok(peer_name) = peer.parse::<crate::proto::NodeName>() else {
+            return;
+        };
+        let client = self.client(self.coordinator.clone(), super::TO_COORDINATOR);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let report = crate::proto::SuspectPeer {
+            peer: peer_name,
+            why,
+        };
+        rt.spawn(async move {
+            match tokio::time::timeout(LOCATE_TIMEOUT, client.report_suspect(&report)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("telling the coordinator of {}: {e}", report.peer),
+                Err(_) => tracing::warn!("the coordinator did not answer about {}", report.peer),
+            }
+        });
+    }
+
     /// Tells `peer` (in the background: the fetch goes on elsewhere) that
     /// the copy of `pack` it served was corrupt, so it checks its copy
     /// again and drops it, rather than offering it to the next node.
@@ -275,6 +299,8 @@ impl PackPeers for ClusterPeers {
                         pack.short(),
                         SUSPECT_FOR.as_secs()
                     );
+                    drop(suspect);
+                    self.tell_suspect(&peer, why);
                 }
             }
         }

@@ -124,6 +124,9 @@ fn print_node(n: &NodeStatus, now: u64, coordinator_version: &str) {
     if let Some(v) = version_note(&n.version, coordinator_version) {
         println!("  {v}");
     }
+    for s in &n.suspect {
+        println!("  SUSPECT: {s}; its packs are not offered meanwhile");
+    }
     if n.gpus.is_empty() {
         println!("  no GPUs");
     } else if !n.gpu_confinement.is_empty() {
