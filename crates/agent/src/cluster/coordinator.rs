@@ -276,7 +276,7 @@ impl Coordinator {
     }
 
     /// `reporter` could not get packs from `peer` at `now`: `peer`'s packs
-    /// are not offered to anyone for [`SUSPECT_FOR`] (it is likely down,
+    /// are not offered to anyone for 60 s (it is likely down,
     /// before its heartbeats say so), and `labrun status` says why.
     pub fn suspect(&self, reporter: &str, peer: &NodeName, why: &str, now: Millis) {
         let why: String = why.chars().take(300).collect();
