@@ -825,7 +825,7 @@ fn a_fork_bomb_and_a_memory_hog_are_held_to_their_jobs() {
     );
     let log = std::fs::read_to_string(n.path("labd.log")).unwrap();
     assert!(
-        log.contains("at most 64 tasks and 134217728 bytes of memory")
+        log.contains("at most 64 tasks and 128.00 MiB of memory")
             && !log.contains("without this limit"),
         "{log}"
     );

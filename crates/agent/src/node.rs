@@ -101,11 +101,8 @@ pub fn probe_cgroups(
         Ok(c) => {
             let held = c.held();
             let tasks = |n: Option<u64>| n.map_or("any number of".into(), |n| n.to_string());
-            let memory = |n: Option<u64>| {
-                n.map_or("any amount".into(), |n| {
-                    format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64)
-                })
-            };
+            let memory =
+                |n: Option<u64>| n.map_or("any amount".into(), crate::daemon::shares::human_bytes);
             let said = format!(
                 "each job runs in a cgroup of its own ({:?}), at most {} tasks and {} of memory; \
                  all of one user's jobs together at most {} tasks and {} of memory",
