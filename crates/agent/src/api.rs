@@ -305,11 +305,7 @@ fn member_head(
         }
         static SAID: std::sync::Mutex<crate::error::Throttle> =
             std::sync::Mutex::new(crate::error::Throttle::new(REFUSED_EVERY));
-        let said = SAID
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .say(std::time::Instant::now());
-        if said.is_some() {
+        if crate::error::Throttle::say_in(&SAID).is_some() {
             tracing::warn!(
                 "refused {method} {}: {why}",
                 crate::error::logged(uri.path())
@@ -326,11 +322,7 @@ fn member_head(
 fn refused(method: &Method, uri: &Uri, e: crate::cluster::AuthError) -> ApiError {
     static SAID: std::sync::Mutex<crate::error::Throttle> =
         std::sync::Mutex::new(crate::error::Throttle::new(REFUSED_EVERY));
-    let said = SAID
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .say(std::time::Instant::now());
-    if let Some(held) = said {
+    if let Some(held) = crate::error::Throttle::say_in(&SAID) {
         let since = match held {
             0 => String::new(),
             n => format!(" ({n} more refused since the last said)"),

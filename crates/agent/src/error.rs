@@ -226,6 +226,13 @@ impl Throttle {
         }
     }
 
+    /// [`Throttle::say`] of the throttle in `slot` (a `static`), now.
+    pub(crate) fn say_in(slot: &std::sync::Mutex<Throttle>) -> Option<u64> {
+        slot.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .say(std::time::Instant::now())
+    }
+
     /// Whether to say it `now`: `Some(n)` with the `n` times it was not
     /// said since it last was; `None` (counted) within the period.
     pub(crate) fn say(&mut self, now: std::time::Instant) -> Option<u64> {
