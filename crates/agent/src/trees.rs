@@ -49,8 +49,11 @@ struct TreeRecord {
 /// `cache_root`, with their bytes (as their records say): what `labsync
 /// cache status` adds to the packs, and heartbeats tell the coordinator.
 pub fn materialised_trees(cache_root: &Path) -> Vec<(SnapshotId, u64)> {
-    materialised_in(&cache_root.join("trees-v2"))
+    materialised_in(&cache_root.join(TREES_DIR))
 }
+
+/// The folder of the trees in a node cache.
+pub const TREES_DIR: &str = "trees-v2";
 
 fn materialised_in(root: &Path) -> Vec<(SnapshotId, u64)> {
     let Ok(rd) = std::fs::read_dir(root) else {
@@ -105,7 +108,7 @@ impl Trees {
                 );
             }
         }
-        let root = cache.root().join("trees-v2");
+        let root = cache.root().join(TREES_DIR);
         std::fs::create_dir_all(&root).map_err(PrepareError::io("create", &root))?;
         // Jobs run as their submitters must be able to reach the trees.
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))

@@ -56,6 +56,12 @@ impl LocalLabd {
     }
 }
 
+/// A new random token (or secret): 32 random bytes in hex.
+pub fn random_token() -> String {
+    let bytes: [u8; 32] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Reads the token in `path`, creating a random one (mode 0600) if there is none.
 pub fn load_or_create_token(path: &Path) -> Result<String> {
     match std::fs::read_to_string(path) {
@@ -67,8 +73,7 @@ pub fn load_or_create_token(path: &Path) -> Result<String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let bytes: [u8; 32] = rand::random();
-    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let token = random_token();
     // Written under a name of its own, then linked into place: of two
     // labds starting at once, one token wins and both read it back.
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));

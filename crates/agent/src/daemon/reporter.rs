@@ -37,6 +37,9 @@ pub struct Reporter {
     current: Inventory,
     /// The cache state file's (mtime, length) when `current` was read.
     stamp: Option<(SystemTime, u64)>,
+    /// The materialised trees, and their folder's mtime when listed (a
+    /// tree made or removed changes it): listed again only then.
+    trees: (Option<SystemTime>, Vec<labsync_store::SnapshotId>),
     /// Jobs the coordinator had ended while this node was down, with when
     /// their kill was started (not started again within [`KILL_AGAIN`]).
     killing: HashMap<JobId, Instant>,
@@ -90,6 +93,7 @@ impl Reporter {
             acked: None,
             current: Inventory::default(),
             stamp: None,
+            trees: (None, Vec::new()),
             killing: HashMap::new(),
         }
     }
@@ -109,6 +113,26 @@ impl Reporter {
             }
             Err(e) => tracing::warn!("heartbeat: cannot read the node cache: {e}"),
         }
+    }
+
+    /// The snapshots materialised on this node, listed again only when
+    /// the trees' folder changed.
+    async fn materialised(&mut self) -> Vec<labsync_store::SnapshotId> {
+        let root = self.daemon.cache().root().to_path_buf();
+        let now = std::fs::metadata(root.join(crate::trees::TREES_DIR))
+            .and_then(|m| m.modified())
+            .ok();
+        // A change within the folder time's grain of the last listing could
+        // leave it unchanged: a folder changed in the last 2 s is listed anew.
+        let recent = now.is_some_and(|t| t.elapsed().map_or(true, |e| e < Duration::from_secs(2)));
+        if now.is_none() || now != self.trees.0 || recent {
+            let listed =
+                off_runtime(move || Ok::<_, String>(crate::trees::materialised_trees(&root)))
+                    .await
+                    .unwrap_or_default();
+            self.trees = (now, listed.into_iter().map(|(id, _)| id).collect());
+        }
+        self.trees.1.clone()
     }
 
     fn delta(&self) -> InventoryDelta {
@@ -168,15 +192,7 @@ impl Reporter {
             cache: CacheSummary {
                 fetched: self.daemon.fetched(),
                 warming: self.daemon.warms().snapshot(),
-                materialised: {
-                    let root = self.daemon.cache().root().to_path_buf();
-                    off_runtime(move || Ok::<_, String>(crate::trees::materialised_trees(&root)))
-                        .await
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(id, _)| id)
-                        .collect()
-                },
+                materialised: self.materialised().await,
                 ..self.current.summary.clone()
             },
             inventory: self.delta(),

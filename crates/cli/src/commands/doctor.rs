@@ -16,6 +16,7 @@ use labsync_agent::cluster::{ClusterConfig, SKEW, TO_COORDINATOR};
 use labsync_agent::proto::{MemberSeen, NodeName, PingAsk, Pong, PROTOCOL, VERSION};
 use labsync_agent::{Client, ClientError, DaemonConfig, Endpoint, GpuInventory};
 
+use super::gib;
 use crate::labd_config::{self, LabdFlags};
 
 /// How a check came out.
@@ -81,10 +82,6 @@ impl Check {
         }
         s
     }
-}
-
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 /// The least free space a state or cache folder's disk may have.

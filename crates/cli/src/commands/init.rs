@@ -26,6 +26,8 @@ use rcgen::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::local::random_token;
+
 /// What `labd init` is asked to make.
 #[derive(Clone, Debug)]
 pub struct InitArgs {
@@ -201,11 +203,6 @@ fn mkdir(path: &Path, mode: u32) -> Result<()> {
     std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(())
-}
-
-fn random_token() -> String {
-    let bytes: [u8; 32] = rand::random();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The lab's CA: its certificate (PEM) and what signs with it.

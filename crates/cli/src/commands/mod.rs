@@ -14,6 +14,12 @@ use labsync_store::{NodeCache, Progress, Remote, Repo};
 use crate::progress::Bar;
 use crate::Settings;
 
+/// `212.4 GiB`: GPU memory, caches and disks as `labrun status` and
+/// `labd doctor` show them.
+fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
 // labsync
 pub mod cache;
 pub mod claims;

@@ -10,7 +10,7 @@ use anyhow::Result;
 use labsync_agent::proto::{JobView, NodeHealth, NodeStatus, Refused};
 use labsync_agent::{Client, ForeignProcess, GpuState, GpuStatus, JobState};
 
-use super::explain_client;
+use super::{explain_client, gib};
 
 /// Prints the node's (or the cluster's) GPUs and jobs.
 pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
@@ -251,10 +251,6 @@ fn print_counts(jobs: &[JobView]) {
         .filter(|j| matches!(j.state, JobState::Running { .. }))
         .count();
     println!("  jobs: {running} running, {queued} queued");
-}
-
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 #[cfg(test)]
