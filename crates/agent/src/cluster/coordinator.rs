@@ -60,6 +60,23 @@ pub(super) struct View {
     suspect: BTreeMap<(NodeName, String), (String, Millis)>,
 }
 
+/// Refusals and suspicions kept at most: a member signs with any node
+/// name it likes, and each new name would otherwise add one.
+const NOTES_MAX: usize = 256;
+
+/// Drops the oldest entries of `m` (by the time they hold) past `max`.
+fn keep_newest<K: Ord + Clone>(m: &mut BTreeMap<K, (String, Millis)>, max: usize) {
+    while m.len() > max {
+        let oldest = (m.iter())
+            .min_by_key(|(_, (_, at))| *at)
+            .map(|(k, _)| k.clone());
+        match oldest {
+            Some(k) => m.remove(&k),
+            None => break,
+        };
+    }
+}
+
 /// How long a peer a node could not get packs from is not offered.
 const SUSPECT_FOR: Duration = Duration::from_secs(60);
 
@@ -273,18 +290,25 @@ impl Coordinator {
     pub fn refuse(&self, node: &NodeName, why: &str, now: Millis) {
         let mut v = self.view.lock().expect("coordinator poisoned");
         v.refused.insert(node.clone(), (why.to_string(), now));
+        keep_newest(&mut v.refused, NOTES_MAX);
     }
 
     /// `reporter` could not get packs from `peer` at `now`: `peer`'s packs
     /// are not offered to anyone for 60 s (it is likely down,
     /// before its heartbeats say so), and `labrun status` says why.
+    /// A peer that is no member of the cluster is not taken (a signed
+    /// request may name any node).
     pub fn suspect(&self, reporter: &str, peer: &NodeName, why: &str, now: Millis) {
         let why: String = why.chars().take(300).collect();
         let mut v = self.view.lock().expect("coordinator poisoned");
+        if !v.members.contains_key(peer) {
+            return;
+        }
         let cut = now.saturating_sub(SUSPECT_FOR.as_millis() as u64);
         v.suspect.retain(|_, (_, at)| *at > cut);
         v.suspect
             .insert((peer.clone(), reporter.to_string()), (why, now));
+        keep_newest(&mut v.suspect, NOTES_MAX);
     }
 
     /// The peers suspected at `now`.
@@ -633,6 +657,35 @@ mod tests {
             gpu1.suspect
         );
         assert!(gpu1.suspect[0].ends_with("connection refused"));
+        // A peer that is no member is not taken; a thousand made-up
+        // reporters leave the newest 256, the real one among them.
+        c.suspect("gpu2", &"gpu9".parse().unwrap(), "made up", clock);
+        assert!(!c
+            .view
+            .lock()
+            .unwrap()
+            .suspect
+            .keys()
+            .any(|(p, _)| p == "gpu9"));
+        for i in 0..1000 {
+            c.suspect(
+                &format!("fake{i}"),
+                &"gpu3".parse().unwrap(),
+                "x",
+                clock - 1000 + i,
+            );
+        }
+        {
+            let v = c.view.lock().unwrap();
+            assert_eq!(v.suspect.len(), NOTES_MAX);
+            assert!(v
+                .suspect
+                .contains_key(&("gpu3".parse().unwrap(), "fake999".into())));
+        }
+        for i in 0..300 {
+            c.refuse(&format!("n{i}").parse().unwrap(), "old", clock + i);
+        }
+        assert_eq!(c.view.lock().unwrap().refused.len(), NOTES_MAX);
         // Later, it is offered again, and no longer said.
         let later = clock + SUSPECT_FOR.as_millis() as u64 + 1;
         let s = c.status(later);
