@@ -3,7 +3,7 @@
 # Rust toolchain. Installs the S3-compatible test servers if they are missing
 # (and cargo-generate-rpm, which the install tests build the .rpm with)
 # (s3s-fs here; moto, ministack and s3rver by scripts/s3-servers.sh) and, as
-# root on Debian, Slurm; the tests start their own instances on 127.0.0.1
+# root on Debian, Slurm, Chromium and promtool; the tests start their own instances on 127.0.0.1
 # (random ports).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -51,6 +51,21 @@ if slurm_missing >/dev/null; then
   fi
   if missing="$(slurm_missing)"; then
     slurm_note="the Slurm tests were SKIPPED: $missing is not installed (as root on Debian: apt-get install munge slurmctld slurmd slurm-client)"
+  fi
+fi
+
+# Headless Chromium and ChromeDriver for the web page's tests, and promtool
+# (Debian's prometheus package) for the metrics' (tests/cluster/web.rs): they
+# fail under CI=true without them.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -x /usr/bin/promtool ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test.sh: installing chromium, chromium-driver and prometheus (promtool) for the web tests (~1 min)" >&2
+    pkgs=(chromium chromium-driver prometheus)
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 &&
+        apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null 2>&1; } ||
+      echo "test.sh: could not install chromium, chromium-driver and prometheus" >&2
   fi
 fi
 

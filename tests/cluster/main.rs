@@ -12,7 +12,9 @@ mod support;
 #[path = "../common/mod.rs"]
 mod common;
 
+mod browser;
 mod lab;
+mod web;
 
 use std::process::Output;
 

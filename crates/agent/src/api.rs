@@ -746,13 +746,28 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .at::<AskStage, _, _>(stage_ask)
         .at::<OrderStage, _, _>(stage_order)
         .0;
+    let jobs = Arc::new(Jobs::of(&daemon));
+    let web = crate::web::router(daemon.clone(), jobs.clone())
+        .layer(axum::middleware::from_fn(time_limit));
     timed
         .layer(axum::middleware::from_fn(time_limit))
         .merge(untimed)
-        .with_state(App {
-            jobs: Arc::new(Jobs::of(&daemon)),
-            daemon,
-        })
+        .with_state(App { jobs, daemon })
+        .merge(web)
+        .layer(axum::middleware::from_fn(timed_by_route))
+}
+
+/// Counts how long each request took, by its route's pattern (never the
+/// path asked for: a caller must not grow the table), for `/metrics`.
+async fn timed_by_route(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let start = std::time::Instant::now();
+    let r = next.run(req).await;
+    crate::metrics::request(&route, start.elapsed().as_secs_f64());
+    r
 }
 
 /// A router being built from the route table.

@@ -355,6 +355,15 @@ impl Leases {
         let out = f(&txn, &mut written)?;
         txn.commit().map_err(|e| self.err(e))?;
         for rec in written {
+            // Counted once committed, from the state it had: a job's start
+            // and its end each once (`/metrics`).
+            crate::metrics::NODE_JOBS.changed(
+                active.get(&rec.id).map(|r| &r.state),
+                &rec.state,
+                rec.submitted_at,
+                rec.started_at,
+                rec.meta.stopped_for.is_some(),
+            );
             if rec.active() {
                 active.insert(rec.id.clone(), rec);
             } else {

@@ -145,6 +145,11 @@ pub struct JobExplain {
     pub ranking: Option<labsync_placer::Ranking>,
 }
 
+/// A log offset at or above this asks for the log's last `offset -
+/// LOG_TAIL` bytes (a job's web page shows its tail): no log reaches 2^62
+/// bytes. A node that predates it reads past the end and sends nothing.
+pub const LOG_TAIL: u64 = 1 << 62;
+
 /// A job as `labrun ps` shows it. Its own type, not the stored
 /// `JobRecord`: the record keeps a queued job's environment, which must
 /// never reach another user through the API.

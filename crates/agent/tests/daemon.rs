@@ -66,6 +66,7 @@ fn config(dir: &Path) -> DaemonConfig {
         cluster: None,
         slurm_check: None,
         slurm_rerank: None,
+        web: labsync_agent::WebConfig::default(),
     }
 }
 
@@ -665,4 +666,148 @@ async fn a_tree_in_use_outlives_an_eviction_pass_on_a_paused_clock() {
         "the next pass to remove the tree no job uses now",
     )
     .await;
+}
+
+/// One HTTP/1.1 exchange over labd's socket: the status, the head, the body.
+fn exchange(sock: &Path, request: &str) -> (String, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split_whitespace().nth(1).unwrap_or("").to_string();
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+fn get(path: &str, extra: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: labd\r\n{extra}Connection: close\r\n\r\n")
+}
+
+/// Issue 44: the web page's access. With tokens (the default) a page
+/// asks for a login, which sets an HttpOnly, SameSite=Strict cookie; a
+/// wrong token is refused; pages forbid inline scripts; a job's log is
+/// its user's (and admins'); nothing is writable. `lan` opens the pages
+/// read-only, `logs = "lab"` opens the logs, `off` serves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_web_page_is_behind_tokens_read_only_and_logs_are_their_users() {
+    use labsync_agent::{Access, LogsTo, WebConfig};
+    let cases = [
+        (Access::Token, LogsTo::Owner),
+        (Access::Lan, LogsTo::Owner),
+        (Access::Lan, LogsTo::Lab),
+        (Access::Off, LogsTo::Owner),
+    ];
+    for (access, logs) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.tokens
+            .push(("bob".into(), Secret::new("tok-bob-0123456789ab")));
+        cfg.web = WebConfig {
+            access,
+            logs,
+            secure_cookie: false,
+        };
+        let inv = Arc::new(FakeGpus::new("1x11GiB", None).unwrap());
+        let d = Daemon::open(cfg, inv).await.unwrap();
+        let id = d
+            .submit(
+                &alice(),
+                bash("printf '%s-%s <script>\\n' secret output; sleep 30", 0),
+            )
+            .await
+            .unwrap()
+            .id;
+        tick_until(&d, id.as_str(), "running", running).await;
+        let sock = dir.path().join("labd.sock");
+        let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(labsync_agent::serve(
+            d.clone(),
+            labsync_agent::Listener::Unix(listener),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let s = sock.clone();
+        let job_page = format!("/job/{id}?live=1");
+        let checks = tokio::task::spawn_blocking(move || {
+            let ask = |r: &str| exchange(&s, r);
+            let hex: String = "tok-alice-0123456789".bytes().map(|b| format!("{b:02x}")).collect();
+            let alice = &format!("Cookie: labsync_web={hex}\r\n");
+            let bob = "Authorization: Bearer tok-bob-0123456789ab\r\n";
+            // Never writable: the page's routes take no POST but the login's.
+            let (st, _, _) = ask("POST / HTTP/1.1\r\nHost: labd\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            assert_eq!(st, "405", "{access:?}");
+            match access {
+                Access::Off => {
+                    for path in ["/", "/login", "/metrics", &job_page] {
+                        assert_eq!(ask(&get(path, alice)).0, "404", "{path}");
+                    }
+                    return;
+                }
+                Access::Token => {
+                    let (st, head, _) = ask(&get("/", ""));
+                    assert_eq!(st, "303");
+                    assert!(head.contains("location: /login"), "{head}");
+                    assert_eq!(ask(&get("/?live=1", "")).0, "401");
+                    assert_eq!(ask(&get("/metrics", "")).0, "401");
+                    assert_eq!(ask(&get(&job_page, "")).0, "401");
+                    assert_eq!(ask(&get(&job_page.replace("?live=1", ""), "")).0, "303");
+                    // A wrong token, and none.
+                    for token in ["tok-alice-0123456789x", ""] {
+                        let body = format!("token={token}");
+                        let (st, head, _) = ask(&format!(
+                            "POST /login HTTP/1.1\r\nHost: labd\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        ));
+                        assert_eq!(st, "401", "{token}");
+                        assert!(!head.contains("set-cookie"), "{head}");
+                    }
+                    let body = "token=tok-alice-0123456789";
+                    let (st, head, _) = ask(&format!(
+                        "POST /login HTTP/1.1\r\nHost: labd\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+                         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    ));
+                    assert_eq!(st, "303");
+                    assert!(
+                        head.contains(&format!("set-cookie: labsync_web={hex}; path=/; httponly; samesite=strict")),
+                        "{head}"
+                    );
+                }
+                Access::Lan => {
+                    assert_eq!(ask(&get("/", "")).0, "200");
+                    assert_eq!(ask(&get("/metrics", "")).0, "200");
+                    let (st, _, body) = ask(&get(&job_page, ""));
+                    assert_eq!(st, "200");
+                    assert_eq!(body.contains("secret-output"), logs == LogsTo::Lab, "{body}");
+                }
+            }
+            let (st, head, body) = ask(&get("/", alice));
+            assert_eq!(st, "200", "{body}");
+            assert!(head.contains("content-security-policy: default-src 'none'; script-src 'self'"), "{head}");
+            assert!(body.contains("data-state=\"free\"") || body.contains("no GPUs"), "{body}");
+            // The owner reads the log, its markup as text; bob does not
+            // (unless the lab says so).
+            let (_, _, mine) = ask(&get(&job_page, alice));
+            assert!(mine.contains("secret-output &lt;script&gt;"), "{mine}");
+            assert!(!mine.contains("<script>"), "{mine}");
+            let (st, _, theirs) = ask(&get(&job_page, bob));
+            assert_eq!(st, "200");
+            assert_eq!(theirs.contains("secret-output"), logs == LogsTo::Lab, "{theirs}");
+            if logs == LogsTo::Owner {
+                assert!(theirs.contains("only its user and admins"), "{theirs}");
+            }
+            let (st, head, _) = ask(&get("/ui/app.js", ""));
+            assert_eq!(st, "200");
+            assert!(head.contains("text/javascript"), "{head}");
+        })
+        .await;
+        let _ = stop.send(());
+        d.kill(&alice(), id.as_str()).await.unwrap();
+        served.await.unwrap().unwrap();
+        checks.unwrap();
+    }
 }

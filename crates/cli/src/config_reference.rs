@@ -12,7 +12,7 @@ use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, Visitor};
 
-use crate::labd_config::{ClusterFile, LabFile, LabdFile, SlurmFile, TlsFile};
+use crate::labd_config::{ClusterFile, LabFile, LabdFile, SlurmFile, TlsFile, WebFile};
 use crate::settings::{self, FileConfig};
 
 /// A deserializer that answers a struct's request with the struct's field
@@ -165,6 +165,7 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
     wrong.extend(check(&tables, part, "lab", keys::<LabFile>()));
     wrong.extend(check(&tables, part, "tls", keys::<TlsFile>()));
     wrong.extend(check(&tables, part, "slurm", keys::<SlurmFile>()));
+    wrong.extend(check(&tables, part, "web", keys::<WebFile>()));
     // Maps (user = token, user = tier, user = date) have no fixed keys.
     for map in ["tokens", "lab.users", "lab.grants"] {
         let (_, rows) = tables
@@ -182,6 +183,7 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
         "lab",
         "tls",
         "slurm",
+        "web",
         "tokens",
         "lab.users",
         "lab.grants",
@@ -255,6 +257,7 @@ fn the_packaged_config_parses_and_names_only_keys_labd_takes() {
         ("tls", keys::<TlsFile>()),
         ("slurm", keys::<SlurmFile>()),
         ("lab", keys::<LabFile>()),
+        ("web", keys::<WebFile>()),
     ];
     let mut table = "";
     let mut named = 0;

@@ -137,6 +137,49 @@ pub(crate) struct LabdFile {
     tls: Option<TlsFile>,
     /// Where the lab runs Slurm (the coordinator's).
     slurm: Option<SlurmFile>,
+    /// The web page and `/metrics`.
+    web: Option<WebFile>,
+}
+
+/// `[web]` of labd's config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WebFile {
+    /// `token` (default), `lan` or `off`.
+    access: Option<String>,
+    /// `owner` (default) or `lab`: whose job logs a page shows.
+    logs: Option<String>,
+}
+
+/// `[web]`, checked; `secure`: labd listens with TLS.
+fn web_config(file: Option<WebFile>, secure: bool) -> Result<labsync_agent::WebConfig> {
+    use labsync_agent::{Access, LogsTo};
+    let file = file.unwrap_or(WebFile {
+        access: None,
+        logs: None,
+    });
+    let access = match file.access.as_deref() {
+        None | Some("token") => Access::Token,
+        Some("lan") => Access::Lan,
+        Some("off") => Access::Off,
+        Some(other) => bail!(
+            "[web] access = {other:?}: say \"token\" (users log in with their token), \"lan\" \
+             (read-only pages open to whoever reaches labd) or \"off\""
+        ),
+    };
+    let logs = match file.logs.as_deref() {
+        None | Some("owner") => LogsTo::Owner,
+        Some("lab") => LogsTo::Lab,
+        Some(other) => bail!(
+            "[web] logs = {other:?}: say \"owner\" (a job's log only to its user and admins) or \
+             \"lab\" (to everyone who sees the page)"
+        ),
+    };
+    Ok(labsync_agent::WebConfig {
+        access,
+        logs,
+        secure_cookie: secure,
+    })
 }
 
 /// `[slurm]` of the coordinator's config file.
@@ -281,6 +324,7 @@ pub fn resolve_with(flags: &LabdFlags, more_env: &[(String, String)]) -> Result<
     let cluster_file = file.cluster.take();
     let lab_file = file.lab.take();
     let slurm_file = file.slurm.take();
+    let web_file = file.web.take();
     let coordinates = cluster_file.as_ref().is_some_and(|c| c.coordinate);
     let mut config = daemon_config(file, settings, &local)?;
     if let Some(c) = cluster_file {
@@ -307,6 +351,7 @@ pub fn resolve_with(flags: &LabdFlags, more_env: &[(String, String)]) -> Result<
         None => Arc::from(detect()),
     };
     (config.slurm_check, config.slurm_rerank) = slurm_settings(slurm_file, coordinates);
+    config.web = web_config(web_file, matches!(listen, Endpoint::Tls(_)))?;
     Ok(LabdSettings {
         config,
         listen,
@@ -532,6 +577,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         cluster: None,
         slurm_check: None,
         slurm_rerank: None,
+        web: labsync_agent::WebConfig::default(),
     })
 }
 
@@ -887,6 +933,27 @@ mod tests {
         assert_eq!(m.tier_for("dave", None, 0).unwrap().0, 4);
         assert_eq!(end_of_day_ms("1970-01-01"), Some(86_400_000));
         assert_eq!(end_of_day_ms("2024-02-29"), Some(19_783 * 86_400_000));
+    }
+
+    #[test]
+    fn the_web_section_is_read_and_its_mistakes_named() {
+        let web = |t: &str| web_config(Some(toml::from_str::<WebFile>(t).unwrap()), false);
+        let w = web("access = \"lan\"\nlogs = \"lab\"").unwrap();
+        assert_eq!(
+            (w.access, w.logs),
+            (labsync_agent::Access::Lan, labsync_agent::LogsTo::Lab)
+        );
+        let w = web_config(None, true).unwrap();
+        assert_eq!(w.access, labsync_agent::Access::Token);
+        assert!(w.secure_cookie);
+        let e = web("access = \"public\"").unwrap_err().to_string();
+        assert!(
+            e.contains("[web] access = \"public\"") && e.contains("\"lan\""),
+            "{e}"
+        );
+        let e = web("logs = \"all\"").unwrap_err().to_string();
+        assert!(e.contains("[web] logs = \"all\""), "{e}");
+        assert!(toml::from_str::<WebFile>("acess = \"lan\"").is_err());
     }
 
     #[test]

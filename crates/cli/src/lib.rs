@@ -147,30 +147,9 @@ pub fn human_time_at(secs: i64, offset: i32) -> String {
     let off = offset.unsigned_abs();
     format!(
         "{} {sign}{:02}:{:02}",
-        utc_time(secs + i64::from(offset)),
+        labsync_agent::utc_time(secs + i64::from(offset)),
         off / 3600,
         off % 3600 / 60
-    )
-}
-
-/// `2026-12-02 18:04` from Unix seconds, read as UTC.
-fn utc_time(secs: i64) -> String {
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Howard Hinnant's civil-from-days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
-        rem / 3600,
-        rem % 3600 / 60
     )
 }
 

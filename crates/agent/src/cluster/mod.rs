@@ -7,6 +7,7 @@
 //! A cluster is set up by config alone: every node names the coordinator's
 //! address and holds the cluster secret; one node says it coordinates.
 
+mod board;
 mod coordinator;
 mod jobs;
 mod link;
@@ -23,6 +24,7 @@ pub use crate::auth::{
     now_ms, signing_ms, AuthError, ClusterKey, Route, Signed, BODY, MIN_SECRET, NODE, SIGNATURE,
     SKEW, TIME, TO, TO_COORDINATOR,
 };
+pub use board::{Standing, Standings};
 pub use coordinator::Coordinator;
 pub use link::{Answer, Here, Reach};
 pub use peers::{ClusterPeers, COUNTS_FILE};

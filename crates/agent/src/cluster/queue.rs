@@ -100,6 +100,26 @@ fn counted(j: &ClusterJob, user: &str) -> bool {
         }
 }
 
+/// Counts a live job's placement and its end for `/metrics`, once each:
+/// `before` is the job as the live map held it (an ended job is no longer
+/// there, so writing it again counts nothing).
+fn count(before: Option<&ClusterJob>, after: &ClusterJob) {
+    let Some(before) = before else { return };
+    let stats = &crate::metrics::CLUSTER_JOBS;
+    match (&before.placement, &after.placement) {
+        (Placement::Queued { .. }, Placement::Dispatched { at, .. }) => {
+            stats.started(at.saturating_sub(after.submitted_at))
+        }
+        (Placement::Ended { .. }, _)
+        | (_, Placement::Queued { .. } | Placement::Dispatched { .. }) => {}
+        (_, Placement::Ended { view }) => {
+            if let Some(o) = crate::metrics::outcome(&view.state, after.preempted.is_some()) {
+                stats.ended(o)
+            }
+        }
+    }
+}
+
 /// How long an ended job stays in `labrun ps`'s default listing.
 pub const RECENT_SECS: u64 = 86_400;
 
@@ -293,6 +313,7 @@ impl ClusterJobs {
                 .map_err(|e| self.err(e))?;
         }
         txn.commit().map_err(|e| self.err(e))?;
+        count(live.get(&job.number()), job);
         if matches!(job.placement, Placement::Ended { .. }) {
             live.remove(&job.number());
             (self.recent.lock().expect("jobs poisoned")).insert(job.number(), job.clone());

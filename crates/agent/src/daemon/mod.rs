@@ -39,7 +39,7 @@ use crate::users;
 use housekeeping::Housekeeping;
 use logs::JobLogs;
 use outputs::{OutputsConfig, OutputsSaver};
-pub(crate) use reporter::Reporter;
+pub(crate) use reporter::{cache_summary, Reporter};
 pub use warm::Warms;
 
 /// What one peer, and everyone together, may hold open. A local user
@@ -146,6 +146,8 @@ pub struct DaemonConfig {
     /// The coordinator re-ranks pending Slurm jobs (`[slurm] rerank_s`):
     /// run beside the ticker ([`crate::cluster::rerank`]).
     pub slurm_rerank: Option<crate::slurm::Rerank>,
+    /// The web page and `/metrics` (`[web]`).
+    pub web: crate::web::WebConfig,
 }
 
 /// Checking a stage's job with Slurm (`squeue`): it must be
@@ -477,6 +479,11 @@ impl Daemon {
             p.save();
             p.counts()
         })
+    }
+
+    /// The web page's settings (`[web]`).
+    pub(crate) fn web_config(&self) -> &crate::web::WebConfig {
+        &self.cfg.web
     }
 
     /// The cluster settings, when in one.

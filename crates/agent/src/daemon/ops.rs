@@ -570,6 +570,15 @@ impl Daemon {
         let rec = self.record(id)?;
         self.own(caller, &rec, "read the log of")?;
         let path = self.node.log_path(id);
+        let offset = if offset >= crate::proto::LOG_TAIL {
+            let p = path.clone();
+            let size = off_runtime(move || std::fs::metadata(&p).map(|m| m.len()))
+                .await
+                .unwrap_or(0);
+            size.saturating_sub(offset - crate::proto::LOG_TAIL)
+        } else {
+            offset
+        };
         let deadline = Instant::now() + wait.min(Duration::from_secs(30));
         // Subscribed before the first read: a change after it wakes us.
         let mut changed = self.logs.subscribe(id);

@@ -49,6 +49,11 @@ pub struct Reporter {
 /// for again.
 const KILL_AGAIN: Duration = Duration::from_secs(60);
 
+/// What the node cache holds, for the web page of a labd alone.
+pub(crate) fn cache_summary(cache: &NodeCache) -> Result<CacheSummary, String> {
+    read_inventory(cache).map(|i| i.summary)
+}
+
 fn read_inventory(cache: &NodeCache) -> Result<Inventory, String> {
     let st = cache.status().map_err(|e| e.to_string())?;
     let mut inv = Inventory::default();
