@@ -14,6 +14,7 @@ mod common;
 
 mod browser;
 mod lab;
+mod rerun;
 mod web;
 
 use std::process::Output;

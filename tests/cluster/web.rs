@@ -206,6 +206,7 @@ fn the_page_shows_every_gpu_state_live_and_a_jobs_log_only_to_its_user() {
         "submitted",
         "started",
         "code/alice/code@v",
+        "labrun rerun",
     ] {
         assert!(facts.contains(want), "{want} in {facts}");
     }

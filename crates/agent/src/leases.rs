@@ -169,6 +169,24 @@ pub struct JobMeta {
     /// ([`crate::keeper`]), ended when the job is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_keeper: Option<(u32, Option<u64>)>,
+    /// What was submitted, without its command (the record's `argv`) and
+    /// environment (the submitter's secrets, as often as not): the code
+    /// and data snapshots by id, the resources, the tier it runs at. Its
+    /// outputs' versions carry it; `labrun rerun` submits it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<crate::proto::SubmitRequest>,
+    /// The GPUs it held, kept once it ended (its `gpus` are then given back).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus_held: Vec<u32>,
+}
+
+/// `req` as a job's record keeps it ([`JobMeta::request`]).
+pub fn recorded(req: &crate::proto::SubmitRequest) -> crate::proto::SubmitRequest {
+    crate::proto::SubmitRequest {
+        argv: Vec::new(),
+        env: Vec::new(),
+        ..req.clone()
+    }
 }
 
 /// Now, in Unix seconds.

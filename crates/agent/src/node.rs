@@ -899,6 +899,7 @@ impl Node {
                     .as_ref()
                     .map(|k| (k.id(), runner::start_ticks(k.id())));
                 let recorded = self.state.update(&id, |r| {
+                    r.meta.gpus_held = gpus.clone();
                     r.gpus = gpus;
                     r.state = JobState::Running { sid, start };
                     r.started_at = Some(unix_now());

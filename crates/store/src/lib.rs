@@ -79,7 +79,7 @@ pub use pull::{snapshot_packs, warm, Pull, PullOptions, PullOutcome};
 pub use push::{push, PushOptions, PushOutcome};
 pub use remote::{ObjectInfo, Remote};
 pub use repo::{
-    validate_name, IndexMemo, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT,
+    validate_name, IndexMemo, Provenance, RefSpec, Repo, StoreConfig, VersionRecord, FORMAT,
     GC_GRACE_FLOOR_SECS, MAX_CONFIG_OBJECT, MAX_INDEX_OBJECT, MAX_RECORD_OBJECT,
     MAX_SNAPSHOT_OBJECT, MAX_TREE_BYTES,
 };

@@ -16,7 +16,7 @@ use crate::pack::{self, PackEntry};
 use crate::remote::Remote;
 use crate::snapshot::{self, Entry, SnapshotObject};
 pub(crate) use crate::version::version_key;
-pub use crate::version::VersionRecord;
+pub use crate::version::{Provenance, VersionRecord};
 
 /// Version of the store layout this code reads and writes.
 pub const FORMAT: u32 = 1;

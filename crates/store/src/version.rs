@@ -38,6 +38,37 @@ pub struct VersionRecord {
     /// listed, but its number stays taken so versions never repeat.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub forgotten: bool,
+    /// For a job's outputs (`runs/<job>`): what made them, as the labd
+    /// that ran the job recorded it. Whoever can write the store can write
+    /// a record, so this is the pusher's word: `labrun rerun` reads the
+    /// job's own record from labd, not this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provenance: Option<Provenance>,
+}
+
+/// What made a version of a job's outputs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The job, `j7`.
+    pub job: String,
+    /// Its command.
+    pub command: Vec<String>,
+    /// The code it ran: `code/alice/proj@v3` and its snapshot.
+    pub code: Option<(String, SnapshotId)>,
+    /// Each dataset: `div2k@v1` and its snapshot.
+    pub data: Vec<(String, SnapshotId)>,
+    /// The node it ran on.
+    pub node: String,
+    /// The GPUs it held there.
+    pub gpus: Vec<u32>,
+    /// The tier it ran at (a cluster's).
+    pub tier: Option<String>,
+    /// Started and ended, Unix seconds.
+    pub started: Option<u64>,
+    /// Ended (`None` for a save while it ran).
+    pub ended: Option<u64>,
+    /// How it ended: `exit 0`, `signal 9`, or why it failed.
+    pub exit: Option<String>,
 }
 
 impl VersionRecord {

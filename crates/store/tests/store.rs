@@ -435,6 +435,7 @@ async fn plant_snapshot(repo: &Repo, name: &str, entries: &[Entry]) -> VersionRe
         removed: 0,
         modified: 0,
         forgotten: false,
+        provenance: None,
     };
     repo.commit_version(rec).await.unwrap().0
 }

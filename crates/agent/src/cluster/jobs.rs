@@ -538,11 +538,16 @@ impl Coordinator {
             return;
         }
         let (me, link) = (self.clone(), self.link(r, &node));
+        // The node records the tier the job runs at (its provenance), not
+        // the one asked: only this copy says it, the queue keeps the ask.
+        let tier = super::pass::tier_of(&self.members, &job, self.now_ms());
+        let mut req = job.req.clone();
+        req.priority = Some(self.members.ladder.name(tier).to_string());
         tokio::spawn(async move {
             let dispatch = Dispatch {
                 id: job.id.clone(),
                 user: job.user.clone(),
-                req: job.req.clone(),
+                req,
                 gpus,
             };
             let reply = match link {
@@ -728,6 +733,7 @@ impl Coordinator {
                 data: j.req.data.iter().map(|t| t.tree.label.clone()).collect(),
                 outputs: j.req.outputs.clone(),
                 outputs_pending: j.req.outputs.is_some(),
+                request: Some(crate::leases::recorded(&j.req)),
                 ..Default::default()
             },
         }

@@ -409,6 +409,8 @@ impl Daemon {
                 .chain(req.data.iter().map(|d| &d.tree))
                 .map(|t| t.snapshot)
                 .collect(),
+            request: Some(crate::leases::recorded(req)),
+            gpus_held: Vec::new(),
         }
     }
 

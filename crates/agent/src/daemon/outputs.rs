@@ -322,6 +322,7 @@ impl OutputsSaver {
                 Some(OUTPUTS_SETTLE)
             },
             compression: self.compression,
+            provenance: Some(provenance(job, &self.node_name)),
         };
         let repo = match self.store.get() {
             Ok(r) => r.clone(),
@@ -447,6 +448,32 @@ fn look_at_outputs(who: Option<RunAs>, dir: &std::path::Path) -> Result<bool, Lo
             ),
             denied: false,
         }),
+    }
+}
+
+/// What made `job`'s outputs, as its outputs' versions record it.
+fn provenance(job: &JobRecord, node: &str) -> labsync_store::Provenance {
+    let req = job.meta.request.as_ref();
+    let tree = |t: &crate::proto::TreeRef| (t.label.clone(), t.snapshot);
+    labsync_store::Provenance {
+        job: job.id.to_string(),
+        command: job.argv.clone(),
+        code: req.and_then(|r| r.code.as_ref()).map(tree),
+        data: req.map_or_else(Vec::new, |r| r.data.iter().map(|d| tree(&d.tree)).collect()),
+        node: node.to_string(),
+        gpus: job.meta.gpus_held.clone(),
+        tier: req.and_then(|r| r.priority.clone()),
+        started: job.started_at,
+        ended: job.ended_at,
+        exit: match &job.state {
+            JobState::Exited { code: Some(c), .. } => Some(format!("exit {c}")),
+            JobState::Exited {
+                signal: Some(s), ..
+            } => Some(format!("signal {s}")),
+            JobState::Exited { .. } => Some("exited".into()),
+            JobState::Failed { reason } => Some(format!("failed: {reason}")),
+            JobState::Queued | JobState::Running { .. } => None,
+        },
     }
 }
 

@@ -421,30 +421,46 @@ pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail) -> String 
         "command",
         format!("<code>{}</code>", esc(&j.argv.join(" "))),
     );
+    let req = j.meta.request.as_ref();
+    // Live, the coordinator's word; ended, the one its node recorded.
+    let tier = tier.or(req.and_then(|r| r.priority.as_deref()));
     if let Some(t) = tier.filter(|t| !t.is_empty()) {
         row("tier", esc(t));
     }
-    row("code", esc(j.meta.code.as_deref().unwrap_or("none")));
-    row(
-        "data",
-        if j.meta.data.is_empty() {
-            "none".into()
-        } else {
-            j.meta
-                .data
-                .iter()
-                .map(|d| esc(d))
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-    );
-    row(
-        "snapshots",
-        (j.meta.trees.iter())
-            .map(|s| format!("<code>{}</code>", esc(&s.to_string())))
-            .collect::<Vec<_>>()
-            .join(" "),
-    );
+    let tree = |t: &crate::proto::TreeRef| {
+        format!(
+            "{} <code title=\"snapshot\">{}</code>",
+            esc(&t.label),
+            esc(&t.snapshot.to_string())
+        )
+    };
+    match req {
+        Some(r) => {
+            row("code", r.code.as_ref().map_or("none".into(), tree));
+            let data: Vec<String> = r.data.iter().map(|d| tree(&d.tree)).collect();
+            row(
+                "data",
+                if data.is_empty() {
+                    "none".into()
+                } else {
+                    data.join("<br>")
+                },
+            );
+        }
+        // Recorded by an older labd: the labels alone.
+        None => {
+            row("code", esc(j.meta.code.as_deref().unwrap_or("none")));
+            row(
+                "data",
+                j.meta
+                    .data
+                    .iter()
+                    .map(|d| esc(d))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+        }
+    }
     row(
         "where",
         format!(
@@ -478,6 +494,12 @@ pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail) -> String 
     }
     if let Some(r) = &j.meta.released {
         row("hold", esc(r));
+    }
+    if req.is_some_and(|r| r.hold_s.is_none()) {
+        row(
+            "run again",
+            format!("<code>labrun rerun {}</code>", esc(j.id.as_str())),
+        );
     }
     let _ = out.write_str("</table><h2>Log</h2>");
     match log {

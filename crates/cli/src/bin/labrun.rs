@@ -199,6 +199,27 @@ enum Cmd {
         /// Job id
         job: String,
     },
+    /// Run a job again: the same command on the same code and data
+    /// snapshots (by id, not by a name looked up again), with the same GPUs,
+    /// GPU memory and outputs; your environment of now. Its outputs go to
+    /// runs/<new id>
+    #[command(
+        after_help = "Examples:\n  labrun rerun j7\n  labrun rerun j7 --data div2k@v4   \
+                            # the same run on another version of div2k"
+    )]
+    Rerun {
+        /// The job to run again (labrun ps --all lists them)
+        job: String,
+        /// NAME@vN: that version of the job's dataset NAME instead (repeat for more)
+        #[arg(long, value_name = "NAME@vN")]
+        data: Vec<String>,
+        /// Tier to run at (default: your own)
+        #[arg(long)]
+        priority: Option<String>,
+        /// Print the new job's id and return
+        #[arg(short, long)]
+        detach: bool,
+    },
     /// The batch script's step of a Slurm job (labrun --backend slurm writes it)
     #[command(name = "_slurm-job", hide = true)]
     SlurmJob {
@@ -284,6 +305,20 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Cmd::Kill { job }) => commands::kill::kill(&client, g.json, g.quiet, &job).await,
         Some(Cmd::Status) => commands::status::status(&client, g.json).await,
         Some(Cmd::Explain { job }) => commands::explain::explain(&client, g.json, &job).await,
+        Some(Cmd::Rerun {
+            job,
+            data,
+            priority,
+            detach,
+        }) => {
+            let a = commands::rerun::Rerun {
+                job,
+                data,
+                priority,
+                detach,
+            };
+            commands::rerun::rerun(&s, &client, g.quiet, a).await
+        }
         Some(Cmd::SlurmJob { .. }) => unreachable!("run before labd is looked for"),
     }
 }
@@ -295,8 +330,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
 fn subcommand_first(args: Vec<String>) -> Vec<String> {
     const VALUED: [&str; 5] = ["--labd", "--config", "--store", "--cache-dir", "--backend"];
     const FLAGS: [&str; 3] = ["-q", "--quiet", "--json"];
-    const SUBCOMMANDS: [&str; 7] = [
+    const SUBCOMMANDS: [&str; 8] = [
         "ps",
+        "rerun",
         "logs",
         "kill",
         "status",

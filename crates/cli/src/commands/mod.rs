@@ -45,6 +45,7 @@ mod job_words;
 pub mod kill;
 pub mod logs;
 pub mod ps;
+pub mod rerun;
 pub mod run;
 pub mod status;
 

@@ -43,6 +43,7 @@ pub async fn push(
         read_as: None,
         settle: None,
         compression: ctx.settings.compression,
+        provenance: None,
     };
     let r = store::push(&repo, src, &opts, ctx.printer.progress()).await?;
     ctx.printer

@@ -209,7 +209,7 @@ fn print_ranking(ranking: &labsync_placer::Ranking, gpus: u32, json: bool) -> Re
 }
 
 /// Where the job went, on stderr: its node, or the cluster's queue.
-fn say_where(job: &JobView, info: &Info, code: &str, gpus: u32) {
+pub(crate) fn say_where(job: &JobView, info: &Info, code: &str, gpus: u32) {
     let place = match (&job.node, info.coordinator) {
         (Some(n), _) => n.to_string(),
         (None, true) => format!("the cluster of {}", info.node),
@@ -424,7 +424,7 @@ async fn data_refs(
 /// The command and environment within what labd takes
 /// ([`labsync_agent::MAX_COMMAND_BYTES`], [`labsync_agent::MAX_DATASETS`]);
 /// past it, the error names the largest variables.
-fn check_size(argv: &[String], env: &[(String, String)], datasets: usize) -> Result<()> {
+pub(crate) fn check_size(argv: &[String], env: &[(String, String)], datasets: usize) -> Result<()> {
     use labsync_agent::{command_bytes, variable_bytes, MAX_COMMAND_BYTES, MAX_DATASETS};
     if datasets > MAX_DATASETS {
         bail!("{datasets} datasets: at most {MAX_DATASETS} per job");
@@ -449,7 +449,7 @@ fn check_size(argv: &[String], env: &[(String, String)], datasets: usize) -> Res
     Ok(())
 }
 
-async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
+pub(crate) async fn open_repo(info: &Info, s: &Settings) -> Result<Repo> {
     let remote = Remote::open(&info.store, &s.store_options)
         .with_context(|| format!("cannot open labd's store {}", info.store))?;
     super::refuse_shared_local_store_as_root(&remote).await?;
@@ -555,6 +555,7 @@ async fn push_tree(
         read_as: None,
         settle: None,
         compression: s.compression,
+        provenance: None,
     };
     let out = push(repo, src, &opts, bar.clone())
         .await

@@ -189,6 +189,7 @@ impl Saver {
                     read_as: None,
                     settle: Some(SETTLE),
                     compression: s.compression,
+                    provenance: None,
                 },
                 repo,
             }),

@@ -320,6 +320,7 @@ pub(super) async fn commit_version(
             removed: stats.removed,
             modified: stats.modified,
             forgotten: false,
+            provenance: opts.provenance.clone(),
         })
         .await?;
     tracing::debug!(created, "push: version committed");

@@ -65,6 +65,8 @@ pub struct PushOptions {
     pub settle: Option<std::time::Duration>,
     /// How compressible file chunks are compressed (trees always use zstd).
     pub compression: Codec,
+    /// Recorded in the version: what made a job's outputs.
+    pub provenance: Option<crate::Provenance>,
 }
 
 impl PushOptions {
@@ -82,6 +84,7 @@ impl PushOptions {
             read_as: None,
             settle: None,
             compression: Codec::default(),
+            provenance: None,
         }
     }
 
