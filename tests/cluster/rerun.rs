@@ -52,7 +52,18 @@ fn a_rerun_reproduces_a_jobs_outputs_on_the_same_snapshots() {
                   sha256sum gen.sh > out/code.sum\necho \"$@\" > out/args\n\
                   cp -r \"$LABRUN_DATA\" out/copy\n";
     std::fs::write(code.join("gen.sh"), script).unwrap();
-    let args = ["--data", "ds", "--outputs", "out", "--gpus", "1", "--", "sh", "gen.sh", "a b"];
+    let args = [
+        "--data",
+        "ds",
+        "--outputs",
+        "out",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "gen.sh",
+        "a b",
+    ];
     lab.ok(&args);
     let first = lab.jobs().last().unwrap().id.to_string();
     let made = outputs(&lab, &first);
@@ -60,14 +71,22 @@ fn a_rerun_reproduces_a_jobs_outputs_on_the_same_snapshots() {
     assert_eq!(made["args"], b"a b\n");
 
     // The code and the data move on.
-    std::fs::write(code.join("gen.sh"), format!("{script}echo changed > out/new\n")).unwrap();
+    std::fs::write(
+        code.join("gen.sh"),
+        format!("{script}echo changed > out/new\n"),
+    )
+    .unwrap();
     write_tree(&ds.join("more"), 9);
     lab.labsync(0, &["push", ds.to_str().unwrap(), "--name", "ds"]);
 
     let out = lab.ok(&["rerun", &first]);
     let again = lab.jobs().last().unwrap().id.to_string();
     assert_ne!(again, first, "{out}");
-    assert_eq!(outputs(&lab, &again), made, "the rerun's outputs differ from {first}'s");
+    assert_eq!(
+        outputs(&lab, &again),
+        made,
+        "the rerun's outputs differ from {first}'s"
+    );
 
     // The outputs say what made them.
     let log = lab.labsync(0, &["log", &format!("runs/{again}")]);
@@ -95,12 +114,18 @@ fn a_rerun_reproduces_a_jobs_outputs_on_the_same_snapshots() {
     });
     let other = outputs(&lab, &swapped);
     assert_ne!(other["data.sum"], made["data.sum"]);
-    assert_eq!(other["code.sum"], made["code.sum"], "the code stays the first run's");
+    assert_eq!(
+        other["code.sum"], made["code.sum"],
+        "the code stays the first run's"
+    );
 
     // Mistakes are named.
     let o = lab.labrun(&["rerun", &first, "--data", "nope@v1"]);
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("read no dataset nope; it read ds@v1"), "{e}");
+    assert!(
+        !o.status.success() && e.contains("read no dataset nope; it read ds@v1"),
+        "{e}"
+    );
     let o = lab.labrun(&["rerun", "j999"]);
     assert!(!o.status.success(), "{o:?}");
 }

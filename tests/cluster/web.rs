@@ -414,3 +414,179 @@ fn metrics_parse_with_promtool_and_agree_with_labrun_status() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A webhook receiver on loopback: answers 500 to its first request and
+/// 200 to the rest; every request's path and body, with what it answered.
+struct Receiver {
+    port: u16,
+    got: std::sync::Arc<std::sync::Mutex<Vec<(String, String, u16)>>>,
+}
+
+impl Receiver {
+    fn start() -> Receiver {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let g = got.clone();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { continue };
+                let mut raw = Vec::new();
+                let mut buf = [0u8; 8192];
+                let (head, body) = loop {
+                    let n = s.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        break (String::new(), String::new());
+                    }
+                    raw.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&raw).to_string();
+                    if let Some((h, b)) = text.split_once("\r\n\r\n") {
+                        let len = (h.lines())
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().to_string())
+                            })
+                            .and_then(|v| v.parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if b.len() >= len {
+                            break (h.to_string(), b.to_string());
+                        }
+                    }
+                };
+                let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                let mut got = g.lock().unwrap();
+                let status = if got.is_empty() { 500 } else { 200 };
+                got.push((path, body, status));
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+            }
+        });
+        Receiver { port, got }
+    }
+
+    fn got(&self) -> Vec<(String, String, u16)> {
+        self.got.lock().unwrap().clone()
+    }
+}
+
+/// Issue 44: a job's end and failure are told to its user's webhook once
+/// each (the one the receiver answered 500 to, again), and by mail
+/// through sendmail; a webhook to a host the lab did not name is refused
+/// at submission; the webhook's address is never shown nor recorded, and
+/// the job's page says how the telling went.
+#[test]
+fn each_end_is_told_once_and_a_failed_webhook_is_tried_again() {
+    let rx = Receiver::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mailbox = dir.path().join("mail.txt");
+    let sendmail = dir.path().join("sendmail");
+    std::fs::write(
+        &sendmail,
+        format!(
+            "#!/bin/sh\n{{ echo \"ARGS $*\"; cat; }} >> {}\n",
+            mailbox.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &sendmail,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let extra = format!(
+        "[notify]\nhosts = [\"127.0.0.1\"]\nsendmail = \"{}\"\n",
+        sendmail.display()
+    );
+    let Some(lab) = Lab::start_full(2, false, "", &extra) else {
+        return;
+    };
+    let hook = format!("http://127.0.0.1:{}/hooks/secret-path", rx.port);
+
+    // Refused at once: a host the lab's [notify] hosts does not name.
+    let o = lab.labrun(&[
+        "--notify",
+        "https://evil.example/x",
+        "--gpus",
+        "0",
+        "--",
+        "true",
+    ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("ask an admin to add evil.example"),
+        "{e}"
+    );
+
+    lab.ok(&["--notify", &hook, "--gpus", "0", "--", "true"]);
+    let ok = lab.jobs().last().unwrap().id.to_string();
+    let o = lab.labrun(&[
+        "--notify",
+        &hook,
+        "--notify",
+        "mailto:alice@lab.example",
+        "--gpus",
+        "0",
+        "--",
+        "false",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let failed = lab.jobs().last().unwrap().id.to_string();
+
+    crate::common::wait_until("both told", 30, || {
+        rx.got().iter().filter(|(_, _, s)| *s == 200).count() >= 2
+    });
+    crate::common::wait_until("the mail", 30, || {
+        std::fs::read_to_string(&mailbox).is_ok_and(|m| m.contains(&failed))
+    });
+    // Nothing more comes: one message per event.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let got = rx.got();
+    assert_eq!(got.len(), 3, "two events, one of them tried twice: {got:?}");
+    assert_eq!(got[0].2, 500);
+    let delivered: Vec<serde_json::Value> = (got.iter())
+        .filter(|(_, _, s)| *s == 200)
+        .map(|(p, b, _)| {
+            assert_eq!(p, "/hooks/secret-path");
+            serde_json::from_str(b).unwrap()
+        })
+        .collect();
+    for v in &delivered {
+        assert_eq!(v["text"], v["content"], "Slack's and Discord's field alike");
+    }
+    let said = |id: &str| {
+        (delivered.iter())
+            .filter(|v| {
+                v["text"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(&format!("labsync: {id} (alice)"))
+            })
+            .count()
+    };
+    assert_eq!((said(&ok), said(&failed)), (1, 1), "{delivered:?}");
+    assert!(delivered.iter().any(|v| v["text"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("{failed} (alice) failed: exit 1"))));
+    let mail = std::fs::read_to_string(&mailbox).unwrap();
+    assert!(mail.contains("ARGS -i -- alice@lab.example"), "{mail}");
+    assert!(
+        mail.contains(&format!("Subject: labsync: {failed} failed")),
+        "{mail}"
+    );
+
+    // The page says how it went; the webhook's path is in no page nor record.
+    let first = if got[0].1.contains(&format!("labsync: {ok} ")) {
+        &ok
+    } else {
+        &failed
+    };
+    let (_, page) = get(&lab, 0, &format!("/job/{first}?live=1"), Some(ALICE));
+    assert!(page.contains("told http://127.0.0.1/… (2 tries)"), "{page}");
+    assert!(!page.contains("secret-path"), "{page}");
+    let ps = lab.ok(&["ps", "--all", "--json"]);
+    assert!(!ps.contains("secret-path"), "{ps}");
+}

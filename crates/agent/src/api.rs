@@ -872,6 +872,11 @@ fn start_loops(
     stop: &tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     let ticker = tokio::spawn(daemon.clone().run_ticker(stop.clone()));
+    tokio::spawn(crate::notify::run(
+        daemon.clone(),
+        daemon.notifier().clone(),
+        stop.clone(),
+    ));
     tokio::spawn(daemon.clone().run_coordinator(stop.clone()));
     if let (Some(r), Some(co)) = (daemon.slurm_rerank(), daemon.coordinator()) {
         tokio::spawn(crate::cluster::rerank::run(

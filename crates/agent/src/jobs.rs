@@ -40,11 +40,24 @@ impl Jobs {
         }
     }
 
-    /// Takes `caller`'s job.
+    /// Takes `caller`'s job. Where its user is to be told of its end is
+    /// checked here (a webhook only to a host the lab names), and kept:
+    /// in the cluster's queue record, or in a labd alone's memory.
     pub async fn submit(&self, caller: &Caller, req: SubmitRequest) -> Result<JobView, JobError> {
         match self {
-            Jobs::Node(d) => d.submit(caller, req).await,
-            Jobs::Cluster { co, reach } => co.submit(reach, caller, req).await,
+            Jobs::Node(d) => {
+                crate::notify::check(&req.notify, d.notifier().config())?;
+                let targets = req.notify.clone();
+                let job = d.submit(caller, req).await?;
+                if !targets.is_empty() {
+                    d.notifier().remember(job.id.as_str(), targets);
+                }
+                Ok(job)
+            }
+            Jobs::Cluster { co, reach } => {
+                crate::notify::check(&req.notify, reach.notifier().config())?;
+                co.submit(reach, caller, req).await
+            }
         }
     }
 

@@ -185,6 +185,7 @@ pub fn recorded(req: &crate::proto::SubmitRequest) -> crate::proto::SubmitReques
     crate::proto::SubmitRequest {
         argv: Vec::new(),
         env: Vec::new(),
+        notify: Vec::new(),
         ..req.clone()
     }
 }

@@ -49,6 +49,7 @@ mod lane;
 mod leases;
 mod metrics;
 mod node;
+mod notify;
 pub mod proto;
 mod request;
 pub mod rlimits;
@@ -82,6 +83,7 @@ pub use jobs::Jobs;
 pub use keeper::{keep_log_if_asked, KEEP_LOG};
 pub use leases::{unix_now, JobMeta, JobRecord, JobState, Leases, QueuedSpec};
 pub use node::{probe_cgroups, Node, NodeConfig, NodeError, Submit};
+pub use notify::{target_ok as notify_target_ok, NotifyConfig};
 pub use request::{
     command_bytes, variable_bytes, Caller, LogRead, MAX_COMMAND_BYTES, MAX_DATASETS,
 };

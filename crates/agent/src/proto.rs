@@ -121,6 +121,11 @@ pub struct SubmitRequest {
     /// set by the coordinator only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_from: Option<String>,
+    /// Where to tell its user that it ended (webhook URLs, `mailto:`):
+    /// secrets (a webhook's URL lets anyone post), so never recorded with
+    /// the job nor sent to its node ([`crate::notify`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notify: Vec<String>,
 }
 
 fn is_zero(n: &u32) -> bool {

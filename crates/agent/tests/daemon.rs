@@ -67,6 +67,7 @@ fn config(dir: &Path) -> DaemonConfig {
         slurm_check: None,
         slurm_rerank: None,
         web: labsync_agent::WebConfig::default(),
+        notify: labsync_agent::NotifyConfig::default(),
     }
 }
 

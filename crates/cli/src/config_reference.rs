@@ -12,7 +12,7 @@ use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, Visitor};
 
-use crate::labd_config::{ClusterFile, LabFile, LabdFile, SlurmFile, TlsFile, WebFile};
+use crate::labd_config::{ClusterFile, LabFile, LabdFile, NotifyFile, SlurmFile, TlsFile, WebFile};
 use crate::settings::{self, FileConfig};
 
 /// A deserializer that answers a struct's request with the struct's field
@@ -166,6 +166,7 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
     wrong.extend(check(&tables, part, "tls", keys::<TlsFile>()));
     wrong.extend(check(&tables, part, "slurm", keys::<SlurmFile>()));
     wrong.extend(check(&tables, part, "web", keys::<WebFile>()));
+    wrong.extend(check(&tables, part, "notify", keys::<NotifyFile>()));
     // Maps (user = token, user = tier, user = date) have no fixed keys.
     for map in ["tokens", "lab.users", "lab.grants"] {
         let (_, rows) = tables
@@ -184,6 +185,7 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
         "tls",
         "slurm",
         "web",
+        "notify",
         "tokens",
         "lab.users",
         "lab.grants",
@@ -258,6 +260,7 @@ fn the_packaged_config_parses_and_names_only_keys_labd_takes() {
         ("slurm", keys::<SlurmFile>()),
         ("lab", keys::<LabFile>()),
         ("web", keys::<WebFile>()),
+        ("notify", keys::<NotifyFile>()),
     ];
     let mut table = "";
     let mut named = 0;

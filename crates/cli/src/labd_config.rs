@@ -139,6 +139,45 @@ pub(crate) struct LabdFile {
     slurm: Option<SlurmFile>,
     /// The web page and `/metrics`.
     web: Option<WebFile>,
+    /// Telling users of their jobs' ends.
+    notify: Option<NotifyFile>,
+}
+
+/// `[notify]` of labd's config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NotifyFile {
+    /// Where to tell users who name nowhere.
+    #[serde(default)]
+    default: Vec<String>,
+    /// Hosts webhooks may go to (default: Slack's and Discord's).
+    hosts: Option<Vec<String>>,
+    /// The sendmail program (default /usr/sbin/sendmail).
+    sendmail: Option<PathBuf>,
+}
+
+/// `[notify]`, checked: the lab's default targets must be ones a user could name.
+fn notify_config(file: Option<NotifyFile>) -> Result<labsync_agent::NotifyConfig> {
+    let file = file.unwrap_or_default();
+    let mut cfg = labsync_agent::NotifyConfig::default();
+    if let Some(h) = file.hosts {
+        if let Some(bad) = h
+            .iter()
+            .find(|h| h.is_empty() || h.contains(['/', ':', '@', ' ']))
+        {
+            bail!("[notify] hosts: {bad:?} is not a host name (say hooks.slack.com, chat.lab.example)");
+        }
+        cfg.hosts = h;
+    }
+    if let Some(s) = file.sendmail {
+        cfg.sendmail = s;
+    }
+    for t in &file.default {
+        labsync_agent::notify_target_ok(t, &cfg.hosts)
+            .map_err(|e| anyhow::anyhow!("[notify] default: {e}"))?;
+    }
+    cfg.default = file.default;
+    Ok(cfg)
 }
 
 /// `[web]` of labd's config file.
@@ -325,6 +364,7 @@ pub fn resolve_with(flags: &LabdFlags, more_env: &[(String, String)]) -> Result<
     let lab_file = file.lab.take();
     let slurm_file = file.slurm.take();
     let web_file = file.web.take();
+    let notify_file = file.notify.take();
     let coordinates = cluster_file.as_ref().is_some_and(|c| c.coordinate);
     let mut config = daemon_config(file, settings, &local)?;
     if let Some(c) = cluster_file {
@@ -352,6 +392,7 @@ pub fn resolve_with(flags: &LabdFlags, more_env: &[(String, String)]) -> Result<
     };
     (config.slurm_check, config.slurm_rerank) = slurm_settings(slurm_file, coordinates);
     config.web = web_config(web_file, matches!(listen, Endpoint::Tls(_)))?;
+    config.notify = notify_config(notify_file)?;
     Ok(LabdSettings {
         config,
         listen,
@@ -578,6 +619,7 @@ fn daemon_config(file: LabdFile, settings: Settings, local: &LocalLabd) -> Resul
         slurm_check: None,
         slurm_rerank: None,
         web: labsync_agent::WebConfig::default(),
+        notify: labsync_agent::NotifyConfig::default(),
     })
 }
 

@@ -34,6 +34,10 @@ pub struct FileConfig {
     pub backend: Option<String>,
     /// With the Slurm backend.
     pub slurm: Option<SlurmFile>,
+    /// Where labd tells you that your jobs ended: webhook URLs (Slack,
+    /// Mattermost, Discord) or `mailto:you@lab`.
+    #[serde(default)]
+    pub notify: Vec<String>,
 }
 
 /// `[slurm]` in the config file.
@@ -149,6 +153,9 @@ pub struct Settings {
     pub backend: Backend,
     /// The Slurm backend's settings (`[slurm]`).
     pub slurm: SlurmSettings,
+    /// Where labd tells of a job's end (`notify`, `LABRUN_NOTIFY`:
+    /// targets separated by spaces).
+    pub notify: Vec<String>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -167,6 +174,7 @@ impl std::fmt::Debug for Settings {
             .field("compression", &self.compression)
             .field("backend", &self.backend)
             .field("slurm", &self.slurm)
+            .field("notify", &self.notify.len())
             .finish()
     }
 }
@@ -240,7 +248,12 @@ impl Settings {
             },
         };
         let slurm = SlurmSettings::from_file(file.slurm, env)?;
+        let notify = match env.iter().find(|(k, _)| k == "LABRUN_NOTIFY") {
+            Some((_, v)) => v.split_whitespace().map(str::to_string).collect(),
+            None => file.notify,
+        };
         Ok(Settings {
+            notify,
             backend,
             slurm,
             compression,

@@ -72,4 +72,12 @@ impl Coordinator {
             users: users.into_values().collect(),
         }
     }
+
+    /// Where `job`'s user asked to be told of its end.
+    pub fn notify_targets(&self, job: &str) -> Vec<String> {
+        match self.jobs.get(job) {
+            Ok(Some(j)) => j.req.notify,
+            _ => Vec::new(),
+        }
+    }
 }

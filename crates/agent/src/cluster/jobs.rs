@@ -543,6 +543,8 @@ impl Coordinator {
         let tier = super::pass::tier_of(&self.members, &job, self.now_ms());
         let mut req = job.req.clone();
         req.priority = Some(self.members.ladder.name(tier).to_string());
+        // The coordinator tells of the end; the node never sees where.
+        req.notify = Vec::new();
         tokio::spawn(async move {
             let dispatch = Dispatch {
                 id: job.id.clone(),

@@ -34,6 +34,8 @@ pub trait Here: Send + Sync {
     fn cache(&self) -> &Arc<NodeCache>;
     /// Queued jobs one user may have.
     fn max_queued_per_user(&self) -> usize;
+    /// Who tells users of their jobs' ends.
+    fn notifier(&self) -> &Arc<crate::notify::Notifier>;
     /// The cluster's settings (the key, TLS), in a cluster.
     fn cluster(&self) -> Option<&ClusterConfig>;
     /// Takes a job the coordinator placed here.
@@ -92,7 +94,12 @@ impl Reach {
         self.here.cache()
     }
 
-    /// Queued jobs one user may have.
+    /// Who tells users of their jobs' ends.
+    pub(crate) fn notifier(&self) -> &Arc<crate::notify::Notifier> {
+        self.here.notifier()
+    }
+
+    /// The most jobs one user may have queued.
     pub(super) fn max_queued_per_user(&self) -> usize {
         self.here.max_queued_per_user()
     }

@@ -31,6 +31,10 @@ impl Here for Daemon {
         Daemon::max_queued_per_user(self)
     }
 
+    fn notifier(&self) -> &Arc<crate::notify::Notifier> {
+        Daemon::notifier(self)
+    }
+
     fn cluster(&self) -> Option<&ClusterConfig> {
         Daemon::cluster(self)
     }

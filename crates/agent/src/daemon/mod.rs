@@ -148,6 +148,8 @@ pub struct DaemonConfig {
     pub slurm_rerank: Option<crate::slurm::Rerank>,
     /// The web page and `/metrics` (`[web]`).
     pub web: crate::web::WebConfig,
+    /// Telling users of their jobs' ends (`[notify]`).
+    pub notify: crate::notify::NotifyConfig,
 }
 
 /// Checking a stage's job with Slurm (`squeue`): it must be
@@ -227,6 +229,8 @@ pub struct Daemon {
     lock: Arc<StateLock>,
     /// What its loops read the time from.
     clock: Clock,
+    /// Tells users of their jobs' ends.
+    notifier: Arc<crate::notify::Notifier>,
 }
 
 impl Daemon {
@@ -321,6 +325,7 @@ impl Daemon {
             stages_checking: Default::default(),
             lock,
             clock,
+            notifier: Arc::new(crate::notify::Notifier::new(cfg.notify.clone())),
             cfg,
         }))
     }
@@ -479,6 +484,11 @@ impl Daemon {
             p.save();
             p.counts()
         })
+    }
+
+    /// Who tells users of their jobs' ends.
+    pub(crate) fn notifier(&self) -> &Arc<crate::notify::Notifier> {
+        &self.notifier
     }
 
     /// The web page's settings (`[web]`).

@@ -405,7 +405,7 @@ fn state_words(j: &JobView) -> String {
 }
 
 /// A job's page.
-pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail) -> String {
+pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail, told: &[String]) -> String {
     let mut out = String::new();
     let _ = write!(
         out,
@@ -494,6 +494,12 @@ pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail) -> String 
     }
     if let Some(r) = &j.meta.released {
         row("hold", esc(r));
+    }
+    if !told.is_empty() {
+        row(
+            "notified",
+            told.iter().map(|t| esc(t)).collect::<Vec<_>>().join("<br>"),
+        );
     }
     if req.is_some_and(|r| r.hold_s.is_none()) {
         row(

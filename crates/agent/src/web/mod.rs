@@ -20,6 +20,7 @@
 //! its user and admins only, unless `logs = "lab"`.
 
 mod html;
+pub(crate) use html::span;
 mod prom;
 
 use std::sync::Arc;
@@ -345,7 +346,8 @@ async fn job(
     };
     let log = w.log_tail(viewer.as_ref(), &view).await;
     let tier = b.standings.job_tiers.get(view.id.as_str()).cloned();
-    let body = html::job(&b, &view, tier.as_deref(), &log);
+    let told = w.daemon.notifier().report(view.id.as_str());
+    let body = html::job(&b, &view, tier.as_deref(), &log, &told);
     w.page(view.id.as_str(), viewer.as_ref(), q.live.is_some(), body)
 }
 

@@ -146,6 +146,12 @@ struct RunArgs {
     /// version rewritten since is refused) to resume from its checkpoint
     #[arg(long)]
     preemptible: bool,
+    /// Where labd tells you that it ended, failed or was preempted: a
+    /// webhook URL (Slack, Mattermost, Discord: hosts labd's [notify] hosts
+    /// allow) or mailto:you@lab; repeatable [config: notify] [env:
+    /// LABRUN_NOTIFY]
+    #[arg(long, value_name = "URL|mailto:ADDR")]
+    notify: Vec<String>,
     /// Run at this tier of the lab's ladder (lead, deadline, phd, master,
     /// undergrad by default): your own or a lower one, or `deadline` while
     /// an admin's grant runs [default: your own tier]. A cluster's
@@ -269,6 +275,7 @@ impl RunArgs {
             hold: self.hold,
             preemptible: self.preemptible,
             time: self.time,
+            notify: self.notify,
         }
     }
 }

@@ -56,6 +56,8 @@ pub async fn rerun(s: &Settings, client: &Client, quiet: bool, a: Rerun) -> Resu
         // A new run: it resumes from nothing, and counts no restarts.
         restarts: 0,
         resume_from: None,
+        // Never recorded (a webhook's address is a secret): yours of now.
+        notify: s.notify.clone(),
         ..recorded
     };
     if req.argv.is_empty() {

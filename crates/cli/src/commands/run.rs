@@ -50,6 +50,8 @@ pub struct RunRequest {
     pub preemptible: bool,
     /// Time limit (`2h`; the Slurm backend's).
     pub time: Option<String>,
+    /// Where to be told of its end (instead of the config's `notify`).
+    pub notify: Vec<String>,
 }
 
 impl RunRequest {
@@ -90,6 +92,9 @@ pub async fn run(
     let slurm = s.backend == crate::Backend::Slurm;
     if slurm && a.hold.is_some() {
         bail!("--hold leases labd's GPUs; under Slurm, hold GPUs with salloc --gres=gpu:N");
+    }
+    if slurm && !a.notify.is_empty() {
+        bail!("--notify is labd's; under Slurm, Slurm tells of a job's end (sbatch --mail-type END,FAIL --mail-user ...)");
     }
     if !slurm && a.time.is_some() {
         bail!("--time is the Slurm backend's (labd's jobs have no time limit yet); leave it out");
@@ -150,6 +155,12 @@ pub async fn run(
         preemptible: a.preemptible,
         restarts: 0,
         resume_from: None,
+        // Under Slurm, Slurm tells (its --mail-type); the config's are labd's.
+        notify: match (slurm, a.notify.is_empty()) {
+            (true, _) => Vec::new(),
+            (false, true) => s.notify.clone(),
+            (false, false) => a.notify.clone(),
+        },
     };
     if slurm {
         let run = crate::slurm::submit::SlurmRun {
