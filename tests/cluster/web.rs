@@ -282,6 +282,24 @@ fn metrics_parse_with_promtool_and_agree_with_labrun_status() {
     // One that ends at once, for the outcome counter.
     lab.ok(&["--gpus", "0", "--", "true"]);
 
+    // `labrun status --watch` draws the grid again and again.
+    let mut w = lab
+        .labrun_cmd(&["status", "--watch"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(4500));
+    w.kill().unwrap();
+    let out = w.wait_with_output().unwrap();
+    let drawn = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        drawn.matches("cluster of 3 node(s)").count() >= 2,
+        "{drawn}"
+    );
+    assert!(drawn.contains("(every 2 s; Ctrl-C to stop;"), "{drawn}");
+    let o = lab.labrun(&["status", "--watch", "--json"]);
+    assert!(!o.status.success(), "{o:?}");
+
     // Without a token: refused.
     assert_eq!(get(&lab, 0, "/metrics", None).0, 401);
     // The view both read settles with the heartbeats: read until they agree.

@@ -198,7 +198,11 @@ enum Cmd {
         job: String,
     },
     /// Every GPU: free, leased (job, user), foreign process (pid, user, memory), unknown
-    Status,
+    Status {
+        /// Keep the grid on screen, refreshed every 2 s (Ctrl-C ends it)
+        #[arg(short, long)]
+        watch: bool,
+    },
     /// Why a job waits, in one line, and in a cluster every node's row for
     /// it: when it could start there, bytes to fetch, why not there
     Explain {
@@ -310,7 +314,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Some(Cmd::Ps { all }) => commands::ps::ps(&client, g.json, all).await,
         Some(Cmd::Logs { job, follow }) => commands::logs::logs(&client, &job, follow).await,
         Some(Cmd::Kill { job }) => commands::kill::kill(&client, g.json, g.quiet, &job).await,
-        Some(Cmd::Status) => commands::status::status(&client, g.json).await,
+        Some(Cmd::Status { watch }) => commands::status::watch(&client, g.json, watch).await,
         Some(Cmd::Explain { job }) => commands::explain::explain(&client, g.json, &job).await,
         Some(Cmd::Rerun {
             job,

@@ -12,6 +12,35 @@ use labsync_agent::{Client, ForeignProcess, GpuState, GpuStatus, JobState};
 
 use super::{explain_client, gib};
 
+/// `labrun status [--watch]`: once, or the grid kept on screen, read
+/// again every 2 s from the same answer the web page and `/metrics` are
+/// drawn from, until Ctrl-C.
+pub async fn watch(client: &Client, json: bool, watch: bool) -> Result<ExitCode> {
+    if !watch {
+        return status(client, json).await;
+    }
+    if json {
+        anyhow::bail!("--watch draws the grid for a terminal; for JSON, ask labrun status --json as often as needed");
+    }
+    use std::io::IsTerminal;
+    let tty = std::io::stdout().is_terminal();
+    loop {
+        if tty {
+            // Home and clear: the grid redrawn in place.
+            print!("\x1b[H\x1b[2J");
+        }
+        status(client, false).await?;
+        println!(
+            "\n(every 2 s; Ctrl-C to stop; {})",
+            labsync_agent::utc_time(labsync_agent::unix_now() as i64)
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(ExitCode::SUCCESS),
+        }
+    }
+}
+
 /// Prints the node's (or the cluster's) GPUs and jobs.
 pub async fn status(client: &Client, json: bool) -> Result<ExitCode> {
     let info = client.info().await.map_err(explain_client)?;
