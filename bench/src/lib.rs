@@ -9,6 +9,7 @@
 #![allow(missing_docs)]
 
 pub mod bench;
+pub mod browser;
 pub mod chunks;
 pub mod cli;
 pub mod datagen;

@@ -12,6 +12,9 @@ mod support;
 #[path = "../common/mod.rs"]
 mod common;
 
+// The web page's benchmark drives the browser further than the tests.
+#[allow(dead_code)]
+#[path = "../../bench/src/browser.rs"]
 mod browser;
 mod lab;
 mod rerun;

@@ -7,13 +7,18 @@
   if (!live) return;
   var src = location.pathname + "?live=1";
   var last = null;
+  var tag = null;
   function tick() {
-    fetch(src, { credentials: "same-origin", cache: "no-store" })
+    // With the ETag of what it has: an unchanged page answers 304, no body.
+    var headers = tag ? { "If-None-Match": tag } : {};
+    fetch(src, { credentials: "same-origin", cache: "no-store", headers: headers })
       .then(function (r) {
         if (r.status === 401) {
           location.href = "/login";
           return null;
         }
+        if (r.status === 304) return null;
+        if (r.ok) tag = r.headers.get("ETag");
         return r.ok ? r.text() : null;
       })
       .then(function (text) {

@@ -118,9 +118,15 @@ pub fn login(error: Option<&str>) -> String {
     )
 }
 
-/// The home page's live part: the grid, the queue, the running jobs, the
-/// data.
-pub fn board(b: &Board) -> String {
+/// Waiting jobs the home page lists; `/queue` lists them all.
+pub const QUEUE_SHOWN: usize = 100;
+/// Characters of a job's why the queue shows (its page shows all of it):
+/// in a cluster of 50 nodes it names each.
+const WHY_SHOWN: usize = 300;
+
+/// The home page's live part: the grid, the queue (`all` of it, or the
+/// first [`QUEUE_SHOWN`]), the running jobs, the data.
+pub fn board(b: &Board, all: bool) -> String {
     let mut out = String::new();
     let up = b
         .nodes
@@ -150,7 +156,7 @@ pub fn board(b: &Board) -> String {
         );
     }
     grid(&mut out, b);
-    queue(&mut out, b);
+    queue(&mut out, b, if all { usize::MAX } else { QUEUE_SHOWN });
     running(&mut out, b);
     data(&mut out, b);
     out
@@ -260,22 +266,26 @@ fn tier<'a>(b: &'a Board, id: &str) -> &'a str {
     b.standings.job_tiers.get(id).map_or("", String::as_str)
 }
 
-fn queue(out: &mut String, b: &Board) {
+fn queue(out: &mut String, b: &Board, shown: usize) {
     out.push_str("<h2>Queue</h2>");
-    let waiting: Vec<&JobView> = b
-        .jobs
-        .iter()
+    let waiting: Vec<&JobView> = (b.jobs.iter())
         .filter(|j| j.state == JobState::Queued)
         .collect();
     if waiting.is_empty() {
         out.push_str("<p class=\"muted\">nothing waiting</p>");
         return;
     }
+    let more = waiting.len().saturating_sub(shown);
     out.push_str(
         "<table class=\"queue\"><tr><th>job</th><th>tier</th><th>user</th><th>GPUs</th>\
          <th>waiting</th><th>why</th></tr>",
     );
-    for j in waiting {
+    for j in waiting.into_iter().take(shown) {
+        let why = j.why.as_deref().unwrap_or("");
+        let why = match why.char_indices().nth(WHY_SHOWN) {
+            Some((cut, _)) => format!("{}…", &why[..cut]),
+            None => why.to_string(),
+        };
         let _ = write!(
             out,
             "<tr data-job=\"{id}\"><td>{link}</td><td>{tier}</td><td>{user}</td><td>{gpus}</td>\
@@ -286,10 +296,16 @@ fn queue(out: &mut String, b: &Board) {
             user = user_link(&j.user),
             gpus = j.gpus_wanted,
             waited = span(b.now.saturating_sub(j.submitted_at)),
-            why = esc(j.why.as_deref().unwrap_or("")),
+            why = esc(&why),
         );
     }
     out.push_str("</table>");
+    if more > 0 {
+        let _ = write!(
+            out,
+            "<p><a href=\"/queue\">{more} more waiting</a> (in the queue's order)</p>"
+        );
+    }
 }
 
 fn running(out: &mut String, b: &Board) {

@@ -121,7 +121,12 @@ struct Web {
     cfg: WebConfig,
     /// The last board, and when it was built.
     board: tokio::sync::Mutex<Option<(Instant, Arc<Board>)>>,
+    /// Live parts the same for every viewer, by page: the board each was
+    /// rendered from, the HTML, its ETag.
+    rendered: std::sync::Mutex<std::collections::HashMap<String, Rendered>>,
 }
+
+type Rendered = (Arc<Board>, Arc<String>, String);
 
 type W = State<Arc<Web>>;
 
@@ -133,9 +138,11 @@ pub(crate) fn router(daemon: Arc<Daemon>, jobs: Arc<Jobs>) -> Router {
         jobs,
         cfg,
         board: tokio::sync::Mutex::new(None),
+        rendered: std::sync::Mutex::new(std::collections::HashMap::new()),
     });
     Router::new()
         .route("/", get(home))
+        .route("/queue", get(queue))
         .route("/job/{id}", get(job))
         .route("/user/{name}", get(user))
         .route("/login", get(login_form).post(login))
@@ -307,19 +314,82 @@ fn failed(e: JobError) -> Response {
 }
 
 async fn home(State(w): W, h: HeaderMap, Query(q): Query<LiveQuery>) -> Response {
-    let viewer = match w.gate(&h, q.live.is_none()) {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
-    };
-    match w.board().await {
-        Ok(b) => w.page(
-            "the lab",
-            viewer.as_ref(),
-            q.live.is_some(),
-            html::board(&b),
-        ),
-        Err(e) => failed(e),
+    w.shared_page(&h, q.live.is_some(), "the lab", "/", |b| {
+        html::board(b, false)
+    })
+    .await
+}
+
+/// Every waiting job (the home page lists the first [`html::QUEUE_SHOWN`]).
+async fn queue(State(w): W, h: HeaderMap, Query(q): Query<LiveQuery>) -> Response {
+    w.shared_page(&h, q.live.is_some(), "the queue", "/queue", |b| {
+        html::board(b, true)
+    })
+    .await
+}
+
+impl Web {
+    /// A page whose live part is the same for every viewer (the home
+    /// page, the queue, a user's page): rendered once per board, however
+    /// many pages poll it, and answered 304 to a poller that has it
+    /// (`If-None-Match`), so twenty open pages cost one render and a few
+    /// bytes each per second.
+    async fn shared_page(
+        &self,
+        h: &HeaderMap,
+        live: bool,
+        title: &str,
+        key: &str,
+        render: impl FnOnce(&Board) -> String,
+    ) -> Response {
+        let viewer = match self.gate(h, !live) {
+            Ok(v) => v,
+            Err(r) => return r.into_response(),
+        };
+        let b = match self.board().await {
+            Ok(b) => b,
+            Err(e) => return failed(e),
+        };
+        let (body, tag) = {
+            let mut cache = self.rendered.lock().expect("web poisoned");
+            match cache.get(key) {
+                Some((of, body, tag)) if Arc::ptr_eq(of, &b) => (body.clone(), tag.clone()),
+                _ => {
+                    let body = Arc::new(render(&b));
+                    let tag = etag(&body);
+                    if cache.len() > 256 {
+                        cache.clear();
+                    }
+                    cache.insert(key.to_string(), (b.clone(), body.clone(), tag.clone()));
+                    (body, tag)
+                }
+            }
+        };
+        if !live {
+            return self.page(title, viewer.as_ref(), false, (*body).clone());
+        }
+        let fresh = h
+            .get(header::IF_NONE_MATCH)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v == tag);
+        let mut r = if fresh {
+            html_response(StatusCode::NOT_MODIFIED, String::new())
+        } else {
+            html_response(StatusCode::OK, (*body).clone())
+        };
+        if let Ok(v) = HeaderValue::from_str(&tag) {
+            r.headers_mut().insert(header::ETAG, v);
+        }
+        r
     }
+}
+
+/// A strong validator of a page's live part.
+fn etag(body: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    body.hash(&mut h);
+    format!("\"{:016x}-{}\"", h.finish(), body.len())
 }
 
 async fn job(
@@ -395,17 +465,9 @@ async fn user(
     Path(name): Path<String>,
     Query(q): Query<LiveQuery>,
 ) -> Response {
-    let viewer = match w.gate(&h, q.live.is_none()) {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
-    };
-    match w.board().await {
-        Ok(b) => {
-            let body = html::user(&b, &name);
-            w.page(&name, viewer.as_ref(), q.live.is_some(), body)
-        }
-        Err(e) => failed(e),
-    }
+    let key = format!("/user/{name}");
+    w.shared_page(&h, q.live.is_some(), &name, &key, |b| html::user(b, &name))
+        .await
 }
 
 async fn login_form(State(w): W) -> Response {

@@ -1,6 +1,8 @@
 //! A real headless Chromium, driven through ChromeDriver's WebDriver
 //! protocol (JSON over HTTP on loopback) with a few lines of std: Debian's
 //! `chromium` and `chromium-driver`, which `scripts/test.sh` installs.
+//! Shared by the web page's tests (`tests/cluster/web.rs`, which include
+//! this file) and its benchmark (`web-bench`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -33,7 +35,10 @@ impl Browser {
             eprintln!("skipped: no {CHROMIUM} or {CHROMEDRIVER} (apt-get install chromium chromium-driver)");
             return None;
         }
-        let port = crate::support::free_port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
         let driver = Command::new(CHROMEDRIVER)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
@@ -77,6 +82,13 @@ impl Browser {
         let v = b.call("POST", "/session", Some(caps)).expect("a session");
         b.session = v["sessionId"].as_str().expect("session id").to_string();
         Some(b)
+    }
+
+    /// Opens a new window and makes it the current one.
+    pub fn new_window(&self) {
+        let v = self.session_call("POST", "window/new", json!({"type": "window"}));
+        let handle = v["handle"].as_str().expect("a window handle").to_string();
+        self.session_call("POST", "window", json!({ "handle": handle }));
     }
 
     /// Opens `url` (waits for the load).
@@ -267,6 +279,7 @@ fn base64(s: &str) -> Vec<u8> {
     out
 }
 
+#[cfg(test)]
 #[test]
 fn base64_decodes_as_the_standard_says() {
     assert_eq!(base64("aGVsbG8="), b"hello");
