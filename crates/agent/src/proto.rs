@@ -123,7 +123,7 @@ pub struct SubmitRequest {
     pub resume_from: Option<String>,
     /// Where to tell its user that it ended (webhook URLs, `mailto:`):
     /// secrets (a webhook's URL lets anyone post), so never recorded with
-    /// the job nor sent to its node ([`crate::notify`]).
+    /// the job nor sent to its node (labd's notify module).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notify: Vec<String>,
 }

@@ -147,7 +147,7 @@ struct RunArgs {
     #[arg(long)]
     preemptible: bool,
     /// Where labd tells you that it ended, failed or was preempted: a
-    /// webhook URL (Slack, Mattermost, Discord: hosts labd's [notify] hosts
+    /// webhook URL (Slack, Mattermost, Discord: on hosts labd's notify hosts
     /// allow) or mailto:you@lab; repeatable [config: notify] [env:
     /// LABRUN_NOTIFY]
     #[arg(long, value_name = "URL|mailto:ADDR")]
@@ -212,7 +212,7 @@ enum Cmd {
     /// Run a job again: the same command on the same code and data
     /// snapshots (by id, not by a name looked up again), with the same GPUs,
     /// GPU memory and outputs; your environment of now. Its outputs go to
-    /// runs/<new id>
+    /// runs/NEW-ID
     #[command(
         after_help = "Examples:\n  labrun rerun j7\n  labrun rerun j7 --data div2k@v4   \
                             # the same run on another version of div2k"
