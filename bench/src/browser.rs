@@ -91,6 +91,18 @@ impl Browser {
         self.session_call("POST", "window", json!({ "handle": handle }));
     }
 
+    /// Shows pages as a phone of `width` × `height` CSS pixels would
+    /// (Chrome's device emulation, through ChromeDriver's CDP command).
+    pub fn phone(&self, width: u32, height: u32) {
+        self.session_call(
+            "POST",
+            "goog/cdp/execute",
+            json!({"cmd": "Emulation.setDeviceMetricsOverride", "params": {
+                "width": width, "height": height, "deviceScaleFactor": 2, "mobile": true
+            }}),
+        );
+    }
+
     /// Opens `url` (waits for the load).
     pub fn open(&self, url: &str) {
         self.session_call("POST", "url", json!({ "url": url }));

@@ -188,6 +188,17 @@ fn the_page_shows_every_gpu_state_live_and_a_jobs_log_only_to_its_user() {
         ),
     );
     browser.screenshot(&shots().join("grid.png"));
+    // On a phone: one column of nodes, nothing wider than the screen.
+    browser.phone(390, 844);
+    browser.open(&format!("{}/", lab.url(0)));
+    browser.wait_for(
+        "the grid on a phone",
+        20,
+        "return document.querySelectorAll('td.gpu').length == 6 && \
+         document.documentElement.scrollWidth <= window.innerWidth + 1",
+    );
+    browser.screenshot(&shots().join("phone.png"));
+    browser.phone(1280, 1400);
 
     // The job's page: command, snapshots, history and its log, live.
     browser.open(&format!("{}/job/{j1}", lab.url(0)));
@@ -207,6 +218,7 @@ fn the_page_shows_every_gpu_state_live_and_a_jobs_log_only_to_its_user() {
         "started",
         "code/alice/code@v",
         "labrun rerun",
+        "placed on gpu0",
     ] {
         assert!(facts.contains(want), "{want} in {facts}");
     }
@@ -370,6 +382,12 @@ fn metrics_parse_with_promtool_and_agree_with_labrun_status() {
             "labsync_cluster_jobs_ended_total{outcome=\"succeeded\"}".into(),
             1.0,
         );
+        // The quick one's staging, estimated and as it went.
+        want(
+            "labsync_cluster_staging_estimated_seconds_count".into(),
+            1.0,
+        );
+        want("labsync_cluster_staging_actual_seconds_count".into(), 1.0);
         wrong = found;
         let ok = wrong.is_empty();
         if !ok {
@@ -624,4 +642,25 @@ fn each_end_is_told_once_and_a_failed_webhook_is_tried_again() {
     assert!(!page.contains("secret-path"), "{page}");
     let ps = lab.ok(&["ps", "--all", "--json"]);
     assert!(!ps.contains("secret-path"), "{ps}");
+}
+
+/// Issue 44: a hold on the grid says how long its GPUs have shown no use.
+#[test]
+fn a_holds_idle_time_is_on_the_grid() {
+    let Some(lab) = Lab::start_full(1, false, "idle_hold_s = 60\n", "") else {
+        return;
+    };
+    let control = lab.dir.path().join("gpu0").join("control.toml");
+    let busy = "utilization = [{ gpu = 0, percent = 60 }, { gpu = 1, percent = 60 }]\n";
+    std::fs::write(&control, busy).unwrap();
+    let o = lab.labrun(&["--hold", "1h", "--gpus", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    let page = || get(&lab, 0, "/?live=1", Some(ALICE)).1;
+    crate::common::wait_until("the hold in use on the grid", 30, || {
+        page().contains("hold of 1 h 00 min, in use")
+    });
+    std::fs::write(&control, "").unwrap();
+    crate::common::wait_until("the hold idle on the grid", 30, || {
+        page().contains("hold of 1 h 00 min, <span class=\"warn\">idle ")
+    });
 }

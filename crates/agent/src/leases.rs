@@ -175,6 +175,14 @@ pub struct JobMeta {
     /// outputs' versions carry it; `labrun rerun` submits it again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<crate::proto::SubmitRequest>,
+    /// When the cluster's coordinator sent it to its node (Unix seconds):
+    /// set in what the coordinator shows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placed_at: Option<u64>,
+    /// A running hold: since when its GPUs have shown no use (Unix ms), at
+    /// labd's last look; set in what labd shows, never stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since_ms: Option<u64>,
     /// The GPUs it held, kept once it ended (its `gpus` are then given back).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus_held: Vec<u32>,

@@ -178,6 +178,63 @@ impl Jobs {
     }
 }
 
+/// The upper bounds (seconds) of the staging histograms: a cached dataset
+/// to an hour's fetch.
+pub const STAGING_BOUNDS: [f64; 10] = [
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+];
+
+/// Placements: the placer's estimate of each job's staging on the node it
+/// chose, and the staging as it went (dispatch to start), counted as the
+/// job ends.
+pub struct Staging {
+    both: Mutex<Option<(Hist, Hist)>>,
+}
+
+impl Staging {
+    /// A job placed with an estimate of `est` seconds staged in `actual`.
+    pub fn staged(&self, est: f64, actual: f64) {
+        let mut b = self.both.lock().expect("metrics poisoned");
+        let (e, a) = b.get_or_insert_with(Default::default);
+        e.observe(&STAGING_BOUNDS, est);
+        a.observe(&STAGING_BOUNDS, actual);
+    }
+
+    fn write(&self, out: &mut String) {
+        let (e, a) = self
+            .both
+            .lock()
+            .expect("metrics poisoned")
+            .clone()
+            .unwrap_or_default();
+        for (name, h, what) in [
+            (
+                "labsync_cluster_staging_estimated_seconds",
+                e,
+                "the placer's estimate",
+            ),
+            (
+                "labsync_cluster_staging_actual_seconds",
+                a,
+                "dispatch to start, as it went",
+            ),
+        ] {
+            family(
+                out,
+                name,
+                "histogram",
+                &format!("Staging of ended jobs on the node the placer chose: {what}."),
+            );
+            h.write(out, name, &[], &STAGING_BOUNDS);
+        }
+    }
+}
+
+/// The cluster's placements.
+pub static STAGING: Staging = Staging {
+    both: Mutex::new(None),
+};
+
 /// The jobs this labd's node ran.
 pub static NODE_JOBS: Jobs = Jobs::new();
 /// The jobs the cluster's queue placed (on the coordinator).
@@ -204,6 +261,7 @@ pub fn request(route: &str, secs: f64) {
 pub fn write_counters(out: &mut String, cluster: bool) {
     if cluster {
         CLUSTER_JOBS.write(out, "labsync_cluster", "placed on a node");
+        STAGING.write(out);
     }
     NODE_JOBS.write(out, "labsync_node", "started on this node");
     let name = "labsync_request_duration_seconds";

@@ -371,6 +371,7 @@ impl Coordinator {
                 gpus: choice.gpus.clone(),
                 at: self.clock.unix_secs(),
                 confirmed: false,
+                est_ms: Some((choice.start_secs.max(0.0) * 1000.0) as u64),
             };
             true
         });
@@ -689,6 +690,9 @@ impl Coordinator {
             };
             if let Some(j) = now.as_ref() {
                 let mut ended = view.clone();
+                if let Placement::Dispatched { at, .. } = &j.placement {
+                    ended.meta.placed_at = Some(*at);
+                }
                 // Requeued only if its node stopped it for that: not a job
                 // that ended by itself meanwhile, nor one its owner killed.
                 let stopped = j
@@ -747,7 +751,7 @@ impl Coordinator {
         match &j.placement {
             Placement::Queued { why } => self.synthesized(j, why.clone()),
             Placement::Ended { view } => (**view).clone(),
-            Placement::Dispatched { node, gpus, .. } => {
+            Placement::Dispatched { node, gpus, at, .. } => {
                 let v = self.view.lock().expect("coordinator poisoned");
                 let member = v.members.get(node);
                 let down = v.cluster.node(node).and_then(|n| match n.health {
@@ -774,6 +778,7 @@ impl Coordinator {
                         "node {node} down since {ago} s ago: shown as last reported"
                     ));
                 }
+                view.meta.placed_at = Some(*at);
                 view
             }
         }

@@ -290,6 +290,7 @@ mod tests {
             gpus: vec![0],
             at,
             confirmed,
+            est_ms: None,
         };
         job(id, "bob", 1, placement)
     }

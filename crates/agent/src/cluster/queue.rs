@@ -41,6 +41,10 @@ pub enum Placement {
         at: u64,
         /// The agent took it.
         confirmed: bool,
+        /// The placer's estimate of its staging there (fetching what the
+        /// node lacks), milliseconds; `/metrics` sets the actual beside it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        est_ms: Option<u64>,
     },
     /// Over: its last record (from its node, or made here for a job killed
     /// while queued or that no node can run).
@@ -112,9 +116,23 @@ fn count(before: Option<&ClusterJob>, after: &ClusterJob) {
         }
         (Placement::Ended { .. }, _)
         | (_, Placement::Queued { .. } | Placement::Dispatched { .. }) => {}
-        (_, Placement::Ended { view }) => {
+        (before, Placement::Ended { view }) => {
             if let Some(o) = crate::metrics::outcome(&view.state, after.preempted.is_some()) {
                 stats.ended(o)
+            }
+            // Its staging, estimated at placement and as it went: from its
+            // dispatch to its start on the node.
+            if let (
+                Placement::Dispatched {
+                    at,
+                    est_ms: Some(est),
+                    ..
+                },
+                Some(started),
+            ) = (before, view.started_at)
+            {
+                let actual = started.saturating_sub(*at) as f64;
+                crate::metrics::STAGING.staged(*est as f64 / 1000.0, actual);
             }
         }
     }
@@ -476,6 +494,7 @@ mod tests {
                     gpus: vec![0],
                     at: 1,
                     confirmed: true,
+                    est_ms: None,
                 };
                 true
             })
@@ -633,6 +652,7 @@ mod tests {
                 gpus: vec![1],
                 at: 12,
                 confirmed: false,
+                est_ms: None,
             };
             db.put(&b).unwrap();
             (a, b)
@@ -654,6 +674,7 @@ mod tests {
             gpus: vec![],
             at: 13,
             confirmed: true,
+            est_ms: None,
         };
         db.put(&cpu).unwrap();
         assert_eq!(db.queued_of("bob"), 1);

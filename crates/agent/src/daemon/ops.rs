@@ -128,9 +128,11 @@ impl Daemon {
         } else {
             None
         };
+        let idle = self.hold_idle.lock().expect("holds poisoned").clone();
         Ok(recs
             .into_iter()
-            .map(|rec| {
+            .map(|mut rec| {
+                rec.meta.idle_since_ms = idle.get(&rec.id).copied().flatten();
                 let why = match (&rec.state, &rec.meta.preparing, &gpus) {
                     (JobState::Queued, Some(p), _) => Some(p.clone()),
                     (JobState::Queued, None, Some(g)) => self.node.why_waiting(&rec.id, g),
@@ -411,6 +413,8 @@ impl Daemon {
                 .collect(),
             request: Some(crate::leases::recorded(req)),
             gpus_held: Vec::new(),
+            placed_at: None,
+            idle_since_ms: None,
         }
     }
 

@@ -224,6 +224,13 @@ fn gpu_row(out: &mut String, b: &Board, n: &NodeStatus, g: &GpuStatus, up: bool)
                 }
                 if let Some(h) = j.meta.hold_s {
                     let _ = write!(s, " · hold of {}", span(h));
+                    match j.meta.idle_since_ms {
+                        Some(t) => {
+                            let idle = b.now.saturating_sub(t / 1000);
+                            let _ = write!(s, ", <span class=\"warn\">idle {}</span>", span(idle));
+                        }
+                        None => s.push_str(", in use"),
+                    }
                 }
             }
             if !others.is_empty() {
@@ -490,6 +497,20 @@ pub fn job(b: &Board, j: &JobView, tier: Option<&str>, log: &LogTail, told: &[St
         row("why", esc(why));
     }
     let mut history = vec![format!("submitted {}", at(j.submitted_at, b.now))];
+    if let Some(r) = req.filter(|r| r.restarts > 0) {
+        history.push(format!(
+            "requeued after a preemption (run {}){}",
+            r.restarts + 1,
+            r.resume_from.as_deref().map_or(String::new(), |f| format!(
+                ", resuming from <code>{}</code>",
+                esc(f)
+            ))
+        ));
+    }
+    if let Some(t) = j.meta.placed_at {
+        let node = j.node.as_ref().map_or("", |n| n.as_str());
+        history.push(format!("placed on {} {}", esc(node), at(t, b.now)));
+    }
     if let Some(t) = j.started_at {
         history.push(format!("started {}", at(t, b.now)));
     }
