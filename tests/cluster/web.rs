@@ -644,16 +644,20 @@ fn each_end_is_told_once_and_a_failed_webhook_is_tried_again() {
     assert!(!ps.contains("secret-path"), "{ps}");
 }
 
-/// Issue 44: a hold on the grid says how long its GPUs have shown no use.
+/// Issue 44: a hold on the grid says how long its GPUs have shown no use,
+/// and its user is told when it is given back for that.
 #[test]
-fn a_holds_idle_time_is_on_the_grid() {
-    let Some(lab) = Lab::start_full(1, false, "idle_hold_s = 60\n", "") else {
+fn a_holds_idle_time_is_on_the_grid_and_its_giving_back_is_told() {
+    let rx = Receiver::start();
+    let extra = "[notify]\nhosts = [\"127.0.0.1\"]\n";
+    let Some(lab) = Lab::start_full(1, false, "idle_hold_s = 8\n", extra) else {
         return;
     };
     let control = lab.dir.path().join("gpu0").join("control.toml");
     let busy = "utilization = [{ gpu = 0, percent = 60 }, { gpu = 1, percent = 60 }]\n";
     std::fs::write(&control, busy).unwrap();
-    let o = lab.labrun(&["--hold", "1h", "--gpus", "1"]);
+    let hook = format!("http://127.0.0.1:{}/hook", rx.port);
+    let o = lab.labrun(&["--hold", "1h", "--gpus", "1", "--notify", &hook]);
     assert!(o.status.success(), "{o:?}");
     let page = || get(&lab, 0, "/?live=1", Some(ALICE)).1;
     crate::common::wait_until("the hold in use on the grid", 30, || {
@@ -663,4 +667,14 @@ fn a_holds_idle_time_is_on_the_grid() {
     crate::common::wait_until("the hold idle on the grid", 30, || {
         page().contains("hold of 1 h 00 min, <span class=\"warn\">idle ")
     });
+    // Given back after 8 s idle; told (the receiver's first answer is a
+    // 500, so the second try carries it).
+    crate::common::wait_until("the giving back told", 60, || {
+        rx.got()
+            .iter()
+            .any(|(_, b, s)| *s == 200 && b.contains("hold given back"))
+    });
+    let told: Vec<_> = rx.got().into_iter().filter(|(_, _, s)| *s == 200).collect();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(told[0].1.contains("showed no utilisation"), "{told:?}");
 }

@@ -100,7 +100,12 @@ pub async fn run(
         bail!("--time is the Slurm backend's (labd's jobs have no time limit yet); leave it out");
     }
     if let Some(h) = &a.hold {
-        return hold(client, &info, h, &a, quiet, json).await;
+        let notify = if a.notify.is_empty() {
+            s.notify.clone()
+        } else {
+            a.notify.clone()
+        };
+        return hold(client, &info, h, &a, notify, quiet, json).await;
     }
     check_store(s, labd, store_given, &info)?;
     let code = a.code.clone().unwrap_or_else(|| PathBuf::from("."));
@@ -242,6 +247,7 @@ async fn hold(
     info: &Info,
     length: &str,
     a: &RunRequest,
+    notify: Vec<String>,
     quiet: bool,
     json: bool,
 ) -> Result<ExitCode> {
@@ -262,6 +268,8 @@ async fn hold(
         gpu_mem: a.gpu_mem_bytes()?,
         priority: a.priority.clone(),
         hold_s: Some(secs),
+        // Told when it is given back for idling.
+        notify,
         ..Default::default()
     };
     let job = client.submit(&req).await.map_err(explain_client)?;
