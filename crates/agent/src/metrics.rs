@@ -260,7 +260,11 @@ pub fn request(route: &str, secs: f64) {
 /// node's) and the request latencies.
 pub fn write_counters(out: &mut String, cluster: bool) {
     if cluster {
-        CLUSTER_JOBS.write(out, "labsync_cluster", "placed on a node");
+        CLUSTER_JOBS.write(
+            out,
+            "labsync_cluster",
+            "placed on a node (counted when the node took it)",
+        );
         STAGING.write(out);
     }
     NODE_JOBS.write(out, "labsync_node", "started on this node");

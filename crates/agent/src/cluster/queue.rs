@@ -104,16 +104,26 @@ fn counted(j: &ClusterJob, user: &str) -> bool {
         }
 }
 
-/// Counts a live job's placement and its end for `/metrics`, once each:
+/// Counts a live job's placement (once its node took it) and its end for
+/// `/metrics`, once each:
 /// `before` is the job as the live map held it (an ended job is no longer
 /// there, so writing it again counts nothing).
 fn count(before: Option<&ClusterJob>, after: &ClusterJob) {
     let Some(before) = before else { return };
     let stats = &crate::metrics::CLUSTER_JOBS;
     match (&before.placement, &after.placement) {
-        (Placement::Queued { .. }, Placement::Dispatched { at, .. }) => {
-            stats.started(at.saturating_sub(after.submitted_at))
-        }
+        // Counted once its node took it: a dispatch refused or gone stale
+        // is queued again and sent again, and that is one placement.
+        (
+            Placement::Dispatched {
+                confirmed: false, ..
+            },
+            Placement::Dispatched {
+                confirmed: true,
+                at,
+                ..
+            },
+        ) => stats.started(at.saturating_sub(after.submitted_at)),
         (Placement::Ended { .. }, _)
         | (_, Placement::Queued { .. } | Placement::Dispatched { .. }) => {}
         (before, Placement::Ended { view }) => {
