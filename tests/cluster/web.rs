@@ -178,6 +178,18 @@ fn the_page_shows_every_gpu_state_live_and_a_jobs_log_only_to_its_user() {
         "the page and labrun ps say why {j3} waits differently: {said:?}"
     );
 
+    // A dataset warmed and pinned on gpu1 shows in the data table, whole.
+    lab.dataset("div2k", 3);
+    let o = lab.labsync_as(ADMIN, &["warm", "div2k", "--nodes", "gpu1"]);
+    assert!(o.status.success(), "{o:?}");
+    browser.wait_for(
+        "div2k pinned on gpu1 in the data table",
+        30,
+        "return Array.from(document.querySelectorAll('table.data tr')).some(r => \
+         r.cells.length == 4 && r.cells[0].innerText == 'gpu1' && r.cells[1].innerText == 'div2k@v1' \
+         && r.cells[2].innerText.startsWith('100% of ') && r.cells[3].innerText.includes('pinned'))",
+    );
+
     // gpu2 dies: its GPUs read down, without a reload.
     lab.crash(2);
     browser.wait_for(
