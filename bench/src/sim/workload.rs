@@ -231,7 +231,13 @@ pub fn philly(
             };
             let data = match fields[1].split("%s/data/").nth(1) {
                 Some(rest) => {
-                    let name = rest.split('/').next().unwrap_or(rest).to_string();
+                    // `%s/data/cifar10 --batch_size 32`: the name ends at
+                    // a `/` or a space (issue 45: it ended at `/` only, so
+                    // `cifar10 --batch_size 32` was a 1 GB dataset of its own).
+                    let name = (rest.split(|c: char| c == '/' || c.is_whitespace()))
+                        .next()
+                        .unwrap_or(rest)
+                        .to_string();
                     let i = match by_name.get(&name) {
                         Some(&i) => i,
                         None => {
@@ -457,4 +463,41 @@ fn pick(rng: &mut ChaCha8Rng, shared: &[(usize, f64)], own: &[usize]) -> usize {
         x -= w;
     }
     own[rng.gen_range(0..own.len())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 45, a hand-checked trace: four jobs whose commands name
+    /// `%s/data/cifar10 --batch_size 32`, `%s/data/cifar10/train`,
+    /// `%s/data/cifar10 --batch_size 64` and `%s/data/imagenet`: two
+    /// datasets, cifar10 of 0.17 GB and imagenet of 145 GB. The name used
+    /// to end at `/` only, which made `cifar10 --batch_size 32` and
+    /// `cifar10 --batch_size 64` datasets of their own at the 1 GB fallback.
+    #[test]
+    fn a_dataset_name_ends_at_a_slash_or_a_space() {
+        let dir = tempfile::tempdir().unwrap();
+        let tp = dir.path().join("tp.json");
+        std::fs::write(
+            &tp,
+            r#"{"v100": {"('ResNet-18 (batch size 32)', 1)": {"null": 10.0}}}"#,
+        )
+        .unwrap();
+        let line = |cmd: &str, at: u32| {
+            format!("ResNet-18 (batch size 32)\tcd %s/w && python3 main.py {cmd}\t-n\t1\t1000\t{at}\t1\n")
+        };
+        let trace = line("--data_dir=%s/data/cifar10 --batch_size 32", 0)
+            + &line("--data_dir=%s/data/cifar10/train", 1)
+            + &line("--data_dir=%s/data/cifar10 --batch_size 64", 2)
+            + &line("--data %s/data/imagenet/ --arch resnet50", 3);
+        std::fs::write(dir.path().join("t.trace"), trace).unwrap();
+        let w = philly(dir.path(), None, &Throughputs::read(&tp).unwrap(), 8, 2, 0).unwrap();
+        let sizes: Vec<(&str, u64)> = (w.datasets.iter())
+            .map(|d| (d.name.as_str(), d.packs.iter().map(|p| p.1).sum()))
+            .collect();
+        assert_eq!(sizes, [("cifar10", 170_000_000), ("imagenet", 145 * GB)]);
+        let read: Vec<Option<usize>> = w.jobs.iter().map(|j| j.data).collect();
+        assert_eq!(read, [Some(0), Some(0), Some(0), Some(1)]);
+    }
 }
