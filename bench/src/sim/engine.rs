@@ -192,18 +192,31 @@ impl Cache {
     /// Inserts `p`, evicting the least recently used unpinned packs; returns
     /// the evicted. Over capacity only while everything left is pinned.
     fn insert(&mut self, p: u32, size: u64, now: f64) -> Vec<u32> {
-        let mut out = Vec::new();
         if self.has(p) {
             self.touch(p, now);
-            return out;
+            return Vec::new();
         }
+        let cap = self.cap;
+        let out = self.evict_while(|used| used + size > cap);
+        self.stamp += 1;
+        self.packs.insert(p, (self.stamp, size));
+        self.used_at.insert(p, now);
+        self.lru.insert((self.stamp, p));
+        self.used += size;
+        out
+    }
+
+    /// Evicts the least recently used unpinned packs while `over(used)`;
+    /// returns the evicted.
+    fn evict_while(&mut self, over: impl Fn(u64) -> bool) -> Vec<u32> {
+        let mut out = Vec::new();
         let mut skipped = Vec::new();
-        while self.used + size > self.cap {
+        while over(self.used) {
             let Some(&(s, q)) = self.lru.iter().next() else {
                 break;
             };
             self.lru.remove(&(s, q));
-            if self.pins.get(&q).is_some_and(|&n| n > 0) {
+            if self.pins.contains_key(&q) {
                 skipped.push((s, q));
                 continue;
             }
@@ -215,11 +228,6 @@ impl Cache {
         for k in skipped {
             self.lru.insert(k);
         }
-        self.stamp += 1;
-        self.packs.insert(p, (self.stamp, size));
-        self.used_at.insert(p, now);
-        self.lru.insert((self.stamp, p));
-        self.used += size;
         out
     }
 
@@ -259,26 +267,8 @@ impl Cache {
     /// 145 GB dataset stayed whole and every small-cache figure was too
     /// kind.
     fn trim(&mut self) -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut skipped = Vec::new();
-        while self.used > self.cap {
-            let Some(&(s, q)) = self.lru.iter().next() else {
-                break;
-            };
-            self.lru.remove(&(s, q));
-            if self.pins.contains_key(&q) {
-                skipped.push((s, q));
-                continue;
-            }
-            let (_, sz) = self.packs.remove(&q).expect("lru and packs agree");
-            self.used_at.remove(&q);
-            self.used -= sz;
-            out.push(q);
-        }
-        for k in skipped {
-            self.lru.insert(k);
-        }
-        out
+        let cap = self.cap;
+        self.evict_while(|used| used > cap)
     }
 }
 
