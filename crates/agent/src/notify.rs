@@ -54,6 +54,9 @@ pub const DEFAULT_HOSTS: [&str; 3] = ["hooks.slack.com", "discord.com", "discord
 /// At most this many targets per job.
 pub const MAX_TARGETS: usize = 4;
 
+/// The longest target taken, bytes (Slack's webhook URLs are ~80).
+pub const MAX_TARGET_BYTES: usize = 2048;
+
 /// Where to tell.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Target {
@@ -76,6 +79,12 @@ impl Target {
     /// Parses `s` (`https://host/path` or `mailto:user@host`) and checks a
     /// webhook's host against `hosts`.
     pub fn parse(s: &str, hosts: &[String]) -> Result<Target, String> {
+        if s.len() > MAX_TARGET_BYTES {
+            return Err(format!(
+                "notify: a target of {} bytes; at most {MAX_TARGET_BYTES}",
+                s.len()
+            ));
+        }
         if let Some(addr) = s.strip_prefix("mailto:") {
             // sendmail takes it as an argument: no option, no header
             // breaker, nothing but an address.
@@ -553,6 +562,11 @@ mod tests {
             Target::parse("mailto:alice@lab.example", &hosts()).unwrap(),
             Target::Mail("alice@lab.example".into())
         );
+        let long = format!("https://hooks.slack.com/{}", "x".repeat(MAX_TARGET_BYTES));
+        let e = Target::parse(&long, &hosts()).unwrap_err();
+        assert!(e.contains("at most 2048"), "{e}");
+        let many = vec!["mailto:a@lab".to_string(); MAX_TARGETS + 1];
+        assert!(check(&many, &NotifyConfig::default()).is_err());
         let e = Target::parse("https://chat.lab/hooks/x", &hosts()).unwrap_err();
         assert!(e.contains("ask an admin to add chat.lab"), "{e}");
     }

@@ -578,7 +578,8 @@ impl Daemon {
         let path = self.node.log_path(id);
         let offset = if offset >= crate::proto::LOG_TAIL {
             let p = path.clone();
-            let size = off_runtime(move || std::fs::metadata(&p).map(|m| m.len()))
+            // The log's own size: a link swapped in for it is not followed.
+            let size = off_runtime(move || std::fs::symlink_metadata(&p).map(|m| m.len()))
                 .await
                 .unwrap_or(0);
             size.saturating_sub(offset - crate::proto::LOG_TAIL)
