@@ -173,6 +173,7 @@ fn build(nodes: usize, snapshots: usize, jobs: usize, seed: u64) -> (Cluster, Ve
                     data[rng.gen_range(0..data.len())].0,
                 ],
                 expected_secs: None,
+                limited: false,
             }
         })
         .collect();

@@ -525,6 +525,7 @@ impl<'w> Sim<'w> {
                             gpu_mem: 0,
                             needs: job.data.map(snapshot_key).into_iter().collect(),
                             expected_secs: Some(job.secs.ceil() as u64),
+                            limited: true,
                         },
                         user: user.clone(),
                         tier: Tier(job.tier),

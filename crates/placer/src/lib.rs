@@ -33,7 +33,7 @@
 //! c.add_snapshot(div2k, [(PackKey([1; 32]), 3 << 30)]);
 //! c.set_cached(&gpu2, PackKey([1; 32]), 3 << 30, true);
 //!
-//! let job = Job { gpus: 1, gpu_mem: 0, needs: vec![div2k], expected_secs: None };
+//! let job = Job { gpus: 1, gpu_mem: 0, needs: vec![div2k], expected_secs: None, limited: false };
 //! let queue = [Queued { id: "j1".into(), job, user: "alice".into(), tier: Tier(2), submitted: 0, preemptible: false }];
 //! let pass = Pass { queue: &queue, running: &[], usage: &Usage::default(), ladder: &Ladder::default(), now: 0 };
 //! let d = plan(&mut c, &pass, &Policy::default());
@@ -57,5 +57,8 @@ pub use cluster::{
 pub use lab::{BadLadder, Ladder, Member, Members, Tier, TierRefused, Usage};
 pub use place::{rank, Choice, GpuWait, Job, Policy, Ranking, Row, Verdict};
 pub use prefetch::{idle_holds, prefetch, Hold, Warm};
-pub use queue::{before, order, plan, reserve, Decision, Pass, Queued, Running};
+pub use queue::{
+    before, effective_tier, order, plan, plan_reserving, reserve, Decision, Ends, Pass, Queued,
+    Reservation, Running,
+};
 pub use scheduler::{preferred, with_scheduler_gpus, SchedulerNode};

@@ -17,10 +17,16 @@ pub struct Job {
     pub gpu_mem: u64,
     /// The snapshots it reads: its code and its data.
     pub needs: Vec<SnapshotKey>,
-    /// How long it is expected to run, where known (the simulator knows;
-    /// labd's jobs have no time limit yet). Lets [`crate::plan`] say when
-    /// the GPUs it takes will be free again.
+    /// How long it is expected to run, where known: its time limit, or an
+    /// estimate from its user's earlier runs. Lets [`crate::plan`] say when
+    /// the GPUs it takes will be free again, and whether it may start in
+    /// the gap before a reservation (backfill).
     pub expected_secs: Option<u64>,
+    /// Whether `expected_secs` is a time limit its node enforces. Only
+    /// such a job may backfill into a reservation's gap: an estimate from
+    /// history is a user's to game (short runs of a command, then a long
+    /// one), and the job the gap was kept for would pay.
+    pub limited: bool,
 }
 
 /// The knobs of the rule.
@@ -47,11 +53,20 @@ pub struct Policy {
     /// earliest jobs' first: a thousand queued jobs on a thousand datasets
     /// must not fill every node's cache and evict everyone else's data.
     pub prefetch_per_user: usize,
+    /// A waiting job is ordered one tier higher for every this many
+    /// seconds it has waited, up to the tier below the deadline tier
+    /// ([`crate::effective_tier`]); `None`: tiers never age.
+    pub aging_secs: Option<u64>,
+    /// Whether the first job that cannot start holds the GPUs it waits for
+    /// (EASY backfill, see [`crate::plan`]); off, any later job may take
+    /// them, and a big job may wait for ever behind a stream of small ones.
+    pub backfill: bool,
 }
 
 impl Default for Policy {
     /// Ties within 2 s, no cap, preemption on, idle holds released after
-    /// 30 minutes, hot data warmed on up to 3 nodes, 2 warms per user.
+    /// 30 minutes, hot data warmed on up to 3 nodes, 2 warms per user,
+    /// tiers aged one step a day, backfill with a reservation.
     fn default() -> Self {
         Policy {
             tie_secs: 2.0,
@@ -60,6 +75,8 @@ impl Default for Policy {
             idle_hold_secs: 30 * 60,
             replicas_max: 3,
             prefetch_per_user: 2,
+            aging_secs: Some(86_400),
+            backfill: true,
         }
     }
 }
@@ -564,6 +581,7 @@ pub(crate) mod tests {
             gpu_mem: 0,
             needs: needs.to_vec(),
             expected_secs: None,
+            limited: false,
         }
     }
 

@@ -46,6 +46,29 @@ pub struct Running {
     pub preemptible: bool,
     /// Told to stop for another job: its GPUs free once it has.
     pub stopping: bool,
+    /// When it is expected to end, where known.
+    pub ends: Option<Ends>,
+}
+
+/// When a running job is expected to end, and on whose word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Ends {
+    /// When (the pass's clock).
+    pub at: Millis,
+    /// Its time limit (it is stopped then); else an estimate from its
+    /// user's earlier runs, which it may overrun.
+    pub limit: bool,
+}
+
+impl Ends {
+    /// `limit` or `estimate`, for reasons.
+    fn word(self) -> &'static str {
+        if self.limit {
+            "limit"
+        } else {
+            "estimate"
+        }
+    }
 }
 
 /// What one pass looks at besides the cluster view.
@@ -118,27 +141,58 @@ impl Decision {
     }
 }
 
-/// The queue in the order a pass takes it: tier, then the user's decayed
-/// GPU time (least first), then submit time, then id (shorter first, so
-/// `j9` comes before `j10`).
-pub fn order<'q>(queue: &'q [Queued], usage: &Usage) -> Vec<&'q Queued> {
-    let mut standing: HashMap<&str, f64> = HashMap::new();
-    for q in queue {
-        standing
-            .entry(q.user.as_str())
-            .or_insert_with(|| usage.standing(&q.user));
+/// The tier `q` is ordered at `now`: its own, raised one tier for every
+/// [`Policy::aging_secs`] it has waited, but never to the ladder's
+/// deadline tier or above it (nor, on a ladder without one, to the top
+/// tier). The rule that bounds how long a lower tier waits while higher
+/// ones keep the cluster full: after `(its tier - the cap) × aging_secs`
+/// an undergraduate's job is ordered beside the PhD students' that came
+/// later, by fair share and then by submit time, so the older goes first;
+/// deadline-tier jobs still go before it. It orders the queue only: an
+/// aged job stops no one (preemption goes by the job's own tier).
+pub fn effective_tier(q: &Queued, now: Millis, ladder: &Ladder, policy: &Policy) -> Tier {
+    let Some(step) = policy.aging_secs.filter(|&s| s > 0) else {
+        return q.tier;
+    };
+    let cap = ladder.deadline().map_or(1, |d| d.0.saturating_add(1));
+    if q.tier.0 <= cap {
+        return q.tier;
     }
-    let mut order: Vec<&Queued> = queue.iter().collect();
-    order.sort_by(|a, b| before(a, standing[a.user.as_str()], b, standing[b.user.as_str()]));
-    order
+    let steps = now.saturating_sub(q.submitted) / step.saturating_mul(1000);
+    let rise = steps.min(u64::from(q.tier.0 - cap)) as u8;
+    Tier(q.tier.0 - rise)
 }
 
-/// Whether `a` (its user standing at `sa`, [`Usage::standing`]) goes
-/// before `b`: the comparison [`order`] sorts by, for callers that keep
-/// the queue sorted themselves (the simulator).
-pub fn before(a: &Queued, sa: f64, b: &Queued, sb: f64) -> std::cmp::Ordering {
-    a.tier
-        .cmp(&b.tier)
+/// The queue in the order a pass takes it: tier ([`effective_tier`]: aged
+/// by waiting), then the user's decayed GPU time (least first), then
+/// submit time, then id (shorter first, so `j9` comes before `j10`).
+pub fn order<'q>(pass: &Pass<'q>, policy: &Policy) -> Vec<&'q Queued> {
+    let mut standing: HashMap<&str, f64> = HashMap::new();
+    for q in pass.queue {
+        standing
+            .entry(q.user.as_str())
+            .or_insert_with(|| pass.usage.standing(&q.user));
+    }
+    let mut order: Vec<(Tier, &Queued)> = (pass.queue.iter())
+        .map(|q| (effective_tier(q, pass.now, pass.ladder, policy), q))
+        .collect();
+    order.sort_by(|(ta, a), (tb, b)| {
+        before(
+            (*ta, standing[a.user.as_str()], a),
+            (*tb, standing[b.user.as_str()], b),
+        )
+    });
+    order.into_iter().map(|(_, q)| q).collect()
+}
+
+/// Whether `a` (ordered at tier `ta`, its user standing at `sa`,
+/// [`Usage::standing`]) goes before `b`: the comparison [`order`] sorts
+/// by, for callers that keep the queue sorted themselves (the simulator).
+pub fn before(
+    (ta, sa, a): (Tier, f64, &Queued),
+    (tb, sb, b): (Tier, f64, &Queued),
+) -> std::cmp::Ordering {
+    ta.cmp(&tb)
         .then(sa.total_cmp(&sb))
         .then(a.submitted.cmp(&b.submitted))
         // `j9` before `j10`.
@@ -152,6 +206,14 @@ pub fn before(a: &Queued, sa: f64, b: &Queued, sb: f64) -> std::cmp::Ordering {
 /// the same GPU is never offered twice. An agent that finds a GPU taken
 /// after all refuses the start, and the next heartbeat corrects the view.
 ///
+/// - **Backfill with a reservation** (EASY, [`Policy::backfill`]): the
+///   first job in order that cannot start, and has a node whose GPUs are
+///   expected free at a known time, is given those GPUs from then. A later
+///   job may take one of them only if its expected run
+///   ([`Job::expected_secs`]: its limit or estimate) ends before the
+///   reservation begins; other GPUs, there and elsewhere, are anyone's.
+///   A stream of small jobs thus never starves a big one at the head.
+///
 /// - A user with [`Policy::user_gpu_cap`] GPUs running waits.
 /// - A job whose best node is busy waits for it ([`rank`]: the GPUs there
 ///   are expected free sooner than its data could be fetched elsewhere),
@@ -164,6 +226,18 @@ pub fn before(a: &Queued, sa: f64, b: &Queued, sb: f64) -> std::cmp::Ordering {
 ///
 /// Decisions come in the pass's order.
 pub fn plan(cluster: &mut Cluster, pass: &Pass, policy: &Policy) -> Vec<Decision> {
+    plan_reserving(cluster, pass, policy, &mut None)
+}
+
+/// [`plan`] over one part of a queue, the reservation carried from the
+/// parts before it and left for the parts after (a caller that hands the
+/// queue over a chunk at a time, in order, as the simulator does).
+pub fn plan_reserving(
+    cluster: &mut Cluster,
+    pass: &Pass,
+    policy: &Policy,
+    reservation: &mut Option<Reservation>,
+) -> Vec<Decision> {
     let mut in_use: HashMap<&str, u32> = HashMap::new();
     for r in pass.running {
         *in_use.entry(r.user.as_str()).or_default() += r.gpus.len() as u32;
@@ -173,10 +247,18 @@ pub fn plan(cluster: &mut Cluster, pass: &Pass, policy: &Policy) -> Vec<Decision
     // Jobs ahead that did not start, by tier.
     let mut ahead: Vec<u32> = Vec::new();
     let mut out = Vec::with_capacity(pass.queue.len());
-    for q in order(pass.queue, pass.usage) {
-        let d = decide(cluster, pass, policy, q, &mut in_use, &mut claimed, &ahead);
+    for q in order(pass, policy) {
+        let tier = effective_tier(q, pass.now, pass.ladder, policy);
+        let mut at = At {
+            in_use: &mut in_use,
+            claimed: &mut claimed,
+            ahead: &ahead,
+            tier,
+            reservation,
+        };
+        let d = decide(cluster, pass, policy, q, &mut at);
         if !matches!(d, Decision::Start { .. }) {
-            let t = q.tier.0 as usize;
+            let t = tier.0 as usize;
             if ahead.len() <= t {
                 ahead.resize(t + 1, 0);
             }
@@ -187,18 +269,121 @@ pub fn plan(cluster: &mut Cluster, pass: &Pass, policy: &Policy) -> Vec<Decision
     out
 }
 
+/// GPUs promised to the first job of a pass that could not start (EASY
+/// backfill): on one node, from when they are expected free.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    /// The job they are held for.
+    pub id: String,
+    /// The node's index in the view.
+    node: usize,
+    /// The node.
+    pub name: NodeName,
+    /// From then (the pass's clock).
+    pub at: Millis,
+    /// Its GPUs there.
+    pub gpus: Vec<u32>,
+}
+
+impl Reservation {
+    /// Whether `job`, starting `start_secs` from `now`, is sure to be done
+    /// before the reservation begins: its time limit ends before.
+    fn ends_before(&self, job: &Job, start_secs: f64, now: Millis) -> bool {
+        (job.expected_secs.filter(|_| job.limited))
+            .is_some_and(|e| now as f64 + (start_secs + e as f64) * 1000.0 <= self.at as f64)
+    }
+
+    /// Whether `c` takes one of the reserved GPUs.
+    fn taken_by(&self, c: &Choice) -> bool {
+        c.node == self.name && c.gpus.iter().any(|g| self.gpus.contains(g))
+    }
+
+    /// In words, for the reasons of the jobs it keeps off its GPUs.
+    fn words(&self, now: Millis) -> String {
+        format!(
+            "{} holds {}'s GPU(s) {} from ~{} (a job whose --time ends before then may use them)",
+            self.id,
+            self.name,
+            list(&self.gpus),
+            span(self.at.saturating_sub(now).div_ceil(1000))
+        )
+    }
+}
+
+/// `0,1,3`.
+fn list(gpus: &[u32]) -> String {
+    gpus.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// What [`decide`] carries from one job of a pass to the next.
+struct At<'a, 'p> {
+    /// GPUs each user holds or was given in this pass.
+    in_use: &'a mut HashMap<&'p str, u32>,
+    /// Victims already given to a job of this pass.
+    claimed: &'a mut HashSet<&'p str>,
+    /// Jobs ahead that did not start, by tier.
+    ahead: &'a [u32],
+    /// The tier the job is ordered at.
+    tier: Tier,
+    /// The backfill reservation, once a job has it.
+    reservation: &'a mut Option<Reservation>,
+}
+
+/// `job`'s ranking with the reservation's GPUs free now kept from it,
+/// unless it would be done before the reservation begins; and whether
+/// they were kept from it.
+fn ranked(
+    cluster: &mut Cluster,
+    job: &Job,
+    now: Millis,
+    policy: &Policy,
+    res: Option<&Reservation>,
+) -> (Ranking, bool) {
+    let Some(res) = res.filter(|_| policy.backfill) else {
+        return (rank(cluster, job, now, policy), false);
+    };
+    if res.ends_before(job, 0.0, now) {
+        let r = rank(cluster, job, now, policy);
+        // The fetch before its start may make it end too late after all.
+        let overruns = |c: &Choice| res.taken_by(c) && !res.ends_before(job, c.start_secs, now);
+        if !r.choice.as_ref().is_some_and(overruns)
+            && !r.best_free_now().is_some_and(|c| overruns(&c))
+        {
+            return (r, false);
+        }
+    }
+    let mut kept = Vec::new();
+    for g in cluster.nodes_mut()[res.node].gpus.iter_mut() {
+        if res.gpus.contains(&g.index) && g.slot == Slot::Free {
+            kept.push((g.index, g.memory_free));
+            g.slot = Slot::Busy { until: None };
+        }
+    }
+    let r = rank(cluster, job, now, policy);
+    for g in cluster.nodes_mut()[res.node].gpus.iter_mut() {
+        if let Some(&(_, free)) = kept.iter().find(|(i, _)| *i == g.index) {
+            g.slot = Slot::Free;
+            g.memory_free = free;
+        }
+    }
+    let kept_off = !kept.is_empty();
+    (r, kept_off)
+}
+
 fn decide<'p>(
     cluster: &mut Cluster,
     pass: &Pass<'p>,
     policy: &Policy,
     q: &'p Queued,
-    in_use: &mut HashMap<&'p str, u32>,
-    claimed: &mut HashSet<&'p str>,
-    ahead: &[u32],
+    at: &mut At<'_, 'p>,
 ) -> Decision {
     let now = pass.now;
     let id = q.id.clone();
-    let used = in_use.get(q.user.as_str()).copied().unwrap_or(0);
+    let ahead = at.ahead;
+    let used = at.in_use.get(q.user.as_str()).copied().unwrap_or(0);
     if let Some(cap) = policy.user_gpu_cap {
         if q.job.gpus > 0 && used + q.job.gpus > cap {
             return Decision::Wait {
@@ -207,13 +392,13 @@ fn decide<'p>(
                     "{}; {} has {used} GPU(s) running and the lab's cap is {cap} per user{}",
                     needs(&q.job),
                     q.user,
-                    ahead_of(ahead, q.tier, pass.ladder)
+                    ahead_of(ahead, at.tier, pass.ladder)
                 ),
                 likely: None,
             };
         }
     }
-    let ranking = rank(cluster, &q.job, now, policy);
+    let (ranking, kept_off) = ranked(cluster, &q.job, now, policy, at.reservation.as_ref());
     let waited = now.saturating_sub(q.submitted) as f64 / 1000.0;
     let start = match &ranking.choice {
         Some(c) if c.gpus_free_now => Some(c.clone()),
@@ -225,53 +410,120 @@ fn decide<'p>(
     };
     if let Some(choice) = start {
         reserve(cluster, &q.job, &choice, now);
-        *in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
+        *at.in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
         return Decision::Start { id, choice };
     }
     if policy.preemption {
-        if let Some(d) = preempt(cluster, pass, q, claimed, ahead) {
+        if let Some(d) = preempt(cluster, pass, q, at.claimed, ahead, at.tier) {
             // The GPUs it stops jobs for are the user's from now on (their
             // cap holds for their other jobs in this pass).
-            *in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
+            *at.in_use.entry(q.user.as_str()).or_default() += q.job.gpus;
             return d;
         }
     }
-    match ranking.choice {
-        Some(choice) => waits_for(pass, q, id, choice, ahead),
-        None => no_start(pass, q, id, &ranking, ahead),
+    let kept = match (kept_off, at.reservation.as_ref()) {
+        (true, Some(r)) => format!("; {}", r.words(now)),
+        _ => String::new(),
+    };
+    let d = match &ranking.choice {
+        Some(choice) => {
+            // The first job that cannot start has the GPUs it waits for
+            // from when they are expected free.
+            let gpu_secs = (ranking.rows.iter())
+                .find(|r| r.node == choice.node)
+                .and_then(|r| match r.gpu_wait {
+                    GpuWait::In { secs } => Some(secs),
+                    _ => None,
+                });
+            let mut held = String::new();
+            if let (None, Some(secs), true) = (at.reservation.as_ref(), gpu_secs, policy.backfill) {
+                let res = Reservation {
+                    id: q.id.clone(),
+                    node: cluster.index_of(&choice.node).expect("a ranked node"),
+                    name: choice.node.clone(),
+                    at: now + (secs * 1000.0).ceil() as Millis,
+                    gpus: choice.gpus.clone(),
+                };
+                held = format!(
+                    "; {}'s GPU(s) {} are held for it from then",
+                    res.name,
+                    list(&res.gpus)
+                );
+                *at.reservation = Some(res);
+            }
+            waits_for(pass, q, id, choice, gpu_secs, at.tier, ahead, &held)
+        }
+        None => no_start(pass, q, id, &ranking, ahead, at.tier),
+    };
+    match d {
+        Decision::Wait { id, why, likely } if !kept.is_empty() => Decision::Wait {
+            id,
+            why: why + &kept,
+            likely,
+        },
+        d => d,
     }
 }
 
-/// `q` waits for `choice`'s node to free, whose holders are named.
-fn waits_for(pass: &Pass, q: &Queued, id: String, choice: Choice, ahead: &[u32]) -> Decision {
-    let holders: Vec<String> = pass
-        .running
-        .iter()
-        .filter(|r| r.node == choice.node)
-        .map(|r| format!("{}, {}", r.id, r.user))
-        .collect();
-    let by = if holders.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", holders.join("; "))
-    };
+/// `q` waits for `choice`'s node, whose GPUs are expected free in
+/// `gpu_secs`: the job whose end frees the last of them is named, with
+/// whether that end is its limit or an estimate; else the holders there.
+#[allow(clippy::too_many_arguments)]
+fn waits_for(
+    pass: &Pass,
+    q: &Queued,
+    id: String,
+    choice: &Choice,
+    gpu_secs: Option<f64>,
+    tier: Tier,
+    ahead: &[u32],
+    held: &str,
+) -> Decision {
+    let on_node = || pass.running.iter().filter(|r| r.node == choice.node);
+    let by = gpu_secs
+        .and_then(|s| {
+            let by = pass.now + (s * 1000.0).ceil() as Millis;
+            on_node()
+                .filter_map(|r| Some((r, r.ends?)))
+                .filter(|(_, e)| e.at <= by + 1000)
+                .max_by_key(|(r, e)| (e.at, r.id.as_str()))
+        })
+        .map(|(r, e)| format!(" ({}'s {})", r.id, e.word()));
+    let by = by.unwrap_or_else(|| {
+        let holders: Vec<String> = on_node().map(|r| format!("{}, {}", r.id, r.user)).collect();
+        if holders.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", holders.join("; "))
+        }
+    });
+    // The later of the GPUs' wait and the fetch there.
+    let when = gpu_secs.map_or(choice.start_secs, |g| g.max(choice.start_secs));
     Decision::Wait {
         id,
         why: format!(
-            "{}; {} frees in ~{}{by}{}",
+            "{}; {}: {} GPU(s) free in ~{}{by}{held}{}",
             needs(&q.job),
             choice.node,
-            span(choice.start_secs.ceil() as u64),
-            ahead_of(ahead, q.tier, pass.ladder)
+            q.job.gpus,
+            span(when.ceil() as u64),
+            ahead_of(ahead, tier, pass.ladder)
         ),
-        likely: Some(choice.node),
+        likely: Some(choice.node.clone()),
     }
 }
 
 /// `q` has no start estimate anywhere: never, if no node could ever run
 /// it (down nodes count with the GPUs they last reported); else it waits,
 /// each node saying why.
-fn no_start(pass: &Pass, q: &Queued, id: String, ranking: &Ranking, ahead: &[u32]) -> Decision {
+fn no_start(
+    pass: &Pass,
+    q: &Queued,
+    id: String,
+    ranking: &Ranking,
+    ahead: &[u32],
+    tier: Tier,
+) -> Decision {
     let never = !ranking.rows.is_empty()
         && ranking
             .rows
@@ -302,7 +554,7 @@ fn no_start(pass: &Pass, q: &Queued, id: String, ranking: &Ranking, ahead: &[u32
             why: format!(
                 "{}; {why}{}",
                 needs(&q.job),
-                ahead_of(ahead, q.tier, pass.ladder)
+                ahead_of(ahead, tier, pass.ladder)
             ),
             likely: None,
         }
@@ -352,6 +604,7 @@ fn preempt<'p>(
     q: &Queued,
     claimed: &mut HashSet<&'p str>,
     ahead: &[u32],
+    tier: Tier,
 ) -> Option<Decision> {
     let job = &q.job;
     if job.gpus == 0 {
@@ -385,7 +638,7 @@ fn preempt<'p>(
             g.memory_free = 0;
         }
     }
-    Some(stop_or_wait(pass, q, node, told, &victims, ahead))
+    Some(stop_or_wait(pass, q, node, told, &victims, ahead, tier))
 }
 
 /// What stopping `victims` on node `i` would free for `q`: the GPUs free
@@ -465,6 +718,7 @@ fn stop_or_wait(
     told: usize,
     victims: &[&Running],
     ahead: &[u32],
+    tier: Tier,
 ) -> Decision {
     let job = &q.job;
     let names: Vec<String> = victims
@@ -484,7 +738,7 @@ fn stop_or_wait(
                  the node's kill_grace_s, 10 s unless set){}",
                 needs(job),
                 stopping.join(", "),
-                ahead_of(ahead, q.tier, pass.ladder)
+                ahead_of(ahead, tier, pass.ladder)
             ),
             likely: Some(node),
         };
@@ -657,7 +911,7 @@ pub(crate) mod tests {
         let d = fcfs(&mut c, &[q("j2", j)], 1_000, &Policy::default());
         assert!(
             matches!(&d[0], Decision::Wait { why, likely: Some(x), .. }
-                if x.as_str() == "a" && why.contains("a frees in ~60 s")),
+                if x.as_str() == "a" && why.contains("a: 1 GPU(s) free in ~60 s")),
             "{:?}",
             d[0]
         );
@@ -679,6 +933,7 @@ pub(crate) mod tests {
             gpus: gpus.to_vec(),
             preemptible,
             stopping: false,
+            ends: None,
         }
     }
 
@@ -720,7 +975,7 @@ pub(crate) mod tests {
             of("alice1", "alice", 2, 5_000, job(1, &[])),
             of("alice2", "alice", 2, 6_000, job(1, &[])),
         ];
-        let ids: Vec<&str> = order(&queue, &usage)
+        let ids: Vec<&str> = order(&pass(&queue, &[], &usage, 10_000), &Policy::default())
             .iter()
             .map(|q| q.id.as_str())
             .collect();
@@ -919,7 +1174,7 @@ pub(crate) mod tests {
             panic!("{:?}", d[0])
         };
         assert_eq!(likely.as_ref().map(|n| n.as_str()), Some("a"), "{why}");
-        assert!(why.contains("a frees in ~100 s"), "{why}");
+        assert!(why.contains("a: 1 GPU(s) free in ~100 s"), "{why}");
         // Submitted 106 s before: still within the bound.
         let queue = [of("j", "alice", 2, 94_000, job(1, &[data]))];
         let d = plan(
@@ -939,6 +1194,159 @@ pub(crate) mod tests {
             panic!("{:?}", d[0])
         };
         assert_eq!((choice.node.as_str(), choice.fetch_bytes), ("b", 10 * GIB));
+    }
+
+    /// One node of `gpus` GPUs, GPU `i` busy until `ends[i]` seconds (0:
+    /// free), with the running jobs holding them (`r<i>`, limits).
+    fn timed(c: &mut Cluster, name: &str, ends: &[u64]) -> Vec<Running> {
+        node(c, name, ends.len() as u32, 0);
+        let mut run = Vec::new();
+        for (i, &e) in ends.iter().enumerate() {
+            if e == 0 {
+                continue;
+            }
+            let g = &mut c.node_mut(&n(name)).unwrap().gpus[i];
+            g.slot = Slot::Busy {
+                until: Some(e * 1000),
+            };
+            g.memory_free = 0;
+            let mut r = running(&format!("{name}r{i}"), "x", 3, name, &[i as u32], false);
+            r.ends = Some(Ends {
+                at: e * 1000,
+                limit: true,
+            });
+            run.push(r);
+        }
+        run
+    }
+
+    fn timed_job(gpus: u32, secs: Option<u64>) -> Job {
+        Job {
+            expected_secs: secs,
+            limited: true,
+            ..job(gpus, &[])
+        }
+    }
+
+    #[test]
+    fn a_big_job_at_the_head_holds_its_gpus_and_only_short_jobs_backfill() {
+        let mut c = Cluster::new();
+        // One node of 4 GPUs: two free, two busy until 100 s and 3600 s.
+        let run = timed(&mut c, "a", &[0, 0, 100, 3600]);
+        let queue = [
+            of("big", "alice", 2, 0, timed_job(3, Some(600))),
+            of("long", "bob", 2, 1, timed_job(1, Some(7200))),
+            of("short", "carol", 2, 2, timed_job(1, Some(60))),
+            of("unknown", "dave", 2, 3, timed_job(1, None)),
+            of(
+                "guessed",
+                "erin",
+                2,
+                4,
+                Job {
+                    limited: false,
+                    ..timed_job(1, Some(60))
+                },
+            ),
+        ];
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &run, &Usage::default(), 0),
+            &Policy::default(),
+        );
+        let Decision::Wait { why, likely, .. } = &d[0] else {
+            panic!("{:?}", d[0])
+        };
+        assert_eq!(likely.as_ref().map(|x| x.as_str()), Some("a"));
+        assert!(
+            why.contains("a: 3 GPU(s) free in ~100 s (ar2's limit); a's GPU(s) 0,1,2 are held for it from then"),
+            "{why}"
+        );
+        // The 2-hour job would delay it: it waits, told why.
+        let Decision::Wait { why, .. } = &d[1] else {
+            panic!("{:?}", d[1])
+        };
+        assert!(
+            why.contains("big holds a's GPU(s) 0,1,2 from ~100 s (a job whose --time ends before then may use them)"),
+            "{why}"
+        );
+        // One minute ends before: it starts in the gap.
+        assert!(
+            matches!(&d[2], Decision::Start { id, choice } if id == "short" && choice.gpus == [0]),
+            "{:?}",
+            d[2]
+        );
+        // No known end, or only an estimate (a user's to game): it may not.
+        assert!(matches!(&d[3], Decision::Wait { .. }), "{:?}", d[3]);
+        assert!(matches!(&d[4], Decision::Wait { .. }), "{:?}", d[4]);
+        // Without backfill's reservation the long job takes a GPU and the
+        // big one waits an hour more.
+        let greedy = Policy {
+            backfill: false,
+            ..Policy::default()
+        };
+        let d = plan(&mut c, &pass(&queue, &run, &Usage::default(), 0), &greedy);
+        assert!(matches!(&d[1], Decision::Start { .. }), "{:?}", d[1]);
+    }
+
+    #[test]
+    fn gpus_beyond_the_reservations_are_anyones() {
+        let mut c = Cluster::new();
+        // 4 free now, 2 more at 100 s; the head needs 5: GPUs 0-4 are held.
+        let run = timed(&mut c, "a", &[0, 0, 0, 0, 100, 100]);
+        node(&mut c, "b", 1, 0);
+        let queue = [
+            of("big", "alice", 2, 0, timed_job(5, Some(600))),
+            of("x", "bob", 2, 1, timed_job(1, None)),
+            of("y", "bob", 2, 2, timed_job(1, None)),
+        ];
+        let d = plan(
+            &mut c,
+            &pass(&queue, &run, &Usage::default(), 0),
+            &Policy::default(),
+        );
+        assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
+        // Another node's GPU is anyone's; the held ones are not.
+        assert!(
+            matches!(&d[1], Decision::Start { choice, .. } if choice.node.as_str() == "b"),
+            "{:?}",
+            d[1]
+        );
+        assert!(matches!(&d[2], Decision::Wait { .. }), "{:?}", d[2]);
+    }
+
+    #[test]
+    fn a_waiting_job_rises_a_tier_a_day_but_never_to_the_deadline_tier() {
+        let ladder = Ladder::default();
+        let policy = Policy::default();
+        const DAY: Millis = 86_400_000;
+        let undergrad = of("u", "bob", 4, 0, job(1, &[]));
+        let tier = |now| effective_tier(&undergrad, now, &ladder, &policy);
+        assert_eq!(tier(DAY - 1), Tier(4));
+        assert_eq!(tier(DAY), Tier(3));
+        assert_eq!(tier(2 * DAY), Tier(2));
+        // PhD is as high as waiting takes anyone: deadline and lead stay ahead.
+        assert_eq!(tier(30 * DAY), Tier(2));
+        let lead = of("l", "lead", 0, 0, job(1, &[]));
+        assert_eq!(effective_tier(&lead, 30 * DAY, &ladder, &policy), Tier(0));
+        let off = Policy {
+            aging_secs: None,
+            ..Policy::default()
+        };
+        assert_eq!(effective_tier(&undergrad, 30 * DAY, &ladder, &off), Tier(4));
+        // In the queue: an undergraduate's job of two days ago goes before
+        // a PhD student's of today, and after a deadline job of today.
+        let queue = [
+            of("phd", "carol", 2, 2 * DAY, job(1, &[])),
+            of("old", "bob", 4, 0, job(1, &[])),
+            of("dl", "erin", 1, 2 * DAY, job(1, &[])),
+        ];
+        let usage = Usage::default();
+        let ids: Vec<&str> = order(&pass(&queue, &[], &usage, 2 * DAY), &policy)
+            .iter()
+            .map(|q| q.id.as_str())
+            .collect();
+        assert_eq!(ids, ["dl", "old", "phd"]);
     }
 
     /// A random cluster: up to 6 nodes of up to 4 GPUs in random states, up
@@ -1029,6 +1437,7 @@ pub(crate) mod tests {
                     gpu_mem: mem * 8 * GIB,
                     needs: needs.iter().map(|&k| keys[k % keys.len()]).collect(),
                     expected_secs: None,
+                    limited: false,
                 }))
                 .collect();
             let mut view = cluster.clone();

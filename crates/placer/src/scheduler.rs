@@ -126,6 +126,7 @@ mod tests {
             gpu_mem: 0,
             needs: vec![data],
             expected_secs: None,
+            limited: false,
         };
         (c, job)
     }
@@ -160,6 +161,7 @@ mod tests {
             gpu_mem: 0,
             needs: vec![data],
             expected_secs: None,
+            limited: false,
         };
         let v = with_scheduler_gpus(&c, &[node("n1", 2, 2), node("n2", 2, 2)]);
         let r = rank(&v, &job, 0, &Policy::default());
