@@ -303,6 +303,17 @@ impl Lab {
             .to_string()
     }
 
+    /// Waits until job `id` runs or has ended; the node it ran on.
+    pub fn running_or_ended(&self, id: &str) -> String {
+        wait_until(&format!("{id} to run"), 60, || {
+            !matches!(self.job(id).state, JobState::Queued)
+        });
+        self.job(id)
+            .node
+            .expect("a placed job has a node")
+            .to_string()
+    }
+
     pub fn status(&self) -> ClusterStatus {
         let o = self.labrun(&["status", "--json"]);
         assert!(o.status.success(), "labrun status: {o:?}");

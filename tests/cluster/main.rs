@@ -18,6 +18,7 @@ mod common;
 mod browser;
 mod lab;
 mod rerun;
+mod time;
 mod web;
 
 use std::process::Output;

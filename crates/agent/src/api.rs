@@ -525,6 +525,22 @@ async fn explain(
     Ok(Json(co.explain(&r, &req).await?))
 }
 
+/// The lab's rules in force, for an admin.
+async fn admin_show(State(d): D, Authed(c): Authed) -> Result<Json<AnswerOf<GetAdmin>>, ApiError> {
+    let (co, _) = coordinator(&d, "labrun admin")?;
+    Ok(Json(co.admin_view(&c)?))
+}
+
+/// An admin changes the lab's rules.
+async fn admin_change(
+    State(d): D,
+    Authed(c): Authed,
+    Json(change): Json<RequestOf<ChangeAdmin>>,
+) -> Result<Json<AnswerOf<ChangeAdmin>>, ApiError> {
+    let (co, _) = coordinator(&d, "labrun admin")?;
+    Ok(Json(co.admin_change(&c, change)?))
+}
+
 /// Nodes ranked with Slurm's GPUs (`labrun --backend slurm`).
 async fn rank(
     State(d): D,
@@ -726,6 +742,8 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .at::<GetPack, _, _>(pack)
         .at::<ReportCorrupt, _, _>(pack_corrupt)
         .at::<ExplainRequest, _, _>(explain)
+        .at::<GetAdmin, _, _>(admin_show)
+        .at::<ChangeAdmin, _, _>(admin_change)
         .at::<RankNodes, _, _>(rank)
         .at::<AskStageDone, _, _>(stage_done_ask)
         .at::<OrderStageDone, _, _>(stage_done_order)

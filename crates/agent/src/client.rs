@@ -425,6 +425,19 @@ impl Client {
         self.call::<routes::ExplainRequest>("", Some(req)).await
     }
 
+    /// The lab's rules in force (an admin; the coordinator).
+    pub async fn admin_show(&self) -> Result<crate::proto::AdminView, ClientError> {
+        self.call::<routes::GetAdmin>("", None).await
+    }
+
+    /// Changes the lab's rules (an admin; the coordinator).
+    pub async fn admin_change(
+        &self,
+        change: &crate::proto::AdminChange,
+    ) -> Result<crate::proto::AdminView, ClientError> {
+        self.call::<routes::ChangeAdmin>("", Some(change)).await
+    }
+
     /// The nodes ranked for a job with the GPUs as Slurm reports them
     /// (`labrun --backend slurm`; the coordinator).
     pub async fn rank(

@@ -183,6 +183,11 @@ pub struct JobMeta {
     /// labd's last look; set in what labd shows, never stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_since_ms: Option<u64>,
+    /// How long it is expected to run: its limit, kept by its node, or
+    /// the coordinator's estimate from its user's earlier runs (set in what
+    /// the coordinator shows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected: Option<crate::proto::Expected>,
     /// The GPUs it held, kept once it ended (its `gpus` are then given back).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus_held: Vec<u32>,

@@ -86,6 +86,7 @@ pub use node::{probe_cgroups, Node, NodeConfig, NodeError, Submit};
 pub use notify::{target_ok as notify_target_ok, NotifyConfig};
 pub use request::{
     command_bytes, variable_bytes, Caller, LogRead, MAX_COMMAND_BYTES, MAX_DATASETS,
+    MAX_TIME_LIMIT_S,
 };
 pub use rlimits::LoginLimits;
 pub use runner::{alive, kill_session, session_members, spawn, JobSpec, Started};

@@ -112,6 +112,12 @@ pub struct SubmitRequest {
     /// requeue it (`labrun --preemptible`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub preemptible: bool,
+    /// Its time limit, seconds of running (`labrun --time 2d`; else the
+    /// coordinator gives its tier's default from `[lab] time_limits`): at
+    /// the limit its node stops it (SIGTERM, outputs saved, SIGKILL after
+    /// the grace) and says it ran out of time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_limit_s: Option<u64>,
     /// Times it was preempted and requeued (`LABRUN_RESTARTS`); set by the
     /// coordinator only.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -130,6 +136,90 @@ pub struct SubmitRequest {
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+/// How long a job is expected to run, and on whose word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expected {
+    /// Seconds of running.
+    pub secs: u64,
+    /// Its time limit (its own or its tier's): it is stopped then. Else an
+    /// estimate from its user's earlier runs, which it may overrun.
+    pub limit: bool,
+}
+
+/// A change an admin makes to the lab's rules on the coordinator, with no
+/// restart (`labrun admin`). Kept in the coordinator's database; the
+/// config file's `[lab]` values are the defaults it changes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "change", rename_all = "snake_case")]
+pub enum AdminChange {
+    /// A paper-deadline grant until then (Unix ms: the end of its last
+    /// day), or withdrawn (`None`).
+    Grant {
+        /// Whose.
+        user: String,
+        /// Until.
+        until_ms: Option<u64>,
+    },
+    /// A user's own tier.
+    Tier {
+        /// Whose.
+        user: String,
+        /// A tier of the ladder, not the deadline tier.
+        tier: String,
+    },
+    /// GPUs one user may have running at once (`None`: no cap).
+    Cap {
+        /// The cap.
+        gpus: Option<u32>,
+    },
+}
+
+/// A change to the lab's rules as kept: who made it, when.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdminRecord {
+    /// Unix seconds.
+    pub at: u64,
+    /// The admin.
+    pub by: String,
+    /// What changed.
+    pub change: AdminChange,
+}
+
+/// One user's standing in the lab's rules.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserRule {
+    /// The user.
+    pub user: String,
+    /// Their own tier.
+    pub tier: String,
+    /// Their deadline grant runs until then (Unix ms), if they have one.
+    pub deadline_until: Option<u64>,
+}
+
+/// The lab's rules in force on the coordinator (`labrun admin show`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdminView {
+    /// The ladder, highest first.
+    pub tiers: Vec<String>,
+    /// The tier grants give.
+    pub deadline_tier: Option<String>,
+    /// Users named by the config or an admin; anyone else stands at the
+    /// lowest tier.
+    pub users: Vec<UserRule>,
+    /// GPUs one user may have running at once.
+    pub cap: Option<u32>,
+    /// Each tier's default time limit, seconds.
+    pub time_limits: Vec<(String, u64)>,
+    /// A waiting job rises a tier per this many seconds waited.
+    pub aging_s: Option<u64>,
+    /// The changes admins made, oldest first (the last 100).
+    pub changes: Vec<AdminRecord>,
+    /// Each user's fair-share usage now: decayed GPU-hours, running jobs
+    /// charged as they run.
+    #[serde(default)]
+    pub usage: Vec<(String, f64)>,
 }
 
 /// The coordinator's order to stop a preemptible job (`POST
@@ -810,10 +900,10 @@ pub mod routes {
     use labsync_store::PackId;
 
     use super::{
-        ClusterStatus, CorruptChecked, CorruptCopy, Dispatch, DispatchReply, Heartbeat,
-        HeartbeatReply, Info, JobExplain, JobView, Located, PingAsk, Pong, PreemptOrder, RankAsk,
-        StageAsk, StageDone, StageOrder, Staged, SubmitRequest, SuspectPeer, WarmAnswer, WarmAsk,
-        WarmOrder,
+        AdminChange, AdminView, ClusterStatus, CorruptChecked, CorruptCopy, Dispatch,
+        DispatchReply, Heartbeat, HeartbeatReply, Info, JobExplain, JobView, Located, PingAsk,
+        Pong, PreemptOrder, RankAsk, StageAsk, StageDone, StageOrder, Staged, SubmitRequest,
+        SuspectPeer, WarmAnswer, WarmAsk, WarmOrder,
     };
     use crate::status::GpuStatus;
 
@@ -850,6 +940,12 @@ pub mod routes {
         ReportCorrupt: Post "/v1/cluster/packs/{id}/corrupt", CorruptCopy => CorruptChecked;
         /// Where a job would go, and why not elsewhere (`labrun --explain`).
         ExplainRequest: Post "/v1/cluster/explain", SubmitRequest => Ranking;
+        /// The lab's rules in force (`labrun admin show`; admins, the
+        /// coordinator).
+        GetAdmin: Get "/v1/cluster/admin", () => AdminView;
+        /// An admin's change to the lab's rules (`labrun admin grant`,
+        /// `tier`, `cap`; the coordinator).
+        ChangeAdmin: Post "/v1/cluster/admin", AdminChange => AdminView;
         /// Nodes ranked with Slurm's GPUs, on the coordinator.
         RankNodes: Post "/v1/cluster/rank", RankAsk => Ranking;
         /// A Slurm job's code and data on its node, answered once there

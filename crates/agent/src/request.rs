@@ -101,6 +101,9 @@ pub fn variable_bytes((k, v): &(String, String)) -> usize {
     k.len() + v.len() + 2
 }
 
+/// The longest time limit a job may ask for: a year.
+pub const MAX_TIME_LIMIT_S: u64 = 365 * 86_400;
+
 /// The longest label of a tree (`NAME@vN`) a job may name.
 pub const MAX_LABEL_BYTES: usize = 1024;
 
@@ -135,6 +138,14 @@ pub(crate) fn check_size(req: &SubmitRequest) -> Result<(), JobError> {
         _ => Ok(()),
     };
     short("a priority", &req.priority)?;
+    if let Some(t) = req.time_limit_s {
+        if t == 0 || t > MAX_TIME_LIMIT_S {
+            return Err(JobError::Invalid(format!(
+                "a time limit of {t} s: give 1 s to {} days",
+                MAX_TIME_LIMIT_S / 86_400
+            )));
+        }
+    }
     short("resume_from", &req.resume_from)?;
     let others = req.data.iter().map(|d| d.env.len()).sum::<usize>();
     let bytes = command_bytes(&req.argv, &req.env).saturating_add(others);

@@ -167,8 +167,8 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
     wrong.extend(check(&tables, part, "slurm", keys::<SlurmFile>()));
     wrong.extend(check(&tables, part, "web", keys::<WebFile>()));
     wrong.extend(check(&tables, part, "notify", keys::<NotifyFile>()));
-    // Maps (user = token, user = tier, user = date) have no fixed keys.
-    for map in ["tokens", "lab.users", "lab.grants"] {
+    // Maps (user = token, user = tier, user = date, tier = limit) have no fixed keys.
+    for map in ["tokens", "lab.users", "lab.grants", "lab.time_limits"] {
         let (_, rows) = tables
             .iter()
             .find(|(p, _)| p == map)
@@ -189,6 +189,7 @@ fn every_key_labd_takes_is_documented_and_every_documented_key_is_taken() {
         "tokens",
         "lab.users",
         "lab.grants",
+        "lab.time_limits",
     ];
     for (p, _) in &tables {
         assert!(

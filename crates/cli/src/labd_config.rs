@@ -809,6 +809,14 @@ pub(crate) struct LabFile {
     max_gpus_per_user: Option<u32>,
     /// GPU time used counts half after this many days (default 7).
     fair_share_half_life_days: Option<f64>,
+    /// Tier → the time limit (`"2d"`, `"12h"`) of its jobs that give no
+    /// `--time`.
+    #[serde(default)]
+    time_limits: BTreeMap<String, String>,
+    /// A waiting job is ordered one tier higher per this many hours it has
+    /// waited, up to the tier below the deadline tier (default 24; 0:
+    /// tiers never age).
+    aging_hours: Option<f64>,
 }
 
 /// `[lab]`, checked: every tier named exists, grants are dates.
@@ -878,15 +886,43 @@ fn lab_config(l: LabFile) -> Result<LabConfig> {
     if l.max_gpus_per_user == Some(0) {
         bail!("[lab] max_gpus_per_user = 0 would stop every GPU job; leave it out for no cap");
     }
+    let mut time_limits = std::collections::HashMap::new();
+    for (tier, limit) in &l.time_limits {
+        let t = members.ladder.tier(tier).ok_or_else(|| {
+            anyhow::anyhow!(
+                "[lab.time_limits] {tier}: no such tier; the tiers are {}",
+                members.ladder.names().join(", ")
+            )
+        })?;
+        let secs = crate::local::parse_duration(limit)
+            .ok()
+            .filter(|&s| s > 0 && s <= labsync_agent::MAX_TIME_LIMIT_S)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "[lab.time_limits] {tier} = {limit:?}: give a duration such as \"12h\" or \"2d\", at most 365d"
+                )
+            })?;
+        time_limits.insert(t, secs);
+    }
+    let aging = match l.aging_hours {
+        None => Some(Duration::from_secs(86_400)),
+        Some(0.0) => None,
+        Some(h) if h.is_finite() && h > 0.0 && h <= 24.0 * 3650.0 => {
+            Some(Duration::from_secs_f64(h * 3600.0))
+        }
+        Some(h) => bail!("[lab] aging_hours = {h}: give a number of hours above 0, or 0 for none"),
+    };
     Ok(LabConfig {
         members,
         user_gpu_cap: l.max_gpus_per_user,
         half_life,
+        time_limits,
+        aging,
     })
 }
 
 /// Unix milliseconds of the midnight (UTC) after the day `YYYY-MM-DD`.
-fn end_of_day_ms(day: &str) -> Option<u64> {
+pub(crate) fn end_of_day_ms(day: &str) -> Option<u64> {
     let mut it = day.split('-');
     let (y, m, d) = (it.next()?, it.next()?, it.next()?);
     if it.next().is_some() || y.len() != 4 || m.len() != 2 || d.len() != 2 {
@@ -955,6 +991,10 @@ mod tests {
         let l = lab(r#"
             max_gpus_per_user = 8
             fair_share_half_life_days = 3
+            aging_hours = 12
+            [time_limits]
+            undergrad = "1d"
+            master = "36h"
             [users]
             carol = "lead"
             alice = "phd"
@@ -965,6 +1005,12 @@ mod tests {
         .unwrap();
         assert_eq!(l.user_gpu_cap, Some(8));
         assert_eq!(l.half_life, Duration::from_secs(3 * 86_400));
+        assert_eq!(l.aging, Some(Duration::from_secs(12 * 3600)));
+        let limits: std::collections::BTreeMap<u8, u64> =
+            l.time_limits.iter().map(|(t, s)| (t.0, *s)).collect();
+        assert_eq!(limits, [(3, 36 * 3600), (4, 86_400)].into());
+        assert_eq!(lab("aging_hours = 0").unwrap().aging, None);
+        assert_eq!(lab("").unwrap().aging, Some(Duration::from_secs(86_400)));
         let m = &l.members;
         // 2026-12-20 is day 20807 since 1970: the grant runs to its end.
         let end = 20_808 * 86_400_000;
@@ -1010,6 +1056,11 @@ mod tests {
         assert!(e("[grants]\nbob = \"2026-02-30\"").contains("YYYY-MM-DD"));
         assert!(e("tiers = [\"a\", \"a\"]").contains("named twice"));
         assert!(e("max_gpus_per_user = 0").contains("would stop every GPU job"));
+        assert!(e("[time_limits]\npostdoc = \"1d\"")
+            .contains("[lab.time_limits] postdoc: no such tier"));
+        assert!(e("[time_limits]\nphd = \"soon\"").contains("give a duration such as"));
+        assert!(e("[time_limits]\nphd = \"0s\"").contains("give a duration such as"));
+        assert!(e("aging_hours = -1").contains("[lab] aging_hours = -1"));
         assert!(e("deadline_tier = \"\"\n[grants]\nbob = \"2026-12-20\"")
             .contains("needs a deadline tier"));
     }

@@ -103,20 +103,22 @@ pub fn load_or_create_token(path: &Path) -> Result<String> {
     }
 }
 
-/// `5m`, `30s`, `2h`, `90` (seconds) → seconds.
+/// `5m`, `30s`, `2h`, `2d`, `90` (seconds) → seconds.
 pub fn parse_duration(s: &str) -> Result<u64> {
     let t = s.trim();
     let (num, mult) = match t.char_indices().last() {
         Some((i, 's')) => (&t[..i], 1),
         Some((i, 'm')) => (&t[..i], 60),
         Some((i, 'h')) => (&t[..i], 3600),
+        Some((i, 'd')) => (&t[..i], 86_400),
         _ => (t, 1),
     };
     let n: u64 = num
         .trim()
         .parse()
-        .with_context(|| format!("invalid duration {s:?}: write e.g. 30s, 5m or 1h"))?;
-    Ok(n * mult)
+        .with_context(|| format!("invalid duration {s:?}: write e.g. 30s, 5m, 1h or 2d"))?;
+    n.checked_mul(mult)
+        .with_context(|| format!("invalid duration {s:?}: too long"))
 }
 
 /// This machine's name.
@@ -271,6 +273,8 @@ mod tests {
         assert_eq!(parse_duration("30s").unwrap(), 30);
         assert_eq!(parse_duration("2h").unwrap(), 7200);
         assert_eq!(parse_duration("90").unwrap(), 90);
+        assert_eq!(parse_duration("2d").unwrap(), 172_800);
         assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("999999999999999999d").is_err());
     }
 }

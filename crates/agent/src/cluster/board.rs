@@ -38,22 +38,23 @@ pub struct Standings {
 impl Coordinator {
     /// The standings at `now` (Unix milliseconds).
     pub fn standings(&self, now: u64) -> Standings {
-        let ladder = &self.members.ladder;
+        let members = self.members();
+        let ladder = &members.ladder;
         let live = self.jobs.live();
         let job_tiers = live
             .iter()
             .map(|j| {
-                let t = tier_of(&self.members, j, now);
+                let t = tier_of(&members, j, now);
                 (j.id.to_string(), ladder.name(t).to_string())
             })
             .collect();
         let usage = self.usage.lock().expect("coordinator poisoned");
         let mut users: BTreeMap<String, Standing> = BTreeMap::new();
-        let names = (self.members.members.keys().cloned())
+        let names = (members.members.keys().cloned())
             .chain(usage.entries().map(|(u, _, _)| u.to_string()))
             .chain(live.iter().map(|j| j.user.clone()));
         for user in names {
-            let member = self.members.members.get(&user);
+            let member = members.members.get(&user);
             let tier = member.map_or(ladder.lowest(), |m| m.tier);
             users.insert(
                 user.clone(),

@@ -107,9 +107,17 @@ pub struct Coordinator {
     pub(super) wake: tokio::sync::Notify,
     /// When ended jobs were last looked for.
     pub(super) collected: Mutex<Option<std::time::Instant>>,
-    pub(super) policy: Policy,
-    /// Who stands in which tier, and the grants.
-    pub(super) members: Members,
+    /// The placement rule's settings (the user cap changes with `labrun
+    /// admin cap`).
+    policy: std::sync::RwLock<Policy>,
+    /// Who stands in which tier, and the grants (changed by `labrun
+    /// admin`).
+    members: std::sync::RwLock<Members>,
+    /// Each tier's default time limit, seconds.
+    pub(super) time_limits: HashMap<labsync_placer::Tier, u64>,
+    /// Users' latest successful runs, for estimates (read from the ended
+    /// jobs at the first pass, then learnt as jobs end).
+    pub(super) runs: Mutex<Option<super::times::Runs>>,
     /// Each user's decaying GPU time (fair share), saved with the jobs.
     pub(super) usage: Mutex<Usage>,
     /// Held while an ended job is recorded (charged, requeued): once.
@@ -156,6 +164,22 @@ impl Coordinator {
         for (user, gpu_secs, at) in jobs.usage()? {
             usage.restore(&user, gpu_secs, at);
         }
+        let mut policy = Policy {
+            user_gpu_cap: lab.user_gpu_cap,
+            aging_secs: lab.aging.map(|d| d.as_secs().max(1)),
+            ..Policy::default()
+        };
+        let mut members = lab.members.clone();
+        // The admins' changes, over the config's defaults.
+        for rec in jobs.admin_log()? {
+            if let Err(e) = super::admin::apply(&mut members, &mut policy, &rec.change) {
+                tracing::warn!(
+                    "[lab] the change {} made at {} no longer applies: {e}",
+                    rec.by,
+                    rec.at
+                );
+            }
+        }
         Ok(Coordinator {
             name: name.clone(),
             down_after,
@@ -175,17 +199,39 @@ impl Coordinator {
             pruned_at: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
             collected: Mutex::new(None),
-            policy: Policy {
-                user_gpu_cap: lab.user_gpu_cap,
-                ..Policy::default()
-            },
-            members: lab.members.clone(),
+            policy: std::sync::RwLock::new(policy),
+            time_limits: lab.time_limits.clone(),
+            runs: Mutex::new(None),
+            members: std::sync::RwLock::new(members),
             usage: Mutex::new(usage),
             ending: Mutex::new(()),
             prefetched: Mutex::new(HashMap::new()),
             checked_labels: Mutex::new(HashMap::new()),
             clock: Clock::system(),
         })
+    }
+
+    /// The placement rule's settings now.
+    pub(super) fn policy(&self) -> Policy {
+        self.policy.read().expect("coordinator poisoned").clone()
+    }
+
+    /// Who stands where now.
+    pub(super) fn members(&self) -> std::sync::RwLockReadGuard<'_, Members> {
+        self.members.read().expect("coordinator poisoned")
+    }
+
+    /// Both, to change (`labrun admin`).
+    pub(super) fn rules_mut(
+        &self,
+    ) -> (
+        std::sync::RwLockWriteGuard<'_, Members>,
+        std::sync::RwLockWriteGuard<'_, Policy>,
+    ) {
+        (
+            self.members.write().expect("coordinator poisoned"),
+            self.policy.write().expect("coordinator poisoned"),
+        )
     }
 
     /// The same coordinator, reading the time from `clock`.

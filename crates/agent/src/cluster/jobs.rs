@@ -15,7 +15,7 @@ use crate::cluster::queue::{ClusterJob, Placement};
 use crate::cluster::{Coordinator, WarmOrder};
 use crate::error::{JobError, LeaseError};
 use crate::leases::JobState;
-use crate::proto::{Dispatch, DispatchReply, JobId, JobView, SubmitRequest};
+use crate::proto::{Dispatch, DispatchReply, Expected, JobId, JobView, SubmitRequest};
 use crate::request::{check_user_request, Caller, LogRead};
 
 use super::link::{Link, Reach, FORWARD};
@@ -135,12 +135,58 @@ impl Coordinator {
         };
         let now = self.now_ms();
         self.tick(now);
+        let live = self.jobs.live();
+        let (expected, started) = self.times(&live, now);
+        let mut planning = self.planning_with(&fresh);
+        super::pass::overlay_ends(&mut planning, &live, &expected, &started);
+        // Its own limit only: the asker's tier and history are the queue's.
+        let own = (req.time_limit_s).map(|secs| Expected { secs, limit: true });
         Ok(rank(
-            &self.planning_with(&fresh),
-            &placer_job(req, &needs),
+            &planning,
+            &placer_job(req, &needs, own),
             now,
-            &self.policy,
+            &self.policy(),
         ))
+    }
+
+    /// How long `j` is expected to run ([`super::times`]).
+    pub(super) fn expected_of(&self, j: &ClusterJob, now_ms: u64) -> Option<Expected> {
+        let tier = super::pass::tier_of(&self.members(), j, now_ms);
+        let mut runs = self.runs.lock().expect("coordinator poisoned");
+        let runs = runs.get_or_insert_with(|| {
+            let mut runs = super::times::Runs::default();
+            match self.jobs.ended() {
+                Ok(mut ended) => {
+                    ended.sort_by_key(|x| x.number());
+                    for x in &ended {
+                        if let Placement::Ended { view } = &x.placement {
+                            runs.learn(&x.user, &x.req, view);
+                        }
+                    }
+                }
+                Err(e) => tracing::error!("cluster jobs (for estimates): {e}"),
+            }
+            runs
+        });
+        super::times::expected(&j.user, &j.req, tier, &self.time_limits, runs)
+    }
+
+    /// How long each of `live` is expected to run, and when those
+    /// dispatched started on their nodes (Unix seconds), as heartbeats say.
+    fn times(
+        &self,
+        live: &[ClusterJob],
+        now_ms: u64,
+    ) -> (HashMap<JobId, Expected>, HashMap<JobId, u64>) {
+        let expected = (live.iter())
+            .filter_map(|j| Some((j.id.clone(), self.expected_of(j, now_ms)?)))
+            .collect();
+        let v = self.view.lock().expect("coordinator poisoned");
+        let started = (v.members.values())
+            .flat_map(|m| m.jobs.iter())
+            .filter_map(|x| Some((x.id.clone(), x.started_at?)))
+            .collect();
+        (expected, started)
     }
 
     /// Takes a submission into the queue. Refused at once when no node of
@@ -153,10 +199,10 @@ impl Coordinator {
     ) -> Result<JobView, JobError> {
         check_user_request(&req)?;
         // A tier the user may not have is refused now, not at placing.
-        self.members
+        self.members()
             .tier_for(&caller.user, req.priority.as_deref(), self.now_ms())
             .map_err(|e| JobError::Forbidden(format!("--priority: {e}")))?;
-        if let Some(cap) = self.policy.user_gpu_cap.filter(|&c| req.gpus > c) {
+        if let Some(cap) = self.policy().user_gpu_cap.filter(|&c| req.gpus > c) {
             return Err(JobError::Conflict(format!(
                 "asks for {} GPUs and the lab's cap is {cap} per user ([lab] \
                  max_gpus_per_user): it could never start",
@@ -263,6 +309,8 @@ impl Coordinator {
         let live = self.jobs.live();
         self.forget_promises(&live);
         let collect = self.collect_due();
+        let (expected, started) = self.times(&live, now);
+        self.charge_running(&live, &started);
         let mut needs = HashMap::new();
         for j in &live {
             if matches!(j.placement, Placement::Queued { .. }) {
@@ -277,13 +325,16 @@ impl Coordinator {
                 .collect();
             let mut scratch = v.planning();
             let usage = self.usage.lock().expect("coordinator poisoned");
+            let (members, policy) = (self.members(), self.policy());
             let inputs = Inputs {
                 jobs: &live,
                 needs: &needs,
                 ended_on_nodes: &ended_on_nodes,
-                members: &self.members,
+                members: &members,
                 usage: &usage,
-                policy: &self.policy,
+                policy: &policy,
+                expected: &expected,
+                started: &started,
                 now_ms: now,
                 collect,
             };
@@ -459,22 +510,66 @@ impl Coordinator {
     }
 
     /// Charges a job that ran to its user's fair-share usage: its GPUs
-    /// times how long it ran.
+    /// times how long it ran, less what was charged while it ran.
     fn charge(&self, j: &ClusterJob, view: &JobView) {
         let (Some(start), Some(end)) = (view.started_at, view.ended_at) else {
             return;
         };
-        let gpu_secs = view.gpus.len() as f64 * end.saturating_sub(start) as f64;
+        let gpus = match &j.placement {
+            Placement::Dispatched { gpus, .. } => gpus.len(),
+            _ => view.gpus.len().max(view.meta.gpus_held.len()),
+        };
+        let from = start.max(j.charged_to);
+        self.add_usage(&j.user, gpus as f64 * end.saturating_sub(from) as f64);
+    }
+
+    /// Charges the jobs of `live` running on their nodes (`started`: since
+    /// when, Unix seconds) up to now, at most every [`CHARGE_EVERY`]: a
+    /// week-long job weighs on its user's fair share while it runs, not
+    /// only once it ends. Each job's record keeps how far it was charged,
+    /// under the lock its end is charged under, so no second is charged
+    /// twice.
+    fn charge_running(&self, live: &[ClusterJob], started: &HashMap<JobId, u64>) {
+        let now_s = self.clock.unix_secs();
+        let _one = self.ending.lock().expect("coordinator poisoned");
+        for j in live {
+            let (Placement::Dispatched { gpus, .. }, Some(&start)) =
+                (&j.placement, started.get(&j.id))
+            else {
+                continue;
+            };
+            if now_s < start.max(j.charged_to) + CHARGE_EVERY.as_secs() {
+                continue;
+            }
+            let mut secs = 0;
+            let r = self.jobs.update(&j.id, |x| {
+                if !matches!(x.placement, Placement::Dispatched { .. }) {
+                    return false;
+                }
+                secs = now_s.saturating_sub(start.max(x.charged_to));
+                x.charged_to = now_s;
+                secs > 0
+            });
+            match r {
+                Ok(Some(_)) => self.add_usage(&j.user, gpus.len() as f64 * secs as f64),
+                Ok(None) => {}
+                Err(e) => tracing::error!("cluster jobs: {e}"),
+            }
+        }
+    }
+
+    /// Adds `gpu_secs` to `user`'s decaying usage, and saves it.
+    fn add_usage(&self, user: &str, gpu_secs: f64) {
         if gpu_secs <= 0.0 {
             return;
         }
         let now = self.now_ms();
         let (v, at) = {
             let mut u = self.usage.lock().expect("coordinator poisoned");
-            u.add(&j.user, gpu_secs, now);
-            (u.of(&j.user, now), now)
+            u.add(user, gpu_secs, now);
+            (u.of(user, now), now)
         };
-        if let Err(e) = self.jobs.put_usage(&j.user, v, at) {
+        if let Err(e) = self.jobs.put_usage(user, v, at) {
             tracing::error!("cluster usage: {e}");
         }
     }
@@ -541,9 +636,15 @@ impl Coordinator {
         let (me, link) = (self.clone(), self.link(r, &node));
         // The node records the tier the job runs at (its provenance), not
         // the one asked: only this copy says it, the queue keeps the ask.
-        let tier = super::pass::tier_of(&self.members, &job, self.now_ms());
+        let members = self.members();
+        let tier = super::pass::tier_of(&members, &job, self.now_ms());
         let mut req = job.req.clone();
-        req.priority = Some(self.members.ladder.name(tier).to_string());
+        req.priority = Some(members.ladder.name(tier).to_string());
+        drop(members);
+        // Its tier's default limit, where it gave none: its node keeps it.
+        if req.time_limit_s.is_none() && req.hold_s.is_none() {
+            req.time_limit_s = self.time_limits.get(&tier).copied();
+        }
         // The coordinator tells of the end; the node never sees where.
         req.notify = Vec::new();
         tokio::spawn(async move {
@@ -712,7 +813,13 @@ impl Coordinator {
                     true
                 });
                 match r {
-                    Ok(_) => self.charge(j, &view),
+                    Ok(_) => {
+                        self.charge(j, &view);
+                        if let Some(runs) = self.runs.lock().expect("coordinator poisoned").as_mut()
+                        {
+                            runs.learn(&j.user, &j.req, &view);
+                        }
+                    }
                     Err(e) => tracing::error!("cluster jobs: {e}"),
                 }
             }
@@ -740,6 +847,7 @@ impl Coordinator {
                 outputs: j.req.outputs.clone(),
                 outputs_pending: j.req.outputs.is_some(),
                 request: Some(crate::leases::recorded(&j.req)),
+                expected: self.expected_of(j, self.now_ms()),
                 ..Default::default()
             },
         }
@@ -779,6 +887,9 @@ impl Coordinator {
                     ));
                 }
                 view.meta.placed_at = Some(*at);
+                if view.meta.expected.is_none() {
+                    view.meta.expected = self.expected_of(j, self.now_ms());
+                }
                 view
             }
         }
@@ -1190,6 +1301,9 @@ impl Coordinator {
         Ok(ended.iter().map(|j| self.view_of(j)).collect())
     }
 }
+
+/// How often running jobs are charged to their users' fair share.
+const CHARGE_EVERY: Duration = Duration::from_secs(5);
 
 /// `node` cannot be reached: not a member the coordinator has heard from.
 fn unknown(node: &str) -> JobError {

@@ -7,6 +7,7 @@
 //! A cluster is set up by config alone: every node names the coordinator's
 //! address and holds the cluster secret; one node says it coordinates.
 
+mod admin;
 mod board;
 mod coordinator;
 mod jobs;
@@ -16,6 +17,7 @@ mod peers;
 mod queue;
 pub mod rerank;
 mod stage;
+mod times;
 mod warm;
 
 use std::time::Duration;
@@ -66,6 +68,13 @@ pub struct LabConfig {
     pub user_gpu_cap: Option<u32>,
     /// GPU time used counts half after this long (fair share).
     pub half_life: Duration,
+    /// Each tier's default time limit, seconds (`[lab] time_limits`): a
+    /// job without `--time` gets its tier's.
+    pub time_limits: std::collections::HashMap<labsync_placer::Tier, u64>,
+    /// A waiting job is ordered one tier higher per this long waited, up
+    /// to the tier below the deadline tier (`[lab] aging_hours`); `None`:
+    /// tiers never age.
+    pub aging: Option<Duration>,
 }
 
 impl Default for LabConfig {
@@ -75,6 +84,8 @@ impl Default for LabConfig {
             members: labsync_placer::Members::default(),
             user_gpu_cap: None,
             half_life: Duration::from_secs(7 * 86_400),
+            time_limits: Default::default(),
+            aging: Some(Duration::from_secs(86_400)),
         }
     }
 }

@@ -9,13 +9,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use labsync_placer::{
-    plan, prefetch, Choice, Decision, Job, Members, Pass, Policy, Queued, Running, SnapshotKey,
-    Tier, Usage, Warm,
+    plan, prefetch, Choice, Decision, Ends, Job, Members, Pass, Policy, Queued, Running, Slot,
+    SnapshotKey, Tier, Usage, Warm,
 };
 use labsync_store::SnapshotId;
 
 use super::queue::{ClusterJob, Placement};
-use crate::proto::{JobId, NodeName, SubmitRequest};
+use crate::proto::{Expected, JobId, NodeName, SubmitRequest};
 
 /// How often an unanswered dispatch is sent again.
 pub(super) const RESEND: Duration = Duration::from_secs(2);
@@ -95,19 +95,86 @@ pub(super) struct Inputs<'a> {
     pub usage: &'a Usage,
     /// The placement rule's settings.
     pub policy: &'a Policy,
+    /// How long each live job is expected to run, where known (its limit,
+    /// its tier's, or an estimate).
+    pub expected: &'a HashMap<JobId, Expected>,
+    /// When dispatched jobs started on their nodes (Unix seconds), as their
+    /// heartbeats say.
+    pub started: &'a HashMap<JobId, u64>,
     /// Unix milliseconds.
     pub now_ms: u64,
     /// Whether dispatched jobs are asked after this pass (once a second).
     pub collect: bool,
 }
 
-/// The placer's view of `req`, which reads `needs`.
-pub(super) fn placer_job(req: &SubmitRequest, needs: &[SnapshotId]) -> Job {
+/// The placer's view of `req`, which reads `needs` and is expected to run
+/// `expected`.
+pub(super) fn placer_job(
+    req: &SubmitRequest,
+    needs: &[SnapshotId],
+    expected: Option<Expected>,
+) -> Job {
     Job {
         gpus: req.gpus,
         gpu_mem: req.gpu_mem,
         needs: needs.iter().map(|s| SnapshotKey(*s.as_bytes())).collect(),
-        expected_secs: None,
+        expected_secs: expected.map(|e| e.secs),
+        limited: expected.is_some_and(|e| e.limit),
+    }
+}
+
+/// How long after its limit a job's GPUs are expected free: its node
+/// sends SIGTERM at the limit and SIGKILL `kill_grace_s` later (10 s
+/// unless set), then says so in a heartbeat; start times are whole
+/// seconds. Planned any sooner, the GPUs would read as overdue (no known
+/// end) while the job is being stopped, and a job waiting for them would
+/// go elsewhere.
+pub(super) const STOP_SLACK_MS: u64 = 12_000;
+
+/// When dispatched job `j` is expected to end, Unix ms: from its start on
+/// its node (or, before its node said, its dispatch), and for a limit, its
+/// stop ([`STOP_SLACK_MS`]).
+fn ends_of(
+    j: &ClusterJob,
+    expected: &HashMap<JobId, Expected>,
+    started: &HashMap<JobId, u64>,
+) -> Option<Ends> {
+    let Placement::Dispatched { at, .. } = &j.placement else {
+        return None;
+    };
+    let e = expected.get(&j.id)?;
+    let start = started.get(&j.id).copied().unwrap_or(*at);
+    let slack = if e.limit { STOP_SLACK_MS } else { 0 };
+    Some(Ends {
+        at: (start.saturating_add(e.secs).saturating_mul(1000)).saturating_add(slack),
+        limit: e.limit,
+    })
+}
+
+/// Marks the GPUs of `jobs` dispatched with a known end as expected free
+/// then, in `planning`.
+pub(super) fn overlay_ends(
+    planning: &mut labsync_placer::Cluster,
+    jobs: &[ClusterJob],
+    expected: &HashMap<JobId, Expected>,
+    started: &HashMap<JobId, u64>,
+) {
+    for j in jobs {
+        let (Placement::Dispatched { node, gpus, .. }, Some(ends)) =
+            (&j.placement, ends_of(j, expected, started))
+        else {
+            continue;
+        };
+        let Some(n) = planning.node_mut(node) else {
+            continue;
+        };
+        for g in n.gpus.iter_mut().filter(|g| gpus.contains(&g.index)) {
+            if let Slot::Busy { until: None } = g.slot {
+                g.slot = Slot::Busy {
+                    until: Some(ends.at),
+                };
+            }
+        }
     }
 }
 
@@ -136,7 +203,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
             Placement::Queued { .. } => match inputs.needs.get(&j.id) {
                 Some(Ok(needs)) => queue.push(Queued {
                     id: j.id.to_string(),
-                    job: placer_job(&j.req, needs),
+                    job: placer_job(&j.req, needs, inputs.expected.get(&j.id).copied()),
                     user: j.user.clone(),
                     tier: tier_of(inputs.members, j, now),
                     submitted: j.submitted_at.saturating_mul(1000),
@@ -158,6 +225,7 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
                     gpus: gpus.clone(),
                     preemptible: j.req.preemptible,
                     stopping: j.preempted.is_some(),
+                    ends: ends_of(j, inputs.expected, inputs.started),
                 })
             }
             Placement::Dispatched { .. } | Placement::Ended { .. } => {}
@@ -167,6 +235,8 @@ pub(super) fn pass(planning: &mut labsync_placer::Cluster, inputs: &Inputs) -> V
     if queue.is_empty() {
         return actions;
     }
+    // The GPUs of jobs with known ends are expected free then.
+    overlay_ends(planning, inputs.jobs, inputs.expected, inputs.started);
     let input = Pass {
         queue: &queue,
         running: &running,
@@ -277,6 +347,7 @@ mod tests {
             placement,
             preempted: None,
             preempted_at: 0,
+            charged_to: 0,
         }
     }
 
@@ -302,6 +373,8 @@ mod tests {
         needs: HashMap<JobId, Result<Vec<SnapshotId>, String>>,
         members: Members,
         collect: bool,
+        expected: HashMap<JobId, Expected>,
+        started: HashMap<JobId, u64>,
     }
 
     impl State {
@@ -315,6 +388,8 @@ mod tests {
                 needs,
                 members: Members::default(),
                 collect: false,
+                expected: HashMap::new(),
+                started: HashMap::new(),
             }
         }
 
@@ -327,6 +402,8 @@ mod tests {
                 members: &self.members,
                 usage: &usage,
                 policy: &Policy::default(),
+                expected: &self.expected,
+                started: &self.started,
                 now_ms: NOW_S * 1000,
                 collect: self.collect,
             };
@@ -346,10 +423,51 @@ mod tests {
             "{got:?}"
         );
         assert!(
-            matches!(&got[1], Action::SetWhy { id, why } if id == "j2" && why.contains("a frees in")),
+            matches!(&got[1], Action::SetWhy { id, why } if id == "j2" && why.contains("a: 1 GPU(s) free in")),
             "{got:?}"
         );
         assert_eq!(got.len(), 2, "{got:?}");
+    }
+
+    #[test]
+    fn a_running_jobs_limit_or_estimate_says_when_its_gpus_free() {
+        for (limit, word) in [(true, "limit"), (false, "estimate")] {
+            // As heartbeats show a leased GPU: busy, no end known.
+            let busy = |c: &mut Cluster| {
+                node(c, "a", 0, 1);
+                c.node_mut(&n("a")).unwrap().gpus[0].slot =
+                    labsync_placer::Slot::Busy { until: None };
+            };
+            let mut c = Cluster::new();
+            busy(&mut c);
+            let mut s = State::of(vec![
+                dispatched("j1", "a", NOW_S - 100, true),
+                queued("j2", 1),
+            ]);
+            // Started 60 s ago on its node, to run 2 h.
+            s.started.insert("j1".into(), NOW_S - 60);
+            s.expected
+                .insert("j1".into(), Expected { secs: 7200, limit });
+            let got = s.pass(&mut c);
+            let why = got.iter().find_map(|a| match a {
+                Action::SetWhy { id, why } if id == "j2" => Some(why.clone()),
+                _ => None,
+            });
+            let why = why.unwrap_or_else(|| panic!("{got:?}"));
+            assert!(
+                why.contains(&format!("a: 1 GPU(s) free in ~119 min (j1's {word})")),
+                "{why}"
+            );
+            // No end known: no time said.
+            s.expected.clear();
+            let mut c2 = Cluster::new();
+            busy(&mut c2);
+            let got = s.pass(&mut c2);
+            assert!(
+                got.iter().any(|a| matches!(a, Action::SetWhy { why, .. } if why.contains("busy with no known end"))),
+                "{got:?}"
+            );
+        }
     }
 
     #[test]

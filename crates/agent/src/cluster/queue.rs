@@ -21,6 +21,9 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("cluster-meta-v1")
 /// Each user's fair-share usage: decayed GPU-seconds as of a Unix
 /// millisecond.
 const USAGE: TableDefinition<&str, (f64, u64)> = TableDefinition::new("cluster-usage-v1");
+/// The lab's rules as admins changed them (`labrun admin`), in order:
+/// number → [`crate::proto::AdminRecord`] as JSON.
+const ADMIN: TableDefinition<u64, &[u8]> = TableDefinition::new("cluster-admin-v1");
 
 /// Where a job of the cluster is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +78,14 @@ pub struct ClusterJob {
     /// When the stop was last sent (Unix seconds).
     #[serde(default)]
     pub preempted_at: u64,
+    /// Its GPU time is charged to its user's fair share up to then (Unix
+    /// seconds), while it runs and at its end.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub charged_to: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl ClusterJob {
@@ -188,6 +199,7 @@ impl ClusterJobs {
             let jobs = txn.open_table(JOBS).map_err(|e| err(&e))?;
             txn.open_table(META).map_err(|e| err(&e))?;
             txn.open_table(USAGE).map_err(|e| err(&e))?;
+            txn.open_table(ADMIN).map_err(|e| err(&e))?;
             for r in jobs.iter().map_err(|e| err(&e))? {
                 let (_, v) = r.map_err(|e| err(&e))?;
                 let job: ClusterJob = serde_json::from_slice(v.value()).map_err(|e| err(&e))?;
@@ -294,6 +306,7 @@ impl ClusterJobs {
                 placement: Placement::Queued { why: None },
                 preempted: None,
                 preempted_at: 0,
+                charged_to: 0,
             };
             let bytes = serde_json::to_vec(&job).expect("job serialises");
             jobs.insert(job.id.as_str(), bytes.as_slice())
@@ -459,6 +472,34 @@ impl ClusterJobs {
     }
 
     /// Every ended job, from the database (history pages).
+    /// Every change admins made to the lab's rules, oldest first.
+    pub fn admin_log(&self) -> Result<Vec<crate::proto::AdminRecord>, LeaseError> {
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = txn.open_table(ADMIN).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for r in t.iter().map_err(|e| self.err(e))? {
+            let (_, v) = r.map_err(|e| self.err(e))?;
+            out.push(serde_json::from_slice(v.value()).map_err(|e| self.err(e))?);
+        }
+        Ok(out)
+    }
+
+    /// Keeps one more change to the lab's rules, after the others.
+    pub fn put_admin(&self, rec: &crate::proto::AdminRecord) -> Result<(), LeaseError> {
+        let bytes = serde_json::to_vec(rec).map_err(|e| self.err(e))?;
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut t = txn.open_table(ADMIN).map_err(|e| self.err(e))?;
+            let next = match t.last().map_err(|e| self.err(e))? {
+                Some((k, _)) => k.value() + 1,
+                None => 0,
+            };
+            t.insert(next, bytes.as_slice()).map_err(|e| self.err(e))?;
+        }
+        txn.commit().map_err(|e| self.err(e))
+    }
+
+    /// Every ended job kept, any order.
     pub fn ended(&self) -> Result<Vec<ClusterJob>, LeaseError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
         let jobs = txn.open_table(JOBS).map_err(|e| self.err(e))?;

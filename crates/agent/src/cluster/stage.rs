@@ -23,15 +23,15 @@ impl Coordinator {
         let view = with_scheduler_gpus(&self.planning_with(&fresh), &ask.nodes);
         Ok(rank(
             &view,
-            &super::pass::placer_job(&ask.req, &needs),
+            &super::pass::placer_job(&ask.req, &needs, None),
             now,
-            &self.policy,
+            &self.policy(),
         ))
     }
 
     /// The tie the preference is made of, seconds.
     pub fn tie_secs(&self) -> f64 {
-        self.policy.tie_secs
+        self.policy().tie_secs
     }
 
     /// Stages `ask` on its node for `caller` (there, or here when the node

@@ -9,6 +9,7 @@
 mod here;
 mod holds;
 mod housekeeping;
+mod limits;
 mod logs;
 mod ops;
 mod outputs;
@@ -370,6 +371,7 @@ impl Daemon {
             }
         };
         self.release_idle_holds(&jobs).await;
+        self.end_overdue(&jobs);
         self.housekeeping.start_if_due();
         self.check_stages_if_due();
         self.outputs.start_due(jobs);

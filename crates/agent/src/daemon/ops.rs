@@ -412,6 +412,9 @@ impl Daemon {
                 .map(|t| t.snapshot)
                 .collect(),
             request: Some(crate::leases::recorded(req)),
+            expected: req
+                .time_limit_s
+                .map(|secs| crate::proto::Expected { secs, limit: true }),
             gpus_held: Vec::new(),
             placed_at: None,
             idle_since_ms: None,

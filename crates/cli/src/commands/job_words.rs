@@ -62,14 +62,39 @@ fn ended_words(state: &JobState) -> String {
     }
 }
 
-/// `h:mm:ss` since the job started (until it ended), `-` before.
+/// `h:mm:ss`.
+fn hms(s: u64) -> String {
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+/// `2 d`, `36 h`, `90 min`, `45 s`: the largest unit that says it whole.
+pub(super) fn span(secs: u64) -> String {
+    match secs {
+        s if s >= 86_400 && s % 86_400 == 0 => format!("{} d", s / 86_400),
+        s if s >= 3600 && s % 3600 == 0 => format!("{} h", s / 3600),
+        s if s >= 60 && s % 60 == 0 => format!("{} min", s / 60),
+        s => format!("{s} s"),
+    }
+}
+
+/// `h:mm:ss` since the job started (until it ended), `-` before; then, for
+/// a live job, `/h:mm:ss` its time limit or `/~h:mm:ss` the coordinator's
+/// estimate from its user's earlier runs.
 pub(super) fn runtime(j: &JobView) -> String {
+    let expected = j.meta.expected.or_else(|| {
+        let secs = j.meta.request.as_ref()?.time_limit_s?;
+        Some(labsync_agent::proto::Expected { secs, limit: true })
+    });
+    let of = match (expected, j.ended()) {
+        (Some(e), false) if e.limit => format!("/{}", hms(e.secs)),
+        (Some(e), false) => format!("/~{}", hms(e.secs)),
+        _ => String::new(),
+    };
     let Some(start) = j.started_at else {
-        return "-".into();
+        return format!("-{of}");
     };
     let end = j.ended_at.unwrap_or_else(labsync_agent::unix_now);
-    let s = end.saturating_sub(start);
-    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+    format!("{}{of}", hms(end.saturating_sub(start)))
 }
 
 #[cfg(test)]

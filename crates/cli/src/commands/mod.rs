@@ -40,6 +40,7 @@ pub mod doctor;
 pub mod init;
 
 // labrun
+pub mod admin;
 pub mod explain;
 mod job_words;
 pub mod kill;

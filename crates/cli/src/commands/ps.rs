@@ -21,7 +21,7 @@ fn table(jobs: &[JobView]) -> Vec<String> {
         }
     };
     let mut lines = vec![format!(
-        "{:<6} {:<10} {}{:<8} {:<9} {:<30} COMMAND",
+        "{:<6} {:<10} {}{:<8} {:<18} {:<30} COMMAND",
         "ID",
         "USER",
         node("NODE"),
@@ -40,7 +40,7 @@ fn table(jobs: &[JobView]) -> Vec<String> {
                 .join(",")
         };
         lines.push(format!(
-            "{:<6} {:<10} {}{:<8} {:<9} {:<30} {}",
+            "{:<6} {:<10} {}{:<8} {:<18} {:<30} {}",
             j.id,
             j.user,
             node(j.node.as_deref().unwrap_or("-")),

@@ -96,8 +96,8 @@ pub async fn run(
     if slurm && !a.notify.is_empty() {
         bail!("--notify is labd's; under Slurm, Slurm tells of a job's end (sbatch --mail-type END,FAIL --mail-user ...)");
     }
-    if !slurm && a.time.is_some() {
-        bail!("--time is the Slurm backend's (labd's jobs have no time limit yet); leave it out");
+    if a.hold.is_some() && a.time.is_some() {
+        bail!("--hold 2h is its own time limit: give --hold or --time, not both");
     }
     if let Some(h) = &a.hold {
         let notify = if a.notify.is_empty() {
@@ -158,6 +158,7 @@ pub async fn run(
         priority: a.priority.clone(),
         hold_s: None,
         preemptible: a.preemptible,
+        time_limit_s: a.time.as_deref().map(parse_duration).transpose()?,
         restarts: 0,
         resume_from: None,
         // Under Slurm, Slurm tells (its --mail-type); the config's are labd's.
