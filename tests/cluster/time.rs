@@ -191,7 +191,10 @@ fn a_job_waits_for_its_datas_node_that_frees_soon_and_not_for_one_that_frees_in_
 /// the big job starts before the small ones that came after it.
 #[test]
 fn a_big_job_holds_its_gpus_and_only_jobs_that_end_first_backfill() {
-    let Some(lab) = Lab::start(1) else { return };
+    // At once: the lab's default waits reserve_after_minutes first.
+    let Some(lab) = Lab::start_full(1, false, "", "[lab]\nreserve_after_minutes = 0\n") else {
+        return;
+    };
     let a = id(lab.labrun(&[
         "-d",
         "--gpus",

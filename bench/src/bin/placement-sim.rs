@@ -36,7 +36,22 @@ Cluster (defaults: the lab's):
   --link-gbit X        each node's link, Gbit/s (1)
   --store-gbit X       the object store, Gbit/s (10)
 
+Queue (the lab queue's settings, labsync and first-fit+queue):
+  --no-backfill        no reservation for the first job that cannot start
+  --aging-hours H      a waiting job rises a tier per H hours (24; 0: never)
+  --cap N              GPUs one user may have running at once (none)
+  --reserve-after-hours H  a job holds the GPUs it waits for only once it
+                       has waited H hours (the placer's default)
+  --oracle             tell the coordinator true run times (the simulator
+                       before issue 45) instead of limits with users' error
+
 Runs:
+  --matrix             the issue-45 report: the lab workload and every
+                       virtual cluster of seeds 0-2 under the trace folder's
+                       parent with at least 500 jobs, at each --caches size,
+                       every policy side by side with labsync's ratios and
+                       the targets (replaces the default report)
+  --caches LIST        cache sizes (GB) of --matrix (default 100,500,2000)
   --policies LIST      comma-separated: spreadsheet,first-fit,random,
                        labsync,labsync+prefetch (default all)
   --sweep LIST         cache sizes (GB) for the cache sweep
@@ -60,6 +75,8 @@ struct Args {
     policies: Vec<Policy>,
     sweep: Vec<u64>,
     speed: bool,
+    matrix: bool,
+    caches: Vec<u64>,
     out: PathBuf,
 }
 
@@ -76,6 +93,8 @@ fn parse() -> Result<Args, String> {
         policies: Policy::ALL.to_vec(),
         sweep: vec![100, 200, 500, 1000, 2000],
         speed: false,
+        matrix: false,
+        caches: vec![100, 500, 2000],
         out: PathBuf::from("bench/results/placement.md"),
     };
     let mut it = std::env::args().skip(1);
@@ -86,6 +105,18 @@ fn parse() -> Result<Args, String> {
         }
         if flag == "--speed" {
             a.speed = true;
+            continue;
+        }
+        if flag == "--matrix" {
+            a.matrix = true;
+            continue;
+        }
+        if flag == "--no-backfill" {
+            a.setup.backfill = false;
+            continue;
+        }
+        if flag == "--oracle" {
+            a.setup.oracle = true;
             continue;
         }
         let v = it
@@ -110,6 +141,20 @@ fn parse() -> Result<Args, String> {
             "--cache-gb" => a.setup.cache = (num(&v)? * GB as f64) as u64,
             "--link-gbit" => a.setup.link = num(&v)? * 1e9 / 8.0,
             "--store-gbit" => a.setup.store = num(&v)? * 1e9 / 8.0,
+            "--aging-hours" => {
+                a.setup.aging_secs = match v.parse::<f64>() {
+                    Ok(0.0) => None,
+                    Ok(h) if h > 0.0 && h.is_finite() => Some((h * 3600.0) as u64),
+                    _ => return Err(format!("--aging-hours {v}: give hours, or 0 for none")),
+                }
+            }
+            "--cap" => a.setup.cap = Some(num(&v)? as u32),
+            "--reserve-after-hours" => {
+                a.setup.reserve_after_secs = match v.parse::<f64>() {
+                    Ok(h) if h >= 0.0 && h.is_finite() => (h * 3600.0) as u64,
+                    _ => return Err(format!("--reserve-after-hours {v}: give hours (0: at once)")),
+                }
+            }
             "--policies" => {
                 a.policies = v
                     .split(',')
@@ -130,6 +175,12 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--out" => a.out = v.into(),
+            "--caches" => {
+                a.caches = v
+                    .split(',')
+                    .map(|x| num(x).map(|g| g as u64))
+                    .collect::<Result<_, _>>()?
+            }
             _ => return Err(format!("unknown option {flag} (see --help)")),
         }
     }
@@ -188,6 +239,9 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    if args.matrix {
+        return matrix(args);
+    }
     let tp_path = args.throughputs.clone().unwrap_or_else(|| {
         args.trace
             .parent()
@@ -333,4 +387,159 @@ fn run(args: &Args) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", svg_path.display()))?;
     eprintln!("wrote {} and {}", out.display(), svg_path.display());
     Ok(())
+}
+
+/// Every (workload, cache size) of the matrix, run on every core.
+fn matrix(args: &Args) -> Result<(), String> {
+    let root = args.trace.parent().unwrap_or(&args.trace).to_path_buf();
+    let tp = Throughputs::read(
+        &args
+            .throughputs
+            .clone()
+            .unwrap_or_else(|| root.join("simulation_throughputs.json")),
+    )?;
+    let mut workloads = vec![workload::lab(args.seed, args.days, args.load)];
+    for seed in 0..3 {
+        let dir = root.join(format!("seed={seed}"));
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".trace"))
+            .collect();
+        files.sort();
+        for f in files {
+            let mut w = workload::philly(&dir, Some(&f), &tp, args.max_gpus, 30, args.seed)?;
+            if w.jobs.len() >= 500 {
+                w.name = format!("seed={seed}/{f}");
+                workloads.push(w);
+            }
+        }
+    }
+    let tasks: Vec<(usize, u64)> = (0..workloads.len())
+        .flat_map(|w| args.caches.iter().map(move |&c| (w, c)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t0 = Instant::now();
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&(w, gb)) = tasks.get(i) else { break };
+                let setup = Setup {
+                    cache: gb * GB,
+                    ..args.setup.clone()
+                };
+                // Prefetch's passes cost ~10× labsync's on the Philly
+                // traces: it runs on the lab workload only.
+                let rows: Vec<Summary> = (args.policies.iter())
+                    .filter(|&&p| w == 0 || p != Policy::LabsyncPrefetch)
+                    .map(|&p| summarise(&simulate(&workloads[w], &setup, p)))
+                    .collect();
+                eprintln!(
+                    "{} at {gb} GB: done ({:.0} s in)",
+                    workloads[w].name,
+                    t0.elapsed().as_secs_f64()
+                );
+                done.lock().unwrap().push((w, gb, rows));
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap();
+    done.sort_by_key(|(w, gb, _)| (*w, *gb));
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "# Placement: a queue that knows time, on every virtual cluster\n"
+    );
+    let _ = writeln!(
+        md,
+        "Produced by `cargo run --release -p labsync-bench --bin placement-sim -- {}` ({:.0} s on {threads} threads). Cluster: {} nodes × {} GPUs, {:.1} Gbit/s per node link, {:.1} Gbit/s object store; cache per node {} GB (LRU of 1 GB packs, packs of running jobs pinned, trimmed back to its size when the pins go).\n",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" "),
+        t0.elapsed().as_secs_f64(),
+        args.setup.nodes,
+        args.setup.gpus_per_node,
+        args.setup.link * 8.0 / 1e9,
+        args.setup.store * 8.0 / 1e9,
+        args.caches.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+    );
+    let _ = writeln!(
+        md,
+        "Reservation age: {}. What the simulated coordinator knows: what a real one does. {:.0}% of jobs give a limit, drawn uniformly between 1× and {:.0}× their true run time; the others are planned with an estimate (the longest of their user's last 5 runs of the same kind: user, dataset, GPUs), or nothing; a hold's length is its limit. A running job's GPUs are planned free at its start + limit + 12 s (the stop), or + its estimate. {}Queue rules: *first-fit*, *random* and the *spreadsheet* take jobs first come, first served, passing over what does not fit (no reservation). *first-fit+queue*, *labsync* and *labsync+prefetch* take them in the lab's order (tier, aged one tier per {} waited up to phd; fair share by 7-day decaying GPU time, waived once a job has waited as long; submit time), {}; first-fit+queue places blind to data (the best fit, data from the store), labsync by start time with data (peers first, a bounded wait for the data's node). Per-user cap: {}. labsync+prefetch runs on the lab workload only (its prefetch passes take ~10× labsync's time on the Philly traces). Preemption is not simulated: no job of these workloads is preemptible. Not simulated either: GPU memory sizes, failures.\n",
+        report::dur(args.setup.reserve_after_secs as f64),
+        workload_limit_share() * 100.0,
+        labsync_bench::sim::engine::LIMIT_MAX,
+        if args.setup.oracle { "(**--oracle**: this run told it true run times instead.) " } else { "" },
+        args.setup.aging_secs.map_or("never".into(), |s| report::dur(s as f64)),
+        if args.setup.backfill {
+            "with EASY backfill (the first job that cannot start, once it has waited the reservation age, holds the GPUs it waits for from when they are expected free; only a job whose limit ends before then may use them)"
+        } else {
+            "passing over what does not fit (no reservation: --no-backfill)"
+        },
+        args.setup.cap.map_or("none".into(), |c| format!("{c} GPUs")),
+    );
+    // The targets, one line per (workload, cache size).
+    let mut summary = String::new();
+    let mut met: Vec<(usize, usize)> = Vec::new();
+    let mut names: Vec<&str> = Vec::new();
+    for (w, gb, rows) in &done {
+        let t = report::matrix_targets(rows, *gb <= 100);
+        if names.is_empty() || t.len() > names.len() {
+            names = t.iter().map(|x| x.0).collect();
+        }
+        let _ = write!(summary, "| {} | {gb} GB |", workloads[*w].name);
+        for (k, name) in names.iter().enumerate() {
+            if met.len() <= k {
+                met.resize(k + 1, (0, 0));
+            }
+            match t.iter().find(|x| x.0 == *name) {
+                Some((_, ok, fig)) => {
+                    met[k].1 += 1;
+                    met[k].0 += *ok as usize;
+                    let _ = write!(summary, " {}{fig} |", if *ok { "" } else { "**no** " });
+                }
+                None => summary.push_str(" — |"),
+            }
+        }
+        summary.push('\n');
+    }
+    md.push_str("## Targets (labsync against first-fit)\n\n| workload | cache |");
+    for n in &names {
+        let _ = write!(md, " {n} |");
+    }
+    md.push_str("\n|---|---|");
+    for _ in &names {
+        md.push_str("---|");
+    }
+    md.push('\n');
+    md.push_str(&summary);
+    md.push_str("| **met** | |");
+    for (ok, of) in &met {
+        let _ = write!(md, " {ok} of {of} |");
+    }
+    md.push_str("\n\n");
+    for (w, gb, rows) in &done {
+        if *gb == args.caches[0] {
+            let _ = writeln!(
+                md,
+                "## {} ({} jobs)\n",
+                workloads[*w].name,
+                workloads[*w].jobs.len()
+            );
+            for n in &workloads[*w].notes {
+                let _ = writeln!(md, "- {n}");
+            }
+            md.push('\n');
+        }
+        let _ = writeln!(md, "{gb} GB of cache per node:\n");
+        report::matrix_table(&mut md, rows);
+    }
+    std::fs::write(&args.out, &md).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+fn workload_limit_share() -> f64 {
+    labsync_bench::sim::engine::LIMIT_SHARE
 }

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
 use labsync_placer as placer;
 use placer::{
-    Cluster, Decision, Gpu, Ladder, NodeName, PackKey, Pass, Queued, Rates, Slot, SnapshotKey,
-    Tier, Usage,
+    Cluster, Decision, Gpu, Ladder, NodeName, PackKey, Pass, Queued, Rates, Reservation, Running,
+    Slot, SnapshotKey, Tier, Usage,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -26,6 +26,11 @@ pub enum Policy {
     FirstFit,
     /// A random node with enough free GPUs; data as first-fit.
     Random,
+    /// The lab's queue rule (labsync's placer: tiers, aging, fair share,
+    /// backfill with a reservation, caps) with placement blind to data:
+    /// nodes are told nothing of caches, so the choice is the best fit,
+    /// and data comes from the object store, as first-fit's.
+    FirstFitQueue,
     /// labsync's placer: data-aware placement, tiers, fair share; data
     /// from peers where a node holds it.
     Labsync,
@@ -34,10 +39,11 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
         Policy::Spreadsheet,
         Policy::FirstFit,
         Policy::Random,
+        Policy::FirstFitQueue,
         Policy::Labsync,
         Policy::LabsyncPrefetch,
     ];
@@ -47,6 +53,7 @@ impl Policy {
             Policy::Spreadsheet => "spreadsheet",
             Policy::FirstFit => "first-fit",
             Policy::Random => "random",
+            Policy::FirstFitQueue => "first-fit+queue",
             Policy::Labsync => "labsync",
             Policy::LabsyncPrefetch => "labsync+prefetch",
         }
@@ -56,10 +63,32 @@ impl Policy {
         Policy::ALL.into_iter().find(|p| p.name() == s)
     }
 
+    /// Whether the lab's queue (the placer's passes) takes the jobs.
+    fn lab_queue(self) -> bool {
+        matches!(
+            self,
+            Policy::FirstFitQueue | Policy::Labsync | Policy::LabsyncPrefetch
+        )
+    }
+
+    /// Whether the placer is told what each node caches (and data comes
+    /// from peers).
     fn is_labsync(self) -> bool {
         matches!(self, Policy::Labsync | Policy::LabsyncPrefetch)
     }
 }
+
+/// The error users make in their limits (the model the simulated
+/// coordinator is given, never the true run time): this share of jobs
+/// gives a limit, drawn uniformly between 1× and [`LIMIT_MAX`]× the true
+/// run time (users round up, and a limit too short kills the job); the
+/// rest give none and are planned with an estimate from their user's
+/// earlier runs (the longest of the last 5 runs of the same kind: user,
+/// dataset, GPUs, as the coordinator's rule over command and code name),
+/// or nothing. A hold's length is its limit.
+pub const LIMIT_SHARE: f64 = 0.7;
+/// See [`LIMIT_SHARE`].
+pub const LIMIT_MAX: f64 = 5.0;
 
 /// The simulated cluster.
 #[derive(Clone, Debug)]
@@ -74,6 +103,18 @@ pub struct Setup {
     pub store: f64,
     /// For the random policy.
     pub seed: u64,
+    /// GPUs one user may have running at once, under the lab's queue.
+    pub cap: Option<u32>,
+    /// The coordinator is told each job's true run time (as an estimate):
+    /// the simulator before issue 45, kept for hand-checked traces. Off,
+    /// it gets what a coordinator gets ([`LIMIT_SHARE`]).
+    pub oracle: bool,
+    /// The lab queue's settings: backfill with a reservation, and the
+    /// seconds of waiting per tier risen (`None`: tiers never age).
+    pub backfill: bool,
+    pub aging_secs: Option<u64>,
+    /// A job holds GPUs only once it has waited this long.
+    pub reserve_after_secs: u64,
 }
 
 impl Default for Setup {
@@ -86,6 +127,11 @@ impl Default for Setup {
             link: 1e9 / 8.0,
             store: 10e9 / 8.0,
             seed: 1,
+            cap: None,
+            oracle: false,
+            backfill: true,
+            aging_secs: placer::Policy::default().aging_secs,
+            reserve_after_secs: placer::Policy::default().reserve_after_secs,
         }
     }
 }
@@ -95,7 +141,9 @@ impl Default for Setup {
 pub struct JobOut {
     pub tier: u8,
     pub hold: bool,
+    /// GPUs assigned, and asked for.
     pub gpus: u32,
+    pub asked: u32,
     pub submit: f64,
     /// GPUs assigned.
     pub assigned: f64,
@@ -336,6 +384,17 @@ pub struct Sim<'w> {
     pack_size: HashMap<u32, u64>,
     /// Each user's waiting jobs (labsync's), to re-key when their usage moves.
     waiting_of: HashMap<u16, BTreeSet<u32>>,
+    /// Each waiting job's key in `ordered` (its tier ages).
+    keys: HashMap<u32, OrderKey>,
+    /// When each waiting job next rises a tier.
+    aging: BinaryHeap<Reverse<(At, u32)>>,
+    /// The limit each job gives, seconds (the error model).
+    limits: Vec<Option<f64>>,
+    /// What the coordinator expects of each job as it arrives: seconds,
+    /// and whether that is an enforced limit.
+    expected: Vec<Option<(f64, bool)>>,
+    /// The latest run lengths of each kind (user, dataset, GPUs).
+    runs: HashMap<(u16, Option<usize>, u32), std::collections::VecDeque<f64>>,
 }
 
 /// A waiting job's place in labsync's order: (tier, the user's standing,
@@ -427,12 +486,29 @@ impl<'w> Sim<'w> {
         for j in &w.jobs {
             events.push(Reverse((at(j.submit), Ev::Arrive(j.id))));
         }
+        // The limits users give, drawn the same for every policy.
+        let mut lrng = ChaCha8Rng::seed_from_u64(setup.seed ^ 0x11a1_7e55);
+        let limits = (w.jobs.iter())
+            .map(|j| match j.kind {
+                Kind::Hold { .. } => Some(j.secs),
+                Kind::Batch => {
+                    let (give, k) = (lrng.gen_bool(LIMIT_SHARE), lrng.gen_range(1.0..LIMIT_MAX));
+                    give.then_some(j.secs * k)
+                }
+            })
+            .collect();
         let gpus = n as u32 * setup.gpus_per_node;
         Sim {
             w,
             setup: setup.clone(),
             policy,
-            pp: placer::Policy::default(),
+            pp: placer::Policy {
+                user_gpu_cap: setup.cap,
+                backfill: setup.backfill,
+                reserve_after_secs: setup.reserve_after_secs,
+                aging_secs: setup.aging_secs,
+                ..placer::Policy::default()
+            },
             now: 0.0,
             events,
             gpus: vec![vec![None; setup.gpus_per_node as usize]; n],
@@ -467,6 +543,11 @@ impl<'w> Sim<'w> {
             },
             pass_due: false,
             waiting_of: HashMap::new(),
+            keys: HashMap::new(),
+            aging: BinaryHeap::new(),
+            limits,
+            expected: vec![None; w.jobs.len()],
+            runs: HashMap::new(),
             pack_size: w
                 .datasets
                 .iter()
@@ -516,25 +597,39 @@ impl<'w> Sim<'w> {
             Ev::Arrive(j) => {
                 let job = &self.w.jobs[j as usize];
                 self.fifo.insert((at(job.submit), j));
-                if self.policy.is_labsync() {
+                if self.policy.lab_queue() {
                     let user = &self.user_names[job.user as usize];
+                    // Its limit, else an estimate from its user's history.
+                    let expected = match self.limits[j as usize] {
+                        _ if self.setup.oracle => Some((job.secs, false)),
+                        Some(l) => Some((l, true)),
+                        None => (self.runs.get(&(job.user, job.data, job.gpus)))
+                            .and_then(|r| r.iter().copied().reduce(f64::max))
+                            .map(|e| (e, false)),
+                    };
+                    self.expected[j as usize] = expected;
                     let q = Queued {
                         id: format!("j{j}"),
                         job: placer::Job {
                             gpus: job.gpus,
                             gpu_mem: 0,
                             needs: job.data.map(snapshot_key).into_iter().collect(),
-                            expected_secs: Some(job.secs.ceil() as u64),
-                            limited: true,
+                            expected_secs: expected.map(|(e, _)| e.ceil() as u64),
+                            limited: expected.is_some_and(|(_, l)| l),
                         },
                         user: user.clone(),
                         tier: Tier(job.tier),
                         submitted: (job.submit * 1000.0) as u64,
                         preemptible: false,
                     };
-                    self.ordered.insert(self.key_of(&q, j));
+                    let k = self.key_of(&q, j);
+                    self.ordered.insert(k);
+                    self.keys.insert(j, k);
                     self.queued.insert(j, q);
                     self.waiting_of.entry(job.user).or_default().insert(j);
+                    if let Some(step) = self.pp.aging_secs {
+                        self.aging.push(Reverse((at(job.submit + step as f64), j)));
+                    }
                 }
                 self.pass_due = true;
             }
@@ -571,8 +666,71 @@ impl<'w> Sim<'w> {
         }
     }
 
+    /// `q`'s place in the queue now: its tier as aged, its user's
+    /// standing, its submit time.
     fn key_of(&self, q: &Queued, j: u32) -> OrderKey {
-        OrderKey(q.tier, self.usage.standing(&q.user), q.submitted, j)
+        let now_ms = (self.now * 1000.0) as u64;
+        let tier = placer::effective_tier(q, now_ms, &self.ladder, &self.pp);
+        let standing = placer::standing_of(q, self.usage.standing(&q.user), now_ms, &self.pp);
+        OrderKey(tier, standing, q.submitted, j)
+    }
+
+    /// Moves waiting job `j` to its place in the queue now.
+    fn rekey(&mut self, j: u32) {
+        let Some(q) = self.queued.get(&j) else {
+            return;
+        };
+        let k = self.key_of(q, j);
+        if let Some(old) = self.keys.insert(j, k) {
+            self.ordered.remove(&old);
+        }
+        self.ordered.insert(k);
+    }
+
+    /// Waiting jobs whose tier rose by now take their new places.
+    fn age(&mut self) {
+        let (now, Some(step)) = (at(self.now), self.pp.aging_secs) else {
+            return;
+        };
+        while let Some(&Reverse((t, j))) = self.aging.peek() {
+            if t > now {
+                break;
+            }
+            self.aging.pop();
+            if !self.queued.contains_key(&j) {
+                continue;
+            }
+            self.rekey(j);
+            let risen = self.keys[&j].0;
+            let cap = self.ladder.deadline().map_or(1, |d| d.0 + 1);
+            if risen.0 > cap {
+                self.aging.push(Reverse((t + at(step as f64), j)));
+            }
+        }
+    }
+
+    /// Every job holding GPUs, as the coordinator lists them (its cap
+    /// counts them).
+    fn running(&self) -> Vec<Running> {
+        let mut out = Vec::new();
+        for (j, s) in self.jobs.iter().enumerate() {
+            let Some(o) = &s.out else { continue };
+            if !o.end.is_nan() {
+                continue;
+            }
+            let job = &self.w.jobs[j];
+            out.push(Running {
+                id: format!("j{j}"),
+                user: self.user_names[job.user as usize].clone(),
+                tier: Tier(job.tier),
+                node: self.names[s.node].clone(),
+                gpus: s.gpus.clone(),
+                preemptible: false,
+                stopping: false,
+                ends: None,
+            });
+        }
+        out
     }
 
     /// Free GPUs on the node with the most.
@@ -585,9 +743,9 @@ impl<'w> Sim<'w> {
     }
 
     fn pass(&mut self) {
-        match self.policy {
-            Policy::Labsync | Policy::LabsyncPrefetch => self.pass_labsync(),
-            _ => self.pass_baseline(),
+        match self.policy.lab_queue() {
+            true => self.pass_labsync(),
+            false => self.pass_baseline(),
         }
     }
 
@@ -653,11 +811,20 @@ impl<'w> Sim<'w> {
     }
 
     fn pass_labsync(&mut self) {
+        self.age();
         let now_ms = (self.now * 1000.0) as u64;
         let mut waits_with_free = false;
         let mut head: Vec<Queued> = Vec::new();
+        let running = if self.pp.user_gpu_cap.is_some() {
+            self.running()
+        } else {
+            Vec::new()
+        };
         // Jobs that could start, in order, handed over a chunk at a time
-        // until no GPU is free.
+        // until no GPU is free; the first that fits nowhere now goes too,
+        // and holds its GPUs (the reservation, carried over the chunks).
+        let mut reservation: Option<Reservation> = None;
+        let mut head_given = false;
         let mut cursor: Option<OrderKey> = None;
         loop {
             let max_free = self.max_free();
@@ -676,7 +843,9 @@ impl<'w> Sim<'w> {
             for k in range {
                 last = Some(*k);
                 let q = &self.queued[&k.3];
-                if q.job.gpus <= max_free {
+                let head = !head_given && reservation.is_none() && self.pp.backfill;
+                if q.job.gpus <= max_free || head {
+                    head_given |= q.job.gpus > max_free;
                     chunk.push(q.clone());
                     if chunk.len() == CHUNK {
                         break;
@@ -687,7 +856,7 @@ impl<'w> Sim<'w> {
                 break;
             }
             cursor = last;
-            let (_, decisions) = self.plan(&chunk, now_ms);
+            let (_, decisions) = self.plan(&chunk, &running, now_ms, &mut reservation);
             for d in decisions {
                 match d {
                     Decision::Start { id, choice } => {
@@ -697,7 +866,8 @@ impl<'w> Sim<'w> {
                             .iter()
                             .position(|n| *n == choice.node)
                             .expect("a node of the view");
-                        self.start(j, node, choice.gpus.clone(), true);
+                        let peers = self.policy.is_labsync();
+                        self.start(j, node, choice.gpus.clone(), peers);
                     }
                     Decision::Wait {
                         likely: Some(_), ..
@@ -718,7 +888,7 @@ impl<'w> Sim<'w> {
             if head.is_empty() {
                 return;
             }
-            let (scratch, decisions) = self.plan(&head, now_ms);
+            let (scratch, decisions) = self.plan(&head, &running, now_ms, &mut None);
             let warms = placer::prefetch(&scratch, &head, &decisions, now_ms, &self.pp);
             for w in warms {
                 let node = self
@@ -732,18 +902,25 @@ impl<'w> Sim<'w> {
         }
     }
 
-    /// One placer pass over `queue` on a copy of the view: the copy after
-    /// it (starts marked) and the decisions.
-    fn plan(&self, queue: &[Queued], now_ms: u64) -> (Cluster, Vec<Decision>) {
+    /// One placer pass over `queue` on a copy of the view, with the
+    /// reservation of the chunks before it: the copy after it (starts
+    /// marked) and the decisions.
+    fn plan(
+        &self,
+        queue: &[Queued],
+        running: &[Running],
+        now_ms: u64,
+        reservation: &mut Option<Reservation>,
+    ) -> (Cluster, Vec<Decision>) {
         let pass = Pass {
             queue,
-            running: &[],
+            running,
             usage: &self.usage,
             ladder: &self.ladder,
             now: now_ms,
         };
         let mut scratch = self.view.clone();
-        let decisions = placer::plan(&mut scratch, &pass, &self.pp);
+        let decisions = placer::plan_reserving(&mut scratch, &pass, &self.pp, reservation);
         (scratch, decisions)
     }
 
@@ -780,9 +957,10 @@ impl<'w> Sim<'w> {
     fn start(&mut self, j: u32, node: usize, gpus: Vec<u32>, peers: bool) {
         let job = &self.w.jobs[j as usize];
         self.fifo.remove(&(at(job.submit), j));
-        if let Some(q) = self.queued.remove(&j) {
-            let k = self.key_of(&q, j);
-            self.ordered.remove(&k);
+        if self.queued.remove(&j).is_some() {
+            if let Some(k) = self.keys.remove(&j) {
+                self.ordered.remove(&k);
+            }
             if let Some(s) = self.waiting_of.get_mut(&job.user) {
                 s.remove(&j);
             }
@@ -821,6 +999,7 @@ impl<'w> Sim<'w> {
                 tier: job.tier,
                 hold: matches!(job.kind, Kind::Hold { .. }),
                 gpus: gpus.len() as u32,
+                asked: job.gpus,
                 submit: job.submit,
                 assigned: self.now,
                 ready: f64::NAN,
@@ -840,8 +1019,9 @@ impl<'w> Sim<'w> {
             self.fetch(node, missing, Some(j), peers);
         }
         self.reschedule();
-        if self.policy.is_labsync() {
-            let est = self.now + secs;
+        if self.policy.lab_queue() {
+            // Busy until its expected end, as the coordinator knows it.
+            let est = self.expected[j as usize].map(|(e, l)| self.now + e + stop(l));
             self.set_view_gpus(node, &gpus, Some(est));
         }
         if self.jobs[j as usize].pending == 0 {
@@ -998,7 +1178,7 @@ impl<'w> Sim<'w> {
             Kind::Hold { active } => {
                 let t = self.now + secs;
                 self.push(t, Ev::End(j));
-                if self.policy.is_labsync() && active < secs {
+                if self.policy.lab_queue() && active < secs {
                     let check = self.now + active + self.pp.idle_hold_secs as f64;
                     if check < t {
                         self.push(check, Ev::HoldCheck(j));
@@ -1006,8 +1186,8 @@ impl<'w> Sim<'w> {
                 }
             }
         }
-        if self.policy.is_labsync() {
-            let end = self.now + secs;
+        if self.policy.lab_queue() {
+            let end = self.expected[j as usize].map(|(e, l)| self.now + e + stop(l));
             self.set_view_gpus(node, &gpus, Some(end));
         }
     }
@@ -1050,7 +1230,14 @@ impl<'w> Sim<'w> {
                 }
             }
         }
-        if self.policy.is_labsync() {
+        if self.policy.lab_queue() && matches!(job.kind, Kind::Batch) {
+            let runs = self.runs.entry((job.user, job.data, job.gpus)).or_default();
+            runs.push_back(ran);
+            if runs.len() > 5 {
+                runs.pop_front();
+            }
+        }
+        if self.policy.lab_queue() {
             self.set_view_gpus(node, &gpus, None);
             let user = self.user_names[job.user as usize].clone();
             let now_ms = (self.now * 1000.0) as u64;
@@ -1060,31 +1247,27 @@ impl<'w> Sim<'w> {
                 .get(&job.user)
                 .map(|s| s.iter().copied().collect())
                 .unwrap_or_default();
-            for &w in &theirs {
-                let k = self.key_of(&self.queued[&w], w);
-                self.ordered.remove(&k);
-            }
             self.usage.add(&user, computing * k, now_ms);
             for w in theirs {
-                let k = self.key_of(&self.queued[&w], w);
-                self.ordered.insert(k);
+                self.rekey(w);
             }
         }
         self.pass_due = true;
     }
 
-    /// Marks GPUs in labsync's view: busy until `until` (seconds), or free.
-    fn set_view_gpus(&mut self, node: usize, gpus: &[u32], until: Option<f64>) {
+    /// Marks GPUs in labsync's view: busy (until `Some(t)` seconds, or no
+    /// known end), or free (`None`).
+    fn set_view_gpus(&mut self, node: usize, gpus: &[u32], busy: Option<Option<f64>>) {
         let v = self
             .view
             .node_mut(&self.names[node])
             .expect("a node of the view");
         for g in v.gpus.iter_mut() {
             if gpus.contains(&g.index) {
-                match until {
-                    Some(t) => {
+                match busy {
+                    Some(until) => {
                         g.slot = Slot::Busy {
-                            until: Some((t * 1000.0).ceil() as u64),
+                            until: until.map(|t| (t * 1000.0).ceil() as u64),
                         };
                         g.memory_free = 0;
                     }
@@ -1095,6 +1278,16 @@ impl<'w> Sim<'w> {
                 }
             }
         }
+    }
+}
+
+/// What the coordinator adds to a limit for the stop (SIGTERM, the grace,
+/// a heartbeat), seconds; none for an estimate.
+fn stop(limit: bool) -> f64 {
+    if limit {
+        12.0
+    } else {
+        0.0
     }
 }
 
@@ -1129,6 +1322,11 @@ mod tests {
             link: 1e9,
             store: 10e9,
             seed: 1,
+            cap: None,
+            oracle: true,
+            backfill: true,
+            aging_secs: placer::Policy::default().aging_secs,
+            reserve_after_secs: 0,
         };
         (w, setup)
     }
@@ -1223,6 +1421,89 @@ mod tests {
         // The spreadsheet holds both GPUs for the whole 405 s.
         let sheet = simulate(&w, &setup, Policy::Spreadsheet);
         assert_eq!(sheet.held_idle, 2.0 * 405.0 - 300.0);
+    }
+
+    /// Issue 45, point 8: the simulated coordinator is given limits with
+    /// the users' error (1-5× the true run time, for 70% of the jobs) or
+    /// estimates from history, never the true run time.
+    #[test]
+    fn the_coordinator_is_told_limits_with_error_never_the_run_time() {
+        let jobs: Vec<Job> = (0..2000)
+            .map(|i| job(i, (i % 7) as u16, i as f64, 100.0 + i as f64, Kind::Batch))
+            .collect();
+        let (mut w, mut setup) = tiny(jobs);
+        w.users = vec![2; 7];
+        setup.oracle = false;
+        let sim = Sim::new(&w, &setup, Policy::Labsync);
+        let given: Vec<(f64, f64)> = (sim.limits.iter().zip(&w.jobs))
+            .filter_map(|(l, j)| Some(((*l)?, j.secs)))
+            .collect();
+        let share = given.len() as f64 / w.jobs.len() as f64;
+        assert!((share - LIMIT_SHARE).abs() < 0.05, "{share}");
+        assert!(given.iter().all(|(l, s)| *l >= *s && *l < LIMIT_MAX * s));
+        let exact = given.iter().filter(|(l, s)| (l - s).abs() < 1e-9).count();
+        assert!(exact < given.len() / 100, "{exact} limits are the run time");
+        // Without a limit: an estimate from the user's runs of the same
+        // kind once there are some, else nothing.
+        let o = Sim::new(&w, &setup, Policy::Labsync);
+        let mut o = o;
+        while let Some(Reverse((t, ev))) = o.events.pop() {
+            o.now = t as f64 / 1e6;
+            o.handle(ev);
+            if o.pass_due {
+                o.pass_due = false;
+                o.pass();
+            }
+        }
+        for (j, e) in o.expected.iter().enumerate() {
+            match (o.limits[j], e) {
+                (Some(l), Some((x, true))) => assert_eq!(l, *x),
+                (None, Some((x, false))) => assert!(*x != w.jobs[j].secs || j == 0, "j{j}"),
+                (None, None) => {}
+                other => panic!("j{j}: {other:?}"),
+            }
+        }
+    }
+
+    /// Issue 45, point 3: a 2-GPU job behind a running 1-GPU job, then a
+    /// stream of 1-GPU jobs every 100 s for 6000 s. First-fit passes over
+    /// it while a GPU is free, and it waits for the stream to end; under
+    /// labsync it holds the GPUs from the running job's limit (at most 5×
+    /// its 1000 s, plus the stop), and only jobs whose limits end before
+    /// then may use them.
+    #[test]
+    fn a_big_job_is_not_starved_by_a_stream_of_small_ones() {
+        let mut jobs = vec![
+            job(0, 0, 0.0, 1000.0, Kind::Batch),
+            Job {
+                gpus: 2,
+                ..job(1, 1, 1.0, 500.0, Kind::Batch)
+            },
+        ];
+        for i in 0..60 {
+            jobs.push(job(2 + i, 2, 2.0 + 100.0 * i as f64, 1000.0, Kind::Batch));
+        }
+        for j in &mut jobs {
+            j.data = None;
+        }
+        let (mut w, mut setup) = tiny(jobs);
+        w.users = vec![2; 3];
+        setup.oracle = false;
+        setup.nodes = 1;
+        setup.gpus_per_node = 2;
+        let wait_of_big = |p| {
+            let o = simulate(&w, &setup, p);
+            let big = o
+                .jobs
+                .iter()
+                .find(|j| j.gpus == 2)
+                .expect("the big job ran");
+            big.ready - big.submit
+        };
+        let ff = wait_of_big(Policy::FirstFit);
+        let ls = wait_of_big(Policy::Labsync);
+        assert!(ff >= 6000.0, "first-fit: {ff}");
+        assert!(ls <= 5.0 * 1000.0 + 12.0, "labsync: {ls}");
     }
 
     /// A 2 h hold used for its first 10 min: labsync releases it 30 min

@@ -29,6 +29,8 @@ pub struct Summary {
     pub held_idle_gpu_h: f64,
     /// Per tier: (tier, jobs, mean wait, p95 wait).
     pub tiers: Vec<(u8, usize, f64, f64)>,
+    /// Jobs asking for 4 GPUs or more: (jobs, mean wait, p95 wait).
+    pub big: (usize, f64, f64),
     pub waits: Vec<f64>,
     pub wall: f64,
 }
@@ -68,6 +70,12 @@ pub fn summarise(o: &Outcome) -> Summary {
         w.sort_by(f64::total_cmp);
         tiers.push((t, w.len(), mean(w.iter().copied()), quantile(&w, 0.95)));
     }
+    let mut big: Vec<f64> = (o.jobs.iter())
+        .filter(|j| j.asked >= 4)
+        .map(|j| j.ready - j.submit)
+        .collect();
+    big.sort_by(f64::total_cmp);
+    let big = (big.len(), mean(big.iter().copied()), quantile(&big, 0.95));
     let needed: u64 = o.jobs.iter().map(|j| j.needed).sum();
     let hit: u64 = o.jobs.iter().map(|j| j.hit).sum();
     Summary {
@@ -94,6 +102,7 @@ pub fn summarise(o: &Outcome) -> Summary {
         },
         held_idle_gpu_h: o.held_idle / 3600.0,
         tiers,
+        big,
         waits,
         wall: o.wall,
     }
@@ -254,7 +263,9 @@ pub fn deadline_p95(s: &Summary) -> f64 {
     s.tiers.iter().find(|t| t.0 == 1).map_or(0.0, |t| t.3)
 }
 
-const COLOURS: [&str; 5] = ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4", "#2ca02c"];
+const COLOURS: [&str; 6] = [
+    "#7f7f7f", "#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c",
+];
 
 /// One row of the plot: the wait CDF (log time) and bytes moved, per
 /// policy, for one workload.
@@ -376,4 +387,145 @@ pub fn svg(workloads: &[(String, Vec<Summary>)]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// `a / b` as a ratio, `—` where `b` is 0.
+fn ratio_text(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else if a > 0.0 {
+        "∞".into()
+    } else {
+        "—".into()
+    }
+}
+
+/// One (workload, cache size) of the matrix (issue 45, point 9): every
+/// policy's wait mean and p95, p95 per tier, 4-GPU jobs' mean and p95,
+/// staging mean, bytes moved and GPU-hours held idle; then labsync's
+/// ratios to first-fit (first come, first served, passing over what does
+/// not fit) and to first-fit+queue (the lab's queue rule, placement blind
+/// to data).
+pub fn matrix_table(out: &mut String, rows: &[Summary]) {
+    out.push_str("| policy | wait mean | p95 | p95 lead / deadline / phd / master / undergrad | 4-GPU jobs: mean / p95 | staging mean | bytes moved | GPU-h held idle |\n|---|---|---|---|---|---|---|---|\n");
+    for r in rows {
+        let tiers: Vec<String> = (0..5u8)
+            .map(|t| {
+                r.tiers
+                    .iter()
+                    .find(|x| x.0 == t)
+                    .map_or("—".into(), |x| dur(x.3))
+            })
+            .collect();
+        let big = match r.big.0 {
+            0 => "—".into(),
+            n => format!("{} / {} ({n})", dur(r.big.1), dur(r.big.2)),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {big} | {} | {} | {:.0} |",
+            r.policy.name(),
+            dur(r.wait_mean),
+            dur(r.wait_p95),
+            tiers.join(" / "),
+            dur(r.staging_mean),
+            tb(r.bytes_moved),
+            r.held_idle_gpu_h
+        );
+    }
+    let of = |p| rows.iter().find(|r| r.policy == p);
+    for base in [Policy::FirstFit, Policy::FirstFitQueue] {
+        let (Some(b), Some(ls)) = (of(base), of(Policy::Labsync)) else {
+            continue;
+        };
+        let tiers: Vec<String> = (0..5u8)
+            .filter_map(|t| {
+                let l = ls.tiers.iter().find(|x| x.0 == t)?;
+                let f = b.tiers.iter().find(|x| x.0 == t)?;
+                Some(ratio_text(l.3, f.3))
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "| *labsync / {}* | {} | {} | {} | — / {} | {} | {} | {} |",
+            base.name(),
+            ratio_text(ls.wait_mean, b.wait_mean),
+            ratio_text(ls.wait_p95, b.wait_p95),
+            tiers.join(" / "),
+            ratio_text(ls.big.2, b.big.2),
+            ratio_text(ls.staging_mean, b.staging_mean),
+            ratio_text(ls.bytes_moved as f64, b.bytes_moved as f64),
+            ratio_text(ls.held_idle_gpu_h, b.held_idle_gpu_h),
+        );
+    }
+    out.push('\n');
+}
+
+/// The issue's targets on one (workload, cache size): (name, met, figure).
+pub fn matrix_targets(rows: &[Summary], small_cache: bool) -> Vec<(&'static str, bool, String)> {
+    let (Some(ff), Some(ls)) = (
+        rows.iter().find(|r| r.policy == Policy::FirstFit),
+        rows.iter().find(|r| r.policy == Policy::Labsync),
+    ) else {
+        return Vec::new();
+    };
+    let r = |a: f64, b: f64| {
+        if b > 0.0 {
+            a / b
+        } else if a > 0.0 {
+            f64::INFINITY
+        } else {
+            1.0
+        }
+    };
+    let mut t = vec![
+        (
+            "wait mean ≤ first-fit",
+            ls.wait_mean <= ff.wait_mean,
+            format!("{:.2}×", r(ls.wait_mean, ff.wait_mean)),
+        ),
+        (
+            "wait p95 ≤ first-fit",
+            ls.wait_p95 <= ff.wait_p95,
+            format!("{:.2}×", r(ls.wait_p95, ff.wait_p95)),
+        ),
+    ];
+    let worst = (ls.tiers.iter())
+        .filter_map(|l| {
+            let f = ff.tiers.iter().find(|x| x.0 == l.0)?;
+            // A tier's p95 within a minute of first-fit's is as good as it.
+            Some((l.0, if l.3 <= f.3 + 60.0 { 1.0 } else { r(l.3, f.3) }))
+        })
+        .fold((0u8, 0.0f64), |a, b| if b.1 > a.1 { b } else { a });
+    t.push((
+        "no tier's p95 over 3× first-fit's",
+        worst.1 <= 3.0,
+        format!(
+            "worst {} {:.2}×",
+            TIER_NAMES.get(worst.0 as usize).unwrap_or(&"?"),
+            worst.1
+        ),
+    ));
+    if ls.big.0 > 0 {
+        t.push((
+            "4-GPU p95 ≤ first-fit",
+            ls.big.2 <= ff.big.2 + 60.0,
+            format!("{:.2}×", r(ls.big.2, ff.big.2)),
+        ));
+    }
+    if small_cache {
+        let b = r(ls.bytes_moved as f64, ff.bytes_moved as f64);
+        t.push((
+            "bytes moved ≤ 0.6× first-fit (100 GB)",
+            b <= 0.6,
+            format!("{b:.2}×"),
+        ));
+        let s = r(ls.staging_mean, ff.staging_mean);
+        t.push((
+            "staging mean ≤ 0.5× first-fit (100 GB)",
+            s <= 0.5,
+            format!("{s:.2}×"),
+        ));
+    }
+    t
 }

@@ -817,6 +817,9 @@ pub(crate) struct LabFile {
     /// waited, up to the tier below the deadline tier (default 24; 0:
     /// tiers never age).
     aging_hours: Option<f64>,
+    /// The first job that cannot start holds the GPUs it waits for
+    /// (backfill's reservation) once it has waited this many minutes.
+    reserve_after_minutes: Option<u64>,
 }
 
 /// `[lab]`, checked: every tier named exists, grants are dates.
@@ -912,12 +915,18 @@ fn lab_config(l: LabFile) -> Result<LabConfig> {
         }
         Some(h) => bail!("[lab] aging_hours = {h}: give a number of hours above 0, or 0 for none"),
     };
+    let reserve_after = match l.reserve_after_minutes {
+        None => Duration::from_secs(labsync_placer::Policy::default().reserve_after_secs),
+        Some(m) if m <= 525_600 => Duration::from_secs(m * 60),
+        Some(m) => bail!("[lab] reserve_after_minutes = {m}: at most 525600 (a year)"),
+    };
     Ok(LabConfig {
         members,
         user_gpu_cap: l.max_gpus_per_user,
         half_life,
         time_limits,
         aging,
+        reserve_after,
     })
 }
 

@@ -58,7 +58,7 @@ pub use lab::{BadLadder, Ladder, Member, Members, Tier, TierRefused, Usage};
 pub use place::{rank, Choice, GpuWait, Job, Policy, Ranking, Row, Verdict};
 pub use prefetch::{idle_holds, prefetch, Hold, Warm};
 pub use queue::{
-    before, effective_tier, order, plan, plan_reserving, reserve, Decision, Ends, Pass, Queued,
-    Reservation, Running,
+    before, effective_tier, order, plan, plan_reserving, reserve, standing_of, Decision, Ends,
+    Pass, Queued, Reservation, Running,
 };
 pub use scheduler::{preferred, with_scheduler_gpus, SchedulerNode};

@@ -61,12 +61,19 @@ pub struct Policy {
     /// (EASY backfill, see [`crate::plan`]); off, any later job may take
     /// them, and a big job may wait for ever behind a stream of small ones.
     pub backfill: bool,
+    /// A job is given the reservation only once it has waited this long
+    /// (Slurm's `bf_min_age_reserve`): until then the GPUs it would hold
+    /// keep working for whoever fits, and a big job that would start soon
+    /// anyway costs no one an idle GPU.
+    pub reserve_after_secs: u64,
 }
 
 impl Default for Policy {
     /// Ties within 2 s, no cap, preemption on, idle holds released after
     /// 30 minutes, hot data warmed on up to 3 nodes, 2 warms per user,
-    /// tiers aged one step a day, backfill with a reservation.
+    /// tiers aged one step a day, backfill with a reservation for a job
+    /// that has waited 2 hours (the default the simulator's matrix chose:
+    /// `bench/results/placement.md`).
     fn default() -> Self {
         Policy {
             tie_secs: 2.0,
@@ -77,6 +84,7 @@ impl Default for Policy {
             prefetch_per_user: 2,
             aging_secs: Some(86_400),
             backfill: true,
+            reserve_after_secs: 2 * 3600,
         }
     }
 }

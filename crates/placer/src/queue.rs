@@ -163,9 +163,27 @@ pub fn effective_tier(q: &Queued, now: Millis, ladder: &Ladder, policy: &Policy)
     Tier(q.tier.0 - rise)
 }
 
+/// Where `q`'s user stands for its order at `now` ([`Usage::standing`],
+/// `user`'s): once it has waited [`Policy::aging_secs`], fair share no
+/// longer holds it back (it stands as one with no usage, so it goes by
+/// submit time): a heavy user's old job is not passed for ever by a
+/// light user's new ones of its tier.
+pub fn standing_of(q: &Queued, user: f64, now: Millis, policy: &Policy) -> f64 {
+    let old = policy
+        .aging_secs
+        .filter(|&s| s > 0)
+        .is_some_and(|s| now.saturating_sub(q.submitted) >= s.saturating_mul(1000));
+    if old {
+        f64::NEG_INFINITY
+    } else {
+        user
+    }
+}
+
 /// The queue in the order a pass takes it: tier ([`effective_tier`]: aged
-/// by waiting), then the user's decayed GPU time (least first), then
-/// submit time, then id (shorter first, so `j9` comes before `j10`).
+/// by waiting), then the user's decayed GPU time (least first; not for a
+/// job that has waited long, [`standing_of`]), then submit time, then id
+/// (shorter first, so `j9` comes before `j10`).
 pub fn order<'q>(pass: &Pass<'q>, policy: &Policy) -> Vec<&'q Queued> {
     let mut standing: HashMap<&str, f64> = HashMap::new();
     for q in pass.queue {
@@ -173,16 +191,14 @@ pub fn order<'q>(pass: &Pass<'q>, policy: &Policy) -> Vec<&'q Queued> {
             .entry(q.user.as_str())
             .or_insert_with(|| pass.usage.standing(&q.user));
     }
-    let mut order: Vec<(Tier, &Queued)> = (pass.queue.iter())
-        .map(|q| (effective_tier(q, pass.now, pass.ladder, policy), q))
+    let mut order: Vec<(Tier, f64, &Queued)> = (pass.queue.iter())
+        .map(|q| {
+            let s = standing_of(q, standing[q.user.as_str()], pass.now, policy);
+            (effective_tier(q, pass.now, pass.ladder, policy), s, q)
+        })
         .collect();
-    order.sort_by(|(ta, a), (tb, b)| {
-        before(
-            (*ta, standing[a.user.as_str()], a),
-            (*tb, standing[b.user.as_str()], b),
-        )
-    });
-    order.into_iter().map(|(_, q)| q).collect()
+    order.sort_by(|(ta, sa, a), (tb, sb, b)| before((*ta, *sa, a), (*tb, *sb, b)));
+    order.into_iter().map(|(_, _, q)| q).collect()
 }
 
 /// Whether `a` (ordered at tier `ta`, its user standing at `sa`,
@@ -436,7 +452,10 @@ fn decide<'p>(
                     _ => None,
                 });
             let mut held = String::new();
-            if let (None, Some(secs), true) = (at.reservation.as_ref(), gpu_secs, policy.backfill) {
+            let due = waited >= policy.reserve_after_secs as f64;
+            if let (None, Some(secs), true) =
+                (at.reservation.as_ref(), gpu_secs, policy.backfill && due)
+            {
                 let res = Reservation {
                     id: q.id.clone(),
                     node: cluster.index_of(&choice.node).expect("a ranked node"),
@@ -1249,10 +1268,14 @@ pub(crate) mod tests {
                 },
             ),
         ];
+        let at_once = Policy {
+            reserve_after_secs: 0,
+            ..Policy::default()
+        };
         let d = plan(
             &mut c.clone(),
             &pass(&queue, &run, &Usage::default(), 0),
-            &Policy::default(),
+            &at_once,
         );
         let Decision::Wait { why, likely, .. } = &d[0] else {
             panic!("{:?}", d[0])
@@ -1283,10 +1306,32 @@ pub(crate) mod tests {
         // big one waits an hour more.
         let greedy = Policy {
             backfill: false,
-            ..Policy::default()
+            ..at_once.clone()
         };
-        let d = plan(&mut c, &pass(&queue, &run, &Usage::default(), 0), &greedy);
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &run, &Usage::default(), 0),
+            &greedy,
+        );
         assert!(matches!(&d[1], Decision::Start { .. }), "{:?}", d[1]);
+        // Nor before the big job has waited the reservation age: then it
+        // holds nothing, and what fits goes.
+        let young = Policy {
+            reserve_after_secs: 600,
+            ..at_once.clone()
+        };
+        let d = plan(
+            &mut c.clone(),
+            &pass(&queue, &run, &Usage::default(), 599_000),
+            &young,
+        );
+        assert!(matches!(&d[1], Decision::Start { .. }), "{:?}", d[1]);
+        let d = plan(
+            &mut c,
+            &pass(&queue, &run, &Usage::default(), 600_000),
+            &young,
+        );
+        assert!(matches!(&d[1], Decision::Wait { .. }), "{:?}", d[1]);
     }
 
     #[test]
@@ -1300,11 +1345,11 @@ pub(crate) mod tests {
             of("x", "bob", 2, 1, timed_job(1, None)),
             of("y", "bob", 2, 2, timed_job(1, None)),
         ];
-        let d = plan(
-            &mut c,
-            &pass(&queue, &run, &Usage::default(), 0),
-            &Policy::default(),
-        );
+        let at_once = Policy {
+            reserve_after_secs: 0,
+            ..Policy::default()
+        };
+        let d = plan(&mut c, &pass(&queue, &run, &Usage::default(), 0), &at_once);
         assert!(matches!(&d[0], Decision::Wait { .. }), "{:?}", d[0]);
         // Another node's GPU is anyone's; the held ones are not.
         assert!(
@@ -1347,6 +1392,22 @@ pub(crate) mod tests {
             .map(|q| q.id.as_str())
             .collect();
         assert_eq!(ids, ["dl", "old", "phd"]);
+        // Within a tier, a heavy user's job that has waited a day is no
+        // longer held back by fair share: it goes by submit time.
+        let mut usage = Usage::default();
+        usage.add("heavy", 1e6, 0);
+        let queue = [
+            of("light", "carol", 2, DAY, job(1, &[])),
+            of("heavy", "heavy", 2, 0, job(1, &[])),
+        ];
+        let at = |now| -> Vec<String> {
+            order(&pass(&queue, &[], &usage, now), &policy)
+                .iter()
+                .map(|q| q.id.clone())
+                .collect()
+        };
+        assert_eq!(at(DAY - 1), ["light", "heavy"]);
+        assert_eq!(at(DAY), ["heavy", "light"]);
     }
 
     /// A random cluster: up to 6 nodes of up to 4 GPUs in random states, up

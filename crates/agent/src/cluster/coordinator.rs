@@ -167,6 +167,7 @@ impl Coordinator {
         let mut policy = Policy {
             user_gpu_cap: lab.user_gpu_cap,
             aging_secs: lab.aging.map(|d| d.as_secs().max(1)),
+            reserve_after_secs: lab.reserve_after.as_secs(),
             ..Policy::default()
         };
         let mut members = lab.members.clone();

@@ -75,6 +75,9 @@ pub struct LabConfig {
     /// to the tier below the deadline tier (`[lab] aging_hours`); `None`:
     /// tiers never age.
     pub aging: Option<Duration>,
+    /// The first job that cannot start holds the GPUs it waits for once it
+    /// has waited this long (`[lab] reserve_after_minutes`).
+    pub reserve_after: Duration,
 }
 
 impl Default for LabConfig {
@@ -86,6 +89,9 @@ impl Default for LabConfig {
             half_life: Duration::from_secs(7 * 86_400),
             time_limits: Default::default(),
             aging: Some(Duration::from_secs(86_400)),
+            reserve_after: Duration::from_secs(
+                labsync_placer::Policy::default().reserve_after_secs,
+            ),
         }
     }
 }
