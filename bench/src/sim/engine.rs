@@ -733,6 +733,20 @@ impl<'w> Sim<'w> {
         out
     }
 
+    /// Free GPUs on the node with the most, those `r` holds left out.
+    fn max_free_besides(&self, r: &Reservation) -> u32 {
+        (self.gpus.iter().enumerate())
+            .map(|(n, g)| {
+                (g.iter().enumerate())
+                    .filter(|(i, x)| {
+                        x.is_none() && !(self.names[n] == r.name && r.gpus.contains(&(*i as u32)))
+                    })
+                    .count() as u32
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Free GPUs on the node with the most.
     fn max_free(&self) -> u32 {
         self.gpus
@@ -831,6 +845,11 @@ impl<'w> Sim<'w> {
             if max_free == 0 {
                 break;
             }
+            // Once a job holds GPUs, a job can start only on GPUs it does
+            // not hold, or in its gap with a limit that ends before it: the
+            // others are not handed over (the placer would only say wait,
+            // and a months-long backlog made every pass read it whole).
+            let unreserved = reservation.as_ref().map(|r| self.max_free_besides(r));
             let mut chunk: Vec<Queued> = Vec::with_capacity(CHUNK);
             let mut last = None;
             let range: Box<dyn Iterator<Item = &OrderKey>> = match cursor {
@@ -844,7 +863,18 @@ impl<'w> Sim<'w> {
                 last = Some(*k);
                 let q = &self.queued[&k.3];
                 let head = !head_given && reservation.is_none() && self.pp.backfill;
-                if q.job.gpus <= max_free || head {
+                let may = match (&reservation, unreserved) {
+                    (Some(r), Some(u)) => {
+                        q.job.gpus <= u
+                            || (q.job.limited
+                                && q.job.gpus <= max_free
+                                && q.job
+                                    .expected_secs
+                                    .is_some_and(|e| now_ms + e * 1000 <= r.at))
+                    }
+                    _ => q.job.gpus <= max_free,
+                };
+                if may || head {
                     head_given |= q.job.gpus > max_free;
                     chunk.push(q.clone());
                     if chunk.len() == CHUNK {

@@ -161,7 +161,7 @@ struct RunArgs {
     /// Time limit (90m, 12h, 2d): at the limit labd sends SIGTERM, saves
     /// --outputs, and SIGKILLs what is left after its grace; `labrun ps`
     /// says it ran out of time. A cluster gives a job without one its
-    /// tier's default ([lab] time_limits), and plans with it: a job whose
+    /// tier's default (the lab's time_limits), and plans with it: a job whose
     /// limit ends before a reserved big job starts may use the reserved
     /// GPUs meanwhile. Under Slurm: sbatch --time (whole minutes; SIGTERM
     /// [slurm] grace before it, at most half of it)
@@ -237,7 +237,7 @@ enum Cmd {
     },
     /// The lab's rules on the coordinator, changed at once with no restart
     /// and kept with who changed what (admins): deadline grants, users'
-    /// tiers, the per-user GPU cap. The config file's [lab] values are the
+    /// tiers, the per-user GPU cap. The config file's lab values are the
     /// defaults these change
     #[command(
         after_help = "Examples:\n  labrun admin grant alice deadline --until 2026-12-20\n  \
@@ -245,7 +245,7 @@ enum Cmd {
     )]
     Admin {
         #[command(subcommand)]
-        what: AdminCmd,
+        what: commands::admin::Ask,
     },
     /// The batch script's step of a Slurm job (labrun --backend slurm writes it)
     #[command(name = "_slurm-job", hide = true)]
@@ -253,42 +253,6 @@ enum Cmd {
         /// The job, as labrun submitted it (JSON)
         spec: String,
     },
-}
-
-#[derive(Subcommand, Debug)]
-enum AdminCmd {
-    /// A paper-deadline grant: USER may run at TIER (the deadline tier)
-    /// until the end of --until (UTC)
-    Grant {
-        /// The user
-        user: String,
-        /// The deadline tier (`deadline` on the default ladder)
-        tier: String,
-        /// The grant's last day, YYYY-MM-DD (UTC)
-        #[arg(long, value_name = "YYYY-MM-DD")]
-        until: String,
-    },
-    /// Withdraws USER's deadline grant (their queued deadline jobs fall
-    /// back to their own tier)
-    Ungrant {
-        /// The user
-        user: String,
-    },
-    /// Sets USER's own tier
-    Tier {
-        /// The user
-        user: String,
-        /// A tier of the ladder, not the deadline tier
-        tier: String,
-    },
-    /// GPUs one user may have running at once (`none`: no cap)
-    Cap {
-        /// A number, or `none`
-        gpus: String,
-    },
-    /// The rules in force: tiers, users, grants, cap, time limits, aging,
-    /// and the changes admins made
-    Show,
 }
 
 fn settings(g: &Global) -> Result<Settings> {
@@ -383,17 +347,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
             commands::rerun::rerun(&s, &client, g.quiet, a).await
         }
-        Some(Cmd::Admin { what }) => {
-            use commands::admin::Ask;
-            let ask = match what {
-                AdminCmd::Grant { user, tier, until } => Ask::Grant { user, tier, until },
-                AdminCmd::Ungrant { user } => Ask::Ungrant { user },
-                AdminCmd::Tier { user, tier } => Ask::Tier { user, tier },
-                AdminCmd::Cap { gpus } => Ask::Cap { gpus },
-                AdminCmd::Show => Ask::Show,
-            };
-            commands::admin::admin(&client, g.json, ask).await
-        }
+        Some(Cmd::Admin { what }) => commands::admin::admin(&client, g.json, what).await,
         Some(Cmd::SlurmJob { .. }) => unreachable!("run before labd is looked for"),
     }
 }

@@ -9,36 +9,40 @@ use labsync_agent::Client;
 
 use super::explain_client;
 
-/// What an admin asks.
-#[derive(Debug)]
+/// What an admin asks (`labrun admin ...`).
+#[derive(Debug, clap::Subcommand)]
 pub enum Ask {
-    /// A deadline grant until the end of `until` (`YYYY-MM-DD`, UTC).
+    /// A paper-deadline grant: USER may run at TIER (the deadline tier)
+    /// until the end of --until (UTC)
     Grant {
-        /// Whose.
+        /// The user
         user: String,
-        /// The tier named (it must be the deadline tier).
+        /// The deadline tier (`deadline` on the default ladder)
         tier: String,
-        /// The last day.
+        /// The grant's last day, YYYY-MM-DD (UTC)
+        #[arg(long, value_name = "YYYY-MM-DD")]
         until: String,
     },
-    /// A grant withdrawn.
+    /// Withdraws USER's deadline grant (their queued deadline jobs fall
+    /// back to their own tier)
     Ungrant {
-        /// Whose.
+        /// The user
         user: String,
     },
-    /// A user's own tier.
+    /// Sets USER's own tier
     Tier {
-        /// Whose.
+        /// The user
         user: String,
-        /// The tier.
+        /// A tier of the ladder, not the deadline tier
         tier: String,
     },
-    /// The per-user GPU cap (`none`: no cap).
+    /// GPUs one user may have running at once (`none`: no cap)
     Cap {
-        /// `8` or `none`.
+        /// A number, or `none`
         gpus: String,
     },
-    /// The rules in force.
+    /// The rules in force: tiers, users, grants, cap, time limits, aging,
+    /// fair share, and the changes admins made
     Show,
 }
 
