@@ -268,19 +268,31 @@ fn an_old_undergraduate_job_goes_before_a_new_phd_job_and_after_a_deadline_job()
     let old = id(lab.labrun(&["-d", "--gpus", "1", "--", "bash", "-c", &until(&lab, "old")]));
     std::thread::sleep(Duration::from_millis(7500));
     let phd = id(lab.labrun_as_bob(&["-d", "--gpus", "1", "--", "true"]));
+    let until_dl = until(&lab, "dl");
     let dl = id(lab
-        .labrun_cmd(&["-d", "--priority", "deadline", "--gpus", "1", "--", "true"])
+        .labrun_cmd(&[
+            "-d",
+            "--priority",
+            "deadline",
+            "--gpus",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            &until_dl,
+        ])
         .env("LABRUN_TOKEN", ADMIN)
         .output()
         .unwrap());
+    // One GPU frees: the deadline job's, though the others waited longer.
     release(&lab, "x1");
-    wait_until("the deadline job to run and end", 60, || {
-        lab.job(&dl).ended()
-    });
+    lab.running(&dl);
     assert!(queued(&lab, &old) && queued(&lab, &phd), "{:?}", lab.jobs());
+    // The next: the old undergraduate job's, not the newer PhD one's.
     release(&lab, "x2");
     lab.running(&old);
     assert!(queued(&lab, &phd), "{:?}", lab.job(&phd));
+    release(&lab, "dl");
     release(&lab, "old");
     wait_until("the PhD job to end", 60, || lab.job(&phd).ended());
 }

@@ -215,6 +215,14 @@ mod tests {
             let e = check_request(&r).unwrap_err().to_string();
             assert!(e.contains(why), "{why}: {e}");
         };
+        refused(&|r| r.time_limit_s = Some(0), "a time limit of 0 s");
+        refused(
+            &|r| r.time_limit_s = Some(MAX_TIME_LIMIT_S + 1),
+            "give 1 s to 365 days",
+        );
+        let mut limited = ok.clone();
+        limited.time_limit_s = Some(MAX_TIME_LIMIT_S);
+        check_request(&limited).unwrap();
         let mega = "x".repeat(2 << 20);
         refused(
             &|r| r.outputs = Some(format!("x{}", "/".repeat(2 << 20))),
