@@ -372,7 +372,9 @@ pub struct Sim<'w> {
     // labsync's view and queue records.
     view: Cluster,
     names: Vec<NodeName>,
-    queued: HashMap<u32, Queued>,
+    /// By job id (ids are 0..n): looked up for every waiting job a pass
+    /// walks, so no hashing.
+    queued: Vec<Option<Queued>>,
     usage: Usage,
     ladder: Ladder,
     user_names: Vec<String>,
@@ -523,7 +525,7 @@ impl<'w> Sim<'w> {
             jobs: vec![State::default(); w.jobs.len()],
             view,
             names,
-            queued: HashMap::new(),
+            queued: vec![None; w.jobs.len()],
             usage: Usage::default(),
             ladder: Ladder::default(),
             user_names: (0..users).map(|u| format!("u{u}")).collect(),
@@ -625,7 +627,7 @@ impl<'w> Sim<'w> {
                     let k = self.key_of(&q, j);
                     self.ordered.insert(k);
                     self.keys.insert(j, k);
-                    self.queued.insert(j, q);
+                    self.queued[j as usize] = Some(q);
                     self.waiting_of.entry(job.user).or_default().insert(j);
                     if let Some(step) = self.pp.aging_secs {
                         self.aging.push(Reverse((at(job.submit + step as f64), j)));
@@ -677,7 +679,7 @@ impl<'w> Sim<'w> {
 
     /// Moves waiting job `j` to its place in the queue now.
     fn rekey(&mut self, j: u32) {
-        let Some(q) = self.queued.get(&j) else {
+        let Some(q) = self.queued[j as usize].as_ref() else {
             return;
         };
         let k = self.key_of(q, j);
@@ -697,7 +699,7 @@ impl<'w> Sim<'w> {
                 break;
             }
             self.aging.pop();
-            if !self.queued.contains_key(&j) {
+            if self.queued[j as usize].is_none() {
                 continue;
             }
             self.rekey(j);
@@ -861,7 +863,9 @@ impl<'w> Sim<'w> {
             };
             for k in range {
                 last = Some(*k);
-                let q = &self.queued[&k.3];
+                let q = self.queued[k.3 as usize]
+                    .as_ref()
+                    .expect("ordered jobs are queued");
                 let head = !head_given && reservation.is_none() && self.pp.backfill;
                 let may = match (&reservation, unreserved) {
                     (Some(r), Some(u)) => {
@@ -913,7 +917,11 @@ impl<'w> Sim<'w> {
         }
         if self.policy == Policy::LabsyncPrefetch {
             for k in self.ordered.iter().take(PREFETCH_HEAD) {
-                head.push(self.queued[&k.3].clone());
+                head.push(
+                    self.queued[k.3 as usize]
+                        .clone()
+                        .expect("ordered jobs are queued"),
+                );
             }
             if head.is_empty() {
                 return;
@@ -987,7 +995,7 @@ impl<'w> Sim<'w> {
     fn start(&mut self, j: u32, node: usize, gpus: Vec<u32>, peers: bool) {
         let job = &self.w.jobs[j as usize];
         self.fifo.remove(&(at(job.submit), j));
-        if self.queued.remove(&j).is_some() {
+        if self.queued[j as usize].take().is_some() {
             if let Some(k) = self.keys.remove(&j) {
                 self.ordered.remove(&k);
             }
