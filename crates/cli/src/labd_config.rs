@@ -871,15 +871,7 @@ fn lab_config(l: LabFile) -> Result<LabConfig> {
                 "[lab.grants] {user} = {day:?}: write the grant's last day as YYYY-MM-DD (UTC)"
             )
         })?;
-        let lowest = members.ladder.lowest();
-        members
-            .members
-            .entry(user.clone())
-            .or_insert(Member {
-                tier: lowest,
-                deadline_until: None,
-            })
-            .deadline_until = Some(until);
+        members.entry(user).deadline_until = Some(until);
     }
     let half_life = match l.fair_share_half_life_days {
         None => Duration::from_secs(7 * 86_400),

@@ -134,6 +134,17 @@ pub struct Members {
 }
 
 impl Members {
+    /// `user`'s entry, made at the lowest tier with no grant if they had
+    /// none (the config's `[lab.grants]` and `labrun admin` both name
+    /// users the ladder did not).
+    pub fn entry(&mut self, user: &str) -> &mut Member {
+        let lowest = self.ladder.lowest();
+        self.members.entry(user.to_string()).or_insert(Member {
+            tier: lowest,
+            deadline_until: None,
+        })
+    }
+
     /// The tier a job of `user` runs at when it asks for `asked` (a tier
     /// name) at `now`. Without asking: the user's own tier. A user may ask
     /// for their own tier or any lower one; the deadline tier only while an

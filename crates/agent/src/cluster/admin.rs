@@ -4,7 +4,7 @@
 //! restart they are applied again over the config file's `[lab]`, whose
 //! values are the defaults. Only admins may change or read them.
 
-use labsync_placer::{Member, Members, Policy};
+use labsync_placer::{Members, Policy};
 
 use super::Coordinator;
 use crate::error::JobError;
@@ -35,21 +35,13 @@ pub(crate) fn apply(
     policy: &mut Policy,
     change: &AdminChange,
 ) -> Result<(), String> {
-    let lowest = members.ladder.lowest();
     match change {
         AdminChange::Grant { user, until_ms } => {
             check_user(user)?;
             if members.ladder.deadline().is_none() {
                 return Err("the lab's ladder has no deadline tier to grant".into());
             }
-            members
-                .members
-                .entry(user.clone())
-                .or_insert(Member {
-                    tier: lowest,
-                    deadline_until: None,
-                })
-                .deadline_until = *until_ms;
+            members.entry(user).deadline_until = *until_ms;
         }
         AdminChange::Tier { user, tier } => {
             check_user(user)?;
@@ -64,14 +56,7 @@ pub(crate) fn apply(
                     "{tier} comes from a grant with an end date: labrun admin grant {user} {tier} --until YYYY-MM-DD"
                 ));
             }
-            members
-                .members
-                .entry(user.clone())
-                .or_insert(Member {
-                    tier: t,
-                    deadline_until: None,
-                })
-                .tier = t;
+            members.entry(user).tier = t;
         }
         AdminChange::Cap { gpus } => {
             if *gpus == Some(0) {
